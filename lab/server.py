@@ -1,0 +1,309 @@
+"""The HTTP face of a lab replica: what vLLM's and SGLang's OpenAI-compatible servers show a client,
+a gateway or a router, plus a loopback-only admin API for faults and ground truth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lab.engine import Engine, ReplicaSettings, faults_from_json
+from lab.tokenizer import TemplateError, render_chat, tokenize
+
+log = logging.getLogger("kvwatch.lab.replica")
+
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
+LOOPBACK = {"127.0.0.1", "::1"}
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, status: int, message: str, error_type: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.error_type, "param": None,
+                          "code": self.code or self.status}}  # fmt: skip
+        return web.json_response(body, status=self.status)
+
+
+def _session_id(request: web.Request) -> str | None:
+    for header in SESSION_HEADERS:
+        if request.headers.get(header):
+            return request.headers[header]
+    return None
+
+
+def _check_key(engine: Engine, request: web.Request) -> str | None:
+    """Enforce the API-key fault: 401 without a valid Bearer key, 403 for an expired one."""
+    keys = engine.faults.api_keys
+    if keys is None:
+        return None
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    if scheme != "Bearer" or not key:
+        raise ApiError(401, "Missing bearer token: send 'Authorization: Bearer <key>'.",
+                       "invalid_request_error", "invalid_api_key")  # fmt: skip
+    if key in engine.faults.expired_keys:
+        raise ApiError(403, "The access token has expired; request a new one.",
+                       "permission_error", "token_expired")  # fmt: skip
+    if key not in keys:
+        raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+    return key
+
+
+def _check_scope(engine: Engine, key: str | None, model: str) -> None:
+    if key is None:
+        return
+    allowed = engine.faults.api_keys[key]
+    if "*" not in allowed and model not in allowed:
+        raise ApiError(403, f"This API key is not allowed to use the model '{model}'.",
+                       "permission_error", "model_not_allowed")  # fmt: skip
+
+
+def _parse_chat(engine: Engine, raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"The request body is not valid JSON: {error}", "invalid_request_error")
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", "invalid_request_error")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list.", "invalid_request_error")
+    model = body.get("model", engine.settings.model)
+    if model != engine.settings.model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ApiError(400, "'max_tokens' must be a positive integer.", "invalid_request_error")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false.", "invalid_request_error")
+    try:
+        prompt = render_chat(messages)
+    except TemplateError as error:
+        raise ApiError(400, str(error), "invalid_request_error") from error
+    options = body.get("stream_options") or {}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "include_usage": bool(isinstance(options, dict) and options.get("include_usage")),
+    }
+
+
+def _usage(seq) -> dict:
+    return {
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": seq.completion_tokens,
+        "total_tokens": len(seq.prompt) + seq.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+    }
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    session_id = _session_id(request)
+    try:
+        key = _check_key(engine, request)
+        chat = _parse_chat(engine, await request.read())
+        _check_scope(engine, key, chat["model"])
+        if engine.should_fail():
+            raise ApiError(500, "Internal server error.", "InternalServerError")
+    except ApiError as error:
+        engine.record({"time": time.time(), "session_id": session_id, "status": error.status,
+                       "error": error.code or error.error_type})  # fmt: skip
+        return error.response()
+
+    headers = {"X-Worker-Id": engine.settings.replica_id} if engine.settings.identity_header else {}
+    seq = engine.sequence(chat["prompt"], chat["max_tokens"], chat["stream"], session_id)
+    completion_id = f"chatcmpl-{seq.request_id}"
+    created = int(time.time())
+    async with seq:
+        if not chat["stream"]:
+            await seq.prefill()
+            words = [word async for word in seq.decode()]
+            return web.json_response(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": chat["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant",
+                                 "content": " ".join(words)}, "logprobs": None,
+                                 "finish_reason": seq.finish_reason}],  # fmt: skip
+                    "usage": _usage(seq),
+                },
+                headers=headers,
+            )
+
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+
+        async def send(choices: list, **extra) -> None:
+            chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                     "model": chat["model"], "choices": choices, **extra}  # fmt: skip
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await seq.prefill()
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}])  # fmt: skip
+        first = True
+        async for word in seq.decode():
+            await send([{"index": 0, "delta": {"content": word if first else " " + word},
+                         "logprobs": None, "finish_reason": None}])  # fmt: skip
+            first = False
+        await send([{"index": 0, "delta": {}, "logprobs": None,
+                     "finish_reason": seq.finish_reason}])  # fmt: skip
+        if chat["include_usage"]:
+            await send([], usage=_usage(seq))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def render(request: web.Request) -> web.Response:
+    """vLLM's chat render / tokenize endpoints, which vllm-router's cache_aware policy calls."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = json.loads(await request.read())
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list):
+            ids = render_chat(messages)
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            ids = tokenize(body["prompt"])
+        else:
+            raise ApiError(400, "Send 'messages' or 'prompt'.", "invalid_request_error")
+    except (ValueError, TemplateError) as error:
+        return ApiError(400, str(error), "invalid_request_error").response()
+    except ApiError as error:
+        return error.response()
+    return web.json_response(
+        {"token_ids": ids, "tokens": ids, "count": len(ids), "max_model_len": 131072}
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        _check_key(engine, request)
+    except ApiError as error:
+        return error.response()
+    # Only the served name: a model or tokenizer path would make routers try to download it.
+    model = {"id": engine.settings.model, "object": "model", "created": 0, "owned_by": "kvwatch-lab"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.Response(
+        body=generate_latest(engine.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+@web.middleware
+async def loopback_admin(request: web.Request, handler):
+    if request.path.startswith("/lab/") and request.remote not in LOOPBACK:
+        return web.json_response({"error": "the lab admin API answers loopback clients only"},
+                                 status=403)  # fmt: skip
+    return await handler(request)
+
+
+async def lab_state(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    settings = engine.settings
+    return web.json_response(
+        {
+            "replica_id": settings.replica_id,
+            "flavour": settings.flavour,
+            "model": settings.model,
+            "faults": engine.faults.public(),
+            "cache_blocks_used": len(engine.cache),
+            "cache_blocks": settings.cache_blocks,
+        }
+    )
+
+
+async def lab_set_faults(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        update = json.loads(await request.read())
+        if not isinstance(update, dict):
+            raise ValueError("send a JSON object of faults")
+        engine.set_faults(faults_from_json(engine.faults, update))
+    except ValueError as error:
+        return web.json_response({"error": str(error)}, status=400)
+    log.info("faults now %s", engine.faults.public())
+    return web.json_response(engine.faults.public())
+
+
+async def lab_reset_cache(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].reset_cache()
+    return web.json_response({"cache_blocks_used": 0})
+
+
+async def lab_ground_truth(request: web.Request) -> web.Response:
+    return web.json_response({"records": list(request.app[ENGINE_KEY].ground_truth)})
+
+
+def make_app(engine: Engine) -> web.Application:
+    app = web.Application(middlewares=[loopback_admin], client_max_size=64 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", chat_completions),
+            web.post("/v1/chat/completions/render", render),
+            web.post("/tokenize", render),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/metrics", metrics),
+            web.get("/lab/state", lab_state),
+            web.post("/lab/faults", lab_set_faults),
+            web.post("/lab/reset-cache", lab_reset_cache),
+            web.get("/lab/ground-truth", lab_ground_truth),
+        ]
+    )
+    return app
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+async def serve(settings: ReplicaSettings, port: int) -> None:
+    """Serve one replica on 127.0.0.1:port until SIGINT or SIGTERM."""
+    runner = web.AppRunner(make_app(Engine(settings)), access_log=log)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    except OSError as error:
+        await runner.cleanup()
+        raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {error.strerror}") from error
+    log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id,
+             settings.flavour, port)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

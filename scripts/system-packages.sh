@@ -1,0 +1,33 @@
+#!/bin/sh
+# Install the Debian packages kvwatch's lab runs (nginx, Prometheus, Alertmanager) when they are
+# missing. Idempotent: does nothing when every binary is already there.
+set -eu
+
+binary_for() {
+    case "$1" in
+        nginx) echo /usr/sbin/nginx ;;
+        prometheus) echo /usr/bin/prometheus ;;
+        prometheus-alertmanager) echo /usr/bin/prometheus-alertmanager ;;
+        *) echo "/usr/bin/$1" ;;
+    esac
+}
+
+missing=""
+for pkg in "$@"; do
+    bin=$(binary_for "$pkg")
+    [ -n "$bin" ] && [ -x "$bin" ] || missing="$missing $pkg"
+done
+# A fresh Debian python3 cannot create a virtualenv without python3-venv.
+python3 -c 'import ensurepip' 2>/dev/null || missing="$missing python3-venv"
+[ -z "$missing" ] && exit 0
+
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "kvwatch needs these Debian packages, which are missing:$missing" >&2
+    echo "Install them with: sudo apt-get install --no-install-recommends$missing" >&2
+    exit 1
+fi
+echo "Installing Debian packages:$missing"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# shellcheck disable=SC2086
+apt-get install -y -qq --no-install-recommends $missing >/dev/null

@@ -107,11 +107,17 @@ class Engine:
                 out.write(json.dumps(entry) + "\n")
 
     def sequence(
-        self, prompt: list[int], max_tokens: int | None, streaming: bool, session_id: str | None
+        self,
+        prompt: list[int],
+        max_tokens: int | None,
+        streaming: bool,
+        session_id: str | None,
+        arrival: float,
     ) -> Sequence:
+        """A new request that arrived at `arrival` (time.monotonic()), before it was parsed."""
         self._request_count += 1
         request_id = f"{self.settings.replica_id}-{self._request_count}"
-        return Sequence(self, request_id, prompt, max_tokens, streaming, session_id)
+        return Sequence(self, request_id, prompt, max_tokens, streaming, session_id, arrival)
 
     async def sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -136,6 +142,7 @@ class Sequence:
         max_tokens: int | None,
         streaming: bool,
         session_id: str | None,
+        arrival: float,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -147,8 +154,8 @@ class Sequence:
         self.finish_reason = "length" if max_tokens is not None and max_tokens < answer_len else "stop"
         self.cached_tokens = 0
         self.completion_tokens = 0
-        self._arrival = time.monotonic()
-        self._arrival_wall = time.time()
+        self._arrival = arrival
+        self._arrival_wall = time.time() - (time.monotonic() - arrival)
         self._queue_seconds = 0.0
         self._ttft_seconds: float | None = None
         self._state = "new"

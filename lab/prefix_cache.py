@@ -2,9 +2,9 @@
 
 Tokens are grouped into full blocks; each block's hash chains its parent's, so a block is only found
 when the whole prefix before it matches. As in vLLM, a sequence's blocks are touched tail first, so
-eviction takes the ends of old conversations before their shared beginnings. Hits are whole blocks, and the last prompt token is never a
-hit (the engine must compute at least one token to produce logits), so a fully repeated prompt still
-reports fewer cached tokens than prompt tokens.
+eviction takes the ends of old conversations before their shared beginnings. Hits are whole blocks,
+and the last prompt token is never a hit (the engine must compute at least one token to produce
+logits), so a fully repeated prompt still reports fewer cached tokens than prompt tokens.
 """
 
 from __future__ import annotations

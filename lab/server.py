@@ -4,6 +4,7 @@ a gateway or a router, plus a loopback-only admin API for faults and ground trut
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import signal
@@ -33,8 +34,14 @@ class ApiError(Exception):
         self.code = code
 
     def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.error_type, "param": None,
-                          "code": self.code or self.status}}  # fmt: skip
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": None,
+                "code": self.code or self.status,
+            }
+        }
         return web.json_response(body, status=self.status)
 
 
@@ -52,11 +59,16 @@ def _check_key(engine: Engine, request: web.Request) -> str | None:
         return None
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     if scheme != "Bearer" or not key:
-        raise ApiError(401, "Missing bearer token: send 'Authorization: Bearer <key>'.",
-                       "invalid_request_error", "invalid_api_key")  # fmt: skip
+        raise ApiError(
+            401,
+            "Missing bearer token: send 'Authorization: Bearer <key>'.",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
     if key in engine.faults.expired_keys:
-        raise ApiError(403, "The access token has expired; request a new one.",
-                       "permission_error", "token_expired")  # fmt: skip
+        raise ApiError(
+            403, "The access token has expired; request a new one.", "permission_error", "token_expired"
+        )
     if key not in keys:
         raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
     return key
@@ -67,15 +79,21 @@ def _check_scope(engine: Engine, key: str | None, model: str) -> None:
         return
     allowed = engine.faults.api_keys[key]
     if "*" not in allowed and model not in allowed:
-        raise ApiError(403, f"This API key is not allowed to use the model '{model}'.",
-                       "permission_error", "model_not_allowed")  # fmt: skip
+        raise ApiError(
+            403,
+            f"This API key is not allowed to use the model '{model}'.",
+            "permission_error",
+            "model_not_allowed",
+        )
 
 
 def _parse_chat(engine: Engine, raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"The request body is not valid JSON: {error}", "invalid_request_error")
+        raise ApiError(
+            400, f"The request body is not valid JSON: {error}", "invalid_request_error"
+        ) from error
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", "invalid_request_error")
     messages = body.get("messages")
@@ -114,6 +132,7 @@ def _usage(seq) -> dict:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     engine = request.app[ENGINE_KEY]
     session_id = _session_id(request)
     try:
@@ -123,12 +142,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if engine.should_fail():
             raise ApiError(500, "Internal server error.", "InternalServerError")
     except ApiError as error:
-        engine.record({"time": time.time(), "session_id": session_id, "status": error.status,
-                       "error": error.code or error.error_type})  # fmt: skip
+        engine.record(
+            {
+                "time": time.time(),
+                "session_id": session_id,
+                "status": error.status,
+                "error": error.code or error.error_type,
+            }
+        )
         return error.response()
 
     headers = {"X-Worker-Id": engine.settings.replica_id} if engine.settings.identity_header else {}
-    seq = engine.sequence(chat["prompt"], chat["max_tokens"], chat["stream"], session_id)
+    seq = engine.sequence(chat["prompt"], chat["max_tokens"], chat["stream"], session_id, arrival)
     completion_id = f"chatcmpl-{seq.request_id}"
     created = int(time.time())
     async with seq:
@@ -141,9 +166,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     "object": "chat.completion",
                     "created": created,
                     "model": chat["model"],
-                    "choices": [{"index": 0, "message": {"role": "assistant",
-                                 "content": " ".join(words)}, "logprobs": None,
-                                 "finish_reason": seq.finish_reason}],  # fmt: skip
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": " ".join(words)},
+                            "logprobs": None,
+                            "finish_reason": seq.finish_reason,
+                        }
+                    ],
                     "usage": _usage(seq),
                 },
                 headers=headers,
@@ -155,20 +185,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
 
         async def send(choices: list, **extra) -> None:
-            chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": chat["model"], "choices": choices, **extra}  # fmt: skip
+            chunk = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": chat["model"],
+                "choices": choices,
+                **extra,
+            }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         await seq.prefill()
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}])  # fmt: skip
+        await send(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
         first = True
         async for word in seq.decode():
-            await send([{"index": 0, "delta": {"content": word if first else " " + word},
-                         "logprobs": None, "finish_reason": None}])  # fmt: skip
+            await send(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"content": word if first else " " + word},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
             first = False
-        await send([{"index": 0, "delta": {}, "logprobs": None,
-                     "finish_reason": seq.finish_reason}])  # fmt: skip
+        await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": seq.finish_reason}])
         if chat["include_usage"]:
             await send([], usage=_usage(seq))
         await response.write(b"data: [DONE]\n\n")
@@ -178,7 +229,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def render(request: web.Request) -> web.Response:
     """vLLM's chat render / tokenize endpoints, which vllm-router's cache_aware policy calls."""
-    engine = request.app[ENGINE_KEY]
     try:
         body = json.loads(await request.read())
         messages = body.get("messages") if isinstance(body, dict) else None
@@ -192,9 +242,7 @@ async def render(request: web.Request) -> web.Response:
         return ApiError(400, str(error), "invalid_request_error").response()
     except ApiError as error:
         return error.response()
-    return web.json_response(
-        {"token_ids": ids, "tokens": ids, "count": len(ids), "max_model_len": 131072}
-    )
+    return web.json_response({"token_ids": ids, "tokens": ids, "count": len(ids), "max_model_len": 131072})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -222,8 +270,7 @@ async def metrics(request: web.Request) -> web.Response:
 @web.middleware
 async def loopback_admin(request: web.Request, handler):
     if request.path.startswith("/lab/") and request.remote not in LOOPBACK:
-        return web.json_response({"error": "the lab admin API answers loopback clients only"},
-                                 status=403)  # fmt: skip
+        return web.json_response({"error": "the lab admin API answers loopback clients only"}, status=403)
     return await handler(request)
 
 
@@ -296,9 +343,9 @@ async def serve(settings: ReplicaSettings, port: int) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
     except OSError as error:
         await runner.cleanup()
-        raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {error.strerror}") from error
-    log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id,
-             settings.flavour, port)  # fmt: skip
+        reason = "the port is already in use" if error.errno == errno.EADDRINUSE else error.strerror
+        raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {reason}") from error
+    log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id, settings.flavour, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -58,4 +58,3 @@ class EngineMetrics:
     def set_prefix_caching(self, enabled: bool) -> None:
         """Called when prefix caching is switched on or off."""
         self.cache = CacheConfig(self.cache.block_size, self.cache.num_gpu_blocks, enabled)
-

@@ -7,11 +7,49 @@ from prometheus_client import Counter, Gauge, Histogram
 from lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
 
 TTFT_BUCKETS = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
-)  # fmt: skip
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
+)
 E2E_BUCKETS = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400,
-)  # fmt: skip
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
+    600,
+    1200,
+    1800,
+    2400,
+)
 
 
 class SglangMetrics(EngineMetrics):
@@ -40,9 +78,7 @@ class SglangMetrics(EngineMetrics):
             "Number of cached prompt tokens.",
             ["cache_source"],
         )
-        self.num_requests = counter(
-            "sglang:num_requests", "Number of requests processed.", ["is_streaming"]
-        )
+        self.num_requests = counter("sglang:num_requests", "Number of requests processed.", ["is_streaming"])
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.queued = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
@@ -78,9 +114,7 @@ class SglangMetrics(EngineMetrics):
         self.generation_tokens.labels(**labels).inc(finished.completion_tokens)
         self.num_requests.labels(**labels).inc()
         if finished.cached_tokens > 0:
-            self.cached_tokens.labels(**self._request, cache_source="device").inc(
-                finished.cached_tokens
-            )
+            self.cached_tokens.labels(**self._request, cache_source="device").inc(finished.cached_tokens)
         self.e2e.labels(**labels).observe(finished.e2e_seconds)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:

@@ -7,13 +7,52 @@ from prometheus_client import Counter, Gauge, Histogram
 from lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
 
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class VllmMetrics(EngineMetrics):
@@ -42,18 +81,14 @@ class VllmMetrics(EngineMetrics):
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        self.generation_tokens = counter(
-            "vllm:generation_tokens", "Number of generation tokens processed."
-        )
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             [*labels, "finished_reason"],
             registry=reg,
         )
-        self.running = gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.cache_config_info = Gauge(

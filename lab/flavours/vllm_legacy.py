@@ -7,8 +7,23 @@ from prometheus_client import Counter, Gauge, Histogram
 from lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
 
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
 E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
@@ -24,9 +39,7 @@ class VllmLegacyMetrics(EngineMetrics):
             return Gauge(name, doc, labels, registry=reg).labels(model_name)
 
         self.hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate", "GPU prefix cache block hit rate.")
-        self.running = gauge(
-            "vllm:num_requests_running", "Number of requests currently running on GPU."
-        )
+        self.running = gauge("vllm:num_requests_running", "Number of requests currently running on GPU.")
         self.swapped = gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.gpu_cache_usage = gauge(

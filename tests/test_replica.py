@@ -1,0 +1,256 @@
+"""A real `kvwatch lab replica` process, seen from outside as a client, a router or Prometheus sees it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import REPO, free_port
+from prometheus_client.parser import text_string_to_metric_families
+from test_flavours import EXPECTED
+
+pytestmark = pytest.mark.integration
+
+FAST = ("--time-scale", "0.05", "--answer-tokens", "8")
+USER = [{"role": "user", "content": "How does the prefix cache work?"}]
+# One client for the module: creating an httpx client costs tens of milliseconds (TLS set-up), which
+# would otherwise be counted in the client-side TTFT and stagger concurrent requests.
+CLIENT = httpx.Client(timeout=30)
+
+
+def long_prompt(words: int, tag: str = "rule") -> list[dict]:
+    system = " ".join(f"{tag}{i}" for i in range(words))
+    return [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the rules."}]
+
+
+def chat(url: str, messages=USER, **body) -> httpx.Response:
+    return CLIENT.post(f"{url}/v1/chat/completions", json={"messages": messages, **body})
+
+
+def stream(url: str, messages=USER, headers=None) -> tuple[list[dict], float]:
+    """Stream a chat; return its parsed chunks and the client-side time to the first content token."""
+    body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+    chunks: list[dict] = []
+    started, ttft = time.monotonic(), None
+    with CLIENT.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = []
+        for line in r.iter_lines():
+            if not line:
+                continue
+            lines.append(line)
+            assert line.startswith("data: ")
+            if line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if ttft is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                ttft = time.monotonic() - started
+            chunks.append(chunk)
+        assert lines[-1] == "data: [DONE]"
+    return chunks, ttft
+
+
+def metric_families(url: str) -> dict:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
+
+
+def test_streaming_sends_role_content_finish_usage_and_done(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    chunks, ttft = stream(replica.url)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len(text.split()) == 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 8
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ttft is not None
+
+
+def test_non_streaming_reports_cached_tokens_of_a_repeated_prefix(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    first = chat(replica.url, long_prompt(200), max_tokens=4)
+    assert first.status_code == 200 and first.headers["X-Worker-Id"] == "r1"
+    body = first.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = chat(replica.url, long_prompt(200), max_tokens=4).json()["usage"]
+    prompt = again["prompt_tokens"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
+
+
+def test_conversation_rounds_reuse_the_history(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    messages = long_prompt(100)
+    cached = []
+    for turn in range(3):
+        reply = chat(replica.url, messages).json()
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages += [reply["choices"][0]["message"], {"role": "user", "content": f"more {turn}"}]
+    assert cached[0] == 0 and 0 < cached[1] < cached[2]
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "lab-model"}', 400, "'messages' must be a non-empty list"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "unknown message role"),
+        (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "gpt-9"),
+    ],
+)
+def test_bad_requests_get_openai_error_objects(start_replica, body, status, fragment):
+    replica = start_replica("r1", "vllm", *FAST)
+    response = httpx.post(f"{replica.url}/v1/chat/completions", content=body, timeout=10)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"]
+    assert replica.ground_truth()[-1]["status"] == status
+
+
+@pytest.mark.parametrize("flavour", sorted(EXPECTED))
+def test_metrics_parse_and_use_the_engine_names(start_replica, flavour):
+    replica = start_replica("r1", flavour, *FAST)
+    chat(replica.url, long_prompt(50))
+    chat(replica.url, long_prompt(50))
+    families = metric_families(replica.url)
+    assert {name: f.type for name, f in families.items()} == EXPECTED[flavour]
+
+
+def test_models_health_and_render_for_routers(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    assert httpx.get(f"{replica.url}/health").status_code == 200
+    models = httpx.get(f"{replica.url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["lab-model"]
+    assert not {"root", "model_path", "tokenizer_path"} & set(models[0])
+    render = httpx.post(f"{replica.url}/v1/chat/completions/render", json={"messages": USER}).json()
+    reply = chat(replica.url).json()
+    assert len(render["token_ids"]) == reply["usage"]["prompt_tokens"]
+    assert httpx.post(f"{replica.url}/tokenize", json={"prompt": "a b c"}).json()["count"] == 3
+
+
+def test_identity_header_can_be_switched_off(start_replica):
+    replica = start_replica("r1", "vllm", *FAST, "--no-identity-header")
+    assert "X-Worker-Id" not in chat(replica.url).headers
+
+
+def test_repeated_4000_token_prompt_is_at_least_5x_faster_and_ground_truth_agrees(start_replica, tmp_path):
+    """Default (unscaled) timings: the cold prefill costs several hundred ms, the cached one a fraction."""
+    truth_file = tmp_path / "truth.jsonl"
+    replica = start_replica("r1", "vllm", "--answer-tokens", "4", "--ground-truth", str(truth_file))
+    messages = long_prompt(3991)  # + 9 template and user tokens = 4,000
+    cold_chunks, cold = stream(replica.url, messages, headers={"X-Session-Id": "s-1"})
+    warm_chunks, warm = stream(replica.url, messages, headers={"X-Session-Id": "s-1"})
+    assert cold_chunks[-1]["usage"]["prompt_tokens"] == 4000
+    assert warm_chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 3984
+    assert 0.3 < cold < 2.0, cold
+    assert cold >= 5 * warm, (cold, warm)
+    truth = replica.ground_truth()
+    assert [t["session_id"] for t in truth] == ["s-1", "s-1"]
+    assert [t["cached_tokens"] for t in truth] == [0, 3984]
+    for record, measured in zip(truth, (cold, warm), strict=True):
+        # The client sees the engine's TTFT plus loopback HTTP overhead, never less.
+        assert record["ttft_seconds"] <= measured <= record["ttft_seconds"] + 0.05
+    assert [json.loads(line) for line in truth_file.read_text().splitlines()] == truth
+
+
+def test_prefill_is_serialised_so_load_queues(start_replica):
+    replica = start_replica("r1", "vllm", "--answer-tokens", "2", "--time-scale", "0.5")
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: chat(replica.url, long_prompt(2000, tag=f"user{i}-")), range(6)))
+    waits = sorted(t["queue_seconds"] for t in replica.ground_truth())
+    # Distinct 2,000-token prompts: each prefill takes ~0.17 s at this scale, one at a time.
+    assert waits[0] < 0.05 and waits[-1] > 0.35, waits
+
+
+def test_faults_prefix_caching_off_then_reset(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    chat(replica.url, long_prompt(100))
+    assert replica.set_faults(prefix_caching=False).status_code == 200
+    usage = chat(replica.url, long_prompt(100)).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    info = metric_families(replica.url)["vllm:cache_config_info"].samples
+    assert [s.labels["enable_prefix_caching"] for s in info] == ["False"]
+    replica.set_faults(prefix_caching=True)
+    assert chat(replica.url, long_prompt(100)).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert httpx.post(f"{replica.url}/lab/reset-cache").status_code == 200
+    assert chat(replica.url, long_prompt(100)).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_faults_error_rate_and_extra_latency(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    replica.set_faults(error_rate=1.0)
+    failed = chat(replica.url)
+    assert failed.status_code == 500 and failed.json()["error"]["message"]
+    replica.set_faults(error_rate=0.0, extra_latency_s=4.0)  # 4 s x 0.05 time scale = 0.2 s
+    chat(replica.url)
+    assert replica.ground_truth()[-1]["ttft_seconds"] >= 0.2
+
+
+def test_faults_api_keys_give_401_and_403(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    replica.set_faults(
+        api_keys={"sk-good": ["lab-model"], "sk-other": ["other-model"]}, expired_keys=["sk-old"]
+    )
+
+    def status(authorization: str | None) -> tuple[int, str | None]:
+        headers = {"Authorization": authorization} if authorization else {}
+        r = CLIENT.post(f"{replica.url}/v1/chat/completions", json={"messages": USER}, headers=headers)
+        return r.status_code, r.json().get("error", {}).get("code")
+
+    assert status(None) == (401, "invalid_api_key")
+    assert status("sk-good") == (401, "invalid_api_key")  # missing "Bearer"
+    assert status("Bearer sk-wrong") == (401, "invalid_api_key")
+    assert status("Bearer sk-other") == (403, "model_not_allowed")
+    assert status("Bearer sk-old") == (403, "token_expired")
+    assert status("Bearer sk-good") == (200, None)
+    state = httpx.get(f"{replica.url}/lab/state").json()
+    assert "sk-good" not in json.dumps(state) and "sk-good" not in replica.log.read_text()
+
+
+@pytest.mark.parametrize(
+    "update, fragment",
+    [
+        ({"prefix_cache": False}, "unknown fault 'prefix_cache'"),
+        ({"error_rate": 2}, "error_rate must be between 0 and 1"),
+        ({"extra_latency_s": "slow"}, "wrong type"),
+        ({"api_keys": {"k": "lab-model"}}, "api_keys must map"),
+    ],
+)
+def test_bad_fault_updates_are_rejected(start_replica, update, fragment):
+    replica = start_replica("r1", "vllm", *FAST)
+    response = replica.set_faults(**update)
+    assert response.status_code == 400 and fragment in response.json()["error"]
+
+
+def test_taken_port_gives_a_clear_message(start_replica):
+    replica = start_replica("r1", "vllm", *FAST)
+    result = subprocess.run(
+        [sys.executable, "-m", "collectors.cli", "lab", "replica", "--port", str(replica.port), "--id", "r2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{replica.port}" in result.stderr
+
+
+def test_bad_replica_options_are_named():
+    result = subprocess.run(
+        [sys.executable, "-m", "collectors.cli", "lab", "replica", "--port", str(free_port()),
+         "--id", "r1", "--cache-blocks", "0", "--prefill-rate", "-1"],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--cache-blocks must be positive" in result.stderr
+    assert "--prefill-rate must be positive" in result.stderr

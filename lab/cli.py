@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
+from lab import stack
 from lab.engine import ReplicaSettings
 from lab.flavours import FLAVOURS
+from lab.stack import FAULTS
+from lab.state import DEFAULT_DIRECTORY, LabState
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "lab", help="run the simulated cluster (the lab)", description="Run the simulated cluster."
     )
     commands = lab.add_subparsers(dest="lab_command", metavar="COMMAND", required=True)
+    _add_stack_commands(commands)
     _add_replica(commands)
+    _add_traffic(commands)
 
 
 def _add_replica(commands: argparse._SubParsersAction) -> None:
@@ -104,6 +111,52 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
     replica.set_defaults(handler=_run_replica)
 
 
+def _add_traffic(commands: argparse._SubParsersAction) -> None:
+    from lab.traffic import SESSION_MODES, TrafficSettings, run_cli
+
+    defaults = TrafficSettings(url="")
+    traffic = commands.add_parser(
+        "traffic",
+        help="simulate users holding multi-turn conversations through a gateway",
+        description="Run concurrent simulated users, each holding one multi-turn conversation after "
+        "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM.",
+    )
+    traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
+    for flag, dest, kind, text in (
+        ("--users", "users", int, "concurrent users"),
+        ("--rounds", "rounds", int, "rounds per conversation"),
+        ("--think", "think_seconds", float, "seconds a user thinks between rounds"),
+        ("--system-tokens", "system_tokens", int, "tokens of the shared system prompt"),
+        ("--turn-tokens", "turn_tokens", int, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, "max_tokens of each request"),
+        ("--seed", "seed", int, "seed of the prompts and pauses"),
+        ("--timeout", "timeout_seconds", float, "seconds before a round counts as failed"),
+    ):
+        traffic.add_argument(
+            flag,
+            type=kind,
+            dest=dest,
+            default=getattr(defaults, dest),
+            metavar="N" if kind is int else "SECONDS",
+            help=f"{text} (default %(default)s)",
+        )
+    traffic.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=defaults.session_mode,
+        help="server: adopt the X-Session-Id the gateway returns; client: one new id per conversation; "
+        "none: send no session header (default %(default)s)",
+    )
+    traffic.add_argument(
+        "--control",
+        type=Path,
+        dest="control_path",
+        metavar="FILE",
+        help='JSON file read before each conversation, e.g. {"dynamic_prefix": true}',
+    )
+    traffic.set_defaults(handler=run_cli)
+
+
 def _run_replica(args: argparse.Namespace) -> int:
     from lab.server import PortInUse, serve
 
@@ -133,4 +186,162 @@ def _run_replica(args: argparse.Namespace) -> int:
     except PortInUse as error:
         print(f"kvwatch lab replica: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _state_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_DIRECTORY,
+        help="where the lab keeps configs, logs and PIDs (default %(default)s)",
+    )
+
+
+def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser(
+        "up",
+        help="start the whole lab: replicas, nginx, Prometheus, Alertmanager, background users",
+        description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
+        "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
+    )
+    up.add_argument("--replicas", type=int, default=4, help="number of replicas (default %(default)s)")
+    up.add_argument(
+        "--flavours",
+        default="vllm",
+        help="comma-separated engine flavours, assigned to replicas in turn (default %(default)s)",
+    )
+    up.add_argument("--fast", action="store_true", help="1 s scrape and rule evaluation (for tests)")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=18000,
+        help="first of the lab's ports; replicas start at base + 10 (default %(default)s)",
+    )
+    up.add_argument("--time-scale", type=float, default=1.0, help="replica delay multiplier (default 1)")
+    up.add_argument(
+        "--users",
+        type=int,
+        default=4,
+        help="concurrent background users through the affinity gateway; 0 for none",
+    )
+    up.add_argument(
+        "--think",
+        type=float,
+        default=1.0,
+        help="seconds a background user thinks between rounds (default %(default)s)",
+    )
+    up.add_argument("--detach", action="store_true", help="return once the lab is up")
+    _state_dir_argument(up)
+    up.set_defaults(handler=_run_up)
+
+    down = commands.add_parser("down", help="stop every process of the lab, by PID")
+    _state_dir_argument(down)
+    down.set_defaults(handler=_run_down)
+
+    status = commands.add_parser("status", help="print every URL of the running lab")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _state_dir_argument(status)
+    status.set_defaults(handler=_run_status)
+
+    fault = commands.add_parser(
+        "fault", help="break the lab on purpose", description="Inject a fault; `kvwatch lab heal` undoes all."
+    )
+    fault.add_argument("name", choices=FAULTS, metavar="NAME", help=", ".join(FAULTS))
+    fault.add_argument("replica_id", nargs="?", help="replica for kill-replica / restart-replica")
+    fault.add_argument("--replica", help="replica id, e.g. r2")
+    _state_dir_argument(fault)
+    fault.set_defaults(handler=_run_fault)
+
+    heal = commands.add_parser("heal", help="undo every fault")
+    _state_dir_argument(heal)
+    heal.set_defaults(handler=_run_heal)
+
+
+def _fail(message: str) -> int:
+    print(f"kvwatch lab: {message}", file=sys.stderr)
+    return 1
+
+
+def _print_status(info: dict) -> None:
+    print(f"affinity gateway     {info['gateways']['affinity']}")
+    print(f"round-robin gateway  {info['gateways']['round_robin']}")
+    for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
+        print(f"{name:<20} {info[name] or '-'}")
+    for replica in info["replicas"]:
+        print(f"replica {replica['id']:<12} {replica['url'] or 'down'} ({replica['flavour']})")
+    print(f"background users     {info['traffic_users']}")
+    print(f"faults               {', '.join(info['faults']) or 'none'}")
+    print(f"state and logs       {info['state_dir']}")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    flavours = [f.strip() for f in args.flavours.split(",") if f.strip()]
+    unknown = sorted(set(flavours) - set(FLAVOURS))
+    if unknown or not flavours:
+        return _fail(
+            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
+        )
+    if args.replicas < 1 or args.users < 0 or args.time_scale <= 0:
+        return _fail("--replicas must be at least 1, --users at least 0 and --time-scale positive")
+    try:
+        state = stack.up(
+            args.state_dir, args.base_port, args.replicas, flavours, args.fast, args.time_scale, args.users
+        )
+    except stack.LabError as error:
+        return _fail(str(error))
+    _print_status(stack.status(state))
+    if args.detach:
+        print("The lab runs in the background; stop it with `kvwatch lab down`.")
+        return 0
+    print("The lab is up. Press Ctrl-C to stop it.")
+    stop = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.append(True))
+    while not stop:
+        stack.idle()
+    stack.down(state)
+    print("The lab is down.")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> LabState:
+    return LabState.load(args.state_dir.resolve())
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    try:
+        state = _load(args)
+    except FileNotFoundError as error:
+        return _fail(str(error))
+    stack.down(state)
+    print("The lab is down.")
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    try:
+        info = stack.status(_load(args))
+    except FileNotFoundError as error:
+        return _fail(str(error))
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_status(info)
+    return 0
+
+
+def _run_fault(args: argparse.Namespace) -> int:
+    try:
+        print(stack.fault(_load(args), args.name, args.replica or args.replica_id))
+    except (FileNotFoundError, LookupError, stack.LabError) as error:
+        return _fail(str(error))
+    return 0
+
+
+def _run_heal(args: argparse.Namespace) -> int:
+    try:
+        print(stack.heal(_load(args)))
+    except (FileNotFoundError, stack.LabError) as error:
+        return _fail(str(error))
     return 0

@@ -1,0 +1,74 @@
+"""Generated configuration of the lab's nginx and Prometheus, from the templates and the lab state."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import string
+from pathlib import Path
+
+import yaml
+
+from lab.state import LabState
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+# How the affinity listener picks a replica, for each gateway fault.
+BALANCERS = {
+    "session": "        hash $kvwatch_session_id consistent;",
+    "round_robin": "        # round robin (fault break-affinity)",
+    "request_id": "        hash $request_id consistent;  # fault hash-request-id",
+}
+
+
+class _NginxTemplate(string.Template):
+    delimiter = "@"  # nginx itself uses "$"
+
+
+def render_nginx(state: LabState) -> dict[str, str]:
+    """nginx.conf and proxy.conf for the current state (replicas, gateway faults)."""
+    servers = "\n".join(
+        f"        server 127.0.0.1:{replica.port} max_fails=1 fail_timeout=10s;" for replica in state.replicas
+    )
+    user_line = f"user {getpass.getuser()};" if os.geteuid() == 0 else ""
+    conf = _NginxTemplate((TEMPLATES / "nginx.conf").read_text()).substitute(
+        user_line=user_line,
+        state=state.directory,
+        client_session_id='""' if "drop-session-header" in state.faults else "$http_x_session_id",
+        affinity_balancer=BALANCERS[state.balancer],
+        servers=servers,
+        affinity_port=state.ports.affinity,
+        round_robin_port=state.ports.round_robin,
+    )
+    return {"nginx.conf": conf, "proxy.conf": (TEMPLATES / "proxy.conf").read_text()}
+
+
+def render_prometheus(state: LabState) -> str:
+    """prometheus.yml: scrape every replica (with replica and flavour labels) and the lab's services."""
+    config = yaml.safe_load((REPO / "prometheus" / "prometheus.lab.yml").read_text())
+    interval = "1s" if state.fast else "5s"
+    config["global"]["scrape_interval"] = interval
+    config["global"]["evaluation_interval"] = interval
+    config["rule_files"] = [str(REPO / pattern) for pattern in config["rule_files"]]
+    config["alerting"]["alertmanagers"] = [
+        {"static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}]}
+    ]
+    config["scrape_configs"] = [
+        {
+            "job_name": "replicas",
+            "static_configs": [
+                {
+                    "targets": [f"127.0.0.1:{replica.port}"],
+                    "labels": {"replica": replica.id, "flavour": replica.flavour},
+                }
+                for replica in state.replicas
+            ],
+        },
+        {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{state.ports.prometheus}"]}]},
+        {
+            "job_name": "alertmanager",
+            "static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}],
+        },
+    ]
+    return yaml.safe_dump(config, sort_keys=False)

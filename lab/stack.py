@@ -1,0 +1,442 @@
+"""Start, inspect, break, heal and stop the lab: replicas behind nginx, Prometheus, Alertmanager and
+background users, all on 127.0.0.1 and every process tracked by PID in the lab state.
+
+A component is one entry in `planned_processes`: its command line and the URL that answers once it is
+ready. Adding one (the exporter, the dashboard) is adding an entry there and, if it has a port, a
+property in `lab.state.Ports`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+from lab.configs import REPO, render_nginx, render_prometheus
+from lab.state import LabState, ReplicaSpec
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
+REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
+FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
+
+
+class LabError(RuntimeError):
+    """Something the user can act on; the CLI prints it without a traceback."""
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str
+    argv: list[str]
+    ready_url: str | None
+
+
+def _binary(name: str, fallback: str) -> str:
+    found = shutil.which(name) or (fallback if Path(fallback).exists() else None)
+    if not found:
+        raise LabError(f"{name} is not installed (run `make bootstrap`, or apt-get install it)")
+    return found
+
+
+def _kvwatch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "collectors.cli", *args]
+
+
+def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
+    truth = state.directory / "ground-truth" / f"{replica.id}.jsonl"
+    argv = _kvwatch(
+        "lab",
+        "replica",
+        "--port",
+        str(replica.port),
+        "--id",
+        replica.id,
+        "--flavour",
+        replica.flavour,
+        "--time-scale",
+        str(state.time_scale),
+        "--ground-truth",
+        str(truth),
+    )
+    return Process(f"replica-{replica.id}", argv, f"http://127.0.0.1:{replica.port}/health")
+
+
+def nginx_process(state: LabState) -> Process:
+    d = state.directory
+    argv = [
+        _binary("nginx", "/usr/sbin/nginx"),
+        "-p",
+        f"{d}/nginx/",
+        "-c",
+        f"{d}/nginx/nginx.conf",
+        "-e",
+        f"{d}/logs/nginx-error.log",
+        "-g",
+        "daemon off;",
+    ]
+    return Process("nginx", argv, f"http://127.0.0.1:{state.ports.affinity}/health")
+
+
+def prometheus_process(state: LabState) -> Process:
+    d, port = state.directory, state.ports.prometheus
+    argv = [
+        _binary("prometheus", "/usr/bin/prometheus"),
+        f"--config.file={d}/prometheus.yml",
+        f"--storage.tsdb.path={d}/prometheus-data",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.external-url=http://127.0.0.1:{port}",
+        "--web.enable-lifecycle",
+        "--storage.tsdb.retention.time=2d",
+    ]
+    return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
+
+
+def alertmanager_process(state: LabState) -> Process:
+    port = state.ports.alertmanager
+    argv = [
+        _binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
+        f"--config.file={REPO}/alerts/alertmanager.yml",
+        f"--storage.path={state.directory}/alertmanager",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.external-url=http://127.0.0.1:{port}",
+        "--cluster.listen-address=",
+    ]
+    return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
+
+
+def traffic_process(state: LabState) -> Process:
+    argv = _kvwatch(
+        "lab",
+        "traffic",
+        "--url",
+        f"http://127.0.0.1:{state.ports.affinity}",
+        "--users",
+        str(state.users),
+        "--think",
+        str(state.think_seconds),
+        "--control",
+        str(state.directory / "traffic.json"),
+    )
+    return Process("traffic", argv, None)
+
+
+def planned_processes(state: LabState) -> list[Process]:
+    """Every process of the lab, in start order."""
+    processes = [replica_process(state, replica) for replica in state.replicas]
+    processes += [nginx_process(state), prometheus_process(state), alertmanager_process(state)]
+    if state.users:
+        processes.append(traffic_process(state))
+    return processes
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+def _is_ours(state: LabState, pid: int) -> bool:
+    """True when `pid` is alive and still one of this lab's processes (not a recycled PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return status != "Z" and str(state.directory) in cmdline
+
+
+def _reap() -> None:
+    """Collect exited children so they do not linger as zombies while a foreground lab runs."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def _start(state: LabState, process: Process) -> None:
+    log = state.directory / "logs" / f"{process.name}.log"
+    with log.open("ab") as out:
+        popen = subprocess.Popen(
+            process.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    state.processes[process.name] = popen.pid
+    state.save()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if popen.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise LabError(f"{process.name} exited with code {popen.returncode} while starting:\n{tail}")
+        if process.ready_url is None:
+            time.sleep(0.3)
+            if popen.poll() is None:
+                return
+            continue
+        try:
+            if httpx.get(process.ready_url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"{process.name} did not become ready at {process.ready_url} in {READY_TIMEOUT_S:.0f} s"
+            )
+        time.sleep(0.1)
+
+
+def _stop(state: LabState, names: list[str]) -> None:
+    """SIGTERM each named process, wait, then SIGKILL what is left; forget their PIDs."""
+    pids = {name: state.processes[name] for name in names if name in state.processes}
+    for pid in pids.values():
+        if _is_ours(state, pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_is_ours(state, pid) for pid in pids.values()) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.05)
+    for pid in pids.values():
+        if _is_ours(state, pid):
+            os.kill(pid, signal.SIGKILL)
+    _reap()
+    for name in pids:
+        del state.processes[name]
+    state.save()
+
+
+def _check_ports_free(ports: dict[str, int]) -> None:
+    for name, port in ports.items():
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                raise LabError(
+                    f"port {port} on 127.0.0.1 ({name}) is already in use; choose another --base-port"
+                ) from None
+
+
+def idle() -> None:
+    """Wait a little while a foreground lab runs, collecting children that exited."""
+    time.sleep(0.5)
+    _reap()
+
+
+def running_processes(state: LabState) -> dict[str, int]:
+    return {name: pid for name, pid in state.processes.items() if _is_ours(state, pid)}
+
+
+# --- configs --------------------------------------------------------------------------------------
+
+
+def _write_configs(state: LabState) -> None:
+    for name, text in render_nginx(state).items():
+        (state.directory / "nginx" / name).write_text(text)
+    (state.directory / "prometheus.yml").write_text(render_prometheus(state))
+    # Written whole and renamed: background users read it at any moment.
+    control = state.directory / "traffic.json"
+    control.with_suffix(".tmp").write_text(json.dumps({"dynamic_prefix": "dynamic-prefix" in state.faults}))
+    control.with_suffix(".tmp").replace(control)
+
+
+def _nginx_workers(master: int) -> set[int]:
+    workers = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == master:
+            workers.add(int(stat.parent.name))
+    return workers
+
+
+def _reload_nginx(state: LabState) -> None:
+    """Gracefully reload nginx with the regenerated config; return once new workers serve it."""
+    check = subprocess.run(
+        [*nginx_process(state).argv, "-t", "-q"], capture_output=True, text=True, timeout=30
+    )
+    if check.returncode != 0:
+        raise LabError(f"generated nginx config is invalid:\n{check.stderr}")
+    master = state.processes.get("nginx")
+    if master is None or not _is_ours(state, master):
+        raise LabError("nginx is not running; start the lab with `kvwatch lab up`")
+    before = _nginx_workers(master)
+    os.kill(master, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while not (_nginx_workers(master) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _reload_prometheus(state: LabState) -> None:
+    httpx.post(f"http://127.0.0.1:{state.ports.prometheus}/-/reload", timeout=10).raise_for_status()
+
+
+def _apply_configs(state: LabState) -> None:
+    _write_configs(state)
+    _reload_nginx(state)
+    _reload_prometheus(state)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+
+def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **options) -> LabState:
+    """Start the whole lab; on any failure stop what was started and raise LabError."""
+    directory = directory.resolve()
+    if (directory / "state.json").exists():
+        previous = LabState.load(directory)
+        if running_processes(previous):
+            raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
+    for sub in ("logs", "nginx/tmp", "ground-truth", "prometheus-data", "alertmanager"):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    state = LabState(directory, base_port, **options)
+    state.replicas = [
+        ReplicaSpec(f"r{i + 1}", state.ports.replica(i), flavours[i % len(flavours)]) for i in range(replicas)
+    ]
+    state.initial_replicas = replicas
+    state.save()
+    ports = {
+        "affinity gateway": state.ports.affinity,
+        "round_robin gateway": state.ports.round_robin,
+        "prometheus": state.ports.prometheus,
+        "alertmanager": state.ports.alertmanager,
+    }
+    ports.update({f"replica {r.id}": r.port for r in state.replicas})
+    _check_ports_free(ports)
+    _write_configs(state)
+    try:
+        for process in planned_processes(state):
+            _start(state, process)
+    except BaseException:
+        down(state)
+        raise
+    return state
+
+
+def down(state: LabState) -> None:
+    _stop(state, list(reversed(state.processes)))
+
+
+def status(state: LabState) -> dict:
+    """Every URL of the lab; null for a part that is not running."""
+    alive = running_processes(state)
+
+    def url(name: str, port: int) -> str | None:
+        return f"http://127.0.0.1:{port}" if name in alive else None
+
+    ports = state.ports
+    return {
+        "state_dir": str(state.directory),
+        "gateways": {
+            "affinity": url("nginx", ports.affinity),
+            "round_robin": url("nginx", ports.round_robin),
+        },
+        "prometheus": url("prometheus", ports.prometheus),
+        "alertmanager": url("alertmanager", ports.alertmanager),
+        "exporter": None,
+        "dashboard": None,
+        "replicas": [
+            {"id": r.id, "url": url(f"replica-{r.id}", r.port), "flavour": r.flavour} for r in state.replicas
+        ],
+        "traffic_users": state.users if "traffic" in alive else 0,
+        "faults": list(state.faults),
+        "processes": alive,
+    }
+
+
+def _log_fault(state: LabState, action: str, name: str, replica: str | None = None) -> None:
+    """Append to faults.log: the ground truth of when each fault started and ended."""
+    now = time.time()
+    entry = {
+        "time": datetime.fromtimestamp(now, UTC).isoformat(),
+        "unix": now,
+        "action": action,
+        "fault": name,
+        "replica": replica,
+    }
+    with (state.directory / "faults.log").open("a") as out:
+        out.write(json.dumps(entry) + "\n")
+
+
+def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
+    response = httpx.post(f"http://127.0.0.1:{replica.port}/lab/faults", json=faults, timeout=10)
+    if response.status_code != 200:
+        raise LabError(f"replica {replica.id} refused the fault: {response.text}")
+
+
+def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
+    """Inject one fault and return a sentence saying what changed."""
+    if name in REPLICA_FAULTS and replica_id is None:
+        raise LabError(f"fault {name} needs a replica: --replica ID")
+    replica = state.replica(replica_id) if replica_id else None
+    if name in GATEWAY_FAULTS:
+        state.faults = [f for f in state.faults if f not in GATEWAY_FAULTS] + [name]
+        _write_configs(state)
+        _reload_nginx(state)
+        done = f"affinity gateway now: {name}"
+    elif name == "disable-prefix-cache":
+        _set_replica_faults(replica, prefix_caching=False)
+        state.faults.append(f"{name}:{replica.id}")
+        done = f"prefix caching off on {replica.id}"
+    elif name == "dynamic-prefix":
+        state.faults.append(name)
+        _write_configs(state)
+        done = "background users now put a timestamp at the top of their system prompt"
+    elif name == "kill-replica":
+        _stop(state, [f"replica-{replica.id}"])
+        state.faults.append(f"{name}:{replica.id}")
+        done = f"replica {replica.id} killed"
+    elif name == "restart-replica":
+        _stop(state, [f"replica-{replica.id}"])
+        _start(state, replica_process(state, replica))
+        state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
+        done = f"replica {replica.id} restarted (its counters start from zero)"
+    elif name == "scale-out":
+        index = len(state.replicas)
+        added = ReplicaSpec(f"r{index + 1}", state.ports.replica(index), state.replicas[0].flavour)
+        _check_ports_free({f"replica {added.id}": added.port})
+        state.replicas.append(added)
+        state.faults.append(f"{name}:{added.id}")
+        state.save()
+        _start(state, replica_process(state, added))
+        _apply_configs(state)
+        done = f"replica {added.id} added on port {added.port}"
+    else:
+        raise LabError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    state.save()
+    if name == "scale-out":
+        replica = state.replicas[-1]
+    _log_fault(state, "fault", name, replica.id if replica else None)
+    return done
+
+
+def heal(state: LabState) -> str:
+    """Undo every fault: affinity back, caches on, killed replicas restarted, added ones removed."""
+    extra = state.replicas[state.initial_replicas :]
+    if extra:
+        _stop(state, [f"replica-{r.id}" for r in extra])
+        state.replicas = state.replicas[: state.initial_replicas]
+    for replica in state.replicas:
+        if f"replica-{replica.id}" not in running_processes(state):
+            _start(state, replica_process(state, replica))
+        _set_replica_faults(replica, prefix_caching=True)
+    healed = list(state.faults)
+    state.faults = []
+    state.save()
+    _apply_configs(state)
+    _log_fault(state, "heal", ",".join(healed) or "none")
+    return f"healed: {', '.join(healed) or 'nothing was broken'}"

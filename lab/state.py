@@ -1,0 +1,105 @@
+"""The lab's state: what runs where, which faults are on, and the PIDs of everything started.
+
+It lives in one directory (default `.kvwatch/lab/`) as state.json, next to the generated configs and a
+log per component, so `kvwatch lab status|fault|heal|down` can find a running lab.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_DIRECTORY = Path(".kvwatch/lab")
+REPLICA_PORT_OFFSET = 10
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every lab port, derived from one base port."""
+
+    base: int
+
+    @property
+    def affinity(self) -> int:
+        return self.base
+
+    @property
+    def round_robin(self) -> int:
+        return self.base + 1
+
+    @property
+    def prometheus(self) -> int:
+        return self.base + 2
+
+    @property
+    def alertmanager(self) -> int:
+        return self.base + 3
+
+    def replica(self, index: int) -> int:
+        return self.base + REPLICA_PORT_OFFSET + index
+
+
+@dataclass
+class ReplicaSpec:
+    id: str
+    port: int
+    flavour: str
+
+
+@dataclass
+class LabState:
+    directory: Path
+    base_port: int
+    fast: bool = False
+    time_scale: float = 1.0
+    users: int = 4
+    think_seconds: float = 1.0
+    replicas: list[ReplicaSpec] = field(default_factory=list)
+    initial_replicas: int = 0
+    faults: list[str] = field(default_factory=list)
+    processes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ports(self) -> Ports:
+        return Ports(self.base_port)
+
+    @property
+    def balancer(self) -> str:
+        """How the affinity listener balances, given the active gateway faults."""
+        if "break-affinity" in self.faults:
+            return "round_robin"
+        if "hash-request-id" in self.faults:
+            return "request_id"
+        return "session"
+
+    def replica(self, replica_id: str) -> ReplicaSpec:
+        for replica in self.replicas:
+            if replica.id == replica_id:
+                return replica
+        known = ", ".join(r.id for r in self.replicas)
+        raise LookupError(f"no replica {replica_id!r} in this lab (replicas: {known})")
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "state.json"
+
+    def save(self) -> None:
+        data = asdict(self)
+        data["directory"] = str(self.directory)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.path)
+
+    @classmethod
+    def load(cls, directory: Path) -> LabState:
+        path = directory / "state.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no lab state in {directory} (start one with `kvwatch lab up`)"
+            ) from None
+        data["directory"] = Path(data["directory"])
+        data["replicas"] = [ReplicaSpec(**r) for r in data["replicas"]]
+        return cls(**data)

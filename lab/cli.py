@@ -282,11 +282,18 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
         )
-    if args.replicas < 1 or args.users < 0 or args.time_scale <= 0:
-        return _fail("--replicas must be at least 1, --users at least 0 and --time-scale positive")
+    if args.replicas < 1 or args.users < 0 or args.time_scale <= 0 or args.think < 0:
+        return _fail("--replicas must be at least 1, --users and --think at least 0, --time-scale positive")
     try:
         state = stack.up(
-            args.state_dir, args.base_port, args.replicas, flavours, args.fast, args.time_scale, args.users
+            args.state_dir,
+            args.base_port,
+            args.replicas,
+            flavours,
+            fast=args.fast,
+            time_scale=args.time_scale,
+            users=args.users,
+            think_seconds=args.think,
         )
     except stack.LabError as error:
         return _fail(str(error))

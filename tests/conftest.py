@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -99,3 +101,104 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
     yield start
     for process in started:
         stop(process)
+
+
+def free_base_port(span: int = 20) -> int:
+    """A base port whose next `span` ports are all free on 127.0.0.1 (the lab's port block)."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000, 100)
+        sockets = []
+        try:
+            for port in range(base, base + span):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free block of ports on 127.0.0.1")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose command line contains `text`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if text in cmdline and state != "Z" and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return found
+
+
+def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collectors.cli", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+class Lab:
+    """A lab started with `kvwatch lab up --detach` in its own state directory."""
+
+    def __init__(self, state_dir: Path, base_port: int):
+        self.state_dir = state_dir
+        self.base_port = base_port
+        self.status = self.cli("status", "--json").json
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        result = kvwatch("lab", *args, "--state-dir", str(self.state_dir))
+        if args[0] == "status" and result.returncode == 0:
+            result.json = json.loads(result.stdout)
+        return result
+
+    @property
+    def affinity(self) -> str:
+        return self.status["gateways"]["affinity"]
+
+    @property
+    def round_robin(self) -> str:
+        return self.status["gateways"]["round_robin"]
+
+    def replica_url(self, replica_id: str) -> str:
+        (replica,) = [r for r in self.cli("status", "--json").json["replicas"] if r["id"] == replica_id]
+        return replica["url"]
+
+    def access_log(self, listener: str) -> list[dict]:
+        path = self.state_dir / "logs" / f"gateway-{listener}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def stop(self) -> None:
+        self.cli("down")
+        # Belt and braces: nothing of this lab may outlive the test, whatever `down` did.
+        for pid in processes_mentioning(str(self.state_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def start_lab(tmp_path_factory) -> Iterator[Callable[..., Lab]]:
+    """Start labs for a test module; each is stopped at the end of the module."""
+    labs: list[Lab] = []
+
+    def start(*options: str) -> Lab:
+        state_dir = tmp_path_factory.mktemp("lab") / "state"
+        base = free_base_port()
+        result = kvwatch("lab", "up", "--detach", "--fast", "--base-port", str(base),
+                         "--state-dir", str(state_dir), *options)  # fmt: skip
+        if result.returncode != 0:
+            for pid in processes_mentioning(str(state_dir)):
+                os.kill(pid, signal.SIGKILL)
+            raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
+        lab = Lab(state_dir, base)
+        labs.append(lab)
+        return lab
+
+    yield start
+    for lab in labs:
+        lab.stop()

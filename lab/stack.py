@@ -265,7 +265,7 @@ def _nginx_workers(master: int) -> set[int]:
 
 
 def _reload_nginx(state: LabState) -> None:
-    """Gracefully reload nginx with the regenerated config; return once new workers serve it."""
+    """Gracefully reload nginx with the regenerated config, without dropping connections."""
     check = subprocess.run(
         [*nginx_process(state).argv, "-t", "-q"], capture_output=True, text=True, timeout=30
     )
@@ -276,8 +276,13 @@ def _reload_nginx(state: LabState) -> None:
         raise LabError("nginx is not running; start the lab with `kvwatch lab up`")
     before = _nginx_workers(master)
     os.kill(master, signal.SIGHUP)
+    # Done when new workers serve and the old ones, which finish their in-flight requests on the old
+    # config, have exited.
     deadline = time.monotonic() + 10
-    while not (_nginx_workers(master) - before) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        workers = _nginx_workers(master)
+        if workers and not workers & before:
+            return
         time.sleep(0.05)
 
 

@@ -107,7 +107,8 @@ def free_base_port(span: int = 20) -> int:
     """A base port whose next `span` ports are all free on 127.0.0.1 (the lab's port block)."""
     rng = random.Random()
     for _ in range(50):
-        base = rng.randrange(20000, 60000, 100)
+        # Below 32768: above it, Linux hands out ephemeral ports for outgoing connections.
+        base = rng.randrange(20000, 32000, 100)
         sockets = []
         try:
             for port in range(base, base + span):
@@ -154,7 +155,7 @@ class Lab:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         result = kvwatch("lab", *args, "--state-dir", str(self.state_dir))
-        if args[0] == "status" and result.returncode == 0:
+        if "--json" in args and result.returncode == 0:
             result.json = json.loads(result.stdout)
         return result
 

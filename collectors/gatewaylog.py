@@ -1,0 +1,355 @@
+"""Follow a gateway's JSON access log: load per upstream, requests without a session key, and sessions
+spread over more than one upstream, in bounded memory.
+
+A scheduler job calls `GatewayLogFollower.poll()`; it reads what nginx appended since the last call and
+publishes an immutable `GatewayLogSnapshot`. `GatewayLogCollector` turns the latest snapshots into
+`kvwatch_gateway_*` metrics on every scrape. Session ids stay inside the follower: only counts leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import MappingProxyType
+from typing import BinaryIO, NamedTuple
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
+# A real access log line is well under 16 KiB; a longer one is garbage and must not grow memory.
+MAX_LINE_BYTES = 64 * 1024
+# The upstream label of a request nginx answered itself, without proxying it.
+NO_UPSTREAM = "none"
+
+_LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_REQUIRED_FIELDS = {
+    "msec": (int, float),
+    "listener": str,
+    "status": int,
+    "upstream_addr": str,
+    "session_id": str,
+    "session_source": str,
+}
+# nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
+_UPSTREAM_SEPARATOR = re.compile(r", | : ")
+
+
+class _Malformed(ValueError):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Request(NamedTuple):
+    time: float
+    listener: str
+    upstreams: list[str]
+    status: int
+    session_id: str
+    assigned: bool
+
+
+def _parse(line: bytes) -> _Request:
+    """One access log line as a request; raises _Malformed with the reason it cannot be one."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        raise _Malformed("invalid_json") from None
+    if not isinstance(record, dict):
+        raise _Malformed("invalid_json")
+    for field, types in _REQUIRED_FIELDS.items():
+        if field not in record:
+            raise _Malformed("missing_field")
+        if isinstance(record[field], bool) or not isinstance(record[field], types):
+            raise _Malformed("wrong_type")
+    if (
+        record["session_source"] not in ("client", "assigned")
+        or not record["session_id"]
+        or not 100 <= record["status"] <= 599
+    ):
+        raise _Malformed("bad_value")
+    upstreams = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
+    return _Request(
+        time=record["msec"],
+        listener=record["listener"],
+        upstreams=upstreams,
+        status=record["status"],
+        session_id=record["session_id"],
+        assigned=record["session_source"] == "assigned",
+    )
+
+
+def _frozen(mapping: Mapping) -> Mapping:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class GatewayLogSnapshot:
+    """The statistics of one followed log as of one poll; the mappings are read-only copies.
+
+    Per-listener mappings have an entry (possibly 0) for every listener seen in the log.
+    """
+
+    log: str
+    taken_at: float  # the clock's time of the poll: active sessions and spread are as of then
+    problem: str | None  # why the log could not be read ("not found", ...), None when it could
+    lines: int
+    malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
+    requests: Mapping[tuple[str, str], int]  # (listener, upstream that answered) -> requests
+    responses: Mapping[tuple[str, str], int]  # (listener, status class such as "2xx") -> requests
+    failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream
+    without_session_key: Mapping[str, int]  # listener -> requests whose session id the gateway assigned
+    assigned_session_ids: Mapping[str, int]  # listener -> distinct session ids the gateway assigned
+    spread_sessions: Mapping[str, int]  # listener -> sessions on more than one upstream in the window
+    active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
+    tracked_sessions: int
+    evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
+
+    @property
+    def readable(self) -> bool:
+        return self.problem is None
+
+
+class GatewayLogFollower:
+    """Reads an nginx JSON access log incrementally and keeps its statistics in bounded memory.
+
+    Owns no thread: a scheduler job calls `poll()`, readers use `latest`. The log file is followed as
+    `tail -F` does: a replaced file (rotation) is read to its end before the new one is read from its
+    start, a shrunk file (truncation) is read again from its start, and a missing file is not an error.
+    Event times come from the log's `msec`; `clock` gives "now" for the window and the TTL.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        name: str,
+        *,
+        spread_window_seconds: float = 600.0,
+        session_ttl_seconds: float = 1800.0,
+        max_sessions: int = 100_000,
+        clock: Callable[[], float] = time.time,
+    ):
+        if not _LOG_NAME.fullmatch(name):
+            raise ValueError(f"gateway log name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        self.path = Path(path)
+        self.name = name
+        self.spread_window_seconds = spread_window_seconds
+        self.session_ttl_seconds = session_ttl_seconds
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._file: BinaryIO | None = None
+        self._pending = b""  # the start of a line nginx has not finished writing yet
+        self._skipping_long_line = False
+        self._problem: str | None = "not read yet"
+        self._lines = 0
+        self._malformed: Counter[str] = Counter()
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._responses: Counter[tuple[str, str]] = Counter()
+        self._failovers: Counter[str] = Counter()
+        self._without_key: Counter[str] = Counter()
+        self._assigned_ids: Counter[str] = Counter()
+        # (listener, session id) -> {upstream: last seen}, least recently seen first.
+        self._sessions: OrderedDict[tuple[str, str], dict[str, float]] = OrderedDict()
+        self._evicted = 0
+        self.latest = self._snapshot()
+
+    def poll(self) -> GatewayLogSnapshot:
+        """Read what was appended since the last poll and publish a new snapshot as `latest`."""
+        try:
+            self._follow()
+            self._problem = None
+        except FileNotFoundError:
+            self._problem = "not found"
+        except OSError as error:
+            self._problem = error.strerror or str(error)
+        self.latest = self._snapshot()
+        return self.latest
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> GatewayLogFollower:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        if self._file is not None:
+            if os.fstat(self._file.fileno()).st_size < self._file.tell():
+                self._take_partial_line()
+                self._file.seek(0)
+            self._read()
+            if self._replaced():
+                self._take_partial_line()
+                self.close()
+        if self._file is None:
+            self._file = self.path.open("rb")
+            self._read()
+
+    def _replaced(self) -> bool:
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        ours = os.fstat(self._file.fileno())
+        return (current.st_dev, current.st_ino) != (ours.st_dev, ours.st_ino)
+
+    def _read(self) -> None:
+        for chunk in iter(partial(self._file.readline, MAX_LINE_BYTES), b""):
+            complete = chunk.endswith(b"\n")
+            if self._skipping_long_line:
+                self._skipping_long_line = not complete
+                continue
+            self._pending += chunk
+            if complete:
+                self._take(self._pending)
+                self._pending = b""
+            elif len(self._pending) >= MAX_LINE_BYTES:
+                self._lines += 1
+                self._malformed["too_long"] += 1
+                self._pending = b""
+                self._skipping_long_line = True
+
+    def _take_partial_line(self) -> None:
+        """Its file was rotated or truncated, so the partial line will never be completed: take it as is."""
+        if self._pending:
+            self._take(self._pending)
+        self._pending = b""
+        self._skipping_long_line = False
+
+    # --- statistics -------------------------------------------------------------------------------
+
+    def _take(self, line: bytes) -> None:
+        self._lines += 1
+        try:
+            request = _parse(line)
+        except _Malformed as malformed:
+            self._malformed[malformed.reason] += 1
+            return
+        listener = request.listener
+        upstream = request.upstreams[-1] if request.upstreams else NO_UPSTREAM
+        self._requests[listener, upstream] += 1
+        self._responses[listener, f"{request.status // 100}xx"] += 1
+        if len(request.upstreams) > 1:
+            self._failovers[listener] += 1
+        key = (listener, request.session_id)
+        if request.assigned:
+            self._without_key[listener] += 1
+            if key not in self._sessions:
+                self._assigned_ids[listener] += 1
+        if upstream != NO_UPSTREAM:
+            self._sessions.setdefault(key, {})[upstream] = request.time
+            self._sessions.move_to_end(key)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+                self._evicted += 1
+
+    def _snapshot(self) -> GatewayLogSnapshot:
+        now = self._clock()
+        # Sessions idle longer than both the window and the TTL count for nothing any more.
+        horizon = now - max(self.spread_window_seconds, self.session_ttl_seconds)
+        while self._sessions and max(next(iter(self._sessions.values())).values()) < horizon:
+            self._sessions.popitem(last=False)
+        active_since, spread_since = now - self.session_ttl_seconds, now - self.spread_window_seconds
+        active: Counter[str] = Counter()
+        spread: Counter[str] = Counter()
+        for (listener, _), upstreams in self._sessions.items():
+            active[listener] += max(upstreams.values()) >= active_since
+            spread[listener] += sum(seen >= spread_since for seen in upstreams.values()) > 1
+        listeners = sorted({listener for listener, _ in self._requests})
+
+        def per_listener(counts: Counter[str]) -> Mapping[str, int]:
+            return _frozen({listener: counts[listener] for listener in listeners})
+
+        return GatewayLogSnapshot(
+            log=self.name,
+            taken_at=now,
+            problem=self._problem,
+            lines=self._lines,
+            malformed=_frozen({reason: self._malformed[reason] for reason in MALFORMED_REASONS}),
+            requests=_frozen(self._requests),
+            responses=_frozen(self._responses),
+            failovers=per_listener(self._failovers),
+            without_session_key=per_listener(self._without_key),
+            assigned_session_ids=per_listener(self._assigned_ids),
+            spread_sessions=per_listener(spread),
+            active_sessions=per_listener(active),
+            tracked_sessions=len(self._sessions),
+            evicted_sessions=self._evicted,
+        )
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+# name, family, snapshot attribute, labels after `log`, HELP
+_FAMILIES = (
+    ("kvwatch_gateway_requests", CounterMetricFamily, "requests", ("listener", "upstream"),
+     "Requests in the gateway access log, by the upstream that answered (the last one of a failover)."),
+    ("kvwatch_gateway_responses", CounterMetricFamily, "responses", ("listener", "status_class"),
+     "Requests in the gateway access log, by HTTP status class."),
+    ("kvwatch_gateway_requests_without_session_key", CounterMetricFamily, "without_session_key",
+     ("listener",), "Requests that arrived without a client session key, so the gateway assigned one."),
+    ("kvwatch_gateway_assigned_session_ids", CounterMetricFamily, "assigned_session_ids", ("listener",),
+     "Distinct session ids the gateway assigned to requests without a session key."),
+    ("kvwatch_gateway_failovers", CounterMetricFamily, "failovers", ("listener",),
+     "Requests the gateway sent to more than one upstream before one answered."),
+    ("kvwatch_gateway_session_spread_sessions", GaugeMetricFamily, "spread_sessions", ("listener",),
+     "Sessions served by more than one upstream within the spread window, as of the last log poll."),
+    ("kvwatch_gateway_active_sessions", GaugeMetricFamily, "active_sessions", ("listener",),
+     "Sessions seen within the session TTL, as of the last log poll."),
+    ("kvwatch_gateway_malformed_lines", CounterMetricFamily, "malformed", ("reason",),
+     "Access log lines that were skipped because they could not be read as a request."),
+    ("kvwatch_gateway_lines", CounterMetricFamily, "lines", (),
+     "Access log lines read, malformed ones included."),
+    ("kvwatch_gateway_evicted_sessions", CounterMetricFamily, "evicted_sessions", (),
+     "Sessions forgotten early to keep memory bounded; when rising, raise max_sessions."),
+    ("kvwatch_gateway_log_readable", GaugeMetricFamily, "readable", (),
+     "Whether the last poll could read the access log (0: missing or unreadable)."),
+    ("kvwatch_gateway_log_last_poll_timestamp_seconds", GaugeMetricFamily, "taken_at", (),
+     "Unix time of the last poll of the access log by the scheduler."),
+)  # fmt: skip
+
+
+def _samples(value: Mapping | float) -> Iterator[tuple[tuple[str, ...], float]]:
+    """(label values after `log`, value) pairs of a number, or of a mapping keyed by label values."""
+    if not isinstance(value, Mapping):
+        yield (), float(value)
+        return
+    for key, count in value.items():
+        yield (key if isinstance(key, tuple) else (key,)), count
+
+
+def _metric_families(snapshots: list[GatewayLogSnapshot]) -> Iterator[Metric]:
+    for name, family_type, attribute, labels, documentation in _FAMILIES:
+        family = family_type(name, documentation, labels=["log", *labels])
+        for snapshot in snapshots:
+            for label_values, value in _samples(getattr(snapshot, attribute)):
+                family.add_metric([snapshot.log, *label_values], value)
+        yield family
+
+
+class GatewayLogCollector(Collector):
+    """The followers' latest snapshots as metrics: `REGISTRY.register(GatewayLogCollector(followers))`."""
+
+    def __init__(self, followers: Iterable[GatewayLogFollower]):
+        self._followers = tuple(followers)
+        names = [follower.name for follower in self._followers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gateway log names must be unique, got {names}")
+
+    def collect(self) -> Iterator[Metric]:
+        # Fresh families from the latest snapshots: a scrape never sees a half-updated follower.
+        yield from _metric_families([follower.latest for follower in self._followers])

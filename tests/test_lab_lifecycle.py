@@ -1,0 +1,152 @@
+"""`kvwatch lab up / status / down`: every URL reported, and nothing of the stack left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import REPO, free_base_port, kvwatch, processes_mentioning
+
+pytestmark = pytest.mark.integration
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def lab_ports(base: int, replicas: int) -> list[int]:
+    return [base, base + 1, base + 2, base + 3, *(base + 10 + i for i in range(replicas))]
+
+
+def scraped_replicas(prometheus: str) -> set[tuple[str, str]]:
+    """(replica, flavour) of the replica targets Prometheus scrapes, once it has discovered them."""
+    deadline = time.monotonic() + 20
+    while True:
+        targets = httpx.get(f"{prometheus}/api/v1/targets").json()["data"]["activeTargets"]
+        found = {
+            (t["labels"]["replica"], t["labels"]["flavour"])
+            for t in targets
+            if t["labels"]["job"] == "replicas"
+        }
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_status_json_lists_every_url(start_lab):
+    lab = start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "1", "--time-scale", "0.1")
+    status = lab.status
+    base = lab.base_port
+    assert status["gateways"] == {
+        "affinity": f"http://127.0.0.1:{base}",
+        "round_robin": f"http://127.0.0.1:{base + 1}",
+    }
+    assert status["prometheus"] == f"http://127.0.0.1:{base + 2}"
+    assert status["alertmanager"] == f"http://127.0.0.1:{base + 3}"
+    assert status["exporter"] is None and status["dashboard"] is None
+    assert status["replicas"] == [
+        {"id": "r1", "url": f"http://127.0.0.1:{base + 10}", "flavour": "vllm"},
+        {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang"},
+        {"id": "r3", "url": f"http://127.0.0.1:{base + 12}", "flavour": "vllm"},
+    ]
+    assert httpx.get(f"{status['prometheus']}/-/ready").status_code == 200
+    assert httpx.get(f"{status['alertmanager']}/-/ready").status_code == 200
+    assert scraped_replicas(status["prometheus"]) == {("r1", "vllm"), ("r2", "sglang"), ("r3", "vllm")}
+    text = lab.cli("status").stdout
+    assert f"http://127.0.0.1:{base}" in text and "sglang" in text
+
+
+def test_down_leaves_no_process_and_no_listener(tmp_path):
+    state_dir, base = tmp_path / "state", free_base_port()
+    up = kvwatch("lab", "up", "--detach", "--fast", "--replicas", "2", "--users", "1", "--think", "0.1",
+                 "--time-scale", "0.1", "--base-port", str(base), "--state-dir", str(state_dir))  # fmt: skip
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "affinity gateway" in up.stdout and f"http://127.0.0.1:{base}" in up.stdout
+        assert len(processes_mentioning(str(state_dir))) >= 6
+        assert all(listening(port) for port in lab_ports(base, 2))
+        down = kvwatch("lab", "down", "--state-dir", str(state_dir))
+        assert down.returncode == 0, down.stderr
+        assert processes_mentioning(str(state_dir)) == []
+        assert not any(listening(port) for port in lab_ports(base, 2))
+        status = kvwatch("lab", "status", "--json", "--state-dir", str(state_dir))
+        assert '"prometheus": null' in status.stdout
+    finally:
+        for pid in processes_mentioning(str(state_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_failed_start_stops_what_it_started(tmp_path):
+    """Prometheus dies at start: the replicas and nginx already running must be stopped too."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    fake = fake_bin / "prometheus"
+    fake.write_text("#!/bin/sh\necho 'unknown flag --storage.tsdb.path' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    state_dir, base = tmp_path / "state", free_base_port()
+    result = kvwatch("lab", "up", "--detach", "--replicas", "2", "--users", "0", "--base-port", str(base),
+                     "--state-dir", str(state_dir), env=env)  # fmt: skip
+    assert result.returncode == 1
+    assert "prometheus exited with code 3" in result.stderr and "unknown flag" in result.stderr
+    assert processes_mentioning(str(state_dir)) == []
+    assert not any(listening(port) for port in lab_ports(base, 2))
+
+
+def test_a_taken_port_is_named_and_nothing_starts(tmp_path):
+    state_dir, base = tmp_path / "state", free_base_port()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + 2))
+        blocker.listen()
+        result = kvwatch("lab", "up", "--detach", "--users", "0", "--base-port", str(base),
+                         "--state-dir", str(state_dir))  # fmt: skip
+    assert result.returncode == 1
+    assert f"port {base + 2} on 127.0.0.1 (prometheus) is already in use" in result.stderr
+    assert processes_mentioning(str(state_dir)) == []
+
+
+def test_ctrl_c_on_a_foreground_lab_stops_everything(tmp_path):
+    state_dir, base = tmp_path / "state", free_base_port()
+    command = [
+        *(sys.executable, "-m", "collectors.cli", "lab", "up", "--replicas", "1", "--users", "1"),
+        *("--think", "0.1", "--time-scale", "0.1", "--base-port", str(base), "--state-dir", str(state_dir)),
+    ]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not listening(base + 3) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1)  # the traffic process starts last
+        assert len(processes_mentioning(str(state_dir))) >= 5
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+        assert process.returncode == 0, output
+        assert "The lab is down." in output
+        assert processes_mentioning(str(state_dir)) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in processes_mentioning(str(state_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_up_on_a_running_lab_is_refused(start_lab):
+    lab = start_lab("--replicas", "1", "--users", "0")
+    again = kvwatch(
+        "lab", "up", "--detach", "--base-port", str(free_base_port()), "--state-dir", str(lab.state_dir)
+    )
+    assert again.returncode == 1 and "already running" in again.stderr
+
+
+@pytest.mark.parametrize("command", [["status"], ["down"], ["heal"], ["fault", "break-affinity"]])
+def test_commands_without_a_lab_say_how_to_start_one(tmp_path, command):
+    result = kvwatch("lab", *command, "--state-dir", str(tmp_path / "none"))
+    assert result.returncode == 1 and "kvwatch lab up" in result.stderr

@@ -24,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
-# A real access log line is well under 16 KiB; a longer one is garbage and must not grow memory.
+# nginx's request line limit (8 KiB by default) keeps real lines far shorter; a longer one is garbage
+# and must not grow memory.
 MAX_LINE_BYTES = 64 * 1024
 # The upstream label of a request nginx answered itself, without proxying it.
 NO_UPSTREAM = "none"
@@ -188,11 +189,13 @@ class GatewayLogFollower:
 
     def _follow(self) -> None:
         if self._file is not None:
+            # Checked before reading, so whatever reached the old file until now is read.
+            replaced = self._replaced()
             if os.fstat(self._file.fileno()).st_size < self._file.tell():
                 self._take_partial_line()
                 self._file.seek(0)
             self._read()
-            if self._replaced():
+            if replaced:
                 self._take_partial_line()
                 self.close()
         if self._file is None:
@@ -257,12 +260,17 @@ class GatewayLogFollower:
                 self._sessions.popitem(last=False)
                 self._evicted += 1
 
+    def _forget_sessions_idle_since(self, horizon: float) -> None:
+        """Sessions idle longer than both the window and the TTL count for nothing; they are the oldest."""
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if max(oldest.values()) >= horizon:
+                return
+            self._sessions.popitem(last=False)
+
     def _snapshot(self) -> GatewayLogSnapshot:
         now = self._clock()
-        # Sessions idle longer than both the window and the TTL count for nothing any more.
-        horizon = now - max(self.spread_window_seconds, self.session_ttl_seconds)
-        while self._sessions and max(next(iter(self._sessions.values())).values()) < horizon:
-            self._sessions.popitem(last=False)
+        self._forget_sessions_idle_since(now - max(self.spread_window_seconds, self.session_ttl_seconds))
         active_since, spread_since = now - self.session_ttl_seconds, now - self.spread_window_seconds
         active: Counter[str] = Counter()
         spread: Counter[str] = Counter()

@@ -1,0 +1,43 @@
+"""Engine and router metrics flavours behind one interface, and the record they normalise to.
+
+Each module reads one dialect of /metrics (`vllm`, `vllm_legacy`, `sglang`, `sglang_router`,
+`vllm_router`) into a `Snapshot` of cumulative values; `normalise` turns one snapshot into lifetime
+figures or two into windowed ones. `detect_flavour` picks the flavour whose series an exposition has.
+"""
+
+from __future__ import annotations
+
+from collectors.engines import sglang, sglang_router, vllm, vllm_legacy, vllm_router
+from collectors.engines.base import Exposition, Flavour, Snapshot
+from collectors.engines.normalise import Normalised, histogram_quantile, normalise
+
+FLAVOURS: dict[str, Flavour] = {
+    module.FLAVOUR.name: module.FLAVOUR for module in (vllm, vllm_legacy, sglang, sglang_router, vllm_router)
+}
+
+__all__ = [
+    "FLAVOURS",
+    "Exposition",
+    "Flavour",
+    "Normalised",
+    "Snapshot",
+    "UnknownFlavour",
+    "detect_flavour",
+    "histogram_quantile",
+    "normalise",
+]
+
+
+class UnknownFlavour(ValueError):
+    """The exposition matches no flavour, or two equally well."""
+
+
+def detect_flavour(exposition: Exposition) -> Flavour:
+    """The flavour with the most of its telltale series in `exposition`."""
+    scores = sorted(((flavour.detect(exposition), name) for name, flavour in FLAVOURS.items()), reverse=True)
+    (best, name), (runner_up, other) = scores[0], scores[1]
+    if best == 0:
+        raise UnknownFlavour(f"no series of a known engine or router ({', '.join(FLAVOURS)})")
+    if best == runner_up:
+        raise UnknownFlavour(f"looks as much like {name} as like {other}; name the flavour explicitly")
+    return FLAVOURS[name]

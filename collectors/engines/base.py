@@ -1,0 +1,168 @@
+"""What every flavour shares: the parsed exposition, the reader that tracks missing series, the snapshot."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+# A histogram summed over its label sets: (upper bound, cumulative count) pairs, sorted, +Inf last.
+Buckets = tuple[tuple[float, float], ...]
+
+# The series a family of each type exposes, by suffix (prometheus_client names counters without `_total`).
+EXPOSED_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
+
+
+class Exposition:
+    """One /metrics text, parsed with prometheus_client and indexed by the series names it exposes.
+
+    Lookups use the exposed names (`vllm:prefix_cache_hits_total`, `..._bucket`), never family names
+    or prefixes, so the `_created` gauge families prometheus_client adds next to counters can never be
+    mistaken for the counters themselves.
+    """
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[str, list[Sample]] = defaultdict(list)
+        # Series a family declares even before it has samples, e.g. a labelled counter with no children.
+        self.declared: set[str] = set()
+        for family in text_string_to_metric_families(text):
+            self.declared.update(family.name + suffix for suffix in EXPOSED_SUFFIXES.get(family.type, ("",)))
+            for sample in family.samples:
+                self.samples[sample.name].append(sample)
+
+    def has(self, name: str) -> bool:
+        return name in self.declared or name in self.samples
+
+    def count(self, names: Iterable[str]) -> int:
+        """How many of `names` this exposition has: a detection score."""
+        return sum(self.has(name) for name in names)
+
+    def count_prefixed(self, *prefixes: str) -> int:
+        """How many series start with one of `prefixes`: a detection score for lazily created series."""
+        return sum(name.startswith(prefixes) for name in self.declared | self.samples.keys())
+
+
+@dataclass(frozen=True)
+class RatioGauge:
+    """A hit ratio the engine computed itself over a window it chose; `source` says which one."""
+
+    source: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cumulative values one exposition showed at one scrape, in engine-agnostic terms.
+
+    None means the flavour has no such series or the exposition lacked it; `missing` names the
+    expected series that were not found.
+    """
+
+    flavour: str
+    scraped_at: float  # time.monotonic() when the exposition was read
+    hits: float | None = None  # prefix-cache tokens found: the hit ratio's numerator
+    queries: float | None = None  # prefix-cache tokens looked up: its denominator
+    hit_ratio_gauge: RatioGauge | None = None  # only used when hits / queries are not available
+    prompt_tokens: float | None = None
+    cached_tokens: float | None = None
+    ttft_buckets: Buckets | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    kv_cache_usage: float | None = None
+    prefix_caching_enabled: bool | None = None
+    per_worker: Mapping[str, float] = field(default_factory=dict)  # routers: requests sent per worker URL
+    policy_decisions: Mapping[str, float] = field(default_factory=dict)  # routers: decisions per policy
+    # Routers' cache_aware policy: how often it predicted a cached prefix. A guess, not an engine hit.
+    router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One metrics dialect: how to recognise it in an exposition and how to read it."""
+
+    name: str
+    kind: str  # "engine" or "router"
+    detect: Callable[[Exposition], int]  # 0: not this flavour; higher: more of its series present
+    read: Callable[[Exposition, float], Snapshot]  # (exposition, scraped_at)
+
+
+class Reader:
+    """Reads one flavour's series from an exposition, noting the expected ones it could not find.
+
+    Each read takes alternative names, preferred first (a current name, then its deprecated one);
+    when none is present the preferred name goes to `missing`, unless the series is optional.
+    Values are summed over label sets: one exposition is one replica, whatever its engines, ranks,
+    models or streaming modes.
+    """
+
+    def __init__(self, exposition: Exposition) -> None:
+        self.exposition = exposition
+        self.missing: list[str] = []
+
+    def total(self, *names: str, optional: bool = False, duplicated_by: tuple[str, ...] = ()) -> float | None:
+        """The sum of a series over its label sets; 0 when declared without samples, None when absent.
+
+        Samples that differ only in `duplicated_by` labels report the same thing (e.g. every tensor-
+        parallel rank of one SGLang scheduler), so only one of each such group is counted.
+        """
+        values = self._values(names, optional, duplicated_by)
+        return None if values is None else sum(values)
+
+    def mean(self, *names: str, optional: bool = False, duplicated_by: tuple[str, ...] = ()) -> float | None:
+        """The mean over label sets, for fractions such as KV-cache usage of several engines."""
+        values = self._values(names, optional, duplicated_by)
+        return sum(values) / len(values) if values else None
+
+    def by_label(self, name: str, label: str, optional: bool = False) -> dict[str, float]:
+        """A series summed per value of one label, e.g. requests per `worker`."""
+        found = self._pick((name,), optional)
+        totals: dict[str, float] = defaultdict(float)
+        for sample in self.exposition.samples[found] if found else ():
+            totals[sample.labels.get(label, "")] += sample.value
+        return dict(totals)
+
+    def label_values(self, name: str, label: str, optional: bool = False) -> set[str] | None:
+        found = self._pick((name,), optional)
+        if found is None:
+            return None
+        return {sample.labels[label] for sample in self.exposition.samples[found] if label in sample.labels}
+
+    def histogram(self, name: str, optional: bool = False) -> Buckets | None:
+        """A histogram's buckets summed over label sets, matching `le` numerically ("1" == "1.0")."""
+        bucket = f"{name}_bucket"
+        found = self._pick((bucket,), optional, report=name)
+        if found is None:
+            return None
+        counts: dict[float, float] = defaultdict(float)
+        for sample in self.exposition.samples[found]:
+            counts[float(sample.labels["le"])] += sample.value
+        return tuple(sorted(counts.items()))
+
+    def _values(self, names: tuple[str, ...], optional: bool, duplicated_by: tuple[str, ...]) -> list | None:
+        found = self._pick(names, optional)
+        if found is None:
+            return None
+        groups: dict[tuple, float] = {}
+        for sample in self.exposition.samples[found]:
+            key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in duplicated_by))
+            groups[key] = max(groups.get(key, -math.inf), sample.value)
+        return list(groups.values())
+
+    def _pick(self, names: tuple[str, ...], optional: bool, report: str | None = None) -> str | None:
+        for name in names:
+            if self.exposition.has(name):
+                return name
+        if not optional:
+            self.missing.append(report or names[0])
+        return None
+
+
+def prefix_caching(reader: Reader, name: str) -> bool | None:
+    """Whether the engine's cache_config_info says prefix caching is on (for every engine it lists)."""
+    values = reader.label_values(name, "enable_prefix_caching")
+    return all(value.lower() == "true" for value in values) if values else None

@@ -1,0 +1,135 @@
+"""From snapshots to the engine-agnostic record kvwatch reports: lifetime from one, windowed from two."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from collectors.engines.base import Buckets, Snapshot
+
+COUNTERS = "counters"  # hit_ratio_source of a token-weighted ratio of counter increases
+
+
+@dataclass(frozen=True)
+class Normalised:
+    """What one source says about cache reuse and load, over its lifetime or over a window.
+
+    `window_seconds` is None for lifetime figures (cumulative since the process started); otherwise
+    counters are increases between two scrapes. A counter that went down means the process restarted:
+    it counts from zero, as PromQL's increase() does, and `counter_reset` says so. A ratio or quantile
+    with no traffic under it is None, never 0 or NaN. `hit_ratio_source` says where the ratio came
+    from: "counters" (hits / lookups, token-weighted), or an engine-computed gauge ("v0-gauge",
+    "sglang-batch-gauge-fallback") that covers a window the engine chose, not this one. Router cache
+    predictions are the router's guess of where a prefix is cached, not what any engine found.
+    """
+
+    flavour: str
+    window_seconds: float | None
+    hit_ratio: float | None
+    hit_ratio_source: str | None
+    prompt_tokens: float | None
+    cached_tokens: float | None
+    ttft_p50_seconds: float | None
+    ttft_p90_seconds: float | None
+    ttft_p99_seconds: float | None
+    requests_running: float | None
+    requests_waiting: float | None
+    kv_cache_usage: float | None
+    prefix_caching_enabled: bool | None
+    missing: tuple[str, ...]
+    per_worker: Mapping[str, float] = field(default_factory=dict)
+    policy_decisions: Mapping[str, float] = field(default_factory=dict)
+    router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
+    counter_reset: bool = False
+
+
+def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
+    """Lifetime figures from `now` alone, or the window between `before` and `now` (same source)."""
+    if before is not None and before.flavour != now.flavour:
+        raise ValueError(f"cannot window a {before.flavour} snapshot against a {now.flavour} one")
+    change = _Change(before)
+    ratio, source = None, None
+    if now.hits is not None and now.queries is not None:
+        hits, queries = change.counter("hits", now.hits), change.counter("queries", now.queries)
+        ratio, source = (hits / queries if queries > 0 else None), COUNTERS
+    elif now.hit_ratio_gauge is not None:
+        value = now.hit_ratio_gauge.value
+        # vLLM V0 says -1 when it has no data: unknown, not a 0 % hit ratio.
+        ratio, source = (value if value >= 0 else None), now.hit_ratio_gauge.source
+    ttft = change.histogram(now.ttft_buckets)
+    p50, p90, p99 = (histogram_quantile(q, ttft) for q in (0.5, 0.9, 0.99))
+    return Normalised(
+        flavour=now.flavour,
+        window_seconds=None if before is None else now.scraped_at - before.scraped_at,
+        hit_ratio=ratio,
+        hit_ratio_source=source,
+        prompt_tokens=change.counter("prompt_tokens", now.prompt_tokens),
+        cached_tokens=change.counter("cached_tokens", now.cached_tokens),
+        ttft_p50_seconds=p50,
+        ttft_p90_seconds=p90,
+        ttft_p99_seconds=p99,
+        requests_running=now.requests_running,
+        requests_waiting=now.requests_waiting,
+        kv_cache_usage=now.kv_cache_usage,
+        prefix_caching_enabled=now.prefix_caching_enabled,
+        missing=now.missing,
+        per_worker=change.counters("per_worker", now.per_worker),
+        policy_decisions=change.counters("policy_decisions", now.policy_decisions),
+        router_cache_predictions=change.counters("router_cache_predictions", now.router_cache_predictions),
+        counter_reset=change.reset,
+    )
+
+
+def histogram_quantile(q: float, buckets: Buckets | None) -> float | None:
+    """The q-quantile of cumulative buckets, interpolated linearly inside a bucket as PromQL does.
+
+    Ranks that fall in the +Inf bucket give the highest finite bound; no observations give None.
+    """
+    if not buckets or len(buckets) < 2 or buckets[-1][0] != math.inf or buckets[-1][1] <= 0:
+        return None
+    bounds = [bound for bound, _ in buckets]
+    counts = [count for _, count in buckets]
+    for i in range(1, len(counts)):  # as PromQL does, repair buckets a partial reset left non-monotonic
+        counts[i] = max(counts[i], counts[i - 1])
+    rank = q * counts[-1]
+    i = next(i for i, count in enumerate(counts) if count >= rank)
+    if bounds[i] == math.inf:
+        return bounds[-2]
+    lower, below = (0.0, 0.0) if i == 0 else (bounds[i - 1], counts[i - 1])
+    if i == 0 and bounds[0] <= 0:
+        return bounds[0]
+    return lower + (bounds[i] - lower) * (rank - below) / (counts[i] - below)
+
+
+class _Change:
+    """Counter values for a record: as they are (lifetime), or their increase since `before`."""
+
+    def __init__(self, before: Snapshot | None) -> None:
+        self.before = before
+        self.reset = False
+
+    def counter(self, name: str, now: float | None) -> float | None:
+        old = None if self.before is None else getattr(self.before, name)
+        return self._increase(now, old)
+
+    def counters(self, name: str, now: Mapping[str, float]) -> dict[str, float]:
+        old = {} if self.before is None else getattr(self.before, name)
+        return {key: self._increase(value, old.get(key)) for key, value in now.items()}
+
+    def histogram(self, now: Buckets | None) -> Buckets | None:
+        old = None if self.before is None else self.before.ttft_buckets
+        if now is None or not old:
+            return now
+        if [bound for bound, _ in old] != [bound for bound, _ in now] or now[-1][1] < old[-1][1]:
+            self.reset = True  # restarted, possibly with other buckets: everything is new
+            return now
+        return tuple((bound, self._increase(count, was)) for (bound, count), (_, was) in zip(now, old, strict=True))
+
+    def _increase(self, now: float | None, old: float | None) -> float | None:
+        if now is None or old is None:  # lifetime, or a series that appeared within the window
+            return now
+        if now < old:
+            self.reset = True
+            return now
+        return now - old

@@ -1,0 +1,457 @@
+"""The gateway access log follower: counts, sessions, rotation, bad lines, the Collector, the lab's nginx."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collectors.gatewaylog import (
+    MALFORMED_REASONS,
+    MAX_LINE_BYTES,
+    GatewayLogCollector,
+    GatewayLogFollower,
+    GatewayLogSnapshot,
+)
+
+T0 = 1_800_000_000.0
+R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+class Clock:
+    """A clock the test moves by hand: TTLs and windows expire without sleeping."""
+
+    def __init__(self, now: float = T0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def entry(
+    session_id: str = "s1",
+    upstream: str = R1,
+    *,
+    listener: str = "affinity",
+    source: str = "client",
+    status: int = 200,
+    msec: float = T0,
+) -> str:
+    """One access log line as the lab's `kvwatch_json` log_format writes it."""
+    record = {
+        "time": "2027-01-15T08:00:00+00:00",
+        "msec": msec,
+        "listener": listener,
+        "request": "POST /v1/chat/completions",
+        "status": status,
+        "upstream_addr": upstream,
+        "upstream_status": str(status),
+        "session_id": session_id,
+        "session_source": source,
+        "request_time": 0.012,
+        "upstream_response_time": "0.012",
+    }
+    return json.dumps(record) + "\n"
+
+
+@pytest.fixture
+def log(tmp_path):
+    return tmp_path / "gateway.jsonl"
+
+
+@pytest.fixture
+def follow(log):
+    """Make followers of `log` (closed at teardown) with an injected clock."""
+    followers: list[GatewayLogFollower] = []
+
+    def make(name: str = "lab", clock: Clock | None = None, **options) -> GatewayLogFollower:
+        follower = GatewayLogFollower(log, name, clock=clock or Clock(), **options)
+        followers.append(follower)
+        return follower
+
+    yield make
+    for follower in followers:
+        follower.close()
+
+
+def append(path, *lines: str) -> None:
+    with path.open("a") as out:
+        out.write("".join(lines))
+
+
+def test_counts_requests_per_listener_upstream_and_status_class(log, follow):
+    append(
+        log,
+        entry("a", R1),
+        entry("a", R1, status=503),
+        entry("b", R2, listener="round_robin"),
+        entry("c", "", status=400),  # answered by nginx itself
+    )
+    snapshot = follow().poll()
+    assert snapshot.readable and snapshot.lines == 4
+    assert snapshot.requests == {("affinity", R1): 2, ("round_robin", R2): 1, ("affinity", "none"): 1}
+    assert snapshot.responses == {
+        ("affinity", "2xx"): 1,
+        ("affinity", "4xx"): 1,
+        ("affinity", "5xx"): 1,
+        ("round_robin", "2xx"): 1,
+    }
+    assert snapshot.failovers == {"affinity": 0, "round_robin": 0}
+    assert snapshot.malformed == dict.fromkeys(MALFORMED_REASONS, 0)
+
+
+def test_a_failover_counts_for_the_upstream_that_answered(log, follow):
+    append(log, entry("a", f"{R1}, {R2}"), entry("a", f"{R1}, {R3} : {R2}"), entry("a", R2))
+    snapshot = follow().poll()
+    assert snapshot.requests == {("affinity", R2): 3}
+    assert snapshot.failovers == {"affinity": 2}
+    assert snapshot.spread_sessions == {"affinity": 0}
+
+
+def test_requests_without_a_client_key_are_counted_with_the_ids_the_gateway_assigned(log, follow):
+    append(
+        log,
+        entry("x1", source="assigned"),
+        entry("x2", source="assigned"),
+        entry("x2", source="assigned"),  # a gateway may hand out the same id twice
+        entry("c1"),
+        entry("c2", listener="round_robin"),
+    )
+    snapshot = follow().poll()
+    assert snapshot.without_session_key == {"affinity": 3, "round_robin": 0}
+    assert snapshot.assigned_session_ids == {"affinity": 2, "round_robin": 0}
+    assert snapshot.active_sessions == {"affinity": 3, "round_robin": 1}
+
+
+def test_a_session_seen_on_two_upstreams_within_the_window_is_spread(log, follow):
+    clock = Clock(T0 + 60)
+    follower = follow(clock=clock, spread_window_seconds=600)
+    append(log, entry("moved", R1), entry("moved", R2, msec=T0 + 30))
+    append(log, entry("pinned", R3), entry("pinned", R3))
+    append(log, entry("moved", R1, listener="round_robin"))  # another listener, another session
+    assert follower.poll().spread_sessions == {"affinity": 1, "round_robin": 0}
+
+    clock.now = T0 + 620  # R1 was 620 s ago, R2 590 s ago: only one upstream is left in the window
+    snapshot = follower.poll()
+    assert snapshot.spread_sessions == {"affinity": 0, "round_robin": 0}
+    assert snapshot.active_sessions == {"affinity": 2, "round_robin": 1}
+
+
+def test_sessions_stop_being_active_after_the_ttl(log, follow):
+    clock = Clock()
+    follower = follow(clock=clock)  # the default TTL: 30 min
+    append(log, entry("old", msec=T0), entry("new", msec=T0 + 600))
+    clock.now = T0 + 1799
+    assert follower.poll().active_sessions == {"affinity": 2}
+    clock.now = T0 + 1801
+    assert follower.poll().active_sessions == {"affinity": 1}
+    clock.now = T0 + 2401
+    snapshot = follower.poll()
+    assert snapshot.active_sessions == {"affinity": 0}
+    assert snapshot.tracked_sessions == 0 and snapshot.evicted_sessions == 0
+
+
+def test_a_missing_log_is_reported_and_read_once_it_appears(log, follow):
+    follower = follow()
+    snapshot = follower.poll()
+    assert not snapshot.readable and snapshot.problem == "not found" and snapshot.lines == 0
+    append(log, entry())
+    snapshot = follower.poll()
+    assert snapshot.readable and snapshot.lines == 1
+
+
+def test_an_unreadable_log_is_reported_not_raised(log, follow):
+    log.mkdir()
+    snapshot = follow().poll()
+    assert not snapshot.readable and snapshot.problem == "Is a directory"
+
+
+def test_rotation_finishes_the_old_file_then_reads_the_new_one_from_its_start(log, follow):
+    follower = follow()
+    append(log, entry("a"), entry("b"))
+    assert follower.poll().lines == 2
+    append(log, entry("c"))  # written after the last poll, just before the rotation
+    log.rename(log.with_name("gateway.jsonl.1"))
+    assert follower.poll().lines == 3
+    append(log, entry("d"), entry("e"))
+    snapshot = follower.poll()
+    assert snapshot.lines == 5 and snapshot.active_sessions == {"affinity": 5}
+
+
+def test_rotation_with_the_new_file_already_there(log, follow):
+    follower = follow()
+    append(log, entry("a"))
+    follower.poll()
+    append(log, entry("b"))
+    log.rename(log.with_name("gateway.jsonl.1"))
+    append(log, entry("c"), entry("d"))
+    assert follower.poll().lines == 4
+
+
+def test_truncation_restarts_from_the_beginning(log, follow):
+    follower = follow()
+    append(log, entry("a"), entry("b"), entry("c"))
+    assert follower.poll().lines == 3
+    log.write_text(entry("d"))
+    snapshot = follower.poll()
+    assert snapshot.lines == 4 and snapshot.active_sessions == {"affinity": 4}
+
+
+def test_a_partial_line_is_kept_until_it_is_completed(log, follow):
+    follower = follow()
+    line = entry("a")
+    append(log, entry("first"), line[:40])
+    snapshot = follower.poll()
+    assert snapshot.lines == 1 and snapshot.malformed["invalid_json"] == 0
+    append(log, line[40:])
+    snapshot = follower.poll()
+    assert snapshot.lines == 2 and snapshot.malformed["invalid_json"] == 0
+    assert snapshot.requests == {("affinity", R1): 2}
+
+
+def test_a_partial_line_cut_off_by_truncation_is_malformed(log, follow):
+    follower = follow()
+    append(log, entry("a"), entry("b")[:40])
+    assert follower.poll().lines == 1
+    log.write_text(entry("c"))
+    snapshot = follower.poll()
+    assert snapshot.lines == 3 and snapshot.malformed["invalid_json"] == 1
+    assert snapshot.requests == {("affinity", R1): 2}
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("not json\n", "invalid_json"),
+        ('{"msec": 1.0, \n', "invalid_json"),
+        ("[1, 2]\n", "invalid_json"),
+        ("\n", "invalid_json"),
+        ("[" * 60_000 + "\n", "invalid_json"),
+        (entry().replace('"status": 200', '"code": 200'), "missing_field"),
+        (entry().replace('"status": 200', '"status": "200"'), "wrong_type"),
+        (entry().replace('"msec": 1800000000.0', '"msec": true'), "wrong_type"),
+        (entry(source="cookie"), "bad_value"),
+        (entry(session_id=""), "bad_value"),
+        (entry(status=1000), "bad_value"),
+        ('{"pad": "' + "x" * (3 * MAX_LINE_BYTES) + '"}\n', "too_long"),
+    ],
+)
+def test_malformed_lines_are_counted_by_reason_and_reading_goes_on(log, follow, line, reason):
+    append(log, entry("before"), line, entry("after"))
+    snapshot = follow().poll()
+    assert snapshot.lines == 3
+    assert snapshot.malformed == {**dict.fromkeys(MALFORMED_REASONS, 0), reason: 1}
+    assert snapshot.requests == {("affinity", R1): 2}
+
+
+def test_invalid_utf8_is_a_malformed_line(log, follow):
+    log.write_bytes(b'{"session_id": "\xff\xfe"}\n' + entry().encode())
+    snapshot = follow().poll()
+    assert snapshot.malformed["invalid_json"] == 1 and snapshot.lines == 2
+
+
+def test_tracked_sessions_stay_within_max_sessions(log, follow):
+    append(log, *(entry(f"session-{i}", msec=T0 + i / 1000) for i in range(50_000)))
+    snapshot = follow(clock=Clock(T0 + 60), max_sessions=1000).poll()
+    assert snapshot.lines == 50_000
+    assert snapshot.tracked_sessions == 1000 and snapshot.evicted_sessions == 49_000
+    # Within the TTL every session is active, but only the tracked ones can be counted.
+    assert snapshot.active_sessions == {"affinity": 1000}
+
+
+def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
+    affinity_log, rr_log = tmp_path / "affinity.jsonl", tmp_path / "rr.jsonl"
+    append(
+        affinity_log,
+        entry("secret-session-1", R1),
+        entry("secret-session-1", R1),
+        entry("secret-assigned-2", f"{R1}, {R2}", source="assigned"),
+        "garbage\n",
+    )
+    append(
+        rr_log,
+        entry("secret-session-3", R1, listener="round_robin"),
+        entry("secret-session-3", R2, listener="round_robin"),
+    )
+    clock = Clock(T0 + 1)
+    with (
+        GatewayLogFollower(affinity_log, "affinity", clock=clock) as affinity,
+        GatewayLogFollower(rr_log, "round_robin", clock=clock) as round_robin,
+        GatewayLogFollower(tmp_path / "absent.jsonl", "absent", clock=clock) as absent,
+    ):
+        for follower in (affinity, round_robin, absent):
+            follower.poll()
+        registry = CollectorRegistry()
+        registry.register(GatewayLogCollector([affinity, round_robin, absent]))
+
+        def value(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(f"kvwatch_gateway_{name}", labels)
+
+        aff = {"log": "affinity", "listener": "affinity"}
+        rr = {"log": "round_robin", "listener": "round_robin"}
+        assert value("requests_total", **aff, upstream=R1) == 2
+        assert value("requests_total", **aff, upstream=R2) == 1
+        assert value("responses_total", **aff, status_class="2xx") == 3
+        assert value("requests_without_session_key_total", **aff) == 1
+        assert value("assigned_session_ids_total", **aff) == 1
+        assert value("failovers_total", **aff) == 1
+        assert value("session_spread_sessions", **aff) == 0
+        assert value("session_spread_sessions", **rr) == 1
+        assert value("active_sessions", **aff) == 2
+        assert value("malformed_lines_total", log="affinity", reason="invalid_json") == 1
+        assert value("malformed_lines_total", log="round_robin", reason="too_long") == 0
+        assert value("lines_total", log="affinity") == 4
+        assert value("lines_total", log="absent") == 0
+        assert value("evicted_sessions_total", log="affinity") == 0
+        assert value("log_readable", log="affinity") == 1
+        assert value("log_readable", log="absent") == 0
+        assert value("log_last_poll_timestamp_seconds", log="absent") == T0 + 1
+
+        exposition = generate_latest(registry).decode()
+        assert "secret" not in exposition
+        families = {family.name: family for family in text_string_to_metric_families(exposition)}
+        assert families["kvwatch_gateway_requests"].type == "counter"
+        assert families["kvwatch_gateway_active_sessions"].type == "gauge"
+        assert all(name.startswith("kvwatch_gateway_") for name in families)
+
+
+def test_the_collector_shows_the_latest_poll_only(log, follow):
+    follower = follow()
+    registry = CollectorRegistry()
+    registry.register(GatewayLogCollector([follower]))
+    append(log, entry())
+    assert registry.get_sample_value("kvwatch_gateway_lines_total", {"log": "lab"}) == 0
+    follower.poll()
+    assert registry.get_sample_value("kvwatch_gateway_lines_total", {"log": "lab"}) == 1
+
+
+def test_log_names_are_short_unique_names(log, follow):
+    with pytest.raises(ValueError, match="must be 1-64 letters"):
+        GatewayLogFollower(log, "/var/log/nginx/access.log")
+    with pytest.raises(ValueError, match="must be unique"):
+        GatewayLogCollector([follow("lab"), follow("lab")])
+
+
+def test_a_snapshot_cannot_be_changed(log, follow):
+    append(log, entry())
+    snapshot = follow().poll()
+    with pytest.raises(AttributeError):
+        snapshot.lines = 0
+    with pytest.raises(TypeError):
+        snapshot.requests["affinity", R1] = 0
+
+
+# --- the lab's real nginx -------------------------------------------------------------------------
+
+
+def chat(client: httpx.Client, url: str, session_id: str | None) -> str:
+    """One short chat round through a gateway; the X-Upstream header the client saw."""
+    response = client.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Where is my order?"}], "max_tokens": 2},
+        headers={"X-Session-Id": session_id} if session_id else {},
+        timeout=10,
+    )
+    assert response.status_code == 200, response.text
+    return response.headers["X-Upstream"]
+
+
+def answered(x_upstream: str) -> str:
+    return x_upstream.split(", ")[-1]
+
+
+class Sent:
+    """What the client sent through one listener and which upstream answered each request."""
+
+    def __init__(self, listener: str):
+        self.listener = listener
+        self.requests: list[tuple[str | None, str]] = []  # (session id sent, X-Upstream)
+
+    def send(self, client: httpx.Client, url: str, sessions: list[str], rounds: int, keyless: int) -> None:
+        for session_id in sessions:
+            for _ in range(rounds):
+                self.requests.append((session_id, chat(client, url, session_id)))
+        for _ in range(keyless):
+            self.requests.append((None, chat(client, url, None)))
+
+    def per_upstream(self) -> Counter:
+        return Counter((self.listener, answered(upstream)) for _, upstream in self.requests)
+
+    def spread_sessions(self) -> int:
+        upstreams: dict[str, set[str]] = {}
+        for session_id, upstream in self.requests:
+            if session_id:
+                upstreams.setdefault(session_id, set()).add(answered(upstream))
+        return sum(len(seen) > 1 for seen in upstreams.values())
+
+
+def poll_until_lines(follower: GatewayLogFollower, lines: int) -> GatewayLogSnapshot:
+    """nginx logs a request just after the client got its response: poll until its line is there."""
+    deadline = time.monotonic() + 5
+    while (snapshot := follower.poll()).lines < lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert snapshot.lines == lines and not any(snapshot.malformed.values()), snapshot
+    return snapshot
+
+
+def increase(after: GatewayLogSnapshot, before: GatewayLogSnapshot, statistic: str) -> Counter:
+    """How much a per-key statistic grew between two snapshots (keys that did not grow left out)."""
+    return Counter(getattr(after, statistic)) - Counter(getattr(before, statistic))
+
+
+@pytest.mark.integration
+def test_follows_the_lab_gateway_logs_and_sees_affinity_break(start_lab):
+    lab = start_lab("--replicas", "3", "--users", "0", "--time-scale", "0.05")
+    urls = {"affinity": lab.affinity, "round_robin": lab.round_robin}
+    followers = {
+        listener: GatewayLogFollower(lab.state_dir / "logs" / f"gateway-{listener}.jsonl", listener)
+        for listener in urls
+    }
+    try:
+        # What the lab logged while starting (its readiness checks) is the baseline.
+        before = {listener: follower.poll() for listener, follower in followers.items()}
+        sent = {listener: Sent(listener) for listener in urls}
+        with httpx.Client() as client:
+            for listener, url in urls.items():
+                sent[listener].send(client, url, [f"{listener}-{i}" for i in range(4)], rounds=3, keyless=3)
+            for listener, follower in followers.items():
+                start = before[listener]
+                after = poll_until_lines(follower, start.lines + 15)
+                assert increase(after, start, "requests") == sent[listener].per_upstream()
+                assert increase(after, start, "without_session_key") == {listener: 3}
+                assert increase(after, start, "assigned_session_ids") == {listener: 3}
+                assert increase(after, start, "failovers") == {}
+                assert increase(after, start, "active_sessions") == {listener: 7}
+                assert after.spread_sessions == {listener: sent[listener].spread_sessions()}
+            assert followers["affinity"].latest.spread_sessions == {"affinity": 0}
+            assert followers["round_robin"].latest.spread_sessions["round_robin"] > 0
+
+            assert lab.cli("fault", "break-affinity").returncode == 0
+            affinity = followers["affinity"]
+            lines = affinity.latest.lines
+            broken_sessions = ["broken-0", "broken-1", "broken-2"]
+            sent["affinity"].send(client, lab.affinity, broken_sessions, rounds=4, keyless=0)
+            snapshot = poll_until_lines(affinity, lines + 12)
+            assert snapshot.spread_sessions == {"affinity": sent["affinity"].spread_sessions()}
+            assert snapshot.spread_sessions["affinity"] > 0
+
+            # A dead replica: nginx fails over and logs both upstreams; the one that answered counts.
+            assert lab.cli("fault", "kill-replica", "--replica", "r2").returncode == 0
+            round_robin = followers["round_robin"]
+            start = round_robin.latest
+            failover = Sent("round_robin")
+            failover.send(client, lab.round_robin, ["after-kill"], rounds=6, keyless=0)
+            snapshot = poll_until_lines(round_robin, start.lines + 6)
+            failovers = sum(", " in upstream for _, upstream in failover.requests)
+            assert failovers >= 1
+            assert increase(snapshot, start, "failovers") == {"round_robin": failovers}
+            assert increase(snapshot, start, "requests") == failover.per_upstream()
+    finally:
+        for follower in followers.values():
+            follower.close()
+        assert lab.cli("heal").returncode == 0

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
 LAB_ARGS ?=
 
-.PHONY: bootstrap system-packages up down test bench lint
+.PHONY: bootstrap system-packages up down test bench lint generate
 
 bootstrap: system-packages $(STAMP)
 
@@ -33,6 +33,9 @@ test: bootstrap
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks
+
+generate: bootstrap
+	$(BIN)/python -m collectors.generate
 
 lint: bootstrap
 	$(BIN)/ruff check .

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,7 +28,7 @@ MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value",
 # nginx's request line limit (8 KiB by default) keeps real lines far shorter; a longer one is garbage
 # and must not grow memory.
 MAX_LINE_BYTES = 64 * 1024
-# The upstream label of a request nginx answered itself, without proxying it.
+# The upstream of a request no server answered: nginx did not proxy it, or found no live server.
 NO_UPSTREAM = "none"
 
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -52,7 +53,8 @@ class _Malformed(ValueError):
 class _Request(NamedTuple):
     time: float
     listener: str
-    upstreams: list[str]
+    upstream: str  # the last server tried, or NO_UPSTREAM
+    tried: int  # how many servers nginx tried
     status: int
     session_id: str
     assigned: bool
@@ -77,11 +79,15 @@ def _parse(line: bytes) -> _Request:
         or not 100 <= record["status"] <= 599
     ):
         raise _Malformed("bad_value")
-    upstreams = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
+    tried = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
+    # An upstream group's name instead of an address means nginx found no live server.
+    upstream = tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM
+    # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
     return _Request(
         time=record["msec"],
-        listener=record["listener"],
-        upstreams=upstreams,
+        listener=sys.intern(record["listener"]),
+        upstream=sys.intern(upstream),
+        tried=len(tried),
         status=record["status"],
         session_id=record["session_id"],
         assigned=record["session_source"] == "assigned",
@@ -104,7 +110,7 @@ class GatewayLogSnapshot:
     problem: str | None  # why the log could not be read ("not found", ...), None when it could
     lines: int
     malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
-    requests: Mapping[tuple[str, str], int]  # (listener, upstream that answered) -> requests
+    requests: Mapping[tuple[str, str], int]  # (listener, last upstream tried or NO_UPSTREAM) -> requests
     responses: Mapping[tuple[str, str], int]  # (listener, status class such as "2xx") -> requests
     failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream
     without_session_key: Mapping[str, int]  # listener -> requests whose session id the gateway assigned
@@ -122,9 +128,10 @@ class GatewayLogSnapshot:
 class GatewayLogFollower:
     """Reads an nginx JSON access log incrementally and keeps its statistics in bounded memory.
 
-    Owns no thread: a scheduler job calls `poll()`, readers use `latest`. The log file is followed as
-    `tail -F` does: a replaced file (rotation) is read to its end before the new one is read from its
-    start, a shrunk file (truncation) is read again from its start, and a missing file is not an error.
+    Owns no thread: one scheduler job at a time calls `poll()`; any thread may read `latest`, an
+    immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does: a replaced
+    file (rotation) is read to its end before the new one is read from its start, a shrunk file
+    (truncation) is read again from its start, and a missing file is not an error.
     Event times come from the log's `msec`; `clock` gives "now" for the window and the TTL.
     """
 
@@ -242,11 +249,10 @@ class GatewayLogFollower:
         except _Malformed as malformed:
             self._malformed[malformed.reason] += 1
             return
-        listener = request.listener
-        upstream = request.upstreams[-1] if request.upstreams else NO_UPSTREAM
+        listener, upstream = request.listener, request.upstream
         self._requests[listener, upstream] += 1
         self._responses[listener, f"{request.status // 100}xx"] += 1
-        if len(request.upstreams) > 1:
+        if request.tried > 1:
             self._failovers[listener] += 1
         key = (listener, request.session_id)
         if request.assigned:
@@ -305,7 +311,7 @@ class GatewayLogFollower:
 # name, family, snapshot attribute, labels after `log`, HELP
 _FAMILIES = (
     ("kvwatch_gateway_requests", CounterMetricFamily, "requests", ("listener", "upstream"),
-     "Requests in the gateway access log, by the upstream that answered (the last one of a failover)."),
+     "Requests in the gateway access log, by the upstream that served them (the last one tried)."),
     ("kvwatch_gateway_responses", CounterMetricFamily, "responses", ("listener", "status_class"),
      "Requests in the gateway access log, by HTTP status class."),
     ("kvwatch_gateway_requests_without_session_key", CounterMetricFamily, "without_session_key",

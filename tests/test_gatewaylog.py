@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -91,25 +92,28 @@ def test_counts_requests_per_listener_upstream_and_status_class(log, follow):
         entry("a", R1, status=503),
         entry("b", R2, listener="round_robin"),
         entry("c", "", status=400),  # answered by nginx itself
+        entry("d", "kvwatch_affinity", status=502),  # the upstream group's name: no live server
     )
     snapshot = follow().poll()
-    assert snapshot.readable and snapshot.lines == 4
-    assert snapshot.requests == {("affinity", R1): 2, ("round_robin", R2): 1, ("affinity", "none"): 1}
+    assert snapshot.readable and snapshot.lines == 5
+    assert snapshot.requests == {("affinity", R1): 2, ("round_robin", R2): 1, ("affinity", "none"): 2}
     assert snapshot.responses == {
         ("affinity", "2xx"): 1,
         ("affinity", "4xx"): 1,
-        ("affinity", "5xx"): 1,
+        ("affinity", "5xx"): 2,
         ("round_robin", "2xx"): 1,
     }
     assert snapshot.failovers == {"affinity": 0, "round_robin": 0}
+    assert snapshot.active_sessions == {"affinity": 1, "round_robin": 1}  # served sessions only
     assert snapshot.malformed == dict.fromkeys(MALFORMED_REASONS, 0)
 
 
 def test_a_failover_counts_for_the_upstream_that_answered(log, follow):
     append(log, entry("a", f"{R1}, {R2}"), entry("a", f"{R1}, {R3} : {R2}"), entry("a", R2))
+    append(log, entry("a", f"{R1}, kvwatch_affinity", status=502))  # every server failed
     snapshot = follow().poll()
-    assert snapshot.requests == {("affinity", R2): 3}
-    assert snapshot.failovers == {"affinity": 2}
+    assert snapshot.requests == {("affinity", R2): 3, ("affinity", "none"): 1}
+    assert snapshot.failovers == {"affinity": 3}
     assert snapshot.spread_sessions == {"affinity": 0}
 
 
@@ -408,50 +412,47 @@ def increase(after: GatewayLogSnapshot, before: GatewayLogSnapshot, statistic: s
 def test_follows_the_lab_gateway_logs_and_sees_affinity_break(start_lab):
     lab = start_lab("--replicas", "3", "--users", "0", "--time-scale", "0.05")
     urls = {"affinity": lab.affinity, "round_robin": lab.round_robin}
-    followers = {
-        listener: GatewayLogFollower(lab.state_dir / "logs" / f"gateway-{listener}.jsonl", listener)
-        for listener in urls
-    }
-    try:
+    with ExitStack() as stack, httpx.Client() as client:
+        followers = {
+            listener: stack.enter_context(
+                GatewayLogFollower(lab.state_dir / "logs" / f"gateway-{listener}.jsonl", listener)
+            )
+            for listener in urls
+        }
         # What the lab logged while starting (its readiness checks) is the baseline.
         before = {listener: follower.poll() for listener, follower in followers.items()}
         sent = {listener: Sent(listener) for listener in urls}
-        with httpx.Client() as client:
-            for listener, url in urls.items():
-                sent[listener].send(client, url, [f"{listener}-{i}" for i in range(4)], rounds=3, keyless=3)
-            for listener, follower in followers.items():
-                start = before[listener]
-                after = poll_until_lines(follower, start.lines + 15)
-                assert increase(after, start, "requests") == sent[listener].per_upstream()
-                assert increase(after, start, "without_session_key") == {listener: 3}
-                assert increase(after, start, "assigned_session_ids") == {listener: 3}
-                assert increase(after, start, "failovers") == {}
-                assert increase(after, start, "active_sessions") == {listener: 7}
-                assert after.spread_sessions == {listener: sent[listener].spread_sessions()}
-            assert followers["affinity"].latest.spread_sessions == {"affinity": 0}
-            assert followers["round_robin"].latest.spread_sessions["round_robin"] > 0
+        for listener, url in urls.items():
+            sent[listener].send(client, url, [f"{listener}-{i}" for i in range(4)], rounds=3, keyless=3)
+        for listener, follower in followers.items():
+            start = before[listener]
+            after = poll_until_lines(follower, start.lines + 15)
+            assert increase(after, start, "requests") == sent[listener].per_upstream()
+            assert increase(after, start, "without_session_key") == {listener: 3}
+            assert increase(after, start, "assigned_session_ids") == {listener: 3}
+            assert increase(after, start, "failovers") == {}
+            assert increase(after, start, "active_sessions") == {listener: 7}
+            assert after.spread_sessions == {listener: sent[listener].spread_sessions()}
+        assert followers["affinity"].latest.spread_sessions == {"affinity": 0}
+        assert followers["round_robin"].latest.spread_sessions["round_robin"] > 0
 
-            assert lab.cli("fault", "break-affinity").returncode == 0
-            affinity = followers["affinity"]
-            lines = affinity.latest.lines
-            broken_sessions = ["broken-0", "broken-1", "broken-2"]
-            sent["affinity"].send(client, lab.affinity, broken_sessions, rounds=4, keyless=0)
-            snapshot = poll_until_lines(affinity, lines + 12)
-            assert snapshot.spread_sessions == {"affinity": sent["affinity"].spread_sessions()}
-            assert snapshot.spread_sessions["affinity"] > 0
+        assert lab.cli("fault", "break-affinity").returncode == 0
+        affinity = followers["affinity"]
+        lines = affinity.latest.lines
+        sent["affinity"].send(client, lab.affinity, ["broken-0", "broken-1", "broken-2"], rounds=4, keyless=0)
+        snapshot = poll_until_lines(affinity, lines + 12)
+        assert snapshot.spread_sessions == {"affinity": sent["affinity"].spread_sessions()}
+        assert snapshot.spread_sessions["affinity"] > 0
 
-            # A dead replica: nginx fails over and logs both upstreams; the one that answered counts.
-            assert lab.cli("fault", "kill-replica", "--replica", "r2").returncode == 0
-            round_robin = followers["round_robin"]
-            start = round_robin.latest
-            failover = Sent("round_robin")
-            failover.send(client, lab.round_robin, ["after-kill"], rounds=6, keyless=0)
-            snapshot = poll_until_lines(round_robin, start.lines + 6)
-            failovers = sum(", " in upstream for _, upstream in failover.requests)
-            assert failovers >= 1
-            assert increase(snapshot, start, "failovers") == {"round_robin": failovers}
-            assert increase(snapshot, start, "requests") == failover.per_upstream()
-    finally:
-        for follower in followers.values():
-            follower.close()
-        assert lab.cli("heal").returncode == 0
+        # A dead replica: nginx fails over and logs both upstreams; the one that answered counts.
+        assert lab.cli("fault", "kill-replica", "--replica", "r2").returncode == 0
+        round_robin = followers["round_robin"]
+        start = round_robin.latest
+        failover = Sent("round_robin")
+        failover.send(client, lab.round_robin, ["after-kill"], rounds=6, keyless=0)
+        snapshot = poll_until_lines(round_robin, start.lines + 6)
+        failovers = sum(", " in upstream for _, upstream in failover.requests)
+        assert failovers >= 1
+        assert increase(snapshot, start, "failovers") == {"round_robin": failovers}
+        assert increase(snapshot, start, "requests") == failover.per_upstream()
+    assert lab.cli("heal").returncode == 0

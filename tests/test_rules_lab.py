@@ -34,7 +34,7 @@ def ground_truth_ratio(records: list[tuple[dict, str]], start: float, end: float
 
 
 def test_recorded_hit_ratios_match_ground_truth(start_lab):
-    assert queries.WINDOW == f"{WINDOW_S // 60}m"
+    assert f"{WINDOW_S // 60}m" == queries.WINDOW
     lab = start_lab("--replicas", "4", "--flavours", "vllm,sglang", "--users", "6", "--think", "0.2",
                     "--time-scale", "0.1")  # fmt: skip
     prometheus = lab.status["prometheus"]

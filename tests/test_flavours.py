@@ -8,10 +8,10 @@ compared with it.
 from __future__ import annotations
 
 import pytest
-from conftest import SHARED
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import SHARED
 from lab.flavours import FLAVOURS, CacheConfig, Finished, Prefill, make_metrics
 
 EXPECTED = {

@@ -13,9 +13,9 @@ import statistics
 
 import httpx
 import pytest
-from conftest import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import REPO
 from lab.traffic import run_conversation, system_prompt, user_turns
 
 pytestmark = pytest.mark.integration

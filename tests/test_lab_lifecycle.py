@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import REPO, free_base_port, kvwatch, processes_mentioning
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import REPO, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
+
+from conftest import REPO, free_port
 
 pytestmark = pytest.mark.integration
 

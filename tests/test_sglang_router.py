@@ -21,8 +21,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, Replica, free_port, stop
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO, Replica, free_port, stop
 
 pytestmark = pytest.mark.integration
 

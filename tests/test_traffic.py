@@ -17,9 +17,9 @@ from itertools import pairwise
 import httpx
 import pytest
 from aiohttp import web
-from conftest import REPO, free_port, stop
 
 from collectors.cli import main
+from conftest import REPO, free_port, stop
 from lab.tokenizer import split_words
 from lab.traffic import TrafficSettings, chat_url, run_conversation, run_users, system_prompt, user_turns
 

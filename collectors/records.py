@@ -1,0 +1,100 @@
+"""Immutable records of probe sessions: what the probe returns, the store keeps and the exporter exports.
+
+A probe never raises: a failed round is a record with `error_kind` set, and the session stops there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What went wrong in a round, each with its own fix (see the doctor).
+ERROR_KINDS = (
+    "unauthorized",  # 401: the key is missing, wrong, or not sent as `Authorization: Bearer <key>`
+    "forbidden",  # 403: the key is expired or not allowed to use this model
+    "not_found",  # 404: wrong model id or base URL
+    "connection_refused",  # nothing listens at the base URL (or `localhost` inside a container)
+    "timeout",  # no complete answer within the probe's timeout
+    "bad_response",  # 200 without `choices`: an error object came back instead of a completion
+    "stream_error",  # the SSE stream was malformed, carried an error, or ended before [DONE]
+    "http_error",  # any other HTTP status
+)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One round of a probe session, as the client saw it."""
+
+    round: int  # 1-based
+    started_at: float  # unix seconds
+    status: int | None  # HTTP status; None when no response arrived
+    error_kind: str | None  # one of ERROR_KINDS, None on success
+    error_detail: str | None  # short and redacted: never an API key, at most an excerpt of a body
+    ttft_seconds: float | None  # to the first non-empty content delta of the stream
+    total_seconds: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None when not reported
+    ideal_cached_tokens: int | None  # previous round's prompt + answer, block-aligned; 0 in round 1
+    completion_tokens: int | None
+    backend: str | None  # the replica that served the round, when a header or JSON field names it
+    session_id_sent: str | None
+    session_id_returned: str | None  # the X-Session-Id response header
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+
+@dataclass(frozen=True)
+class SessionResult:
+    """One multi-turn probe session through one target (route)."""
+
+    target: str
+    route_mode: str  # e.g. "affinity", "round_robin"
+    session_id: str | None  # the id the session used (client-made or gateway-assigned)
+    started_at: float
+    finished_at: float
+    rounds: tuple[RoundResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rounds) and all(r.ok for r in self.rounds)
+
+    @property
+    def error_kind(self) -> str | None:
+        return next((r.error_kind for r in self.rounds if r.error_kind), None)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Backends in round order, for rounds whose backend is known."""
+        return tuple(r.backend for r in self.rounds if r.ok and r.backend)
+
+    @property
+    def backend_switches(self) -> int | None:
+        """How often consecutive rounds changed backend; None when the backend is unknown."""
+        known = self.backends
+        if len(known) < 2:
+            return None
+        return sum(a != b for a, b in zip(known, known[1:], strict=False))
+
+    @property
+    def sticky(self) -> bool | None:
+        """Did every round land on one replica? From backends when known, else from cached tokens.
+
+        Without a backend identity, a warm round that reuses less than half of what a pinned replica
+        would have cached means it landed elsewhere. None when there is no evidence either way.
+        """
+        switches = self.backend_switches
+        if switches is not None:
+            return switches == 0
+        warm = [r for r in self.rounds[1:] if r.ok and r.cached_tokens is not None and r.ideal_cached_tokens]
+        if not warm:
+            return None
+        return all(r.cached_tokens >= 0.5 * r.ideal_cached_tokens for r in warm)
+
+    @property
+    def session_id_echoed(self) -> bool | None:
+        """Did the gateway echo the session id on every round that sent one? None when none was sent."""
+        sent = [r for r in self.rounds if r.status is not None and r.session_id_sent]
+        if not sent:
+            return None
+        return all(r.session_id_returned == r.session_id_sent for r in sent)

@@ -1,0 +1,256 @@
+"""kvwatch's exporter: probe results and gateway-log statistics as Prometheus metrics, and the
+Alertmanager webhook receiver that stores alerts for the dashboard.
+
+Probe sessions are expensive, so they run on the scheduler's clock, not on Prometheus's: each run adds
+its immutable SessionResults to `ProbeResults`, and one custom Collector builds fresh metric families
+from them at every scrape (the HELP texts say "cached"). Session ids never become label values; backend
+names do, from a bounded set per route.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from collectors.records import SessionResult
+
+log = logging.getLogger("kvwatch.exporter")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_BACKENDS_PER_ROUTE = 32  # beyond this, backends are counted as "other": labels stay bounded
+OTHER_BACKEND = "other"
+
+Route = tuple[str, str]  # (target, route_mode)
+
+
+@dataclass
+class _Histogram:
+    buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(TTFT_BUCKETS, value)
+        if index < len(self.buckets):
+            self.buckets[index] += 1
+        self.count += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        running, out = 0, []
+        for bound, hits in zip(TTFT_BUCKETS, self.buckets, strict=True):
+            running += hits
+            out.append((repr(bound), running))
+        out.append(("+Inf", self.count))
+        return out
+
+
+@dataclass(frozen=True)
+class LastRun:
+    started_at: float
+    finished_at: float
+    sessions: tuple[SessionResult, ...]
+
+
+class ProbeResults:
+    """Every probe run so far: the latest run per route and running totals, safe across threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[Route, LastRun] = {}
+        self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
+        self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
+        self._backends: dict[Route, set[str]] = defaultdict(set)
+
+    def add_run(self, route: Route, sessions: Sequence[SessionResult], started_at: float, finished_at: float):
+        with self._lock:
+            self._last[route] = LastRun(started_at, finished_at, tuple(sessions))
+            for session in sessions:
+                self._count_session(route, session)
+
+    def _backend_label(self, route: Route, backend: str) -> str:
+        known = self._backends[route]
+        if backend in known or len(known) < MAX_BACKENDS_PER_ROUTE:
+            known.add(backend)
+            return backend
+        return OTHER_BACKEND
+
+    def _count_session(self, route: Route, session: SessionResult) -> None:
+        totals = self._totals
+        totals["sessions", (*route, "success" if session.ok else "failure")] += 1
+        sticky = {True: "true", False: "false", None: "unknown"}[session.sticky]
+        totals["stickiness", (*route, sticky)] += 1
+        totals["switches", route] += session.backend_switches or 0
+        if session.session_id_echoed is not None:
+            totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
+        for r in session.rounds:
+            labels = (*route, str(r.round))
+            if not r.ok:
+                totals["errors", (*route, r.error_kind)] += 1
+                continue
+            totals["rounds", labels] += 1
+            totals["prompt", labels] += r.prompt_tokens or 0
+            totals["cached", labels] += r.cached_tokens or 0
+            totals["ideal", labels] += r.ideal_cached_tokens or 0
+            if r.backend:
+                totals["backend", (*route, self._backend_label(route, r.backend))] += 1
+            if r.ttft_seconds is not None:
+                self._ttft[labels].observe(r.ttft_seconds)
+
+    def snapshot(self) -> tuple[dict[Route, LastRun], Counter, dict]:
+        with self._lock:
+            ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
+            return dict(self._last), Counter(self._totals), ttft
+
+
+_ROUTE = ["target", "route_mode"]
+_COUNTERS = {
+    # key: (name, help, extra labels)
+    "sessions": ("kvwatch_probe_sessions", "Probe sessions by outcome.", ["outcome"]),
+    "rounds": ("kvwatch_probe_rounds", "Successful probe rounds.", ["round"]),
+    "errors": ("kvwatch_probe_errors", "Failed probe rounds by error kind.", ["kind"]),
+    "prompt": ("kvwatch_probe_prompt_tokens", "Prompt tokens of successful probe rounds.", ["round"]),
+    "cached": (
+        "kvwatch_probe_cached_tokens",
+        "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
+        ["round"],
+    ),
+    "ideal": (
+        "kvwatch_probe_ideal_cached_tokens",
+        "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "
+        "answer, block-aligned.",
+        ["round"],
+    ),
+    "stickiness": (
+        "kvwatch_probe_stickiness_sessions",
+        "Probe sessions by whether every round landed on one replica (unknown: no evidence).",
+        ["sticky"],
+    ),
+    "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
+    "echo": (
+        "kvwatch_probe_session_id_echo_sessions",
+        "Probe sessions by whether the gateway echoed the session id on every round.",
+        ["echoed"],
+    ),
+    "backend": ("kvwatch_probe_backend_rounds", "Successful probe rounds per serving backend.", ["backend"]),
+}
+
+
+class ProbeCollector(Collector):
+    """Turns the probe results into fresh metric families at every scrape."""
+
+    def __init__(self, results: ProbeResults, intervals: dict[str, float]) -> None:
+        self.results = results
+        self.intervals = intervals  # target -> seconds between runs, for the HELP texts
+
+    def collect(self) -> Iterator:
+        last, totals, ttft = self.results.snapshot()
+        families = {
+            key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
+            for key, (name, doc, extra) in _COUNTERS.items()
+        }
+        for (key, labels), value in sorted(totals.items()):
+            families[key].add_metric(list(labels), value)
+        yield from families.values()
+
+        histogram = HistogramMetricFamily(
+            "kvwatch_probe_ttft_seconds",
+            "Client-side time to first token of successful probe rounds.",
+            labels=[*_ROUTE, "round"],
+        )
+        for labels, (buckets, total) in sorted(ttft.items()):
+            histogram.add_metric(list(labels), buckets, total)
+        yield histogram
+        yield from self._last_run_families(last)
+
+    def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(
+                name, doc + " (cached; refreshed by the scheduler)", labels=[*_ROUTE, *extra]
+            )
+
+        timestamp = gauge("kvwatch_probe_last_run_timestamp_seconds", "When the last probe run finished")
+        duration = gauge("kvwatch_probe_last_run_duration_seconds", "How long the last probe run took")
+        success = gauge("kvwatch_probe_success", "1 if every session of the last probe run succeeded")
+        sticky = gauge(
+            "kvwatch_probe_sticky_ratio", "Share of the last run's judged sessions that were sticky"
+        )
+        last_ttft = gauge(
+            "kvwatch_probe_last_ttft_seconds", "Median TTFT per round in the last run", ("round",)
+        )
+        interval = gauge("kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs")
+        for route, run in sorted(last.items()):
+            labels = list(route)
+            timestamp.add_metric(labels, run.finished_at)
+            duration.add_metric(labels, run.finished_at - run.started_at)
+            success.add_metric(labels, float(bool(run.sessions) and all(s.ok for s in run.sessions)))
+            judged = [s.sticky for s in run.sessions if s.sticky is not None]
+            if judged:
+                sticky.add_metric(labels, sum(judged) / len(judged))
+            for round_, value in _median_ttft_by_round(run.sessions).items():
+                last_ttft.add_metric([*labels, str(round_)], value)
+            if route[0] in self.intervals:
+                interval.add_metric(labels, self.intervals[route[0]])
+        yield from (timestamp, duration, success, sticky, last_ttft, interval)
+
+
+def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]:
+    by_round: dict[int, list[float]] = defaultdict(list)
+    for session in sessions:
+        for r in session.rounds:
+            if r.ok and r.ttft_seconds is not None:
+                by_round[r.round].append(r.ttft_seconds)
+    medians = {}
+    for round_, values in sorted(by_round.items()):
+        values.sort()
+        middle = len(values) // 2
+        medians[round_] = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return medians
+
+
+# --- the HTTP side ---------------------------------------------------------------------------------
+
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+ALERT_SINK_KEY = web.AppKey("alert_sink", object)
+MAX_WEBHOOK_BYTES = 4 * 1024 * 1024
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="OK\n")
+
+
+async def _alerts(request: web.Request) -> web.Response:
+    """Alertmanager's webhook: store the alerts so the dashboard can show them next to the data."""
+    try:
+        payload = json.loads(await request.read())
+        stored = request.app[ALERT_SINK_KEY](payload)
+    except (ValueError, TypeError) as error:
+        log.warning("rejected webhook payload: %s", error)
+        return web.json_response({"error": f"bad Alertmanager webhook payload: {error}"}, status=400)
+    return web.json_response({"stored": stored})
+
+
+def make_app(registry: CollectorRegistry, alert_sink) -> web.Application:
+    """/metrics, /-/healthy and POST /alerts (Alertmanager webhook; `alert_sink(payload) -> int`)."""
+    app = web.Application(client_max_size=MAX_WEBHOOK_BYTES)
+    app[REGISTRY_KEY] = registry
+    app[ALERT_SINK_KEY] = alert_sink
+    app.add_routes(
+        [web.get("/metrics", _metrics), web.get("/-/healthy", _healthy), web.post("/alerts", _alerts)]
+    )
+    return app

@@ -1,0 +1,101 @@
+"""The exporter turns probe results into the metric contract: kvwatch_* names, base units, bounded labels."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from collectors.exporter import MAX_BACKENDS_PER_ROUTE, OTHER_BACKEND, ProbeCollector, ProbeResults
+from collectors.records import RoundResult, SessionResult
+
+ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
+
+
+def round_result(n: int, backend: str | None = "r1", error: str | None = None, **overrides) -> RoundResult:
+    values = dict(
+        round=n, started_at=1000.0 + n, status=200 if error is None else 500, error_kind=error,
+        error_detail=None, ttft_seconds=0.5 if n == 1 else 0.05, total_seconds=1.0, prompt_tokens=100 * n,
+        cached_tokens=0 if n == 1 else 90 * (n - 1), ideal_cached_tokens=0 if n == 1 else 96 * (n - 1),
+        completion_tokens=10, backend=backend, session_id_sent="sess-secret-1",
+        session_id_returned="sess-secret-1",
+    )  # fmt: skip
+    values.update(overrides)
+    return RoundResult(**values)
+
+
+def session(*rounds: RoundResult) -> SessionResult:
+    return SessionResult("lab-affinity", "affinity", "sess-secret-1", 1000.0, 1010.0, tuple(rounds))
+
+
+@pytest.fixture
+def exporter():
+    results = ProbeResults()
+    registry = CollectorRegistry()
+    registry.register(ProbeCollector(results, {"lab-affinity": 30}))
+    return results, registry
+
+
+def value(registry, name: str, **labels) -> float | None:
+    return registry.get_sample_value(name, {**ROUTE, **labels})
+
+
+def test_a_sticky_session_is_counted_round_by_round(exporter):
+    results, registry = exporter
+    results.add_run(
+        ("lab-affinity", "affinity"), [session(*(round_result(n) for n in (1, 2, 3)))], 1000, 1010
+    )
+    assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
+    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="true") == 1
+    assert value(registry, "kvwatch_probe_backend_switches_total") == 0
+    assert value(registry, "kvwatch_probe_session_id_echo_sessions_total", echoed="true") == 1
+    assert value(registry, "kvwatch_probe_cached_tokens_total", round="3") == 180
+    assert value(registry, "kvwatch_probe_ideal_cached_tokens_total", round="3") == 192
+    assert value(registry, "kvwatch_probe_ttft_seconds_count", round="2") == 1
+    assert value(registry, "kvwatch_probe_ttft_seconds_bucket", round="2", le="0.05") == 1
+    assert value(registry, "kvwatch_probe_ttft_seconds_bucket", round="1", le="0.25") == 0
+    assert value(registry, "kvwatch_probe_last_ttft_seconds", round="1") == 0.5
+    assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1010
+    assert value(registry, "kvwatch_probe_success") == 1
+    assert value(registry, "kvwatch_probe_sticky_ratio") == 1
+    assert value(registry, "kvwatch_probe_interval_seconds") == 30
+
+
+def test_switches_errors_and_totals_accumulate_across_runs(exporter):
+    results, registry = exporter
+    switching = session(round_result(1, "r1"), round_result(2, "r2"), round_result(3, "r1"))
+    failing = session(round_result(1), round_result(2, error="timeout", ttft_seconds=None))
+    results.add_run(("lab-affinity", "affinity"), [switching], 1000, 1010)
+    results.add_run(("lab-affinity", "affinity"), [failing], 1020, 1030)
+    assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
+    assert value(registry, "kvwatch_probe_sessions_total", outcome="failure") == 1
+    assert value(registry, "kvwatch_probe_backend_switches_total") == 2
+    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="false") == 1
+    assert value(registry, "kvwatch_probe_errors_total", kind="timeout") == 1
+    assert value(registry, "kvwatch_probe_rounds_total", round="1") == 2
+    # The last-run gauges describe only the latest run.
+    assert value(registry, "kvwatch_probe_success") == 0
+    assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1030
+
+
+def test_backend_labels_stay_bounded(exporter):
+    results, registry = exporter
+    many = [session(round_result(1, backend=f"pod-{i}")) for i in range(MAX_BACKENDS_PER_ROUTE + 10)]
+    results.add_run(("lab-affinity", "affinity"), many, 1000, 1010)
+    text = generate_latest(registry).decode()
+    backends = {line.split('backend="')[1].split('"')[0] for line in text.splitlines() if 'backend="' in line}
+    assert len(backends) == MAX_BACKENDS_PER_ROUTE + 1 and OTHER_BACKEND in backends
+    assert value(registry, "kvwatch_probe_backend_rounds_total", backend=OTHER_BACKEND) == 10
+
+
+def test_session_ids_never_become_labels(exporter):
+    results, registry = exporter
+    results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)
+    assert "sess-secret" not in generate_latest(registry).decode()
+
+
+def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
+    results, registry = exporter
+    blind = session(round_result(1, backend=None), round_result(2, backend=None, cached_tokens=None))
+    results.add_run(("lab-affinity", "affinity"), [blind], 1000, 1010)
+    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="unknown") == 1
+    assert value(registry, "kvwatch_probe_sticky_ratio") is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,7 +13,11 @@ from prometheus_client.samples import Sample
 Buckets = tuple[tuple[float, float], ...]
 
 # The series a family of each type exposes, by suffix (prometheus_client names counters without `_total`).
-EXPOSED_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
+EXPOSED_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "summary": ("_count", "_sum"),
+}
 
 
 class Exposition:
@@ -127,6 +130,7 @@ class Reader:
         return dict(totals)
 
     def label_values(self, name: str, label: str, optional: bool = False) -> set[str] | None:
+        """The values one label takes in a series, e.g. every `worker` a router knows."""
         found = self._pick((name,), optional)
         if found is None:
             return None
@@ -140,6 +144,8 @@ class Reader:
             return None
         counts: dict[float, float] = defaultdict(float)
         for sample in self.exposition.samples[found]:
+            if "le" not in sample.labels:
+                raise ValueError(f"a {bucket} sample has no le label")
             counts[float(sample.labels["le"])] += sample.value
         return tuple(sorted(counts.items()))
 
@@ -150,7 +156,7 @@ class Reader:
         groups: dict[tuple, float] = {}
         for sample in self.exposition.samples[found]:
             key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in duplicated_by))
-            groups[key] = max(groups.get(key, -math.inf), sample.value)
+            groups.setdefault(key, sample.value)
         return list(groups.values())
 
     def _pick(self, names: tuple[str, ...], optional: bool, report: str | None = None) -> str | None:

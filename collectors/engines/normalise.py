@@ -49,14 +49,19 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
     if before is not None and before.flavour != now.flavour:
         raise ValueError(f"cannot window a {before.flavour} snapshot against a {now.flavour} one")
     change = _Change(before)
+    prompt_tokens = change.counter("prompt_tokens", now.prompt_tokens)
     ratio, source = None, None
     if now.hits is not None and now.queries is not None:
         hits, queries = change.counter("hits", now.hits), change.counter("queries", now.queries)
         ratio, source = (hits / queries if queries > 0 else None), COUNTERS
     elif now.hit_ratio_gauge is not None:
         value = now.hit_ratio_gauge.value
-        # vLLM V0 says -1 when it has no data: unknown, not a 0 % hit ratio.
-        ratio, source = (value if value >= 0 else None), now.hit_ratio_gauge.source
+        # vLLM V0 says -1 when it has no data: unknown, not a 0 % hit ratio. A window without prompt
+        # tokens has no traffic under the gauge, whatever it still shows.
+        idle = before is not None and prompt_tokens == 0
+        ratio, source = (value if value >= 0 and not idle else None), now.hit_ratio_gauge.source
+    if ratio is not None and math.isnan(ratio):  # NaN samples are legal in an exposition; never pass one on
+        ratio = None
     ttft = change.histogram(now.ttft_buckets)
     p50, p90, p99 = (histogram_quantile(q, ttft) for q in (0.5, 0.9, 0.99))
     return Normalised(
@@ -64,7 +69,7 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         window_seconds=None if before is None else now.scraped_at - before.scraped_at,
         hit_ratio=ratio,
         hit_ratio_source=source,
-        prompt_tokens=change.counter("prompt_tokens", now.prompt_tokens),
+        prompt_tokens=prompt_tokens,
         cached_tokens=change.counter("cached_tokens", now.cached_tokens),
         ttft_p50_seconds=p50,
         ttft_p90_seconds=p90,
@@ -124,7 +129,9 @@ class _Change:
         if [bound for bound, _ in old] != [bound for bound, _ in now] or now[-1][1] < old[-1][1]:
             self.reset = True  # restarted, possibly with other buckets: everything is new
             return now
-        return tuple((bound, self._increase(count, was)) for (bound, count), (_, was) in zip(now, old, strict=True))
+        return tuple(
+            (bound, self._increase(count, was)) for (bound, count), (_, was) in zip(now, old, strict=True)
+        )
 
     def _increase(self, now: float | None, old: float | None) -> float | None:
         if now is None or old is None:  # lifetime, or a series that appeared within the window

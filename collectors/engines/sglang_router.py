@@ -3,8 +3,9 @@
 Up to 0.2.x (`sgl_router_*`) it counts requests per worker in `sgl_router_processed_requests_total`
 and, under cache_aware, how often its own radix tree predicted a cached prefix. From 0.3.0, as the
 SGLang Model Gateway (`smg_*`), `smg_worker_selection_total` has no worker label; requests per worker
-come from the circuit breaker's outcome counter. Counters appear only after their first event, so
-their absence is not reported as missing; the worker-health gauge names every worker from the start.
+come from the circuit breaker's outcome counter (a retried request counts once per attempt).
+Counters appear only after their first event, so their absence is not reported as missing; the
+worker-health gauge names every worker from the start.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
     return Snapshot(
         flavour="sglang-router",
         scraped_at=scraped_at,
-        per_worker=requests_per_worker(reader, "smg_worker_health", "smg_worker_cb_outcomes_total"),
+        per_worker=_requests_per_worker(reader, "smg_worker_health", "smg_worker_cb_outcomes_total"),
         requests_running=reader.total("smg_worker_requests_active", optional=True),
         policy_decisions=reader.by_label("smg_worker_selection_total", "policy", optional=True),
         missing=tuple(reader.missing),
@@ -39,7 +40,9 @@ def read_sgl_router_layout(reader: Reader, flavour: str, prefix: str, scraped_at
     return Snapshot(
         flavour=flavour,
         scraped_at=scraped_at,
-        per_worker=requests_per_worker(reader, f"{prefix}worker_health", f"{prefix}processed_requests_total"),
+        per_worker=_requests_per_worker(
+            reader, f"{prefix}worker_health", f"{prefix}processed_requests_total"
+        ),
         requests_running=reader.total(f"{prefix}running_requests", optional=True),
         policy_decisions=reader.by_label(f"{prefix}policy_decisions_total", "policy", optional=True),
         router_cache_predictions={outcome: n for outcome, n in predictions.items() if n is not None},
@@ -47,7 +50,7 @@ def read_sgl_router_layout(reader: Reader, flavour: str, prefix: str, scraped_at
     )
 
 
-def requests_per_worker(reader: Reader, health: str, requests: str) -> dict[str, float]:
+def _requests_per_worker(reader: Reader, health: str, requests: str) -> dict[str, float]:
     """Requests per worker URL, with 0 for every worker the health gauge knows but no request reached."""
     workers = dict.fromkeys(reader.label_values(health, "worker") or (), 0.0)
     return workers | reader.by_label(requests, "worker", optional=True)

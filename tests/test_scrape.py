@@ -1,0 +1,212 @@
+"""`kvwatch scrape`: good and bad sources side by side, each bad one a clear error naming it.
+
+A tiny HTTP server on 127.0.0.1 plays the sources: a vLLM exposition that has served one more request
+at every scrape (the lab's own vLLM metrics flavour), a 404, an endless body and a silent one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from collectors.cli import build_parser
+from collectors.engines import FLAVOURS
+from collectors.scrape import scrape
+from conftest import free_port, kvwatch
+from lab.flavours import CacheConfig, Prefill, make_metrics
+
+TESTDATA = Path(__file__).parent / "testdata"
+JSON_KEYS = [
+    "source",
+    "flavour",
+    "window_seconds",
+    "hit_ratio",
+    "hit_ratio_source",
+    "prompt_tokens",
+    "cached_tokens",
+    "ttft_p50_seconds",
+    "ttft_p90_seconds",
+    "ttft_p99_seconds",
+    "requests_running",
+    "requests_waiting",
+    "kv_cache_usage",
+    "prefix_caching_enabled",
+    "missing",
+    "per_worker",
+    "policy_decisions",
+    "router_cache_predictions",
+    "counter_reset",
+    "error",
+]
+# Every scrape of /metrics sees one more request: 100 prompt tokens, 64 cached, 30 ms to first token.
+REQUEST = Prefill(
+    prompt_tokens=100,
+    cached_tokens=64,
+    prefix_caching=True,
+    queue_seconds=0.0,
+    ttft_seconds=0.03,
+    streaming=False,
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """The sources, on a free loopback port; stopped, with every waiting handler released, at teardown."""
+    metrics = make_metrics(
+        "vllm", "lab-model", CacheConfig(block_size=16, num_gpu_blocks=1000, prefix_caching=True)
+    )
+    lock = threading.Lock()
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+            if self.path == "/metrics":
+                with lock:
+                    metrics.prefill_done(REQUEST)
+                    body = generate_latest(metrics.registry)
+                self._answer(200, body)
+            elif self.path == "/endless":
+                self._endless()
+            elif self.path == "/silent":
+                release.wait(timeout=30)
+            else:
+                self._answer(404, b"not found\n")
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _endless(self) -> None:
+            """A /metrics that never ends: only a size cap enforced while reading stops it."""
+            self.send_response(200)
+            self.end_headers()
+            line = b"# " + b"x" * 2**20 + b"\n"
+            try:
+                while not release.is_set():
+                    self.wfile.write(line)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    release.set()
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
+    not_utf8 = tmp_path / "binary.prom"
+    not_utf8.write_bytes(b"\xff\xfe\x00\x01 metrics?")
+    unrelated = tmp_path / "node-exporter.prom"
+    unrelated.write_text("# TYPE node_load1 gauge\nnode_load1 0.42\n")
+    refused = f"http://127.0.0.1:{free_port()}/metrics"
+    reasons = {
+        str(TESTDATA / "garbage.prom"): "not a Prometheus text exposition",
+        str(not_utf8): "not a Prometheus text exposition (not UTF-8 text",
+        str(tmp_path / "absent.prom"): "cannot read the file: No such file or directory",
+        str(unrelated): "unknown flavour: no series of a known engine or router",
+        f"{server}/nothing-here": "HTTP 404 Not Found",
+        refused: "cannot connect: Connection refused",
+        f"{server}/endless": "more than 32 MiB (the size cap",
+    }
+    good = f"{server}/metrics"
+    sources = [good, *reasons]
+
+    result = kvwatch("scrape", "--json", *sources, timeout=30)
+
+    assert result.returncode == 1, result.stderr
+    objects = json.loads(result.stdout)
+    assert [o["source"] for o in objects] == sources
+    assert all(list(o) == JSON_KEYS for o in objects)
+    first = objects[0]
+    assert first["error"] is None
+    assert (first["flavour"], first["window_seconds"], first["hit_ratio"]) == ("vllm", None, 0.64)
+    assert (first["hit_ratio_source"], first["prefix_caching_enabled"], first["missing"]) == (
+        "counters",
+        True,
+        [],
+    )
+    for failed in objects[1:]:
+        source, error = failed["source"], failed["error"]
+        assert error.startswith(f"{source}: ") and reasons[source] in error, error
+        assert failed["flavour"] is None and failed["hit_ratio"] is None
+
+
+def test_human_output_labels_lifetime_figures_and_errors(server):
+    garbage = str(TESTDATA / "garbage.prom")
+    result = kvwatch("scrape", f"{server}/metrics", garbage, timeout=30)
+    assert result.returncode == 1
+    good, bad = result.stdout.strip().split("\n\n")
+    assert good.startswith(f"{server}/metrics  [vllm, lifetime: cumulative since the process started]")
+    assert "hit ratio            64.0%  (token-weighted, from prefix-cache counters)" in good
+    assert "prefix caching       on" in good
+    assert bad.startswith(f"{garbage}\n  ERROR  {garbage}: not a Prometheus text exposition")
+
+
+def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):
+    result = kvwatch("scrape", "--json", "--interval", "0.3", f"{server}/metrics", timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (record,) = json.loads(result.stdout)
+    assert 0.3 <= record["window_seconds"] < 5
+    # Exactly one request between the two scrapes.
+    assert (record["prompt_tokens"], record["cached_tokens"], record["hit_ratio"]) == (100, 64, 0.64)
+    # Its 30 ms TTFT is the only observation in (0.02, 0.04]: the median interpolates to the middle.
+    assert record["ttft_p50_seconds"] == pytest.approx(0.03)
+    assert record["counter_reset"] is False
+
+
+def test_a_silent_source_times_out_and_the_others_still_print(server):
+    result = kvwatch("scrape", "--timeout", "0.5", f"{server}/silent", f"{server}/metrics", timeout=30)
+    assert result.returncode == 1
+    assert f"{server}/silent: no complete answer within 0.5 s" in result.stdout
+    assert f"{server}/metrics  [vllm, lifetime" in result.stdout
+
+
+def test_the_size_cap_applies_to_files(tmp_path):
+    path = tmp_path / "metrics.prom"
+    path.write_text("vllm:kv_cache_usage_perc 0.1\n" * 10)
+    (result,) = asyncio.run(scrape([str(path)], max_bytes=100))
+    assert result.error == f"{path}: more than 100 bytes (the size cap; see --max-bytes)"
+    (result,) = asyncio.run(scrape([str(path)], max_bytes=1000))
+    assert result.error is None and result.record.kv_cache_usage == 0.1
+
+
+def test_an_explicit_flavour_reads_what_detection_would_refuse(tmp_path):
+    """An exposition with nothing kvwatch knows: named as vLLM, every expected series is missing."""
+    path = tmp_path / "node-exporter.prom"
+    path.write_text("# TYPE node_load1 gauge\nnode_load1 0.42\n")
+    (result,) = asyncio.run(scrape([str(path)], flavour=FLAVOURS["vllm"]))
+    assert result.error is None
+    assert result.record.hit_ratio is None
+    assert "vllm:prefix_cache_hits_total" in result.record.missing
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--interval", "0"], "must be positive, not 0"),
+        (["--timeout", "-1"], "must be positive, not -1"),
+        (["--flavour", "triton"], "invalid choice: 'triton'"),
+    ],
+)
+def test_bad_options_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["scrape", *args, "metrics.prom"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from collectors import scrape
 from lab import cli as lab_cli
 
 
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lab_cli.add_parser(commands)
+    scrape.add_parser(commands)
     return parser
 
 

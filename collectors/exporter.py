@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from collectors.records import SessionResult
+from collectors.records import ERROR_KINDS, SessionResult
 
 log = logging.getLogger("kvwatch.exporter")
 
@@ -74,9 +74,23 @@ class ProbeResults:
 
     def add_run(self, route: Route, sessions: Sequence[SessionResult], started_at: float, finished_at: float):
         with self._lock:
+            if route not in self._last:
+                self._start_at_zero(route)
             self._last[route] = LastRun(started_at, finished_at, tuple(sessions))
             for session in sessions:
                 self._count_session(route, session)
+
+    def _start_at_zero(self, route: Route) -> None:
+        """Create a new route's outcome counters at 0, so that increase() sees their first event."""
+        for key, values in (
+            ("sessions", ("success", "failure")),
+            ("stickiness", ("true", "false", "unknown")),
+            ("echo", ("true", "false")),
+            ("errors", ERROR_KINDS),
+        ):
+            for value in values:
+                self._totals[key, (*route, value)] += 0
+        self._totals["switches", route] += 0
 
     def _backend_label(self, route: Route, backend: str) -> str:
         known = self._backends[route]

@@ -99,3 +99,12 @@ def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
     results.add_run(("lab-affinity", "affinity"), [blind], 1000, 1010)
     assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="unknown") == 1
     assert value(registry, "kvwatch_probe_sticky_ratio") is None
+
+
+def test_outcome_counters_start_at_zero_so_increase_sees_the_first_failure(exporter):
+    results, registry = exporter
+    results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)
+    assert value(registry, "kvwatch_probe_sessions_total", outcome="failure") == 0
+    assert value(registry, "kvwatch_probe_errors_total", kind="unauthorized") == 0
+    assert value(registry, "kvwatch_probe_session_id_echo_sessions_total", echoed="false") == 0
+    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="false") == 0

@@ -1,0 +1,427 @@
+"""The kvwatch config: one typed YAML file, defaults first, every mistake named by its path.
+
+Each section is a frozen dataclass whose field defaults are the shipped defaults; `load_config` reads the
+user's YAML over them. An unknown key, a value of the wrong type or out of range is one `ConfigError`
+naming the key's full path, e.g.
+`error in kvwatch.yaml: targets[1].session.hedaer: unknown key; known: header, mode`.
+API keys never live in the file: a target names an environment variable or a file that holds its key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import sys
+import types
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+import yaml
+
+
+class ConfigError(Exception):
+    """The config cannot be used; the message says the one thing that is wrong and where."""
+
+
+class _Invalid(ValueError):
+    """A failed check at `where`, relative to the object being checked ("" for the object itself)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+        self.message = message
+
+
+_NAME = re.compile(r"[a-z0-9_-]{1,64}")  # names become label values: short and tidy
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+_ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Keys someone might paste a secret under; the message says how to do it instead.
+_SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
+
+
+def _check(ok: object, where: str, message: str) -> None:
+    if not ok:
+        raise _Invalid(where, message)
+
+
+def _name(value: str, where: str) -> None:
+    _check(
+        _NAME.fullmatch(value), where, f'must be 1-64 lowercase letters, digits, "_" or "-", got "{value}"'
+    )
+
+
+def _url(value: str | None, where: str) -> None:
+    if value is not None:
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and parts.hostname
+        _check(ok, where, f'must be an http:// or https:// URL with a host, got "{value}"')
+
+
+def _header(value: str, where: str) -> None:
+    _check(_HEADER.fullmatch(value), where, f'must be an HTTP header name, got "{value}"')
+
+
+def _at_least(value: int, low: int, where: str) -> None:
+    _check(value >= low, where, f"must be >= {low}, got {value}")
+
+
+def _positive(value: float, where: str) -> None:
+    _check(value > 0, where, f"must be > 0, got {value:g}")
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """How a probe session carries its id, which the gateway hashes on."""
+
+    mode: Literal["client", "server", "none"] = "client"  # make a UUID / adopt the gateway's / send none
+    header: str = "X-Session-Id"  # e.g. X-SMG-Routing-Key for sglang-router's manual policy
+
+    def __post_init__(self):
+        _header(self.header, "header")
+
+
+@dataclass(frozen=True)
+class BackendIdentity:
+    """Where a response names the replica that served it; the first one present wins."""
+
+    headers: tuple[str, ...] = ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token")
+    json_paths: tuple[str, ...] = ("nvext.worker_id",)
+
+    def __post_init__(self):
+        for i, header in enumerate(self.headers):
+            _header(header, f"headers[{i}]")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The probe's conversations, seeded so that runs are comparable."""
+
+    system_tokens: int = 1000
+    turn_tokens: int = 200
+    max_tokens: int = 32
+    seed: int = 0
+    sharegpt: Path | None = None  # a ShareGPT-style JSON file instead of synthetic turns
+
+    def __post_init__(self):
+        _at_least(self.system_tokens, 0, "system_tokens")
+        _at_least(self.turn_tokens, 1, "turn_tokens")
+        _at_least(self.max_tokens, 1, "max_tokens")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One route to probe: the three settings every client needs, and how to run its sessions."""
+
+    name: str
+    base_url: str
+    model: str
+    route_mode: str = "affinity"  # a label to compare routes by, e.g. affinity, round_robin
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+    session: SessionSettings = SessionSettings()
+    backend: BackendIdentity = BackendIdentity()
+    interval_seconds: float = 60.0
+    sessions_per_run: int = 2
+    rounds: int = 6
+    workload: Workload = Workload()
+    timeout_seconds: float = 60.0
+    block_size: int = 16  # the engine's KV block size, to block-align the ideal cached tokens
+
+    def __post_init__(self):
+        _name(self.name, "name")
+        _url(self.base_url, "base_url")
+        _name(self.route_mode, "route_mode")
+        # The key itself may have been pasted here: say so without repeating it.
+        _check(
+            self.api_key_env is None or _ENV_VAR.fullmatch(self.api_key_env),
+            "api_key_env",
+            "must be the name of an environment variable (letters, digits and _), not the key itself",
+        )
+        _check(not (self.api_key_env and self.api_key_file), "", "set api_key_env or api_key_file, not both")
+        _positive(self.interval_seconds, "interval_seconds")
+        _at_least(self.sessions_per_run, 1, "sessions_per_run")
+        # Round 1 is the cold baseline, so a session needs a second round to say anything.
+        _check(2 <= self.rounds <= 50, "rounds", f"must be between 2 and 50, got {self.rounds}")
+        _positive(self.timeout_seconds, "timeout_seconds")
+        _at_least(self.block_size, 1, "block_size")
+
+
+@dataclass(frozen=True)
+class GatewayLog:
+    """A gateway's JSON access log to follow (README, "Gateway access log")."""
+
+    name: str  # the `log` label
+    path: Path
+    spread_window_seconds: float = 600.0
+    session_ttl_seconds: float = 1800.0  # the source article recycles idle session ids after 30 min
+    max_sessions: int = 100_000
+
+    def __post_init__(self):
+        _name(self.name, "name")
+        _positive(self.spread_window_seconds, "spread_window_seconds")
+        _positive(self.session_ttl_seconds, "session_ttl_seconds")
+        _at_least(self.max_sessions, 1, "max_sessions")
+
+
+@dataclass(frozen=True)
+class ExporterSettings:
+    """Where /metrics and the Alertmanager webhook listen."""
+
+    listen: str = "127.0.0.1:9464"
+
+    def __post_init__(self):
+        host, _, port = self.listen.rpartition(":")
+        _check(
+            port.isdecimal() and 1 <= int(port) <= 65535,
+            "listen",
+            f'must be host:port with a port from 1 to 65535, got "{self.listen}"',
+        )
+        # An empty host means every interface to most servers: exposing the exporter must be explicit.
+        _check(
+            host,
+            "listen",
+            f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{self.listen}"',
+        )
+        _check(_is_host(host.strip("[]")), "listen", f'"{host}" is not an IP address or host name')
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return _HOST_NAME.fullmatch(host) is not None
+    return True
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The SQLite history of probe sessions and received alerts."""
+
+    path: Path = Path(".kvwatch/kvwatch.db")
+    retention_days: float = 14.0
+
+    def __post_init__(self):
+        _positive(self.retention_days, "retention_days")
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service the dashboard and the doctor read; unset when there is none."""
+
+    url: str | None = None
+
+    def __post_init__(self):
+        _url(self.url, "url")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `kvwatch serve` runs and the dashboard reads."""
+
+    targets: tuple[Target, ...] = ()
+    gateway_logs: tuple[GatewayLog, ...] = ()
+    exporter: ExporterSettings = ExporterSettings()
+    store: StoreSettings = StoreSettings()
+    prometheus: Service = Service()
+    alertmanager: Service = Service()
+
+    def __post_init__(self):
+        _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
+        for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
+            first: dict[str, int] = {}
+            for i, item in enumerate(items):
+                if item.name in first:
+                    raise _Invalid(
+                        f"{section}[{i}].name", f'"{item.name}" is taken by {section}[{first[item.name]}]'
+                    )
+                first[item.name] = i
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and check a config file; any problem is one `ConfigError` naming the file."""
+    try:
+        return _parse(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        problem = f"cannot read it: {error.strerror}"
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except _Invalid as error:
+        problem = str(error)
+    raise ConfigError(f"error in {path}: {problem}")
+
+
+def _parse(text: str) -> Config:
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        raise _Invalid(
+            "", f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        ) from None
+    except yaml.YAMLError as error:  # e.g. a control character, which has a position but no line
+        raise _Invalid("", f"invalid YAML: {str(error).splitlines()[0]}") from None
+    _check(data is not None, "", "the file is empty")
+    _check(isinstance(data, dict), "", f"the top level must be a mapping of keys, got {_describe(data)}")
+    return _build(Config, data, "")
+
+
+class _Loader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key given twice in one mapping instead of keeping the last silently.
+
+    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f'duplicate key "{key.value}"', key.start_mark
+                    )
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _build(cls: type, data: object, path: str):
+    """Make `cls` from a YAML mapping: its defaults first, then every given key converted to its type."""
+    _check(isinstance(data, dict), path, f"expected a mapping, got {_describe(data)}")
+    known = {field.name: field for field in fields(cls)}
+    for key in data:
+        if key in known:
+            continue
+        if key in _SECRET_KEYS:
+            raise _Invalid(
+                _join(path, key),
+                "API keys do not belong in the config file; name an environment variable (api_key_env) "
+                "or a file (api_key_file) that holds the key",
+            )
+        raise _Invalid(_join(path, key), f"unknown key; known: {', '.join(sorted(known))}")
+    hints = get_type_hints(cls)
+    values = {}
+    for name, field in known.items():
+        if name in data:
+            values[name] = _convert(hints[name], data[name], _join(path, name))
+        else:
+            _check(field.default is not MISSING, _join(path, name), "required key is missing")
+    try:
+        return cls(**values)
+    except _Invalid as error:
+        raise _Invalid(_join(path, error.where) if error.where else path, error.message) from None
+
+
+def _convert(kind: Any, value: object, path: str):
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):  # `X | None`: null is None
+        if value is None:
+            return None
+        (kind,) = (arg for arg in get_args(kind) if arg is not type(None))
+        return _convert(kind, value, path)
+    if origin is Literal:
+        allowed = get_args(kind)
+        _check(value in allowed, path, f"must be one of {', '.join(allowed)}; got {_describe(value)}")
+        return value
+    if origin is tuple:  # tuple[X, ...], from a YAML list
+        _check(isinstance(value, list), path, f"expected a list, got {_describe(value)}")
+        item_kind = get_args(kind)[0]
+        return tuple(_convert(item_kind, item, f"{path}[{i}]") for i, item in enumerate(value))
+    if is_dataclass(kind):
+        return _build(kind, value, path)
+    if kind in (int, float):
+        # YAML's true/false are ints to Python; an int is a fine float, a float is not an int.
+        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+        _check(ok, path, f"expected {'an integer' if kind is int else 'a number'}, got {_describe(value)}")
+        return kind(value)
+    _check(isinstance(value, str), path, f"expected a string, got {_describe(value)}")
+    _check(value, path, "must not be empty")
+    return Path(value).expanduser() if kind is Path else value
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f'the string "{value}"'
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    return "a mapping" if isinstance(value, dict) else "a list"
+
+
+def resolve_api_key(target: Target) -> str | None:
+    """The target's API key, read now from its environment variable or file; None when it names neither.
+
+    Read at use rather than at load, so a rotated key is picked up; messages never contain the key.
+    """
+    if target.api_key_env:
+        key = os.environ.get(target.api_key_env)
+        if key is None:
+            raise ConfigError(f"target {target.name}: environment variable {target.api_key_env} is not set")
+        return _one_key(key, target, f"environment variable {target.api_key_env}")
+    if target.api_key_file:
+        source = f"API key file {target.api_key_file}"
+        try:
+            key = target.api_key_file.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ConfigError(f"target {target.name}: cannot read {source}: {error.strerror}") from None
+        except UnicodeDecodeError:  # its message would quote bytes of the key
+            raise ConfigError(f"target {target.name}: {source} is not UTF-8 text") from None
+        return _one_key(key, target, source)
+    return None
+
+
+def _one_key(text: str, target: Target, source: str) -> str:
+    key = text.strip()  # a key file usually ends with a newline
+    if not key:
+        raise ConfigError(f"target {target.name}: {source} is empty")
+    if any(c.isspace() for c in key):
+        raise ConfigError(f"target {target.name}: {source} must hold one key, without spaces or line breaks")
+    return key
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    config = subparsers.add_parser(
+        "config", help="check a kvwatch config file", description="Work with the kvwatch config file."
+    )
+    commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    check = commands.add_parser(
+        "check",
+        help="check a config file and exit",
+        description="Load a config file as `kvwatch serve` would. Print OK and what it configures, or "
+        "the first error with its key's path and exit 1.",
+    )
+    check.add_argument("file", metavar="FILE", help="the YAML config, e.g. examples/kvwatch.lab.yaml")
+    check.set_defaults(handler=_check_file)
+
+
+def _check_file(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 1
+    targets, logs = _count(len(config.targets), "target"), _count(len(config.gateway_logs), "gateway log")
+    print(f"{args.file}: OK ({targets}, {logs})")
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,0 +1,369 @@
+"""The SQLite history: probe sessions, their rounds, and the alerts kvwatch's webhook received.
+
+Prometheus keeps the aggregates; the per-session, per-round detail the dashboard drills into lives
+here. One process writes (`kvwatch serve`: scheduler threads and the webhook share one `Store`), others
+read at the same time (the dashboard, with `readonly=True`): WAL mode lets readers see the last commit
+while a write is in progress, and a busy timeout absorbs the short moments when SQLite must lock.
+Nothing here accepts an API key: the records carry none, and alerts carry only labels and annotations.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from datetime import datetime
+from pathlib import Path
+
+from collectors.records import RoundResult, SessionResult
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_SECONDS = 10.0
+ALERT_STATUSES = ("firing", "resolved")
+
+_SCHEMA = (
+    """CREATE TABLE sessions (
+        id INTEGER PRIMARY KEY,
+        target TEXT NOT NULL,
+        route_mode TEXT NOT NULL,
+        session_id TEXT,
+        started_at REAL NOT NULL,
+        finished_at REAL NOT NULL,
+        ok INTEGER NOT NULL,
+        error_kind TEXT,
+        sticky INTEGER,
+        backend_switches INTEGER,
+        session_id_echoed INTEGER
+    )""",
+    "CREATE INDEX sessions_by_time ON sessions (started_at)",
+    "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
+    """CREATE TABLE rounds (
+        session INTEGER NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        round INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        status INTEGER,
+        error_kind TEXT,
+        error_detail TEXT,
+        ttft_seconds REAL,
+        total_seconds REAL,
+        prompt_tokens INTEGER,
+        cached_tokens INTEGER,
+        ideal_cached_tokens INTEGER,
+        completion_tokens INTEGER,
+        backend TEXT,
+        session_id_sent TEXT,
+        session_id_returned TEXT,
+        PRIMARY KEY (session, round)
+    ) WITHOUT ROWID""",
+    # Alertmanager repeats a group's alerts in every notification: one row per alert per state
+    # (fingerprint, status, starts_at) keeps the first receipt, which is what detection latency needs.
+    """CREATE TABLE alerts (
+        id INTEGER PRIMARY KEY,
+        received_at REAL NOT NULL,
+        status TEXT NOT NULL,
+        alertname TEXT NOT NULL,
+        severity TEXT,
+        target TEXT,
+        instance TEXT,
+        labels TEXT NOT NULL,
+        annotations TEXT NOT NULL,
+        starts_at REAL NOT NULL,
+        ends_at REAL,
+        fingerprint TEXT NOT NULL,
+        UNIQUE (fingerprint, status, starts_at)
+    )""",
+    "CREATE INDEX alerts_by_time ON alerts (received_at)",
+)
+# Fields and properties of SessionResult / RoundResult, stored under their own names.
+_SESSION_COLUMNS = (
+    "target",
+    "route_mode",
+    "session_id",
+    "started_at",
+    "finished_at",
+    "ok",
+    "error_kind",
+    "sticky",
+    "backend_switches",
+    "session_id_echoed",
+)
+_ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
+_ALERT_COLUMNS = (
+    "received_at",
+    "status",
+    "alertname",
+    "severity",
+    "target",
+    "instance",
+    "labels",
+    "annotations",
+    "starts_at",
+    "ends_at",
+    "fingerprint",
+)
+_BOOLEANS = ("ok", "sticky", "session_id_echoed")
+
+
+class StoreError(Exception):
+    """The store cannot be opened: missing (read-only), not a kvwatch store, or from a newer kvwatch."""
+
+
+class Store:
+    """The history in one SQLite file; thread-safe, one writing process and any number of readers."""
+
+    def __init__(self, path: str | Path, retention_days: float = 14.0, *, readonly: bool = False):
+        self.path = Path(path)
+        self.retention_days = retention_days
+        self._lock = threading.Lock()
+        if readonly and not self.path.is_file():
+            raise StoreError(f"no kvwatch store at {self.path}")
+        try:
+            self._db = self._connect(readonly)
+        except sqlite3.Error as error:
+            raise StoreError(f"cannot open the kvwatch store {self.path}: {error}") from None
+
+    def _connect(self, readonly: bool) -> sqlite3.Connection:
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        uri = self.path.resolve().as_uri() + ("?mode=ro" if readonly else "")
+        # Autocommit (isolation_level=None): every transaction is explicit, see _transaction.
+        db = sqlite3.connect(
+            uri, uri=True, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
+        )
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA foreign_keys = ON")
+            if not readonly:
+                db.execute("PRAGMA journal_mode = WAL")  # kept in the file: readers use it too
+                db.execute(
+                    "PRAGMA synchronous = NORMAL"
+                )  # safe with WAL: a crash loses at most the last commit
+            self._check_schema(db, readonly)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _check_schema(self, db: sqlite3.Connection, readonly: bool) -> None:
+        with self._transaction(db, write=not readonly):
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema {version}, from a newer kvwatch; this one reads {SCHEMA_VERSION}"
+                )
+            if version == 0 and readonly:
+                raise StoreError(f"{self.path} is not a kvwatch store")
+            if version == 0:
+                for statement in _SCHEMA:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @contextmanager
+    def _transaction(
+        self, db: sqlite3.Connection | None = None, *, write: bool
+    ) -> Iterator[sqlite3.Connection]:
+        """One transaction under the lock; a write takes SQLite's write lock at once, so it never has
+        to upgrade a read lock and fail with "database is locked"."""
+        db = self._db if db is None else db
+        with self._lock:
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- probe sessions ----------------------------------------------------------------------------
+
+    def add_session(self, result: SessionResult) -> int:
+        """Store one probe session and its rounds; returns the session's id in the store."""
+        with self._transaction(write=True) as db:
+            cursor = db.execute(
+                _insert("sessions", _SESSION_COLUMNS), [getattr(result, c) for c in _SESSION_COLUMNS]
+            )
+            session = cursor.lastrowid
+            db.executemany(
+                _insert("rounds", ("session", *_ROUND_COLUMNS)),
+                [(session, *(getattr(r, c) for c in _ROUND_COLUMNS)) for r in result.rounds],
+            )
+        return session
+
+    def sessions(
+        self, target: str | None = None, since: float | None = None, limit: int | None = None
+    ) -> list[dict]:
+        """Sessions, newest first: one dict per session, the columns of the sessions table.
+
+        `since` (unix seconds) keeps sessions that started then or later; `ok`, `sticky` and
+        `session_id_echoed` are booleans (None when unknown).
+        """
+        where, params = _where({"target = ?": target, "started_at >= ?": since})
+        sql = f"SELECT * FROM sessions {where} ORDER BY started_at DESC, id DESC"
+        if limit is not None:
+            sql, params = f"{sql} LIMIT ?", [*params, limit]
+        with self._transaction(write=False) as db:
+            return [_session_row(row) for row in db.execute(sql, params)]
+
+    def rounds(self, target: str | None = None, since: float | None = None) -> list[dict]:
+        """The rounds of the matching sessions, newest session first and each in round order.
+
+        Each dict has the session's store id (`session`), `target` and `route_mode`, then the fields
+        of RoundResult.
+        """
+        where, params = _where({"s.target = ?": target, "s.started_at >= ?": since})
+        sql = (
+            f"SELECT r.session, s.target, s.route_mode, {', '.join('r.' + c for c in _ROUND_COLUMNS)} "
+            "FROM rounds r JOIN sessions s ON s.id = r.session "
+            f"{where} ORDER BY s.started_at DESC, s.id DESC, r.round"
+        )
+        with self._transaction(write=False) as db:
+            return [dict(row) for row in db.execute(sql, params)]
+
+    def session(self, session: int) -> SessionResult | None:
+        """The session with this store id, as the record that was stored; None when there is none."""
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT * FROM sessions WHERE id = ?", (session,)).fetchone()
+            if row is None:
+                return None
+            rounds = db.execute(
+                f"SELECT {', '.join(_ROUND_COLUMNS)} FROM rounds WHERE session = ? ORDER BY round", (session,)
+            ).fetchall()
+        return SessionResult(
+            target=row["target"],
+            route_mode=row["route_mode"],
+            session_id=row["session_id"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            rounds=tuple(RoundResult(**r) for r in rounds),
+        )
+
+    # --- alerts ------------------------------------------------------------------------------------
+
+    def add_alerts(self, payload: object, received_at: float | None = None) -> int:
+        """Store the alerts of an Alertmanager webhook notification (version 4); returns how many were new.
+
+        A malformed payload raises ValueError naming what is wrong, and nothing of it is stored.
+        """
+        received_at = time.time() if received_at is None else received_at
+        rows = [
+            (received_at, *_alert_row(alert, f"alerts[{i}]")) for i, alert in enumerate(_alerts_of(payload))
+        ]
+        with self._transaction(write=True) as db:
+            before = db.total_changes
+            db.executemany(_insert("alerts", _ALERT_COLUMNS, "INSERT OR IGNORE"), rows)
+            return db.total_changes - before
+
+    def alerts(self, since: float | None = None, status: str | None = None) -> list[dict]:
+        """Received alerts, newest first; `labels` and `annotations` are dicts, times unix seconds."""
+        where, params = _where({"received_at >= ?": since, "status = ?": status})
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT * FROM alerts {where} ORDER BY received_at DESC, id DESC", params)
+            return [
+                {**row, "labels": json.loads(row["labels"]), "annotations": json.loads(row["annotations"])}
+                for row in map(dict, rows)
+            ]
+
+    # --- retention ---------------------------------------------------------------------------------
+
+    def prune(self, now: float | None = None) -> int:
+        """Forget sessions that started, and alerts received, over retention_days ago; returns how many."""
+        cutoff = (time.time() if now is None else now) - self.retention_days * 86400
+        with self._transaction(write=True) as db:
+            sessions = db.execute("DELETE FROM sessions WHERE started_at < ?", (cutoff,)).rowcount
+            alerts = db.execute("DELETE FROM alerts WHERE received_at < ?", (cutoff,)).rowcount
+        return sessions + alerts
+
+
+def _insert(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:
+    return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+def _where(conditions: dict[str, object]) -> tuple[str, list]:
+    """A WHERE clause of the conditions whose value is given, e.g. {"target = ?": "chat", ...}."""
+    given = {condition: value for condition, value in conditions.items() if value is not None}
+    return (f"WHERE {' AND '.join(given)}" if given else ""), list(given.values())
+
+
+def _session_row(row: sqlite3.Row) -> dict:
+    values = dict(row)
+    for column in _BOOLEANS:
+        if values[column] is not None:
+            values[column] = bool(values[column])
+    return values
+
+
+def _alerts_of(payload: object) -> list:
+    if not isinstance(payload, dict):
+        raise ValueError(f"the payload must be a JSON object, got {type(payload).__name__}")
+    if payload.get("version") != "4":
+        raise ValueError(
+            f'version must be "4" (Alertmanager\'s webhook format), got {payload.get("version")!r}'
+        )
+    alerts = payload.get("alerts")
+    if not isinstance(alerts, list):
+        raise ValueError("alerts: must be a list")
+    return alerts
+
+
+def _alert_row(alert: object, where: str) -> tuple:
+    if not isinstance(alert, dict):
+        raise ValueError(f"{where}: must be an object")
+    status = alert.get("status")
+    if status not in ALERT_STATUSES:
+        raise ValueError(f"{where}.status: must be firing or resolved, got {status!r}")
+    labels = _strings(alert.get("labels"), f"{where}.labels")
+    annotations = _strings(alert.get("annotations", {}), f"{where}.annotations")
+    if "alertname" not in labels:
+        raise ValueError(f"{where}.labels: no alertname")
+    fingerprint = alert.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"{where}.fingerprint: must be a non-empty string")
+    return (
+        status,
+        labels["alertname"],
+        labels.get("severity"),
+        labels.get("target"),
+        labels.get("instance"),
+        json.dumps(labels, sort_keys=True),
+        json.dumps(annotations, sort_keys=True),
+        _time(alert.get("startsAt"), f"{where}.startsAt"),
+        _time(alert.get("endsAt"), f"{where}.endsAt", optional=True),
+        fingerprint,
+    )
+
+
+def _strings(value: object, where: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{where}: must be an object of strings")
+    return value
+
+
+def _time(value: object, where: str, optional: bool = False) -> float | None:
+    """An RFC 3339 time as unix seconds; Go's zero time (year 1) means unset, as for a firing alert's end."""
+    if optional and value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: must be an RFC 3339 time, got {value!r}") from None
+    if parsed.tzinfo is None:
+        raise ValueError(f"{where}: must be an RFC 3339 time with a zone, got {value!r}")
+    if parsed.year == 1:
+        if not optional:
+            raise ValueError(f"{where}: must be set, got the zero time {value!r}")
+        return None
+    return parsed.timestamp()

@@ -1,0 +1,369 @@
+"""The config: defaults first, the user's values over them, every mistake one exact message with its path."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collectors.config import (
+    BackendIdentity,
+    Config,
+    ConfigError,
+    ExporterSettings,
+    GatewayLog,
+    Service,
+    SessionSettings,
+    StoreSettings,
+    Target,
+    Workload,
+    load_config,
+    resolve_api_key,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TESTDATA = REPO / "tests" / "testdata" / "config"
+EXAMPLES = REPO / "examples"
+KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
+
+# (<what> of tests/testdata/config/invalid-<what>.yml, the exact message after "error in <file>: ")
+INVALID = [
+    (
+        "alertmanager-url",
+        'alertmanager.url: must be an http:// or https:// URL with a host, got "ftp://127.0.0.1:18003"',
+    ),
+    ("api-key-env-and-file", "targets[0]: set api_key_env or api_key_file, not both"),
+    (
+        "api-key-env-holds-a-key",
+        "targets[0].api_key_env: "
+        "must be the name of an environment variable (letters, digits and _), not the key itself",
+    ),
+    (
+        "api-key-in-file",
+        "targets[0].api_key: API keys do not belong in the config file; "
+        "name an environment variable (api_key_env) or a file (api_key_file) that holds the key",
+    ),
+    ("backend-header", 'targets[0].backend.headers[1]: must be an HTTP header name, got "X-Worker-Id:"'),
+    (
+        "backend-json-paths-type",
+        'targets[0].backend.json_paths: expected a list, got the string "nvext.worker_id"',
+    ),
+    (
+        "base-url",
+        'targets[0].base_url: must be an http:// or https:// URL with a host, got "127.0.0.1:18000"',
+    ),
+    ("block-size", "targets[0].block_size: must be >= 1, got 0"),
+    ("control-character", "invalid YAML: unacceptable character #x0007: special characters are not allowed"),
+    ("duplicate-gateway-log-name", 'gateway_logs[1].name: "chat" is taken by gateway_logs[0]'),
+    ("duplicate-key", 'invalid YAML at line 6, column 5: duplicate key "rounds"'),
+    ("duplicate-target-name", 'targets[1].name: "chat" is taken by targets[0]'),
+    ("empty-model", "targets[0].model: must not be empty"),
+    ("empty", "the file is empty"),
+    ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1, got 0"),
+    ("gateway-log-missing-path", "gateway_logs[0].path: required key is missing"),
+    (
+        "gateway-log-name",
+        'gateway_logs[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "gateway.affinity"',
+    ),
+    ("gateway-log-session-ttl", "gateway_logs[0].session_ttl_seconds: must be > 0, got 0"),
+    ("gateway-log-spread-window", "gateway_logs[0].spread_window_seconds: must be > 0, got 0"),
+    ("interval-null", "targets[0].interval_seconds: expected a number, got null"),
+    ("interval-type", 'targets[0].interval_seconds: expected a number, got the string "60s"'),
+    ("interval", "targets[0].interval_seconds: must be > 0, got 0"),
+    ("listen-host", 'exporter.listen: "bad_host" is not an IP address or host name'),
+    ("listen-port", 'exporter.listen: must be host:port with a port from 1 to 65535, got "127.0.0.1:99999"'),
+    (
+        "listen-without-host",
+        "exporter.listen: "
+        'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got ":9464"',
+    ),
+    ("missing-model", "targets[0].model: required key is missing"),
+    ("not-utf8", "not UTF-8 text"),
+    ("nothing-to-watch", "nothing to watch: add a target or a gateway log"),
+    (
+        "prometheus-url",
+        'prometheus.url: must be an http:// or https:// URL with a host, got "prometheus:9090"',
+    ),
+    ("rounds-float", "targets[0].rounds: expected an integer, got the number 6.5"),
+    ("rounds-too-many", "targets[0].rounds: must be between 2 and 50, got 51"),
+    ("rounds", "targets[0].rounds: must be between 2 and 50, got 1"),
+    (
+        "route-mode",
+        'targets[0].route_mode: must be 1-64 lowercase letters, digits, "_" or "-", got "Round Robin"',
+    ),
+    ("session-header", 'targets[0].session.header: must be an HTTP header name, got "X Session Id"'),
+    ("session-mode", 'targets[0].session.mode: must be one of client, server, none; got the string "sticky"'),
+    ("sessions-per-run-boolean", "targets[0].sessions_per_run: expected an integer, got the boolean true"),
+    ("sessions-per-run", "targets[0].sessions_per_run: must be >= 1, got 0"),
+    ("store-retention", "store.retention_days: must be > 0, got 0"),
+    ("target-name", 'targets[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "Chat Route"'),
+    ("target-not-a-mapping", 'targets[0]: expected a mapping, got the string "chat"'),
+    ("targets-not-a-list", "targets: expected a list, got a mapping"),
+    ("timeout", "targets[0].timeout_seconds: must be > 0, got -1"),
+    ("top-level-list", "the top level must be a mapping of keys, got a list"),
+    ("unknown-key", "targets[1].session.hedaer: unknown key; known: header, mode"),
+    (
+        "unknown-top-level-key",
+        "thresholds: unknown key; known: alertmanager, exporter, gateway_logs, prometheus, store, targets",
+    ),
+    ("workload-max-tokens", "targets[0].workload.max_tokens: must be >= 1, got 0"),
+    ("workload-not-a-mapping", 'targets[0].workload: expected a mapping, got the string "synthetic"'),
+    ("workload-system-tokens", "targets[0].workload.system_tokens: must be >= 0, got -1"),
+    ("workload-turn-tokens", "targets[0].workload.turn_tokens: must be >= 1, got 0"),
+    ("yaml", "invalid YAML at line 5, column 4: expected <block end>, but found '<block mapping start>'"),
+]
+
+
+def test_minimal_file_takes_every_default():
+    config = load_config(TESTDATA / "good-minimal.yml")
+    (target,) = config.targets
+    assert dataclasses.asdict(target) == {
+        "name": "chat",
+        "base_url": "http://127.0.0.1:18000",
+        "model": "lab-model",
+        "route_mode": "affinity",
+        "api_key_env": None,
+        "api_key_file": None,
+        "session": {"mode": "client", "header": "X-Session-Id"},
+        "backend": {
+            "headers": ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token"),
+            "json_paths": ("nvext.worker_id",),
+        },
+        "interval_seconds": 60.0,
+        "sessions_per_run": 2,
+        "rounds": 6,
+        "workload": {
+            "system_tokens": 1000,
+            "turn_tokens": 200,
+            "max_tokens": 32,
+            "seed": 0,
+            "sharegpt": None,
+        },
+        "timeout_seconds": 60.0,
+        "block_size": 16,
+    }
+    assert config.gateway_logs == ()
+    assert config.exporter.listen == "127.0.0.1:9464"
+    assert (config.exporter.host, config.exporter.port) == ("127.0.0.1", 9464)
+    assert config.store == StoreSettings(path=Path(".kvwatch/kvwatch.db"), retention_days=14.0)
+    assert config.prometheus.url is None and config.alertmanager.url is None
+
+
+def test_gateway_log_defaults_match_the_follower():
+    log = GatewayLog(name="chat", path=Path("access.jsonl"))
+    assert (log.spread_window_seconds, log.session_ttl_seconds, log.max_sessions) == (600.0, 1800.0, 100_000)
+
+
+def test_full_file_overrides_every_default_and_merges_anchors():
+    chat = Target(
+        name="chat",
+        base_url="https://llm.example.com/api",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        route_mode="affinity",
+        api_key_env="KVWATCH_CHAT_API_KEY",
+        session=SessionSettings(mode="server", header="X-SMG-Routing-Key"),
+        backend=BackendIdentity(headers=("X-Worker-Id",), json_paths=("nvext.worker_id", "metadata.pod")),
+        interval_seconds=30.5,
+        sessions_per_run=3,
+        rounds=8,
+        workload=Workload(
+            system_tokens=2000, turn_tokens=150, max_tokens=16, seed=7, sharegpt=Path("conversations.json")
+        ),
+        timeout_seconds=20.0,
+        block_size=32,
+    )
+    round_robin = dataclasses.replace(
+        chat,
+        name="chat-rr",
+        route_mode="round_robin",
+        api_key_env=None,
+        api_key_file=Path("/run/secrets/kvwatch-key"),
+    )
+    assert load_config(TESTDATA / "good.yml") == Config(
+        targets=(chat, round_robin),
+        gateway_logs=(
+            GatewayLog(
+                name="chat",
+                path=Path("/var/log/nginx/kvwatch.jsonl"),
+                spread_window_seconds=300.0,
+                session_ttl_seconds=900.0,
+                max_sessions=5000,
+            ),
+        ),
+        exporter=ExporterSettings(listen="[::1]:9100"),
+        store=StoreSettings(path=Path("/var/lib/kvwatch/history.db"), retention_days=3.5),
+        prometheus=Service(url="http://prometheus:9090"),
+        alertmanager=Service(url="http://alertmanager:9093"),
+    )
+    assert ExporterSettings(listen="[::1]:9100").host == "::1"
+
+
+def test_lab_example_points_at_the_lab():
+    config = load_config(EXAMPLES / "kvwatch.lab.yaml")
+    assert [(t.name, t.base_url, t.model, t.route_mode) for t in config.targets] == [
+        ("lab-affinity", "http://127.0.0.1:18000", "lab-model", "affinity"),
+        ("lab-round-robin", "http://127.0.0.1:18001", "lab-model", "round_robin"),
+    ]
+    assert [(log.name, log.path) for log in config.gateway_logs] == [
+        ("affinity", Path(".kvwatch/lab/logs/gateway-affinity.jsonl")),
+        ("round_robin", Path(".kvwatch/lab/logs/gateway-round_robin.jsonl")),
+    ]
+    assert config.exporter.listen == "127.0.0.1:18004"
+    assert config.store.path == Path(".kvwatch/kvwatch.db")
+    assert config.prometheus.url == "http://127.0.0.1:18002"
+    assert config.alertmanager.url == "http://127.0.0.1:18003"
+
+
+def test_real_cluster_example_loads():
+    config = load_config(EXAMPLES / "kvwatch.example.yaml")
+    affinity, manual = config.targets
+    assert affinity.api_key_env == "KVWATCH_CHAT_API_KEY" and affinity.backend.headers == ("X-Worker-Id",)
+    assert manual.session.header == "X-SMG-Routing-Key" and manual.api_key_file is not None
+    assert config.exporter.host == "0.0.0.0"
+
+
+def test_every_invalid_file_has_its_expected_message():
+    assert sorted(path.name for path in TESTDATA.glob("invalid-*.yml")) == sorted(
+        f"invalid-{what}.yml" for what, _ in INVALID
+    )
+
+
+@pytest.mark.parametrize(("what", "message"), INVALID, ids=[what for what, _ in INVALID])
+def test_invalid_config_is_one_exact_message(what, message):
+    path = TESTDATA / f"invalid-{what}.yml"
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == f"error in {path}: {message}"
+    assert KEY not in str(error.value)
+
+
+def test_missing_file():
+    path = TESTDATA / "no-such-file.yml"
+    with pytest.raises(
+        ConfigError, match=re.escape(f"error in {path}: cannot read it: No such file or directory")
+    ):
+        load_config(path)
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ValueError, match=r"^rounds: must be between 2 and 50, got 60$"):
+        Target(name="chat", base_url="http://127.0.0.1:18000", model="m", rounds=60)
+
+
+def kvwatch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collectors.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "summary"),
+    [
+        ("examples/kvwatch.lab.yaml", "2 targets, 2 gateway logs"),
+        ("examples/kvwatch.example.yaml", "2 targets, 1 gateway log"),
+        ("tests/testdata/config/good-minimal.yml", "1 target, 0 gateway logs"),
+    ],
+)
+def test_config_check_accepts_a_good_file(path, summary):
+    result = kvwatch("config", "check", path)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{path}: OK ({summary})\n", "")
+
+
+def test_config_check_prints_the_one_error():
+    path = "tests/testdata/config/invalid-unknown-key.yml"
+    result = kvwatch("config", "check", path)
+    expected = f"error in {path}: targets[1].session.hedaer: unknown key; known: header, mode\n"
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", expected)
+
+
+def test_config_check_of_a_missing_file():
+    result = kvwatch("config", "check", "nowhere.yaml")
+    assert result.returncode == 1
+    assert result.stderr == "error in nowhere.yaml: cannot read it: No such file or directory\n"
+
+
+def target(**key_source) -> Target:
+    return Target(name="chat", base_url="http://127.0.0.1:18000", model="lab-model", **key_source)
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("KVWATCH_TEST_KEY", f" {KEY}\n")
+    assert resolve_api_key(target(api_key_env="KVWATCH_TEST_KEY")) == KEY
+
+
+def test_api_key_from_file(tmp_path):
+    (tmp_path / "key").write_text(f"{KEY}\n")
+    assert resolve_api_key(target(api_key_file=tmp_path / "key")) == KEY
+
+
+def test_no_api_key_configured():
+    assert resolve_api_key(target()) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (None, "target chat: environment variable KVWATCH_TEST_KEY is not set"),
+        ("  \n", "target chat: environment variable KVWATCH_TEST_KEY is empty"),
+        (
+            f"{KEY} {KEY}",
+            "target chat: "
+            "environment variable KVWATCH_TEST_KEY must hold one key, without spaces or line breaks",
+        ),
+    ],
+)
+def test_api_key_environment_errors(monkeypatch, env, message):
+    monkeypatch.delenv("KVWATCH_TEST_KEY", raising=False)
+    if env is not None:
+        monkeypatch.setenv("KVWATCH_TEST_KEY", env)
+    with pytest.raises(ConfigError) as error:
+        resolve_api_key(target(api_key_env="KVWATCH_TEST_KEY"))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot read API key file {path}: No such file or directory"),
+        ("directory", "cannot read API key file {path}: Is a directory"),
+        (b"", "API key file {path} is empty"),
+        (f"{KEY}\n{KEY}\n".encode(), "API key file {path} must hold one key, without spaces or line breaks"),
+        (KEY.encode() + b"\xff", "API key file {path} is not UTF-8 text"),
+    ],
+)
+def test_api_key_file_errors(tmp_path, content, problem):
+    path = tmp_path / "key"
+    if content == "directory":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        resolve_api_key(target(api_key_file=path))
+    assert str(error.value) == "target chat: " + problem.format(path=path)
+    assert KEY not in str(error.value)
+
+
+def readme_configuration_section() -> str:
+    readme = (REPO / "README.md").read_text()
+    return readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+
+
+def leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of a config section by its full path, e.g. `targets[].session.mode`."""
+    keys = []
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(field.default):
+            keys += leaf_keys(type(field.default), f"{prefix}{field.name}.")
+        else:
+            keys.append(prefix + field.name)
+    return keys
+
+
+def test_readme_documents_every_key():
+    section = readme_configuration_section()
+    keys = [*leaf_keys(Config), *leaf_keys(Target, "targets[]."), *leaf_keys(GatewayLog, "gateway_logs[].")]
+    assert [key for key in keys if f"`{key}`" not in section] == []

@@ -1,0 +1,403 @@
+"""The SQLite history gives back exactly what was stored, survives restarts and is readable while written."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sqlite3
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from collectors.records import RoundResult, SessionResult
+from collectors.store import SCHEMA_VERSION, Store, StoreError
+
+REPO = Path(__file__).resolve().parent.parent
+DAY = 86400.0
+
+
+def round_result(n: int, backend: str | None = "r1", **overrides) -> RoundResult:
+    values = dict(
+        round=n, started_at=1000.0 + n, status=200, error_kind=None, error_detail=None,
+        ttft_seconds=0.412 if n == 1 else 0.031, total_seconds=0.9, prompt_tokens=1200 * n,
+        cached_tokens=0 if n == 1 else 1184 * (n - 1), ideal_cached_tokens=0 if n == 1 else 1184 * (n - 1),
+        completion_tokens=32, backend=backend, session_id_sent="5f0c-session",
+        session_id_returned="5f0c-session",
+    )  # fmt: skip
+    values.update(overrides)
+    return RoundResult(**values)
+
+
+def session(
+    target: str = "lab-affinity",
+    started_at: float = 1000.0,
+    *rounds: RoundResult,
+    route_mode: str = "affinity",
+) -> SessionResult:
+    rounds = rounds or (round_result(1), round_result(2), round_result(3))
+    return SessionResult(target, route_mode, "5f0c-session", started_at, started_at + 3.5, rounds)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store(tmp_path / "history" / "kvwatch.db") as store:
+        yield store
+
+
+def test_session_round_trip_gives_back_the_record(store):
+    failed = session(
+        "lab-round-robin",
+        2000.0,
+        round_result(1, backend="r1"),
+        round_result(2, backend="r2", session_id_returned=None),
+        round_result(
+            3,
+            backend=None,
+            status=401,
+            error_kind="unauthorized",
+            error_detail="401: missing Bearer",
+            ttft_seconds=None,
+            total_seconds=0.01,
+            prompt_tokens=None,
+            cached_tokens=None,
+            completion_tokens=None,
+            session_id_returned=None,
+        ),
+        route_mode="round_robin",
+    )
+    sticky = session()
+    ids = [store.add_session(sticky), store.add_session(failed)]
+    assert store.session(ids[0]) == sticky
+    assert store.session(ids[1]) == failed
+    assert store.session(999) is None
+
+    rows = store.sessions()
+    assert [row["id"] for row in rows] == ids[::-1]
+    assert rows[1] == {
+        "id": ids[0], "target": "lab-affinity", "route_mode": "affinity", "session_id": "5f0c-session",
+        "started_at": 1000.0, "finished_at": 1003.5, "ok": True, "error_kind": None, "sticky": True,
+        "backend_switches": 0, "session_id_echoed": True,
+    }  # fmt: skip
+    assert rows[0] == {
+        "id": ids[1], "target": "lab-round-robin", "route_mode": "round_robin", "session_id": "5f0c-session",
+        "started_at": 2000.0, "finished_at": 2003.5, "ok": False, "error_kind": "unauthorized",
+        "sticky": False, "backend_switches": 1, "session_id_echoed": False,
+    }  # fmt: skip
+
+
+def test_unknown_stickiness_is_null_not_false(store):
+    unknown = session("t", 1000.0, round_result(1, backend=None, cached_tokens=None, session_id_sent=None))
+    store.add_session(unknown)
+    (row,) = store.sessions()
+    assert (row["sticky"], row["backend_switches"], row["session_id_echoed"]) == (None, None, None)
+
+
+def test_rounds_rows_carry_their_session_and_route(store):
+    first = store.add_session(session("lab-affinity", 1000.0))
+    second = store.add_session(session("lab-round-robin", 2000.0, route_mode="round_robin"))
+    rows = store.rounds()
+    assert [(row["session"], row["round"]) for row in rows] == [
+        (s, n) for s in (second, first) for n in (1, 2, 3)
+    ]
+    route = {"session": second, "target": "lab-round-robin", "route_mode": "round_robin"}
+    assert rows[0] == route | asdict(round_result(1))
+    assert [row["ttft_seconds"] for row in store.rounds(target="lab-affinity")] == [0.412, 0.031, 0.031]
+    assert {row["session"] for row in store.rounds(since=1500.0)} == {second}
+
+
+def test_sessions_filter_and_order(store):
+    for started_at, target in [(100.0, "a"), (300.0, "b"), (200.0, "a"), (400.0, "a")]:
+        store.add_session(session(target, started_at))
+    started = [row["started_at"] for row in store.sessions()]
+    assert started == [400.0, 300.0, 200.0, 100.0]
+    assert [row["started_at"] for row in store.sessions(target="a")] == [400.0, 200.0, 100.0]
+    assert [row["started_at"] for row in store.sessions(since=200.0)] == [400.0, 300.0, 200.0]
+    assert [row["started_at"] for row in store.sessions(target="a", since=150.0, limit=1)] == [400.0]
+    assert store.sessions(target="nobody") == []
+
+
+def test_reopened_store_reads_back_what_was_written(tmp_path):
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        stored = store.add_session(session())
+        store.add_alerts(webhook(), received_at=1000.0)
+    with Store(path) as store:
+        assert store.session(stored) == session()
+        assert len(store.alerts()) == 2
+        assert store.add_session(session("again", 2000.0)) == stored + 1
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.close()
+
+
+def test_busy_timeout_is_set(store):
+    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 10_000
+
+
+def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(StoreError, match="^no kvwatch store at "):
+        Store(tmp_path / "missing.db", readonly=True)
+    assert not (tmp_path / "missing.db").exists()
+
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).close()
+    with pytest.raises(StoreError, match=r"other\.db is not a kvwatch store$"):
+        Store(other, readonly=True)
+
+    garbage = tmp_path / "garbage.db"
+    garbage.write_text("not a database at all" * 100)
+    with pytest.raises(StoreError, match=r"garbage\.db: file is not a database$"):
+        Store(garbage)
+
+    newer = tmp_path / "newer.db"
+    Store(newer).close()
+    db = sqlite3.connect(newer)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match=f"has schema {SCHEMA_VERSION + 1}, from a newer kvwatch"):
+        Store(newer)
+
+
+def test_readonly_store_cannot_write(tmp_path):
+    path = tmp_path / "kvwatch.db"
+    Store(path).close()
+    with Store(path, readonly=True) as reader, pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.add_session(session())
+
+
+# --- alerts ----------------------------------------------------------------------------------------
+
+
+def webhook(status: str = "firing") -> dict:
+    """A notification as Alertmanager 0.27 posts it (webhook format version 4)."""
+    return {
+        "receiver": "kvwatch",
+        "status": status,
+        "alerts": [
+            {
+                "status": status,
+                "labels": {
+                    "alertname": "KVWatchSessionAffinityBroken",
+                    "severity": "critical",
+                    "target": "lab-affinity",
+                    "route_mode": "affinity",
+                    "instance": "127.0.0.1:18004",
+                    "job": "kvwatch",
+                },
+                "annotations": {
+                    "summary": "Probe sessions through lab-affinity change backend.",
+                    "runbook_url": "https://example.com/alerts/runbook.md#kvwatchsessionaffinitybroken",
+                },
+                "startsAt": "2026-11-29T18:00:05.123456789Z",
+                "endsAt": "0001-01-01T00:00:00Z" if status == "firing" else "2026-11-29T18:10:05Z",
+                "generatorURL": "http://127.0.0.1:18002/graph?g0.expr=...",
+                "fingerprint": "a1b2c3d4e5f60718",
+            },
+            {
+                "status": status,
+                "labels": {"alertname": "Watchdog", "severity": "none"},
+                "annotations": {},
+                "startsAt": "2026-11-29T17:00:00+01:00",
+                "endsAt": "0001-01-01T00:00:00Z",
+                "generatorURL": "",
+                "fingerprint": "00000000000000ff",
+            },
+        ],
+        "groupLabels": {"alertname": "KVWatchSessionAffinityBroken"},
+        "commonLabels": {"severity": "critical"},
+        "commonAnnotations": {},
+        "externalURL": "http://127.0.0.1:18003",
+        "version": "4",
+        "groupKey": '{}:{alertname="KVWatchSessionAffinityBroken"}',
+        "truncatedAlerts": 0,
+    }
+
+
+def test_webhook_alerts_are_stored(store):
+    assert store.add_alerts(webhook(), received_at=5000.0) == 2
+    watchdog, broken = store.alerts()  # received together: the later row first
+    assert broken | {"id": None} == {
+        "id": None,
+        "received_at": 5000.0,
+        "status": "firing",
+        "alertname": "KVWatchSessionAffinityBroken",
+        "severity": "critical",
+        "target": "lab-affinity",
+        "instance": "127.0.0.1:18004",
+        "labels": webhook()["alerts"][0]["labels"],
+        "annotations": webhook()["alerts"][0]["annotations"],
+        "starts_at": 1795975205.123456,
+        "ends_at": None,
+        "fingerprint": "a1b2c3d4e5f60718",
+    }
+    assert (watchdog["target"], watchdog["starts_at"], watchdog["annotations"]) == (None, 1795968000.0, {})
+
+
+def test_repeated_notifications_keep_the_first_receipt(store):
+    store.add_alerts(webhook(), received_at=5000.0)
+    assert store.add_alerts(webhook(), received_at=5060.0) == 0
+    assert store.add_alerts(webhook("resolved"), received_at=5600.0) == 2
+    assert [(a["status"], a["received_at"]) for a in store.alerts(status="firing")] == [
+        ("firing", 5000.0)
+    ] * 2
+    resolved = store.alerts(since=5500.0)
+    assert {a["status"] for a in resolved} == {"resolved"} and len(resolved) == 2
+    assert {a["ends_at"] for a in resolved} == {1795975805.0, None}
+
+
+def without(key: str, index: int = 0) -> dict:
+    payload = webhook()
+    del payload["alerts"][index][key]
+    return payload
+
+
+def changed(index: int, **values) -> dict:
+    payload = webhook()
+    payload["alerts"][index].update(values)
+    return payload
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ([], "the payload must be a JSON object, got list"),
+        ({"alerts": []}, 'version must be "4" (Alertmanager\'s webhook format), got None'),
+        ({**webhook(), "version": "3"}, "version must be \"4\" (Alertmanager's webhook format), got '3'"),
+        ({**webhook(), "alerts": None}, "alerts: must be a list"),
+        ({**webhook(), "alerts": ["KVWatchProbeFailing"]}, "alerts[0]: must be an object"),
+        (changed(1, status="pending"), "alerts[1].status: must be firing or resolved, got 'pending'"),
+        (without("labels", 1), "alerts[1].labels: must be an object of strings"),
+        (changed(0, labels={"alertname": "X", "round": 2}), "alerts[0].labels: must be an object of strings"),
+        (changed(0, labels={"severity": "critical"}), "alerts[0].labels: no alertname"),
+        (changed(0, annotations=["summary"]), "alerts[0].annotations: must be an object of strings"),
+        (without("startsAt"), "alerts[0].startsAt: must be an RFC 3339 time, got None"),
+        (changed(0, startsAt="yesterday"), "alerts[0].startsAt: must be an RFC 3339 time, got 'yesterday'"),
+        (
+            changed(0, startsAt="2026-11-29T18:00:05"),
+            "alerts[0].startsAt: must be an RFC 3339 time with a zone, got '2026-11-29T18:00:05'",
+        ),
+        (
+            changed(0, startsAt="0001-01-01T00:00:00Z"),
+            "alerts[0].startsAt: must be set, got the zero time '0001-01-01T00:00:00Z'",
+        ),
+        (changed(1, endsAt=17), "alerts[1].endsAt: must be an RFC 3339 time, got 17"),
+        (without("fingerprint", 1), "alerts[1].fingerprint: must be a non-empty string"),
+    ],
+)
+def test_malformed_payload_is_rejected_whole(store, payload, message):
+    with pytest.raises(ValueError) as error:
+        store.add_alerts(copy.deepcopy(payload))
+    assert str(error.value) == message
+    assert store.alerts() == []  # not even the well-formed alerts before the bad one
+
+
+# --- retention -------------------------------------------------------------------------------------
+
+
+def test_prune_forgets_what_is_older_than_retention(tmp_path):
+    now = 100 * DAY
+    with Store(tmp_path / "kvwatch.db", retention_days=14) as store:
+        old = store.add_session(session("a", now - 15 * DAY))
+        kept = store.add_session(session("a", now - 13 * DAY))
+        store.add_alerts(webhook(), received_at=now - 20 * DAY)
+        store.add_alerts(webhook("resolved"), received_at=now - DAY)
+
+        assert store.prune(now=now) == 3
+        assert [row["id"] for row in store.sessions()] == [kept]
+        assert store.session(old) is None
+        assert {row["session"] for row in store.rounds()} == {kept}
+        assert [a["status"] for a in store.alerts()] == ["resolved", "resolved"]
+        assert store.prune(now=now) == 0
+
+
+# --- concurrency -----------------------------------------------------------------------------------
+
+
+def test_writer_is_not_blocked_by_an_open_read_transaction(tmp_path):
+    """WAL: a reader keeps its snapshot while the writer commits, and sees the commit afterwards."""
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        store.add_session(session())
+        reader = sqlite3.connect(path, isolation_level=None, timeout=0)
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM sessions").fetchone()[0] == 1
+        store.add_session(session("b", 2000.0))  # would wait for the reader without WAL
+        assert reader.execute("SELECT count(*) FROM sessions").fetchone()[0] == 1
+        reader.execute("COMMIT")
+        assert reader.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2
+        reader.close()
+
+
+READER = """
+import sys, time
+from collectors.store import Store
+
+store, total, seen = Store(sys.argv[1], readonly=True), int(sys.argv[2]), None
+deadline = time.monotonic() + 60
+while seen != total and time.monotonic() < deadline:
+    rows = store.sessions()
+    assert all(len(store.session(row["id"]).rounds) == 3 for row in rows[:5]), "a session without its rounds"
+    if len(rows) != seen:
+        seen = len(rows)
+        print(seen, flush=True)
+"""
+
+
+def test_another_process_reads_while_the_store_is_written(tmp_path):
+    """The reader prints every count it sees; the writer pauses halfway until the reader has seen it."""
+    path, total = tmp_path / "kvwatch.db", 200
+    with Store(path) as store:
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER, str(path), str(total)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            seen = [int(reader.stdout.readline())]
+            for i in range(total):
+                store.add_session(session("lab-affinity", 1000.0 + i))
+                if i + 1 == total // 2:
+                    for line in reader.stdout:
+                        seen.append(int(line))
+                        if seen[-1] == total // 2:
+                            break
+            out, err = reader.communicate(timeout=60)
+        finally:
+            reader.kill()
+            reader.wait()
+    assert reader.returncode == 0, err
+    seen += [int(line) for line in out.split()]
+    assert seen[0] == 0 and seen[-1] == total and seen == sorted(seen) and total // 2 in seen
+
+
+def test_threads_share_one_store(store):
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = list(pool.map(lambda i: store.add_session(session("t", float(i))), range(200)))
+        alerts = [pool.submit(store.add_alerts, webhook()) for _ in range(8)]
+    assert sorted(ids) == list(range(1, 201))
+    assert sum(future.result() for future in alerts) == 2
+    assert len(store.rounds(target="t")) == 600
+
+
+# --- secrets ---------------------------------------------------------------------------------------
+
+
+def test_nothing_in_the_store_takes_an_api_key(store):
+    """Probes redact keys before they reach a record; the store has no place a key could go."""
+    secret_words = ("key", "secret", "authorization", "bearer", "password")
+    tables = [row[0] for row in store._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    columns = [row[1] for table in tables for row in store._db.execute(f"PRAGMA table_info({table})")]
+    assert not [c for c in columns if any(word in c for word in secret_words)]
+    for name, method in inspect.getmembers(Store, inspect.isfunction):
+        parameters = inspect.signature(method).parameters
+        assert not [p for p in parameters if any(word in p for word in secret_words)], name
+    for record in (SessionResult, RoundResult):
+        fields = inspect.signature(record).parameters
+        assert not [f for f in fields if any(word in f for word in secret_words)], record

@@ -14,6 +14,8 @@ from lab.state import LabState
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
+FAST_PROBE_INTERVAL_S = 5
+
 # How the affinity listener picks a replica, for each gateway fault.
 BALANCERS = {
     "session": "        hash $kvwatch_session_id consistent;",
@@ -70,5 +72,25 @@ def render_prometheus(state: LabState) -> str:
             "job_name": "alertmanager",
             "static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}],
         },
+        {"job_name": "kvwatch", "static_configs": [{"targets": [f"127.0.0.1:{state.ports.exporter}"]}]},
     ]
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def render_kvwatch_config(state: LabState) -> str:
+    """The kvwatch config `kvwatch serve` runs in the lab: examples/kvwatch.lab.yaml with this lab's
+    ports and state directory (and a short probe interval with --fast)."""
+    config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
+    ports, directory = state.ports, state.directory
+    gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
+    for target in config["targets"]:
+        target["base_url"] = f"http://127.0.0.1:{gateways[target['route_mode']]}"
+        if state.fast:
+            target["interval_seconds"] = FAST_PROBE_INTERVAL_S
+    for log in config["gateway_logs"]:
+        log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
+    config["exporter"]["listen"] = f"127.0.0.1:{ports.exporter}"
+    config["store"]["path"] = str(directory / "kvwatch.db")
+    config["prometheus"]["url"] = f"http://127.0.0.1:{ports.prometheus}"
+    config["alertmanager"]["url"] = f"http://127.0.0.1:{ports.alertmanager}"
     return yaml.safe_dump(config, sort_keys=False)

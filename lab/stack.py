@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from lab.configs import REPO, render_nginx, render_prometheus
+from lab.configs import REPO, render_kvwatch_config, render_nginx, render_prometheus
 from lab.state import LabState, ReplicaSpec
 
 READY_TIMEOUT_S = 30.0
@@ -116,6 +116,12 @@ def alertmanager_process(state: LabState) -> Process:
     return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
+def serve_process(state: LabState) -> Process:
+    """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook."""
+    argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
+    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy")
+
+
 def traffic_process(state: LabState) -> Process:
     argv = _kvwatch(
         "lab",
@@ -135,7 +141,12 @@ def traffic_process(state: LabState) -> Process:
 def planned_processes(state: LabState) -> list[Process]:
     """Every process of the lab, in start order."""
     processes = [replica_process(state, replica) for replica in state.replicas]
-    processes += [nginx_process(state), prometheus_process(state), alertmanager_process(state)]
+    processes += [
+        nginx_process(state),
+        prometheus_process(state),
+        alertmanager_process(state),
+        serve_process(state),
+    ]
     if state.users:
         processes.append(traffic_process(state))
     return processes
@@ -246,6 +257,7 @@ def _write_configs(state: LabState) -> None:
     for name, text in render_nginx(state).items():
         (state.directory / "nginx" / name).write_text(text)
     (state.directory / "prometheus.yml").write_text(render_prometheus(state))
+    (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
     # Written whole and renamed: background users read it at any moment.
     control = state.directory / "traffic.json"
     control.with_suffix(".tmp").write_text(json.dumps({"dynamic_prefix": "dynamic-prefix" in state.faults}))
@@ -319,6 +331,7 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
         "round_robin gateway": state.ports.round_robin,
         "prometheus": state.ports.prometheus,
         "alertmanager": state.ports.alertmanager,
+        "kvwatch exporter": state.ports.exporter,
     }
     ports.update({f"replica {r.id}": r.port for r in state.replicas})
     _check_ports_free(ports)
@@ -352,7 +365,7 @@ def status(state: LabState) -> dict:
         },
         "prometheus": url("prometheus", ports.prometheus),
         "alertmanager": url("alertmanager", ports.alertmanager),
-        "exporter": None,
+        "exporter": url("serve", ports.exporter),
         "dashboard": None,
         "replicas": [
             {"id": r.id, "url": url(f"replica-{r.id}", r.port), "flavour": r.flavour} for r in state.replicas

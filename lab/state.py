@@ -36,6 +36,10 @@ class Ports:
     def alertmanager(self) -> int:
         return self.base + 3
 
+    @property
+    def exporter(self) -> int:
+        return self.base + 4
+
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
 

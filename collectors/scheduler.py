@@ -1,0 +1,225 @@
+"""`kvwatch serve`: probes on a schedule, gateway logs followed, the exporter and the alert webhook.
+
+One asyncio process: APScheduler 3.x's AsyncIOScheduler runs a job per target (with jitter, one instance
+at a time, missed runs coalesced), a job that polls the gateway logs and one that prunes the store;
+aiohttp serves /metrics and the webhook. Probes never raise; a job that fails anyway is logged and
+the next run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import random
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+from aiohttp import web
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from prometheus_client import CollectorRegistry
+
+from collectors import workload
+from collectors.config import Config, ConfigError, Target, load_config, resolve_api_key
+from collectors.exporter import ProbeCollector, ProbeResults, make_app
+from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
+from collectors.probe import ProbeSettings, run_session
+from collectors.store import Store
+
+log = logging.getLogger("kvwatch.serve")
+
+GATEWAY_POLL_SECONDS = 5.0
+PRUNE_SECONDS = 3600.0
+MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the cluster they measure
+
+
+def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
+    return ProbeSettings(
+        base_url=target.base_url,
+        model=target.model,
+        api_key=api_key,
+        target=target.name,
+        route_mode=target.route_mode,
+        session_mode=target.session.mode,
+        session_header=target.session.header,
+        backend_headers=target.backend.headers,
+        backend_json_paths=target.backend.json_paths,
+        max_tokens=target.workload.max_tokens,
+        block_size=target.block_size,
+        timeout_seconds=target.timeout_seconds,
+    )
+
+
+class Conversations:
+    """Fresh conversations for every run of one target: the same static system prompt, new user turns
+    (a repeated conversation would find its own history cached from the previous run)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        spec = target.workload
+        self._runs = itertools.count()
+        self._pool = None
+        if spec.sharegpt is not None:
+            self._pool = itertools.cycle(workload.load_sharegpt(spec.sharegpt, seed=spec.seed))
+        self._system = workload.system_prompt(spec.system_tokens, spec.seed)
+
+    def next_run(self) -> list[workload.Conversation]:
+        target, spec = self.target, self.target.workload
+        if self._pool is not None:
+            picked = itertools.islice(self._pool, target.sessions_per_run)
+            return [workload.Conversation(c.system_prompt, c.user_turns[: target.rounds]) for c in picked]
+        rng = random.Random(f"{target.name}-{spec.seed}-{next(self._runs)}")
+        return [
+            workload.Conversation(self._system, workload.user_turns(target.rounds, spec.turn_tokens, rng))
+            for _ in range(target.sessions_per_run)
+        ]
+
+
+class Service:
+    """Everything `kvwatch serve` runs, built from one config."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(config.store.path, config.store.retention_days)
+        self.results = ProbeResults()
+        self.followers = [
+            GatewayLogFollower(
+                g.path,
+                g.name,
+                spread_window_seconds=g.spread_window_seconds,
+                session_ttl_seconds=g.session_ttl_seconds,
+                max_sessions=g.max_sessions,
+            )
+            for g in config.gateway_logs
+        ]
+        self.registry = CollectorRegistry()
+        self.registry.register(
+            ProbeCollector(self.results, {t.name: t.interval_seconds for t in config.targets})
+        )
+        self.registry.register(GatewayLogCollector(self.followers))
+        # Keys are read once at start; a missing one is a ConfigError before anything runs.
+        self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
+        self.conversations = {t.name: Conversations(t) for t in config.targets}
+        self._gate: asyncio.Semaphore | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    async def probe(self, target: Target) -> None:
+        """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported."""
+        started = time.time()
+        settings = self.probes[target.name]
+
+        async def one(conversation: workload.Conversation):
+            async with self._gate:
+                return await run_session(self._client, settings, conversation)
+
+        try:
+            sessions = await asyncio.gather(*map(one, self.conversations[target.name].next_run()))
+        except Exception:  # a probe never raises; this guards the scheduler against a bug
+            log.exception("probe run of %s failed", target.name)
+            return
+        self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
+        for session in sessions:
+            self.store.add_session(session)
+        failed = [s.error_kind for s in sessions if not s.ok]
+        log.info(
+            "%s: %d sessions, %d failed%s",
+            target.name,
+            len(sessions),
+            len(failed),
+            f" ({', '.join(sorted(set(failed)))})" if failed else "",
+        )
+
+    def poll_gateway_logs(self) -> None:
+        for follower in self.followers:
+            follower.poll()
+
+    def prune(self) -> None:
+        removed = self.store.prune()
+        if removed:
+            log.info("pruned %d old sessions and alerts", removed)
+
+    def _schedule(self, scheduler: AsyncIOScheduler) -> None:
+        now = datetime.now(UTC)
+        for target in self.config.targets:
+            interval = target.interval_seconds
+            scheduler.add_job(
+                self.probe, "interval", args=[target], id=f"probe-{target.name}", seconds=interval,
+                jitter=min(5.0, interval / 10), next_run_time=now, misfire_grace_time=max(1, int(interval)),
+            )  # fmt: skip
+        if self.followers:
+            scheduler.add_job(
+                self.poll_gateway_logs, "interval", id="gateway-logs", seconds=GATEWAY_POLL_SECONDS,
+                next_run_time=now,
+            )  # fmt: skip
+        scheduler.add_job(self.prune, "interval", id="prune", seconds=PRUNE_SECONDS, next_run_time=now)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set; then stop the jobs, close the HTTP side and the store."""
+        self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
+        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS))
+        runner = web.AppRunner(make_app(self.registry, self.store.add_alerts), access_log=None)
+        await runner.setup()
+        listen = self.config.exporter
+        scheduler = AsyncIOScheduler(
+            timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
+        )
+        try:
+            await web.TCPSite(runner, listen.host, listen.port).start()
+            log.info(
+                "exporter and webhook on http://%s:%d (/metrics, POST /alerts)", listen.host, listen.port
+            )
+            self._schedule(scheduler)
+            scheduler.start()
+            await stop.wait()
+        finally:
+            if scheduler.running:
+                scheduler.shutdown(wait=False)
+            await runner.cleanup()
+            await self._client.aclose()
+            for follower in self.followers:
+                follower.close()
+            self.store.close()
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
+        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
+        "history in SQLite, and serve /metrics and the Alertmanager webhook (POST /alerts).",
+    )
+    serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
+    serve.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    try:
+        service = Service(load_config(args.config))
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"kvwatch serve: {error}", file=sys.stderr)
+        return 1
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await service.run(stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as error:  # the exporter's port is taken, most often
+        print(
+            f"kvwatch serve: cannot listen on {service.config.exporter.listen}: {error.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -297,6 +297,9 @@ def _run_up(args: argparse.Namespace) -> int:
         )
     except stack.LabError as error:
         return _fail(str(error))
+    except KeyboardInterrupt:
+        print("Interrupted while starting; everything started was stopped.", file=sys.stderr)
+        return 130
     _print_status(stack.status(state))
     if args.detach:
         print("The lab runs in the background; stop it with `kvwatch lab down`.")

@@ -199,8 +199,14 @@ class ProbeCollector(Collector):
         sticky = gauge(
             "kvwatch_probe_sticky_ratio", "Share of the last run's judged sessions that were sticky"
         )
+        echo = gauge(
+            "kvwatch_probe_session_id_echo_ratio", "Share of the last run's sessions whose id came back"
+        )
         last_ttft = gauge(
             "kvwatch_probe_last_ttft_seconds", "Median TTFT per round in the last run", ("round",)
+        )
+        warm_cold = gauge(
+            "kvwatch_probe_warm_cold_ttft_ratio", "Median TTFT of rounds 2+ over round 1's in the last run"
         )
         interval = gauge("kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs")
         for route, run in sorted(last.items()):
@@ -211,11 +217,18 @@ class ProbeCollector(Collector):
             judged = [s.sticky for s in run.sessions if s.sticky is not None]
             if judged:
                 sticky.add_metric(labels, sum(judged) / len(judged))
-            for round_, value in _median_ttft_by_round(run.sessions).items():
+            echoed = [s.session_id_echoed for s in run.sessions if s.session_id_echoed is not None]
+            if echoed:
+                echo.add_metric(labels, sum(echoed) / len(echoed))
+            medians = _median_ttft_by_round(run.sessions)
+            for round_, value in medians.items():
                 last_ttft.add_metric([*labels, str(round_)], value)
+            warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
+            if medians.get(1) and warm:
+                warm_cold.add_metric(labels, _median(warm) / medians[1])
             if route[0] in self.intervals:
                 interval.add_metric(labels, self.intervals[route[0]])
-        yield from (timestamp, duration, success, sticky, last_ttft, interval)
+        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, interval)
 
 
 def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]:
@@ -224,12 +237,13 @@ def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]
         for r in session.rounds:
             if r.ok and r.ttft_seconds is not None:
                 by_round[r.round].append(r.ttft_seconds)
-    medians = {}
-    for round_, values in sorted(by_round.items()):
-        values.sort()
-        middle = len(values) // 2
-        medians[round_] = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-    return medians
+    return {round_: _median(values) for round_, values in sorted(by_round.items())}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 # --- the HTTP side ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Write kvwatch's generated files (recording rules) from collectors/queries.py.
+"""Write kvwatch's generated files (recording and alerting rules) from collectors/queries.py.
 
 `python -m collectors.generate` rewrites them; `--check` exits 1 and names the stale files instead.
 Output is deterministic, so the committed files are checked for drift by the tests.
@@ -29,13 +29,32 @@ _Dumper.add_representer(
 )
 
 
-def rule_file(group: str, rules: tuple[queries.Rule, ...]) -> str:
-    entries = []
-    for rule in rules:
-        entry = {"record": rule.record, "expr": rule.expr + "\n" if "\n" in rule.expr else rule.expr}
-        if rule.labels:
-            entry["labels"] = rule.labels
-        entries.append(entry)
+def _expr(expr: str) -> str:
+    return expr + "\n" if "\n" in expr else expr
+
+
+def _rule(rule: queries.Rule) -> dict:
+    entry = {"record": rule.record, "expr": _expr(rule.expr)}
+    if rule.labels:
+        entry["labels"] = rule.labels
+    return entry
+
+
+def _alert(alert: queries.Alert) -> dict:
+    entry = {"alert": alert.name, "expr": _expr(alert.expr), "for": alert.for_}
+    if alert.keep_firing_for:
+        entry["keep_firing_for"] = alert.keep_firing_for
+    entry["labels"] = {"severity": alert.severity, **(alert.labels or {})}
+    entry["annotations"] = {
+        "summary": alert.summary,
+        "description": alert.description,
+        "runbook_url": alert.runbook_url,
+    }
+    return entry
+
+
+def rule_file(group: str, rules: tuple[queries.Rule | queries.Alert, ...]) -> str:
+    entries = [_alert(r) if isinstance(r, queries.Alert) else _rule(r) for r in rules]
     document = {"groups": [{"name": group, "rules": entries}]}
     return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
 

@@ -105,4 +105,214 @@ RECORDING_RULES: tuple[Rule, ...] = (
     ),
 )
 
-RULE_FILES = {"prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES)}
+
+# --- Alerts ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every alert threshold, in one place. Durations are for production scrape / evaluation intervals
+    of 15 s and a probe interval of 30 s; the lab's --fast mode runs the same rules scaled by 1/10."""
+
+    sticky_ratio_below: float = 0.5  # share of a probe run's sessions that stayed on one replica
+    echo_ratio_below: float = 0.5  # share of a probe run's sessions whose id the gateway echoed
+    keyless_share_above: float = 0.5  # share of gateway requests that arrived without a session key
+    keyless_rise_factor: float = 2.0  # ... and at least this many times the share an hour earlier
+    warm_cold_ratio_above: float = 0.8  # warm-round TTFT over round-1 TTFT on an affinity route
+    hit_ratio_floor: float = 0.1
+    hit_ratio_drop_factor: float = 0.5  # below half of its own average over the previous hour
+    min_queried_tokens_per_second: float = 50.0  # traffic guard of the hit-ratio alerts
+    probe_stale_intervals: float = 3.0
+    load_imbalance_above: float = 2.0  # busiest instance over the mean
+    # The scrape jobs of the engines; set it to yours. The lab's is "replicas".
+    engine_selector: str = 'job=~"replicas|vllm.*|sglang.*|.*engine.*"'
+
+
+THRESHOLDS = Thresholds()
+RUNBOOK = "alerts/runbook.md"
+AFFINITY = 'route_mode="affinity"'
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str
+    summary: str
+    description: str
+    for_: str = "0m"
+    keep_firing_for: str | None = None
+    labels: dict[str, str] | None = None
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOK}#{self.name.lower()}"
+
+
+def _alerts(t: Thresholds) -> tuple[Alert, ...]:
+    def baseline(ratio: str) -> str:
+        """The ratio's own average over the hour before the last 10 minutes."""
+        return f"avg_over_time({ratio}[1h] offset 10m)"
+
+    def probe_errors(auth_match: str) -> str:
+        selector = f'kind{auth_match}"unauthorized|forbidden"'
+        return f"sum by (target, route_mode, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
+
+    keyless_share = (
+        "sum by (log, listener) (rate(kvwatch_gateway_requests_without_session_key_total[5m]))\n"
+        "  / (sum by (log, listener) (rate(kvwatch_gateway_requests_total[5m])) > 0)"
+    )
+    keyless_share_an_hour_ago = keyless_share.replace("[5m]", "[5m] offset 1h")
+    instance_prompt_rate = "sum by (job, instance) (rate(vllm:prompt_tokens_total[5m]))"
+    return (
+        Alert(
+            "KVWatchSessionAffinityBroken",
+            f"kvwatch_probe_sticky_ratio{{{AFFINITY}}} < {t.sticky_ratio_below}",
+            "critical",
+            "Probe sessions through an affinity route change replica between rounds.",
+            "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
+            "{{ $labels.target }} stayed on one replica: the gateway no longer pins sessions, so rounds 2+ "
+            "pay a full prefill.",
+            keep_firing_for="2m",
+        ),
+        Alert(
+            "KVWatchSessionIdNotPropagated",
+            f"kvwatch_probe_session_id_echo_ratio < {t.echo_ratio_below}",
+            "warning",
+            "The gateway does not echo the session id.",
+            "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
+            "{{ $labels.target }} got their session id back: the id is dropped or replaced before the router "
+            "sees it.",
+            keep_firing_for="2m",
+            labels={"source": "probe"},
+        ),
+        Alert(
+            "KVWatchSessionIdNotPropagated",
+            f"({keyless_share}) > {t.keyless_share_above}\n"
+            f"unless ({keyless_share}) <= {t.keyless_rise_factor} * ({keyless_share_an_hour_ago})",
+            "warning",
+            "Requests reach the gateway without a session key.",
+            "{{ $value | humanizePercentage }} of the requests on {{ $labels.log }} / {{ $labels.listener }} "
+            "carried no session key, far more than an hour ago: clients stopped sending it.",
+            for_="5m",
+            labels={"source": "gateway_log"},
+        ),
+        Alert(
+            "KVWatchPrefixCacheHitRateDrop",
+            f"({CLUSTER_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(CLUSTER_HIT_RATIO)}\n"
+            f"  or {CLUSTER_HIT_RATIO} < {t.hit_ratio_floor})\n"
+            f"and on() sum({INSTANCE_QUERIED}) > {t.min_queried_tokens_per_second}",
+            "warning",
+            "The cluster's prefix-cache hit ratio dropped.",
+            "The cluster's token-weighted prefix-cache hit ratio is {{ $value | humanizePercentage }}, well "
+            "below its own average of the previous hour or under the floor.",
+            for_="5m",
+            labels={"scope": "cluster"},
+        ),
+        Alert(
+            "KVWatchPrefixCacheHitRateDrop",
+            f"({INSTANCE_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(INSTANCE_HIT_RATIO)}\n"
+            f"  or {INSTANCE_HIT_RATIO} < {t.hit_ratio_floor})\n"
+            f"and on(job, instance) {INSTANCE_QUERIED} > {t.min_queried_tokens_per_second}",
+            "warning",
+            "An instance's prefix-cache hit ratio dropped.",
+            "The prefix-cache hit ratio of {{ $labels.instance }} is {{ $value | humanizePercentage }}, well "
+            "below its own average of the previous hour or under the floor.",
+            for_="5m",
+            labels={"scope": "instance"},
+        ),
+        Alert(
+            "KVWatchWarmRoundNoGain",
+            f"kvwatch_probe_warm_cold_ttft_ratio{{{AFFINITY}}} > {t.warm_cold_ratio_above}",
+            "warning",
+            "Warm rounds are not faster than the first round on an affinity route.",
+            "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
+            "time to first token: their history is not reused.",
+            for_="2m",
+        ),
+        Alert(
+            "KVWatchPrefixCachingDisabled",
+            f"{instance_prompt_rate} > 0\n"
+            "unless on(job, instance) sum by (job, instance) (rate(vllm:prefix_cache_queries_total[5m])) > 0",
+            "warning",
+            "An instance serves prompts without looking up its prefix cache.",
+            "{{ $labels.instance }} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
+            "caching is off there.",
+            for_="5m",
+            labels={"evidence": "lookups"},
+        ),
+        Alert(
+            "KVWatchPrefixCachingDisabled",
+            'max by (job, instance) (vllm:cache_config_info{enable_prefix_caching="False"}) == 1',
+            "warning",
+            "An instance runs with prefix caching disabled.",
+            "{{ $labels.instance }} reports enable_prefix_caching=False: start it with prefix caching on.",
+            labels={"evidence": "config"},
+        ),
+        Alert(
+            "KVWatchEngineCacheMetricsMissing",
+            f"up{{{t.engine_selector}}} == 1\nunless on(job, instance) {INSTANCE_CACHE_SERIES}",
+            "warning",
+            "An engine exports none of the prefix-cache series kvwatch reads.",
+            "{{ $labels.instance }} ({{ $labels.job }}) is up but exports no vLLM or SGLang prefix-cache "
+            "series: a renamed metric or a missing --enable-metrics would make the hit-ratio panels empty.",
+            for_="10m",
+        ),
+        Alert(
+            "KVWatchProbeFailing",
+            f"{probe_errors('!~')} > 0",
+            "warning",
+            "Probe rounds fail.",
+            "Probe rounds through {{ $labels.target }} failed with {{ $labels.kind }} in the last 3 minutes.",
+            for_="1m",
+        ),
+        Alert(
+            "KVWatchProbeUnauthorized",
+            f"{probe_errors('=~')} > 0",
+            "critical",
+            "The probe's API key is refused.",
+            "{{ $labels.target }} answers {{ $labels.kind }} to the probe: the key is missing, wrong, "
+            "expired or not allowed to use the model.",
+        ),
+        Alert(
+            "KVWatchProbeStale",
+            f"time() - kvwatch_probe_last_run_timestamp_seconds\n"
+            f"  > {t.probe_stale_intervals} * kvwatch_probe_interval_seconds",
+            "warning",
+            "Probe results are stale.",
+            "The last probe run through {{ $labels.target }} finished {{ $value | humanizeDuration }} ago: "
+            "the scheduler is stuck or overloaded.",
+        ),
+        Alert(
+            "KVWatchTargetDown",
+            "up == 0",
+            "critical",
+            "A scrape target is down.",
+            "{{ $labels.job }} / {{ $labels.instance }} has not answered Prometheus's scrapes.",
+            for_="1m",
+        ),
+        Alert(
+            "KVWatchReplicaLoadImbalance",
+            f"{CLUSTER_LOAD_IMBALANCE} > {t.load_imbalance_above}",
+            "info",
+            "Requests are spread unevenly over the replicas.",
+            'The busiest replica serves {{ $value | printf "%.1f" }} times the mean: consistent hashing '
+            "trades balance for cache reuse; check that it is not one hot session key.",
+            for_="15m",
+        ),
+        Alert(
+            "Watchdog",
+            "vector(1)",
+            "none",
+            "The kvwatch alerting pipeline is alive.",
+            "Always firing: if it stops arriving, Prometheus, Alertmanager or the route to you is broken.",
+        ),
+    )
+
+
+ALERTS = _alerts(THRESHOLDS)
+
+RULE_FILES = {
+    "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES),
+    "alerts/kvwatch.rules.yml": ("kvwatch-alerts", ALERTS),
+}

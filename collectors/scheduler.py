@@ -56,8 +56,9 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
 
 
 class Conversations:
-    """Fresh conversations for every run of one target: the same static system prompt, new user turns
-    (a repeated conversation would find its own history cached from the previous run)."""
+    """Fresh conversations for every run of one target, each with a system prompt of its own: round 1
+    is then a true cold prefill and rounds 2+ can only reuse their own session's history, so the
+    warm/cold TTFT ratio and the cached tokens measure affinity and nothing else."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -66,7 +67,6 @@ class Conversations:
         self._pool = None
         if spec.sharegpt is not None:
             self._pool = itertools.cycle(workload.load_sharegpt(spec.sharegpt, seed=spec.seed))
-        self._system = workload.system_prompt(spec.system_tokens, spec.seed)
 
     def next_run(self) -> list[workload.Conversation]:
         target, spec = self.target, self.target.workload
@@ -75,7 +75,10 @@ class Conversations:
             return [workload.Conversation(c.system_prompt, c.user_turns[: target.rounds]) for c in picked]
         rng = random.Random(f"{target.name}-{spec.seed}-{next(self._runs)}")
         return [
-            workload.Conversation(self._system, workload.user_turns(target.rounds, spec.turn_tokens, rng))
+            workload.Conversation(
+                workload.system_prompt(spec.system_tokens, rng.randrange(2**31)),
+                workload.user_turns(target.rounds, spec.turn_tokens, rng),
+            )
             for _ in range(target.sessions_per_run)
         ]
 

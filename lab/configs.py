@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import string
 from pathlib import Path
 
@@ -15,6 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 FAST_PROBE_INTERVAL_S = 5
+# --fast runs every rule, `for` and Alertmanager timer at this fraction of its production duration, so
+# that what takes minutes in production takes seconds in the lab and its tests.
+FAST_TIME_FACTOR = 0.1
+MIN_SCALED_SECONDS = 3  # a rate window must still hold a few 1 s scrapes
+RULE_PATTERNS = ("prometheus/rules/*.yml", "alerts/*.rules.yml")
+ALERTMANAGER_TIMERS = ("group_wait", "group_interval", "repeat_interval", "resolve_timeout")
+_DURATION = re.compile(r"(?<![\w.])(\d+)(ms|s|m|h|d)\b")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 # How the affinity listener picks a replica, for each gateway fault.
 BALANCERS = {
@@ -46,13 +55,51 @@ def render_nginx(state: LabState) -> dict[str, str]:
     return {"nginx.conf": conf, "proxy.conf": (TEMPLATES / "proxy.conf").read_text()}
 
 
+def scale_durations(text: str, factor: float) -> str:
+    """Every Prometheus duration in `text` (windows, offsets, `for`) times `factor`, in whole seconds."""
+
+    def scaled(match: re.Match) -> str:
+        seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        return f"{max(MIN_SCALED_SECONDS, round(seconds * factor)) if seconds else 0}s"
+
+    return _DURATION.sub(scaled, text)
+
+
+def rule_files(state: LabState) -> dict[str, str]:
+    """The rule files Prometheus loads: the repository's, time-scaled under --fast (name -> text)."""
+    found = sorted(path for pattern in RULE_PATTERNS for path in REPO.glob(pattern))
+    return {
+        path.name: scale_durations(path.read_text(), FAST_TIME_FACTOR) if state.fast else path.read_text()
+        for path in found
+    }
+
+
+def render_alertmanager(state: LabState) -> str:
+    """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter (timers scaled by --fast)."""
+    config = yaml.safe_load((REPO / "alerts" / "alertmanager.yml").read_text())
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = f"http://127.0.0.1:{state.ports.exporter}/alerts"
+
+    def scale(node: dict) -> None:
+        for key in ALERTMANAGER_TIMERS:
+            if state.fast and key in node:
+                node[key] = scale_durations(node[key], FAST_TIME_FACTOR)
+        for child in node.get("routes", []):
+            scale(child)
+
+    scale(config["route"])
+    scale(config["global"])
+    return yaml.safe_dump(config, sort_keys=False)
+
+
 def render_prometheus(state: LabState) -> str:
     """prometheus.yml: scrape every replica (with replica and flavour labels) and the lab's services."""
     config = yaml.safe_load((REPO / "prometheus" / "prometheus.lab.yml").read_text())
     interval = "1s" if state.fast else "5s"
     config["global"]["scrape_interval"] = interval
     config["global"]["evaluation_interval"] = interval
-    config["rule_files"] = [str(REPO / pattern) for pattern in config["rule_files"]]
+    config["rule_files"] = [str(state.directory / "rules" / "*.yml")]
     config["alerting"]["alertmanagers"] = [
         {"static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}]}
     ]

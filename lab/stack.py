@@ -22,7 +22,15 @@ from pathlib import Path
 
 import httpx
 
-from lab.configs import REPO, render_kvwatch_config, render_nginx, render_prometheus
+from lab.configs import (
+    FAST_TIME_FACTOR,
+    REPO,
+    render_alertmanager,
+    render_kvwatch_config,
+    render_nginx,
+    render_prometheus,
+    rule_files,
+)
 from lab.state import LabState, ReplicaSpec
 
 READY_TIMEOUT_S = 30.0
@@ -100,6 +108,8 @@ def prometheus_process(state: LabState) -> Process:
         "--web.enable-lifecycle",
         "--storage.tsdb.retention.time=2d",
     ]
+    if state.fast:  # Prometheus re-sends firing alerts every minute by default
+        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * FAST_TIME_FACTOR))}s")
     return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
@@ -107,7 +117,7 @@ def alertmanager_process(state: LabState) -> Process:
     port = state.ports.alertmanager
     argv = [
         _binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
-        f"--config.file={REPO}/alerts/alertmanager.yml",
+        f"--config.file={state.directory}/alertmanager.yml",
         f"--storage.path={state.directory}/alertmanager",
         f"--web.listen-address=127.0.0.1:{port}",
         f"--web.external-url=http://127.0.0.1:{port}",
@@ -141,10 +151,11 @@ def traffic_process(state: LabState) -> Process:
 def planned_processes(state: LabState) -> list[Process]:
     """Every process of the lab, in start order."""
     processes = [replica_process(state, replica) for replica in state.replicas]
+    # Alertmanager before Prometheus, so the first alerts are not dropped for want of a receiver.
     processes += [
         nginx_process(state),
-        prometheus_process(state),
         alertmanager_process(state),
+        prometheus_process(state),
         serve_process(state),
     ]
     if state.users:
@@ -258,6 +269,11 @@ def _write_configs(state: LabState) -> None:
         (state.directory / "nginx" / name).write_text(text)
     (state.directory / "prometheus.yml").write_text(render_prometheus(state))
     (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
+    (state.directory / "alertmanager.yml").write_text(render_alertmanager(state))
+    rules = state.directory / "rules"
+    rules.mkdir(exist_ok=True)
+    for name, text in rule_files(state).items():
+        (rules / name).write_text(text)
     # Written whole and renamed: background users read it at any moment.
     control = state.directory / "traffic.json"
     control.with_suffix(".tmp").write_text(json.dumps({"dynamic_prefix": "dynamic-prefix" in state.faults}))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from collectors import generate, queries
 from conftest import REPO
@@ -51,3 +53,33 @@ def test_every_recording_rule_is_exercised_by_a_unit_test():
     tested = "\n".join(path.read_text() for path in TEST_FILES)
     for rule in queries.RECORDING_RULES:
         assert rule.record in tested, f"{rule.record} has no promtool test"
+
+
+def runbook_anchors() -> set[str]:
+    """GitHub-style anchors of the runbook's headings."""
+    text = (REPO / queries.RUNBOOK).read_text()
+    return {
+        line.lstrip("#").strip().lower().replace(" ", "-")
+        for line in text.splitlines()
+        if line.startswith("#")
+    }
+
+
+@pytest.mark.parametrize("alert", queries.ALERTS, ids=lambda a: f"{a.name}-{a.labels}")
+def test_every_alert_follows_the_conventions(alert: queries.Alert):
+    assert re.fullmatch(r"(KVWatch[A-Z][A-Za-z]+|Watchdog)", alert.name)
+    assert alert.severity in ("critical", "warning", "info", "none")
+    assert alert.summary.endswith(".") and alert.summary[0].isupper()
+    assert alert.description.endswith(".")
+    path, _, anchor = alert.runbook_url.partition("#")
+    assert path == queries.RUNBOOK and anchor in runbook_anchors(), alert.runbook_url
+
+
+def test_every_alert_fires_and_stays_quiet_in_a_promtool_test():
+    tests = yaml.safe_load((REPO / "alerts" / "tests" / "kvwatch-test.yml").read_text())["tests"]
+    cases = [case for test in tests for case in test.get("alert_rule_test", [])]
+    for name in {alert.name for alert in queries.ALERTS}:
+        mine = [case for case in cases if case["alertname"] == name]
+        assert any(case["exp_alerts"] for case in mine), f"{name} has no firing case"
+        if name != "Watchdog":
+            assert any(not case["exp_alerts"] for case in mine), f"{name} has no not-firing case"

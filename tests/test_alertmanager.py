@@ -1,0 +1,78 @@
+"""alerts/alertmanager.yml: valid for amtool, every kvwatch alert routed to kvwatch's webhook, and the
+lab's rendering of it (its own exporter port, timers scaled by --fast) valid too."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from collectors import queries
+from conftest import REPO
+from lab.configs import render_alertmanager, rule_files, scale_durations
+from lab.state import LabState
+
+CONFIG = REPO / "alerts" / "alertmanager.yml"
+
+
+def amtool(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("amtool")
+    assert binary, "amtool is missing: `make bootstrap` installs Debian's prometheus-alertmanager package"
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_amtool_accepts_the_config():
+    result = amtool("check-config", str(CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("alert", queries.ALERTS, ids=lambda a: f"{a.name}-{a.severity}")
+def test_every_alert_reaches_the_kvwatch_webhook(alert: queries.Alert):
+    labels = {"alertname": alert.name, "severity": alert.severity, **(alert.labels or {}), "target": "t"}
+    result = amtool(
+        "config", "routes", "test", f"--config.file={CONFIG}", "--verify.receivers=kvwatch",
+        *(f"{key}={value}" for key, value in labels.items()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_inhibitions_only_name_alerts_that_exist():
+    names = {alert.name for alert in queries.ALERTS}
+    for rule in yaml.safe_load(CONFIG.read_text())["inhibit_rules"]:
+        for matcher in rule["source_matchers"] + rule["target_matchers"]:
+            if matcher.startswith("alertname"):
+                pattern = matcher.split("=", 1)[1].strip('~"')
+                assert set(pattern.split("|")) <= names, matcher
+
+
+def test_the_lab_rendering_points_at_its_exporter_and_scales_timers(tmp_path: Path):
+    state = LabState(tmp_path, 21000, fast=True)
+    rendered = render_alertmanager(state)
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(rendered)
+    assert amtool("check-config", str(path)).returncode == 0
+    config = yaml.safe_load(rendered)
+    assert config["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:21004/alerts"
+    assert config["route"]["group_interval"] == "6s"
+
+
+def test_fast_rules_scale_windows_and_durations_only():
+    assert scale_durations("rate(x[5m]) offset 1h > 0.5", 0.1) == "rate(x[30s]) offset 360s > 0.5"
+    assert scale_durations("for: 0m\nkeep_firing_for: 2m\nrecord: a:b:rate2m", 0.1) == (
+        "for: 0s\nkeep_firing_for: 12s\nrecord: a:b:rate2m"
+    )
+    fast = rule_files(LabState(Path("/tmp"), 21000, fast=True))
+    assert set(fast) == {"kvwatch-engines.yml", "kvwatch.rules.yml"}
+    assert "[12s]" in fast["kvwatch-engines.yml"] and "[2m]" not in fast["kvwatch-engines.yml"]
+
+
+def test_fast_rules_are_valid_for_promtool(tmp_path: Path):
+    for name, text in rule_files(LabState(tmp_path, 21000, fast=True)).items():
+        (tmp_path / name).write_text(text)
+        result = subprocess.run(
+            [shutil.which("promtool"), "check", "rules", str(tmp_path / name)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr

@@ -59,8 +59,27 @@ def rule_file(group: str, rules: tuple[queries.Rule | queries.Alert, ...]) -> st
     return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
+def prometheus_rule() -> str:
+    """Every rule group as one Kubernetes PrometheusRule (prometheus-operator), from the same source."""
+    groups = [
+        yaml.safe_load(rule_file(group, rules))["groups"][0] for group, rules in queries.RULE_FILES.values()
+    ]
+    document = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": "kvwatch",
+            "labels": {"app.kubernetes.io/name": "kvwatch", "role": "alert-rules"},
+        },
+        "spec": {"groups": groups},
+    }
+    return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
 def generated_files() -> dict[str, str]:
-    return {path: rule_file(group, rules) for path, (group, rules) in queries.RULE_FILES.items()}
+    files = {path: rule_file(group, rules) for path, (group, rules) in queries.RULE_FILES.items()}
+    files["deploy/k8s/prometheusrule.yaml"] = prometheus_rule()
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -231,6 +231,12 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="seconds a background user thinks between rounds (default %(default)s)",
     )
+    up.add_argument(
+        "--rule-time-scale",
+        type=float,
+        default=1.0,
+        help="run rule windows, `for` and Alertmanager timers at this fraction of production, e.g. 0.1",
+    )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
     up.set_defaults(handler=_run_up)
@@ -282,8 +288,16 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
         )
-    if args.replicas < 1 or args.users < 0 or args.time_scale <= 0 or args.think < 0:
-        return _fail("--replicas must be at least 1, --users and --think at least 0, --time-scale positive")
+    if (
+        args.replicas < 1
+        or args.users < 0
+        or args.time_scale <= 0
+        or args.think < 0
+        or args.rule_time_scale <= 0
+    ):
+        return _fail(
+            "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
+        )
     try:
         state = stack.up(
             args.state_dir,
@@ -294,6 +308,7 @@ def _run_up(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             users=args.users,
             think_seconds=args.think,
+            rule_time_scale=args.rule_time_scale,
         )
     except stack.LabError as error:
         return _fail(str(error))

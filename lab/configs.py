@@ -16,10 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 FAST_PROBE_INTERVAL_S = 5
-# --fast runs every rule, `for` and Alertmanager timer at this fraction of its production duration, so
-# that what takes minutes in production takes seconds in the lab and its tests.
-FAST_TIME_FACTOR = 0.1
-MIN_SCALED_SECONDS = 3  # a rate window must still hold a few 1 s scrapes
+MIN_SCALED_SECONDS = 3  # a scaled rate window must still hold a few 1 s scrapes
 RULE_PATTERNS = ("prometheus/rules/*.yml", "alerts/*.rules.yml")
 ALERTMANAGER_TIMERS = ("group_wait", "group_interval", "repeat_interval", "resolve_timeout")
 _DURATION = re.compile(r"(?<![\w.])(\d+)(ms|s|m|h|d)\b")
@@ -57,6 +54,8 @@ def render_nginx(state: LabState) -> dict[str, str]:
 
 def scale_durations(text: str, factor: float) -> str:
     """Every Prometheus duration in `text` (windows, offsets, `for`) times `factor`, in whole seconds."""
+    if factor == 1:
+        return text
 
     def scaled(match: re.Match) -> str:
         seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
@@ -66,16 +65,15 @@ def scale_durations(text: str, factor: float) -> str:
 
 
 def rule_files(state: LabState) -> dict[str, str]:
-    """The rule files Prometheus loads: the repository's, time-scaled under --fast (name -> text)."""
+    """The rule files Prometheus loads: the repository's, with `--rule-time-scale` applied (name -> text).
+
+    A scale of 0.1 makes what takes minutes in production take seconds in the lab and its tests."""
     found = sorted(path for pattern in RULE_PATTERNS for path in REPO.glob(pattern))
-    return {
-        path.name: scale_durations(path.read_text(), FAST_TIME_FACTOR) if state.fast else path.read_text()
-        for path in found
-    }
+    return {path.name: scale_durations(path.read_text(), state.rule_time_scale) for path in found}
 
 
 def render_alertmanager(state: LabState) -> str:
-    """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter (timers scaled by --fast)."""
+    """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter, timers time-scaled."""
     config = yaml.safe_load((REPO / "alerts" / "alertmanager.yml").read_text())
     for receiver in config["receivers"]:
         for webhook in receiver.get("webhook_configs", []):
@@ -83,8 +81,8 @@ def render_alertmanager(state: LabState) -> str:
 
     def scale(node: dict) -> None:
         for key in ALERTMANAGER_TIMERS:
-            if state.fast and key in node:
-                node[key] = scale_durations(node[key], FAST_TIME_FACTOR)
+            if key in node:
+                node[key] = scale_durations(node[key], state.rule_time_scale)
         for child in node.get("routes", []):
             scale(child)
 

@@ -1,5 +1,5 @@
 """alerts/alertmanager.yml: valid for amtool, every kvwatch alert routed to kvwatch's webhook, and the
-lab's rendering of it (its own exporter port, timers scaled by --fast) valid too."""
+lab's rendering of it (its own exporter port, timers time-scaled) valid too."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_inhibitions_only_name_alerts_that_exist():
 
 
 def test_the_lab_rendering_points_at_its_exporter_and_scales_timers(tmp_path: Path):
-    state = LabState(tmp_path, 21000, fast=True)
+    state = LabState(tmp_path, 21000, rule_time_scale=0.1)
     rendered = render_alertmanager(state)
     path = tmp_path / "alertmanager.yml"
     path.write_text(rendered)
@@ -64,13 +64,13 @@ def test_fast_rules_scale_windows_and_durations_only():
     assert scale_durations("for: 0m\nkeep_firing_for: 2m\nrecord: a:b:rate2m", 0.1) == (
         "for: 0s\nkeep_firing_for: 12s\nrecord: a:b:rate2m"
     )
-    fast = rule_files(LabState(Path("/tmp"), 21000, fast=True))
+    fast = rule_files(LabState(Path("/tmp"), 21000, rule_time_scale=0.1))
     assert set(fast) == {"kvwatch-engines.yml", "kvwatch.rules.yml"}
     assert "[12s]" in fast["kvwatch-engines.yml"] and "[2m]" not in fast["kvwatch-engines.yml"]
 
 
 def test_fast_rules_are_valid_for_promtool(tmp_path: Path):
-    for name, text in rule_files(LabState(tmp_path, 21000, fast=True)).items():
+    for name, text in rule_files(LabState(tmp_path, 21000, rule_time_scale=0.1)).items():
         (tmp_path / name).write_text(text)
         result = subprocess.run(
             [shutil.which("promtool"), "check", "rules", str(tmp_path / name)], capture_output=True, text=True

@@ -1,0 +1,103 @@
+"""Alerts end to end in the lab: each fault's alert travels through the real Prometheus and
+Alertmanager to kvwatch's webhook, and resolves after `kvwatch lab heal`; a healthy baseline with a
+replica restart raises nothing but Watchdog.
+
+The lab runs with --fast (1 s scrapes and rule evaluations, probes every 5 s) and --rule-time-scale 0.1:
+every rule window, `for` and Alertmanager timer at a tenth of its production value.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from collectors.store import Store
+
+pytestmark = pytest.mark.integration
+
+WAIT_S = 90
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab(
+        "--replicas", "4", "--users", "4", "--think", "0.2", "--time-scale", "0.3", "--rule-time-scale", "0.1"
+    )
+
+
+def received(lab, since: float) -> list[dict]:
+    with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+        return [a for a in store.alerts() if a["received_at"] >= since]
+
+
+def wait_for(lab, since: float, alertname: str, status: str, **labels) -> dict:
+    """The first alert of that name, status and labels that reached the webhook after `since`."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for alert in received(lab, since):
+            matches = all(alert["labels"].get(k) == v for k, v in labels.items())
+            if alert["alertname"] == alertname and alert["status"] == status and matches:
+                return alert
+        time.sleep(1)
+    seen = sorted({(a["alertname"], a["status"]) for a in received(lab, since)})
+    raise AssertionError(f"no {status} {alertname} {labels} within {WAIT_S} s; received: {seen}")
+
+
+def fault(lab, *args: str) -> float:
+    started = time.time()
+    result = lab.cli("fault", *args)
+    assert result.returncode == 0, result.stderr
+    return started
+
+
+def heal(lab) -> float:
+    started = time.time()
+    assert lab.cli("heal").returncode == 0
+    return started
+
+
+def test_a_healthy_lab_with_a_replica_restart_raises_only_watchdog(lab):
+    since = time.time()
+    wait_for(lab, since - 60, "Watchdog", "firing")
+    time.sleep(15)
+    fault(lab, "restart-replica", "r4")
+    time.sleep(30)  # five production minutes at this rule time scale
+    others = {a["alertname"] for a in received(lab, since)} - {"Watchdog"}
+    assert others == set()
+
+
+def test_affinity_prefix_cache_and_replica_faults_fire_and_resolve(lab):
+    r2 = lab.replica_url("r2").removeprefix("http://")
+    r3 = lab.replica_url("r3").removeprefix("http://")
+    since = fault(lab, "break-affinity")
+    fault(lab, "disable-prefix-cache", "--replica", "r2")
+    fault(lab, "kill-replica", "r3")
+    wait_for(lab, since, "KVWatchSessionAffinityBroken", "firing", target="lab-affinity")
+    wait_for(lab, since, "KVWatchPrefixCachingDisabled", "firing", instance=r2)
+    wait_for(lab, since, "KVWatchTargetDown", "firing", instance=r3)
+    healed = heal(lab)
+    wait_for(lab, healed, "KVWatchSessionAffinityBroken", "resolved", target="lab-affinity")
+    wait_for(lab, healed, "KVWatchPrefixCachingDisabled", "resolved", instance=r2)
+    wait_for(lab, healed, "KVWatchTargetDown", "resolved", instance=r3)
+
+
+def test_a_dropped_session_header_fires_not_propagated(lab):
+    since = fault(lab, "drop-session-header")
+    wait_for(lab, since, "KVWatchSessionIdNotPropagated", "firing", target="lab-affinity")
+    healed = heal(lab)
+    wait_for(lab, healed, "KVWatchSessionIdNotPropagated", "resolved", target="lab-affinity")
+
+
+def test_hashing_the_request_id_fires_affinity_broken(lab):
+    since = fault(lab, "hash-request-id")
+    wait_for(lab, since, "KVWatchSessionAffinityBroken", "firing", target="lab-affinity")
+    healed = heal(lab)
+    wait_for(lab, healed, "KVWatchSessionAffinityBroken", "resolved", target="lab-affinity")
+
+
+def test_a_dynamic_prompt_prefix_fires_hit_rate_drop(lab):
+    since = fault(lab, "dynamic-prefix")
+    wait_for(lab, since, "KVWatchPrefixCacheHitRateDrop", "firing", scope="cluster")
+    healed = heal(lab)
+    wait_for(lab, healed, "KVWatchPrefixCacheHitRateDrop", "resolved", scope="cluster")

@@ -1,0 +1,108 @@
+"""Detection latency: from a fault in the lab's faults.log to its alert at kvwatch's webhook.
+
+Each fault runs in a fresh lab and is healed before the next. Two settings: the shipped production
+defaults (rules and Alertmanager timers as shipped, probes every 30 s, the lab's 5 s scrape and
+evaluation) and the lab's fast test settings (--fast: 1 s scrape/evaluation, probes every 5 s,
+--rule-time-scale 0.1). Faults whose alert waits `for: 5m` by design are measured only fast.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from collectors.store import Store
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 420
+
+# fault arguments -> (alert name, label that must match, or None)
+FAULTS = {
+    ("break-affinity",): ("KVWatchSessionAffinityBroken", ("target", "lab-affinity")),
+    ("hash-request-id",): ("KVWatchSessionAffinityBroken", ("target", "lab-affinity")),
+    ("drop-session-header",): ("KVWatchSessionIdNotPropagated", ("target", "lab-affinity")),
+    ("disable-prefix-cache", "--replica", "r2"): ("KVWatchPrefixCachingDisabled", None),
+    ("kill-replica", "r3"): ("KVWatchTargetDown", None),
+    ("dynamic-prefix",): ("KVWatchPrefixCacheHitRateDrop", ("scope", "cluster")),
+}
+SLOW_BY_DESIGN = {("dynamic-prefix",)}  # for: 5m in production
+SETTINGS = {
+    "production defaults": (),
+    "lab fast": ("--fast", "--rule-time-scale", "0.1"),
+}
+
+
+def _kvwatch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collectors.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def _free_base() -> int:
+    for base in range(24000, 32000, 100):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", base)) != 0 and sock.connect_ex(("127.0.0.1", base + 10)) != 0:
+                return base
+    raise RuntimeError("no free ports")
+
+
+def _detect(state_dir: Path, fault: tuple[str, ...]) -> float | None:
+    alertname, label = FAULTS[fault]
+    assert _kvwatch("lab", "fault", *fault, "--state-dir", str(state_dir)).returncode == 0
+    injected = json.loads((state_dir / "faults.log").read_text().splitlines()[-1])["unix"]
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        with Store(state_dir / "kvwatch.db", readonly=True) as store:
+            for alert in store.alerts(since=injected, status="firing"):
+                if alert["alertname"] == alertname and (
+                    label is None or alert["labels"].get(label[0]) == label[1]
+                ):
+                    return alert["received_at"] - injected
+        time.sleep(0.5)
+    return None
+
+
+def _measure(options: tuple[str, ...], faults: list[tuple[str, ...]]) -> dict[tuple[str, ...], float | None]:
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir = Path(tmp) / "lab"
+        lab = ("--replicas", "4", "--users", "4", "--think", "0.2", "--time-scale", "0.3")
+        up = _kvwatch("lab", "up", "--detach", *lab, *options, "--base-port", str(_free_base()),
+                      "--state-dir", str(state_dir))  # fmt: skip
+        if up.returncode != 0:
+            raise RuntimeError(up.stderr)
+        try:
+            time.sleep(60 if options else 120)  # a baseline for the hit-ratio alert
+            found = {}
+            for fault in faults:
+                found[fault] = _detect(state_dir, fault)
+                _kvwatch("lab", "heal", "--state-dir", str(state_dir))
+                time.sleep(15 if options else 60)
+            return found
+        finally:
+            _kvwatch("lab", "down", "--state-dir", str(state_dir))
+
+
+def run() -> str:
+    fast = _measure(SETTINGS["lab fast"], list(FAULTS))
+    production = _measure(SETTINGS["production defaults"], [f for f in FAULTS if f not in SLOW_BY_DESIGN])
+    lines = [
+        "| fault | alert | production defaults | lab fast |",
+        "|---|---|---|---|",
+    ]
+    for fault, (alertname, _) in FAULTS.items():
+
+        def shown(seconds: float | None, measured: bool = True) -> str:
+            if not measured:
+                return "5 min `for` + window (not measured)"
+            return "not detected" if seconds is None else f"{seconds:.0f} s"
+
+        lines.append(
+            f"| {' '.join(fault)} | {alertname} | {shown(production.get(fault), fault in production)} | "
+            f"{shown(fast[fault])} |"
+        )
+    return "\n".join(lines)

@@ -1,8 +1,8 @@
 """The lab's background users: concurrent multi-turn conversations through a gateway.
 
-Each round resends the static system prompt and the whole history, as a chat client does, so a
-replica that still holds the conversation's KV cache only prefills the new turn. What every round
-saw (TTFT, cached tokens, the upstream that served it, the session ids) is kept as a RoundRecord.
+Each user holds one probe session (collectors.probe.run_session) after another: the lab's shared static
+system prompt, then the user's own turns, each round resending the whole history, so a replica that
+still holds the conversation's KV cache only prefills the new turn. Each conversation is logged.
 """
 
 from __future__ import annotations
@@ -15,42 +15,18 @@ import logging
 import random
 import signal
 import sys
-import time
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
+from collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
+from collectors.probe import ProbeSettings, api_url, run_session
+from collectors.workload import Conversation, system_prompt, user_turns
+from lab.engine import ReplicaSettings
+
 log = logging.getLogger("kvwatch.lab.traffic")
-
-SESSION_MODES = ("server", "client", "none")
-
-_WORDS = (
-    "account answer archive balance batch budget cache channel check client cluster config context "
-    "customer data deploy detail document engine error event field file format gateway history index "
-    "invoice issue latency limit log memory message metric model network node order owner policy "
-    "prompt queue quota record region replica report request result review route rule schedule "
-    "service session shipment status storage summary support system table team ticket token trace "
-    "update usage user value version warning window worker"
-).split()
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    round: int
-    status: int
-    ttft_seconds: float | None
-    total_seconds: float
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    upstream: str | None
-    worker: str | None
-    session_id_sent: str | None
-    session_id_returned: str | None
-    error: str | None
 
 
 @dataclass(frozen=True)
@@ -67,157 +43,37 @@ class TrafficSettings:
     control_path: Path | None = None
     timeout_seconds: float = 30.0
 
-
-def chat_url(url: str) -> str:
-    """The chat endpoint of an OpenAI-compatible base URL, given with or without its /v1."""
-    base = url.rstrip("/")
-    return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
-
-
-def _text(tokens: int, rng: random.Random) -> str:
-    """Sentences of exactly `tokens` lab tokens (each word and each full stop is one)."""
-    parts: list[str] = []
-    while len(parts) < tokens:
-        words = min(rng.randint(5, 13), tokens - len(parts) - 1)
-        if words < 1:
-            parts.append(rng.choice(_WORDS))
-            break
-        parts += [rng.choice(_WORDS) for _ in range(words)] + ["."]
-    return " ".join(parts).replace(" .", ".")
+    def probe(self) -> ProbeSettings:
+        """How each user's sessions are run: the probe's, against the lab's one model."""
+        return ProbeSettings(
+            base_url=self.url,
+            model=ReplicaSettings.model,
+            target="lab-traffic",
+            session_mode=self.session_mode,
+            max_tokens=self.max_tokens,
+            timeout_seconds=self.timeout_seconds,
+        )
 
 
-def system_prompt(tokens: int, seed: int) -> str:
-    """The static system prompt all users share: the prefix a healthy cluster reuses across users."""
-    return _text(tokens, random.Random(f"system-{seed}"))
+@dataclass(frozen=True)
+class RoundRecord:
+    """A round in the shape tests/test_lab_experiment.py reads."""
 
-
-def user_turns(rounds: int, tokens: int, rng: random.Random) -> list[str]:
-    return [_text(tokens, rng) for _ in range(rounds)]
-
-
-class _RoundFailed(Exception):
-    """A round without a usable answer; the message is short and holds no secrets."""
-
-
-@dataclass
-class _Reply:
-    """What one round got so far, kept when it fails halfway (status and headers still tell a story)."""
-
-    status: int = 0
-    headers: Mapping[str, str] = field(default_factory=dict)
-    answer: str = ""
-    ttft_seconds: float | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-
-
-def _error_code(body: bytes | str) -> str:
-    """The OpenAI error code or type, never the message: it may echo a key or the prompt."""
-    try:
-        error = json.loads(body)["error"]
-        code = error.get("code") or error.get("type")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return ""
-    return f" {str(code)[:40]}" if code else ""
-
-
-async def _stream(client: httpx.AsyncClient, endpoint: str, body: dict, headers: dict, reply: _Reply) -> None:
-    """Stream one answer into `reply`, timing the first content token as a user would see it."""
-    started = time.monotonic()
-    async with client.stream("POST", endpoint, json=body, headers=headers) as response:
-        reply.status, reply.headers = response.status_code, response.headers
-        if response.status_code != 200:
-            raise _RoundFailed(f"HTTP {response.status_code}{_error_code(await response.aread())}")
-        answer = []
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                reply.answer = "".join(answer)
-                return
-            try:
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise _RoundFailed(f"error in stream{_error_code(data)}")
-                for choice in chunk.get("choices") or []:
-                    content = choice["delta"].get("content")
-                    if content and reply.ttft_seconds is None:
-                        reply.ttft_seconds = time.monotonic() - started
-                    answer.append(content or "")
-                usage = chunk.get("usage")
-                if usage:
-                    reply.prompt_tokens = usage["prompt_tokens"]
-                    # None when the engine does not report it (vLLM without --enable-prompt-tokens-details).
-                    reply.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            except (ValueError, KeyError, TypeError, AttributeError) as error:
-                raise _RoundFailed("malformed stream") from error
-        raise _RoundFailed("stream ended before [DONE]")
+    round: int
+    status: int | None
+    ttft_seconds: float | None
+    upstream: str | None
+    error: str | None
 
 
 async def run_conversation(
-    client: httpx.AsyncClient,
-    url: str,
-    system_prompt: str,
-    user_turns: list[str],
-    *,
-    max_tokens: int,
-    session_mode: str,
-    session_header: str = "X-Session-Id",
-    think_seconds: float = 0.0,
-    timeout_seconds: float = 30.0,
+    client: httpx.AsyncClient, url: str, system: str, turns: list[str], *, max_tokens: int, session_mode: str
 ) -> list[RoundRecord]:
-    """One conversation, round after round, until the turns run out or a round fails (never raises)."""
-    if session_mode not in SESSION_MODES:
-        raise ValueError(f"session_mode must be one of {', '.join(SESSION_MODES)}")
-    endpoint = chat_url(url)
-    messages = [{"role": "system", "content": system_prompt}]
-    # Client mode: the application names the conversation. Server mode: the gateway does, on round 1.
-    session = str(uuid.uuid4()) if session_mode == "client" else None
-    records: list[RoundRecord] = []
-    for number, turn in enumerate(user_turns, start=1):
-        if number > 1 and think_seconds > 0:
-            await asyncio.sleep(think_seconds)
-        messages.append({"role": "user", "content": turn})
-        body = {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        reply, error = _Reply(), None
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(timeout_seconds):
-                await _stream(client, endpoint, body, {session_header: session} if session else {}, reply)
-        except _RoundFailed as failure:
-            error = str(failure)
-        except TimeoutError:
-            error = f"no complete answer within {timeout_seconds:g} s"
-        except httpx.HTTPError as failure:
-            error = type(failure).__name__
-        returned = reply.headers.get("X-Session-Id")
-        records.append(
-            RoundRecord(
-                round=number,
-                status=reply.status,
-                ttft_seconds=None if error else reply.ttft_seconds,
-                total_seconds=time.monotonic() - started,
-                prompt_tokens=reply.prompt_tokens,
-                cached_tokens=reply.cached_tokens,
-                upstream=reply.headers.get("X-Upstream"),
-                worker=reply.headers.get("X-Worker-Id"),
-                session_id_sent=session,
-                session_id_returned=returned,
-                error=error,
-            )
-        )
-        if error:
-            break
-        messages.append({"role": "assistant", "content": reply.answer})
-        if session_mode == "server" and returned:
-            session = returned
-    return records
+    """The lab's interface from before the probe, kept until tests/test_lab_experiment.py calls
+    collectors.probe.run_session itself; then delete it and RoundRecord."""
+    probe = TrafficSettings(url, max_tokens=max_tokens, session_mode=session_mode).probe()
+    session = await run_session(client, probe, Conversation(system, tuple(turns)))
+    return [RoundRecord(r.round, r.status, r.ttft_seconds, r.backend, r.error_kind) for r in session.rounds]
 
 
 class _Control:
@@ -255,31 +111,22 @@ async def _user(
     number: int, settings: TrafficSettings, client: httpx.AsyncClient, system: str, control: _Control
 ) -> None:
     rng = random.Random(f"user-{settings.seed}-{number}")
+    probe = settings.probe()
     for conversation in itertools.count(1):
         # Randomised pauses keep users out of lockstep and a dead gateway from being hammered.
         await asyncio.sleep(rng.uniform(0.5, 1.5) * max(settings.think_seconds, 0.2))
         prompt = _dynamic_prefix(system) if control.read().get("dynamic_prefix") is True else system
-        records = await run_conversation(
-            client,
-            settings.url,
-            prompt,
-            user_turns(settings.rounds, settings.turn_tokens, rng),
-            max_tokens=settings.max_tokens,
-            session_mode=settings.session_mode,
-            think_seconds=settings.think_seconds,
-            timeout_seconds=settings.timeout_seconds,
-        )
-        errors = [r.error for r in records if r.error]
+        turns = user_turns(settings.rounds, settings.turn_tokens, rng)
+        session = await run_session(client, probe, Conversation(prompt, turns), settings.think_seconds)
+        failed = next((r for r in session.rounds if not r.ok), None)
         log.info(
-            "user %d conversation %d: %d/%d rounds, %d errors%s, upstreams %s, workers %s",
+            "user %d conversation %d: %d/%d rounds ok, %s, backends %s",
             number,
             conversation,
-            len(records) - len(errors),
+            sum(r.ok for r in session.rounds),
             settings.rounds,
-            len(errors),
-            f" ({errors[0]})" if errors else "",
-            ",".join(dict.fromkeys(r.upstream for r in records if r.upstream)) or "-",
-            ",".join(dict.fromkeys(r.worker for r in records if r.worker)) or "-",
+            f"{failed.error_kind} ({failed.error_detail})" if failed else "no errors",
+            ",".join(dict.fromkeys(session.backends)) or "-",
         )
 
 
@@ -339,7 +186,7 @@ async def _serve(settings: TrafficSettings) -> None:
         settings.users,
         settings.rounds,
         settings.session_mode,
-        chat_url(settings.url),
+        api_url(settings.url, "chat/completions"),
     )
     await run_users(settings, stop)
     log.info("stopped")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,74 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
     yield start
     for process in started:
         stop(process)
+
+
+@dataclass(frozen=True)
+class Router:
+    process: subprocess.Popen
+    url: str
+    metrics_url: str
+    log: Path
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator[Callable[[str, list[Replica]], Router]]:
+    """Start the real sglang-router with a policy in front of replicas; each is stopped by PID at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def start(policy: str, replicas: list[Replica]) -> Router:
+        port = free_port()
+        metrics_port = free_port()
+        while metrics_port == port:
+            metrics_port = free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *(replica.url for replica in replicas),
+            "--policy",
+            policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+        ]
+        # The router must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
+        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+        log = tmp_path / f"router-{policy}-{port}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        started.append(process)
+        router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+        _wait_router_ready(router, healthy_workers=len(replicas))
+        return router
+
+    yield start
+    for process in started:
+        stop(process)
+
+
+def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30.0) -> None:
+    """Wait until the router reports every worker healthy; it routes nowhere before its health checks."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if router.process.poll() is not None:
+            raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log.read_text()}")
+        try:
+            last = httpx.get(f"{router.url}/readiness", timeout=1.0).json()
+        except (httpx.HTTPError, ValueError):
+            pass
+        else:
+            if last.get("status") == "ready" and last.get("healthy_workers") == healthy_workers:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"router not ready with {healthy_workers} workers within {timeout} s (last: {last})")
 
 
 def free_base_port(span: int = 20) -> int:

@@ -10,20 +10,16 @@ sticky one (manual + X-SMG-Routing-Key).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, Replica, free_port, stop
+from conftest import Replica, Router
 
 pytestmark = pytest.mark.integration
 
@@ -41,14 +37,6 @@ ROUNDS = 4
 
 
 @dataclass(frozen=True)
-class Router:
-    process: subprocess.Popen
-    url: str
-    metrics_url: str
-    log: Path
-
-
-@dataclass(frozen=True)
 class Turn:
     """One round of one session, as the client saw it through the router."""
 
@@ -62,66 +50,6 @@ class Turn:
 @pytest.fixture
 def replicas(start_replica: Callable[..., Replica]) -> list[Replica]:
     return [start_replica(f"r{n}", "vllm", *REPLICA_ARGS) for n in (1, 2, 3)]
-
-
-@pytest.fixture
-def start_router(tmp_path: Path, replicas: list[Replica]) -> Iterator[Callable[[str], Router]]:
-    """Start the real sglang-router in front of `replicas`; every one is stopped by PID at teardown."""
-    started: list[subprocess.Popen] = []
-
-    def start(policy: str) -> Router:
-        port = free_port()
-        metrics_port = free_port()
-        while metrics_port == port:
-            metrics_port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *(replica.url for replica in replicas),
-            "--policy",
-            policy,
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(metrics_port),
-        ]
-        # The router must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
-        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-        log = tmp_path / f"router-{policy}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        started.append(process)
-        router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
-        _wait_ready(router, healthy_workers=len(replicas))
-        return router
-
-    yield start
-    for process in started:
-        stop(process)
-
-
-def _wait_ready(router: Router, healthy_workers: int, timeout: float = 30.0) -> None:
-    """Wait until the router reports every worker healthy; it routes nowhere before its health checks."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if router.process.poll() is not None:
-            raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log.read_text()}")
-        try:
-            last = httpx.get(f"{router.url}/readiness", timeout=1.0).json()
-        except (httpx.HTTPError, ValueError):
-            pass
-        else:
-            if last.get("status") == "ready" and last.get("healthy_workers") == healthy_workers:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"router not ready with {healthy_workers} workers within {timeout} s (last: {last})")
 
 
 def _chat(client: httpx.Client, messages: list[dict], session: str, stream: bool) -> tuple[Turn, str]:
@@ -221,7 +149,7 @@ def _workers_of_new_sessions(router: Router, count: int) -> set[str]:
 
 def test_round_robin_spreads_sessions_off_their_cache(start_router, replicas):
     """round_robin ignores the routing key: rounds of a session move between replicas and lose history."""
-    router = start_router("round_robin")
+    router = start_router("round_robin", replicas)
     turns = _run_sessions(router, [f"session-{n}" for n in range(1, 5)])
 
     _check_ground_truth(replicas, turns)
@@ -233,7 +161,7 @@ def test_round_robin_spreads_sessions_off_their_cache(start_router, replicas):
 
 def test_manual_policy_pins_sessions_to_their_cache(start_router, replicas):
     """manual + X-SMG-Routing-Key keeps every round of a session on one replica, which reuses its cache."""
-    router = start_router("manual")
+    router = start_router("manual", replicas)
     sessions = [f"session-{n}" for n in range(1, 9)]
     turns = _run_sessions(router, sessions, streaming=frozenset(sessions[::2]))
 
@@ -254,7 +182,7 @@ def test_manual_policy_pins_sessions_to_their_cache(start_router, replicas):
 
 def test_router_metrics_show_every_worker_healthy(start_router, replicas):
     """The router's own Prometheus endpoint is what kvwatch scrapes for the routing side."""
-    router = start_router("round_robin")
+    router = start_router("round_robin", replicas)
     response = httpx.get(router.metrics_url, timeout=TIMEOUT)
     assert response.status_code == 200
     health = {

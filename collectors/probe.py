@@ -1,0 +1,637 @@
+"""Synthetic multi-turn probe sessions (`kvwatch probe`): per round TTFT, cached tokens and the backend.
+
+A session behaves like a chat client: every round resends the static system prompt, the whole history
+(with the answers it actually received) and a new user turn, streamed. A replica that still holds the
+conversation's KV cache only prefills the new turn; any other prefills it all, which the round's cached
+tokens and TTFT show. A session never raises: a failed round is a RoundResult with an error kind, and
+the session stops there. The API key goes into the Authorization header and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import itertools
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from collectors.config import Target, Workload
+from collectors.records import RoundResult, SessionResult
+from collectors.workload import Conversation, load_sharegpt, synthetic
+
+SESSION_MODES = ("client", "server", "none")
+# Known conventions, first match wins: nginx's $upstream_addr, the lab's and Dynamo-style worker ids,
+# AIBrix's target pod, llm-d's base64 "namespace/pod" session token.
+DEFAULT_BACKEND_HEADERS = ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token")
+DEFAULT_BACKEND_JSON_PATHS = ("nvext.worker_id",)  # NVIDIA Dynamo's extension field
+
+MAX_LINE_BYTES = 1 << 20  # a streamed chunk is a few hundred bytes; more is a body that is no stream
+MAX_BODY_BYTES = 64 << 10  # of a non-streamed answer: enough for any error object
+EXCERPT_CHARS = 200
+_SECRET_PATTERN = re.compile(r"(Bearer\s+)[\w.~+/=-]+|\bsk-[\w*.-]+", re.IGNORECASE)
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_VISIBLE_ASCII = re.compile(r"[!-~]+")  # what may go into a header unquoted
+
+# One line per error kind: what to check first.
+HINTS = {
+    "unauthorized": "send `Authorization: Bearer <key>` (--api-key-env VAR or --api-key-file FILE); "
+    "check the key and that it belongs to this endpoint",
+    "forbidden": "the key is expired or not allowed to use this model: renew it, or ask for the model",
+    "not_found": "check the model id (GET <base URL>/models lists them) and the base URL "
+    "(the API root, with or without /v1)",
+    "connection_refused": "nothing accepted the connection: check the gateway's host and port; "
+    "inside a container, localhost is the container itself",
+    "timeout": "no complete answer in time: raise --timeout, or look at the gateway's and engines' load",
+    "bad_response": "an error object came back instead of a completion: read its excerpt "
+    "(wrong model, bad request body, stream and non-stream mixed up)",
+    "stream_error": "the event stream broke: check that no proxy buffers or cuts it "
+    "(nginx: proxy_buffering off, proxy_read_timeout)",
+    "http_error": "the server answered with an error status: read the excerpt and the server's logs",
+}
+
+
+def api_url(base_url: str, path: str) -> str:
+    """`path` under an OpenAI-compatible base URL: one ending in /v1 is used as is, any other gets /v1.
+
+    So both https://example.net/api and https://example.net/api/v1 reach https://example.net/api/v1/...
+    """
+    base = base_url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return f"{base}/{path.lstrip('/')}"
+
+
+def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> str | None:
+    """The API key from an environment variable or a file, never from argv; None when neither is named.
+
+    Errors name the variable or the file, never the key: a variable name that does not look like one
+    (it may be the key itself, passed by mistake) is not repeated either.
+    """
+    if env and file:
+        raise ValueError("take the API key from an environment variable or from a file, not both")
+    if env:
+        key = os.environ.get(env, "").strip()
+        if not key:
+            named = env if _ENV_NAME.fullmatch(env) else "named for the API key (name not shown)"
+            raise ValueError(f"environment variable {named} is not set or empty")
+        return key
+    if file:
+        try:
+            key = Path(file).read_text().strip()
+        except FileNotFoundError:
+            raise ValueError(f"API key file {file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"API key file {file}: cannot read it ({error})") from None
+        if not key:
+            raise ValueError(f"API key file {file} is empty")
+        return key
+    return None
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How to probe one route: the three settings every client needs, and how to read the answers."""
+
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)  # resolved by the caller; never shown
+    target: str = "probe"
+    route_mode: str = "unknown"
+    session_mode: str = "client"  # client: a UUID per session; server: adopt the gateway's; none
+    session_header: str = "X-Session-Id"  # e.g. X-SMG-Routing-Key for sglang-router's manual policy
+    backend_headers: tuple[str, ...] = DEFAULT_BACKEND_HEADERS
+    backend_json_paths: tuple[str, ...] = DEFAULT_BACKEND_JSON_PATHS
+    max_tokens: int = 32  # answer length
+    block_size: int = 16  # the engine's KV block, for the ideal cached tokens
+    timeout_seconds: float = 60.0  # per round, over the whole stream
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError("base_url must start with http:// or https://")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if self.session_mode not in SESSION_MODES:
+            raise ValueError(f"session_mode must be one of {', '.join(SESSION_MODES)}")
+        for name in ("max_tokens", "block_size", "timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        # Checked here, not left to the HTTP client, whose error message would quote the key.
+        for name in ("api_key", "session_header"):
+            value = getattr(self, name)
+            if value is not None and not _VISIBLE_ASCII.fullmatch(value):
+                raise ValueError(f"{name} must be printable ASCII without spaces")
+
+
+class _Failure(Exception):
+    """A round that went wrong, with its error kind and a short detail."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass
+class _Reply:
+    """What a round received so far; kept when it fails halfway, as status and headers still tell."""
+
+    status: int | None = None
+    headers: httpx.Headers = field(default_factory=httpx.Headers)
+    answer: list[str] = field(default_factory=list)
+    ttft_seconds: float | None = None
+    total_seconds: float | None = None
+    usage: dict = field(default_factory=dict)
+    json_backend: str | None = None
+
+
+async def run_session(
+    client: httpx.AsyncClient, settings: ProbeSettings, conversation: Conversation, think_seconds: float = 0.0
+) -> SessionResult:
+    """One conversation through the route, round after round, until its turns run out or a round fails."""
+    # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
+    session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
+    messages = [{"role": "system", "content": conversation.system_prompt}]
+    rounds: list[RoundResult] = []
+    started_at = time.time()
+    for number, turn in enumerate(conversation.user_turns, start=1):
+        if number > 1 and think_seconds > 0:
+            await asyncio.sleep(think_seconds)
+        messages.append({"role": "user", "content": turn})
+        previous = rounds[-1] if rounds else None
+        result, answer = await _round(client, settings, number, messages, session_id, previous)
+        rounds.append(result)
+        if not result.ok:
+            break
+        messages.append({"role": "assistant", "content": answer})
+        if settings.session_mode == "server" and result.session_id_returned:
+            session_id = result.session_id_returned
+    return SessionResult(
+        target=settings.target,
+        route_mode=settings.route_mode,
+        session_id=session_id,
+        started_at=started_at,
+        finished_at=time.time(),
+        rounds=tuple(rounds),
+    )
+
+
+async def run_sessions(
+    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
+) -> list[SessionResult]:
+    """Every conversation once, `concurrency` at a time, over one connection pool."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be positive")
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=settings.timeout_seconds, limits=limits) as client:
+
+        async def one(conversation: Conversation) -> SessionResult:
+            async with gate:
+                return await run_session(client, settings, conversation)
+
+        return list(await asyncio.gather(*map(one, conversations)))
+
+
+def probe_once(
+    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
+) -> list[SessionResult]:
+    """run_sessions for synchronous callers (the CLI)."""
+    return asyncio.run(run_sessions(settings, conversations, concurrency))
+
+
+async def _round(
+    client: httpx.AsyncClient,
+    settings: ProbeSettings,
+    number: int,
+    messages: list[dict],
+    session_id: str | None,
+    previous: RoundResult | None,
+) -> tuple[RoundResult, str]:
+    """One streamed request; its result and the answer text."""
+    headers = {"Content-Type": "application/json"}
+    if settings.api_key:
+        headers["Authorization"] = f"Bearer {settings.api_key}"
+    if session_id:
+        headers[settings.session_header] = session_id
+    body = {
+        "model": settings.model,
+        "messages": messages,
+        "max_tokens": settings.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    content = json.dumps(body).encode()  # encoded before the clock starts
+    reply, kind, detail = _Reply(), None, None
+    started_at = time.time()
+    try:
+        async with asyncio.timeout(settings.timeout_seconds):
+            await _stream(client, settings, content, headers, reply)
+    except _Failure as failure:
+        kind, detail = failure.kind, failure.detail
+    except (TimeoutError, httpx.TimeoutException):
+        kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
+    except (httpx.ConnectError, httpx.ProxyError) as error:
+        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
+    except httpx.HTTPError as error:
+        kind = "stream_error" if reply.status == 200 else "http_error"
+        detail = f"{type(error).__name__}: {error}"
+    usage = reply.usage
+    return (
+        RoundResult(
+            round=number,
+            started_at=started_at,
+            status=reply.status,
+            error_kind=kind,
+            error_detail=None if detail is None else _excerpt(detail, settings.api_key),
+            ttft_seconds=reply.ttft_seconds,
+            total_seconds=reply.total_seconds,
+            prompt_tokens=usage.get("prompt_tokens"),
+            cached_tokens=usage.get("cached_tokens"),
+            ideal_cached_tokens=_ideal(previous, usage.get("prompt_tokens"), settings.block_size),
+            completion_tokens=usage.get("completion_tokens"),
+            backend=_header_backend(settings.backend_headers, reply.headers) or reply.json_backend,
+            session_id_sent=session_id,
+            session_id_returned=reply.headers.get(settings.session_header),
+        ),
+        "".join(reply.answer),
+    )
+
+
+async def _stream(
+    client: httpx.AsyncClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
+) -> None:
+    """Stream one answer into `reply`, timing the first content token as a user would see it."""
+    start = time.perf_counter()
+    url = api_url(settings.base_url, "chat/completions")
+    async with client.stream("POST", url, content=content, headers=headers) as response:
+        reply.status, reply.headers = response.status_code, response.headers
+        if response.status_code != 200:
+            raise _status_failure(response.status_code, await _body(response))
+        if "text/event-stream" not in response.headers.get("Content-Type", ""):
+            raise _answer_failure(await _body(response))
+        async for line in _lines(response):
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (keep-alives), event: and id: fields
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                reply.total_seconds = time.perf_counter() - start
+                return
+            try:
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise _Failure("stream_error", f"error in the stream: {data}")
+                _read_chunk(chunk, settings, reply, start)
+            except (ValueError, TypeError, AttributeError) as error:
+                raise _Failure("stream_error", f"malformed chunk: {data}") from error
+        raise _Failure("stream_error", "the stream ended before [DONE]")
+
+
+def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: float) -> None:
+    """Take the content, usage and backend from one streamed chunk; TypeError etc. when malformed."""
+    for choice in chunk.get("choices") or []:
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            if not isinstance(content, str):
+                raise TypeError("content is not a string")
+            if reply.ttft_seconds is None:
+                reply.ttft_seconds = time.perf_counter() - start
+            reply.answer.append(content)
+    usage = chunk.get("usage")
+    if usage:
+        figures = {
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            # None when the engine does not report it (vLLM without --enable-prompt-tokens-details).
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        }
+        if not all(value is None or type(value) is int for value in figures.values()):
+            raise TypeError("usage counts are not integers")
+        reply.usage = figures
+    for path in settings.backend_json_paths:
+        value = _lookup(chunk, path)
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            reply.json_backend = str(value)
+
+
+async def _lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines, none longer than MAX_LINE_BYTES: an endless line would be endless memory."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode(errors="replace")
+        if len(buffer) > MAX_LINE_BYTES:
+            raise _Failure("stream_error", f"a line of more than {MAX_LINE_BYTES} bytes: not an event stream")
+    if buffer:
+        yield buffer.decode(errors="replace")
+
+
+async def _body(response: httpx.Response) -> str:
+    """The start of a non-streamed body, at most MAX_BODY_BYTES of it."""
+    body = b""
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= MAX_BODY_BYTES:
+            break
+    return body[:MAX_BODY_BYTES].decode(errors="replace")
+
+
+def _status_failure(status: int, body: str) -> _Failure:
+    if status == 401:
+        return _Failure("unauthorized", f"HTTP 401: {body}")
+    if status == 403:
+        expired = "token expired: " if "expired" in body.lower() else ""
+        return _Failure("forbidden", f"{expired}HTTP 403: {body}")
+    if status == 404:
+        return _Failure("not_found", f"HTTP 404 (wrong model or base URL): {body}")
+    return _Failure("http_error", f"HTTP {status}: {body}")
+
+
+def _answer_failure(body: str) -> _Failure:
+    """A 200 that is no event stream: a whole completion (stream mixed up), or an error object."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and "choices" in answer:
+        return _Failure("stream_error", "a whole completion came back instead of an event stream")
+    return _Failure("bad_response", f"no `choices` in the answer: {body}")
+
+
+def _ideal(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
+    """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
+
+    Capped below this round's prompt, since an engine always computes at least its last token.
+    """
+    if previous is None:
+        return 0
+    if prompt_tokens is None or previous.prompt_tokens is None or previous.completion_tokens is None:
+        return None
+    held = (previous.prompt_tokens + previous.completion_tokens) // block * block
+    return max(0, min(held, (prompt_tokens - 1) // block * block))
+
+
+def _header_backend(names: tuple[str, ...], headers: httpx.Headers) -> str | None:
+    for name in names:
+        value = headers.get(name, "").rsplit(",", 1)[-1].strip()  # after a failover: the last one tried
+        if value:
+            return _pod_of_session_token(value) if name.lower() == "x-session-token" else value
+    return None
+
+
+def _pod_of_session_token(token: str) -> str:
+    """llm-d's x-session-token is base64 of "namespace/pod"; anything else is used as it is."""
+    try:
+        namespace, _, pod = base64.b64decode(token, validate=True).decode().rpartition("/")
+    except (binascii.Error, UnicodeDecodeError):
+        return token
+    return pod if namespace and pod else token
+
+
+def _lookup(chunk: object, path: str) -> object:
+    for key in path.split("."):
+        if not isinstance(chunk, dict):
+            return None
+        chunk = chunk.get(key)
+    return chunk
+
+
+def _excerpt(text: str, api_key: str | None) -> str:
+    """One short line of `text` with the API key and anything that looks like a key redacted."""
+    if api_key:
+        text = text.replace(api_key, "[redacted]")
+    text = " ".join(_SECRET_PATTERN.sub(lambda m: f"{m.group(1) or ''}[redacted]", text).split())
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
+
+
+def _origin(base_url: str) -> str:
+    url = httpx.URL(base_url)
+    return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+
+
+# The report.
+
+
+def session_json(session: SessionResult) -> dict:
+    """A session as `kvwatch probe --json` prints it; each round's `error` is its error kind."""
+    return {
+        "target": session.target,
+        "route_mode": session.route_mode,
+        "session_id": session.session_id,
+        "ok": session.ok,
+        "error_kind": session.error_kind,
+        "sticky": session.sticky,
+        "backends": list(session.backends),
+        "backend_switches": session.backend_switches,
+        "session_id_echoed": session.session_id_echoed,
+        "started_at": session.started_at,
+        "finished_at": session.finished_at,
+        "rounds": [
+            {("error" if key == "error_kind" else key): value for key, value in asdict(r).items()}
+            for r in session.rounds
+        ],
+    }
+
+
+def format_report(settings: ProbeSettings, sessions: list[SessionResult]) -> str:
+    """Per round across sessions, then per session: what an SRE reads first."""
+    url, mode = api_url(settings.base_url, "chat/completions"), settings.session_mode
+    title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
+    rows = []
+    for number in range(1, max((len(s.rounds) for s in sessions), default=0) + 1):
+        rounds = [s.rounds[number - 1] for s in sessions if len(s.rounds) >= number]
+        ok = [r for r in rounds if r.ok]
+        ttfts = [r.ttft_seconds for r in ok if r.ttft_seconds is not None]
+        errors = Counter(r.error_kind for r in rounds if r.error_kind)
+        rows.append(
+            (
+                str(number),
+                f"{statistics.median(ttfts) * 1000:.1f} ms" if ttfts else "-",
+                f"{_total(r.cached_tokens for r in ok)} / {_total(r.ideal_cached_tokens for r in ok)}",
+                ", ".join(sorted({r.backend for r in ok if r.backend})) or "unknown",
+                ", ".join(f"{kind} x{count}" for kind, count in errors.items()) or "-",
+            )
+        )
+    lines = [title, ""] + _table(
+        ("round", "median TTFT", "cached / ideal tokens", "backends", "errors"), rows
+    )
+    rows = []
+    for number, session in enumerate(sessions, start=1):
+        failed = next((r for r in session.rounds if not r.ok), None)
+        rows.append(
+            (
+                str(number),
+                {True: "sticky", False: "NOT sticky", None: "unknown"}[session.sticky],
+                f"{sum(r.ok for r in session.rounds)}",
+                {True: "yes", False: "NO", None: "-"}[session.session_id_echoed],
+                " > ".join(
+                    name + (f" x{n}" if (n := len(list(run))) > 1 else "")
+                    for name, run in itertools.groupby(session.backends)
+                )
+                or "unknown",
+                f"{failed.error_kind} in round {failed.round}" if failed else "-",
+            )
+        )
+    lines += [""] + _table(("session", "stickiness", "rounds ok", "id echoed", "backends", "error"), rows)
+    return "\n".join(lines)
+
+
+def _total(values: Iterable[int | None]) -> str:
+    values = list(values)
+    return "n/a" if None in values else str(sum(values))
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def failure_hints(sessions: list[SessionResult]) -> list[str]:
+    """One line per error kind seen: an example detail and what to check."""
+    seen: dict[str, RoundResult] = {}
+    for session in sessions:
+        for r in session.rounds:
+            if r.error_kind:
+                seen.setdefault(r.error_kind, r)
+    return [f"{kind} ({r.error_detail}): {HINTS[kind]}" for kind, r in seen.items()]
+
+
+# The command line.
+
+
+class _RefuseKey(argparse.Action):
+    """`--api-key` exists only to say no, before argparse could echo the key in an error message."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            "the API key is never taken from the command line (ps and shell history would show it): "
+            "use --api-key-env VAR or --api-key-file FILE"
+        )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`kvwatch probe`, with the defaults of a configured target."""
+    parser = subparsers.add_parser(
+        "probe",
+        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
+        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
+        "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
+        "ideal cached tokens and the backends seen, then each session's stickiness. Exit code 0 when "
+        "every session succeeded, 1 when one failed, 2 on bad arguments.",
+    )
+    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    parser.add_argument("--model", required=True, help="model id, as GET <base URL>/models lists it")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
+    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+    for flag, dest, kind, default, text in (
+        ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
+        ("--sessions", "sessions", int, 3, "sessions"),
+        ("--concurrency", "concurrency", int, 1, "sessions at once; more adds queueing to TTFT"),
+        ("--system-tokens", "system_tokens", int, Workload.system_tokens, "tokens of the system prompt"),
+        ("--turn-tokens", "turn_tokens", int, Workload.turn_tokens, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, Workload.max_tokens, "tokens of each answer"),
+        ("--seed", "seed", int, Workload.seed, "seed of the workload"),
+        ("--timeout", "timeout", float, Target.timeout_seconds, "seconds a round may take in full"),
+    ):
+        metavar = "S" if kind is float else "N"
+        parser.add_argument(
+            flag, type=kind, dest=dest, default=default, metavar=metavar, help=f"{text} (default %(default)g)"
+        )
+    parser.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=ProbeSettings.session_mode,
+        help="client: a new id per session; server: send none in round 1, then the id the gateway "
+        "returned; none: never send one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-header",
+        default=ProbeSettings.session_header,
+        metavar="H",
+        help="session id header, e.g. X-SMG-Routing-Key for sglang-router's manual policy "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--backend-header",
+        action="append",
+        dest="backend_headers",
+        metavar="H",
+        help="response header naming the serving backend; repeatable; replaces the defaults "
+        f"({', '.join(DEFAULT_BACKEND_HEADERS)})",
+    )
+    parser.add_argument(
+        "--sharegpt",
+        metavar="FILE",
+        help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
+        "instead of synthetic ones",
+    )
+    parser.add_argument("--json", action="store_true", help='print {"sessions": [...]} as JSON')
+    parser.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvwatch probe`: run the sessions once and report; 1 when a session failed, 2 on bad arguments."""
+    numbers = {
+        "--rounds": args.rounds,
+        "--sessions": args.sessions,
+        "--concurrency": args.concurrency,
+        "--system-tokens": args.system_tokens,
+        "--turn-tokens": args.turn_tokens,
+        "--max-tokens": args.max_tokens,
+        "--timeout": args.timeout,
+    }
+    try:
+        if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
+            raise ValueError("; ".join(problems))
+        settings = ProbeSettings(
+            base_url=args.base_url,
+            model=args.model,
+            api_key=resolve_api_key(args.api_key_env, args.api_key_file),
+            session_mode=args.session_mode,
+            session_header=args.session_header,
+            backend_headers=tuple(args.backend_headers or DEFAULT_BACKEND_HEADERS),
+            max_tokens=args.max_tokens,
+            timeout_seconds=args.timeout,
+        )
+        if args.sharegpt:
+            conversations = [
+                Conversation(c.system_prompt, c.user_turns[: args.rounds])
+                for c in load_sharegpt(args.sharegpt, limit=args.sessions, seed=args.seed)
+            ]
+        else:
+            conversations = synthetic(
+                args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions
+            )
+    except ValueError as error:
+        print(f"kvwatch probe: {error}", file=sys.stderr)
+        return 2
+    sessions = probe_once(settings, conversations, args.concurrency)
+    if args.json:
+        print(json.dumps({"sessions": [session_json(s) for s in sessions]}, indent=2))
+    else:
+        print(format_report(settings, sessions))
+    failed = [s for s in sessions if not s.ok]
+    if failed:
+        print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
+        for line in failure_hints(failed):
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0

@@ -213,7 +213,7 @@ def test_lab_example_points_at_the_lab():
         ("round_robin", Path(".kvwatch/lab/logs/gateway-round_robin.jsonl")),
     ]
     assert config.exporter.listen == "127.0.0.1:18004"
-    assert config.store.path == Path(".kvwatch/kvwatch.db")
+    assert config.store.path == Path(".kvwatch/lab/kvwatch.db")
     assert config.prometheus.url == "http://127.0.0.1:18002"
     assert config.alertmanager.url == "http://127.0.0.1:18003"
 

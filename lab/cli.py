@@ -237,6 +237,12 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="run rule windows, `for` and Alertmanager timers at this fraction of production, e.g. 0.1",
     )
+    up.add_argument(
+        "--no-probes",
+        dest="probes",
+        action="store_false",
+        help="kvwatch serve runs without its scheduled probes (for measurements that want no extra traffic)",
+    )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
     up.set_defaults(handler=_run_up)
@@ -309,6 +315,7 @@ def _run_up(args: argparse.Namespace) -> int:
             users=args.users,
             think_seconds=args.think,
             rule_time_scale=args.rule_time_scale,
+            probes=args.probes,
         )
     except stack.LabError as error:
         return _fail(str(error))

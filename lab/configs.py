@@ -124,7 +124,7 @@ def render_prometheus(state: LabState) -> str:
 
 def render_kvwatch_config(state: LabState) -> str:
     """The kvwatch config `kvwatch serve` runs in the lab: examples/kvwatch.lab.yaml with this lab's
-    ports and state directory (and a short probe interval with --fast)."""
+    ports and state directory (a short probe interval with --fast, no probes with --no-probes)."""
     config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
     ports, directory = state.ports, state.directory
     gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
@@ -132,6 +132,8 @@ def render_kvwatch_config(state: LabState) -> str:
         target["base_url"] = f"http://127.0.0.1:{gateways[target['route_mode']]}"
         if state.fast:
             target["interval_seconds"] = FAST_PROBE_INTERVAL_S
+    if not state.probes:
+        config["targets"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
     config["exporter"]["listen"] = f"127.0.0.1:{ports.exporter}"

@@ -40,6 +40,10 @@ class Ports:
     def exporter(self) -> int:
         return self.base + 4
 
+    @property
+    def dashboard(self) -> int:
+        return self.base + 5
+
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
 
@@ -59,6 +63,9 @@ class LabState:
     time_scale: float = 1.0
     users: int = 4
     think_seconds: float = 1.0
+    probes: bool = True  # kvwatch serve's scheduled probes through both gateways
+    # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
+    rule_time_scale: float = 1.0
     replicas: list[ReplicaSpec] = field(default_factory=list)
     initial_replicas: int = 0
     faults: list[str] = field(default_factory=list)

@@ -410,7 +410,7 @@ def increase(after: GatewayLogSnapshot, before: GatewayLogSnapshot, statistic: s
 
 @pytest.mark.integration
 def test_follows_the_lab_gateway_logs_and_sees_affinity_break(start_lab):
-    lab = start_lab("--replicas", "3", "--users", "0", "--time-scale", "0.05")
+    lab = start_lab("--replicas", "3", "--users", "0", "--no-probes", "--time-scale", "0.05")
     urls = {"affinity": lab.affinity, "round_robin": lab.round_robin}
     with ExitStack() as stack, httpx.Client() as client:
         followers = {

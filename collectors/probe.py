@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -158,9 +158,17 @@ class _Reply:
 
 
 async def run_session(
-    client: httpx.AsyncClient, settings: ProbeSettings, conversation: Conversation, think_seconds: float = 0.0
+    client: httpx.AsyncClient,
+    settings: ProbeSettings,
+    conversation: Conversation,
+    think_seconds: float = 0.0,
+    render_system_prompt: Callable[[str], str] | None = None,
 ) -> SessionResult:
-    """One conversation through the route, round after round, until its turns run out or a round fails."""
+    """One conversation through the route, round after round, until its turns run out or a round fails.
+
+    `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
+    that templates the current time into it does (the lab's dynamic-prefix fault).
+    """
     # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
     session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
     messages = [{"role": "system", "content": conversation.system_prompt}]
@@ -170,6 +178,8 @@ async def run_session(
         if number > 1 and think_seconds > 0:
             await asyncio.sleep(think_seconds)
         messages.append({"role": "user", "content": turn})
+        if render_system_prompt is not None:
+            messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
         previous = rounds[-1] if rounds else None
         result, answer = await _round(client, settings, number, messages, session_id, previous)
         rounds.append(result)

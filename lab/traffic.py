@@ -103,7 +103,8 @@ class _Control:
 
 
 def _dynamic_prefix(prompt: str) -> str:
-    """The fault: a timestamp at the very front, so no two conversations share a cached block."""
+    """The fault: the current time at the very front, rendered on every request, so no request shares a
+    cached block with any other, not even the previous round of its own conversation."""
     return f"Current time: {datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%S.%fZ')}\n{prompt}"
 
 
@@ -115,9 +116,11 @@ async def _user(
     for conversation in itertools.count(1):
         # Randomised pauses keep users out of lockstep and a dead gateway from being hammered.
         await asyncio.sleep(rng.uniform(0.5, 1.5) * max(settings.think_seconds, 0.2))
-        prompt = _dynamic_prefix(system) if control.read().get("dynamic_prefix") is True else system
+        render = _dynamic_prefix if control.read().get("dynamic_prefix") is True else None
         turns = user_turns(settings.rounds, settings.turn_tokens, rng)
-        session = await run_session(client, probe, Conversation(prompt, turns), settings.think_seconds)
+        session = await run_session(
+            client, probe, Conversation(system, turns), settings.think_seconds, render
+        )
         failed = next((r for r in session.rounds if not r.ok), None)
         log.info(
             "user %d conversation %d: %d/%d rounds ok, %s, backends %s",

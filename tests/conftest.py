@@ -220,6 +220,7 @@ class Lab:
     def __init__(self, state_dir: Path, base_port: int):
         self.state_dir = state_dir
         self.base_port = base_port
+        self.started_at = time.time()
         self.status = self.cli("status", "--json").json
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:

@@ -163,6 +163,7 @@ async def run_session(
     conversation: Conversation,
     think_seconds: float = 0.0,
     render_system_prompt: Callable[[str], str] | None = None,
+    on_request: Callable[[list[dict]], None] | None = None,
 ) -> SessionResult:
     """One conversation through the route, round after round, until its turns run out or a round fails.
 
@@ -180,6 +181,8 @@ async def run_session(
         messages.append({"role": "user", "content": turn})
         if render_system_prompt is not None:
             messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
+        if on_request is not None:
+            on_request([dict(m) for m in messages])
         previous = rounds[-1] if rounds else None
         result, answer = await _round(client, settings, number, messages, session_id, previous)
         rounds.append(result)

@@ -154,6 +154,13 @@ def _add_traffic(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help='JSON file read before each conversation, e.g. {"dynamic_prefix": true}',
     )
+    traffic.add_argument(
+        "--requests-sample",
+        type=Path,
+        dest="requests_sample",
+        metavar="FILE",
+        help='append every request\'s {"messages": [...]} to this JSONL file',
+    )
     traffic.set_defaults(handler=run_cli)
 
 

@@ -42,6 +42,7 @@ class TrafficSettings:
     seed: int = 0
     control_path: Path | None = None
     timeout_seconds: float = 30.0
+    requests_sample: Path | None = None  # JSONL: every request's {"messages": [...]}
 
     def probe(self) -> ProbeSettings:
         """How each user's sessions are run: the probe's, against the lab's one model."""
@@ -108,6 +109,17 @@ def _dynamic_prefix(prompt: str) -> str:
     return f"Current time: {datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%S.%fZ')}\n{prompt}"
 
 
+def _sampler(settings: TrafficSettings):
+    if settings.requests_sample is None:
+        return None
+
+    def write(messages: list[dict]) -> None:
+        with settings.requests_sample.open("a") as out:
+            out.write(json.dumps({"messages": messages}) + "\n")
+
+    return write
+
+
 async def _user(
     number: int, settings: TrafficSettings, client: httpx.AsyncClient, system: str, control: _Control
 ) -> None:
@@ -119,7 +131,7 @@ async def _user(
         render = _dynamic_prefix if control.read().get("dynamic_prefix") is True else None
         turns = user_turns(settings.rounds, settings.turn_tokens, rng)
         session = await run_session(
-            client, probe, Conversation(system, turns), settings.think_seconds, render
+            client, probe, Conversation(system, turns), settings.think_seconds, render, _sampler(settings)
         )
         failed = next((r for r in session.rounds if not r.ok), None)
         log.info(

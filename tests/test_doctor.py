@@ -1,0 +1,460 @@
+"""The doctor names each lab fault and each deliberate misconfiguration by its cause.
+
+One lab (real nginx and Prometheus, three replicas, two background users) serves the module; each fault
+test injects a fault and heals afterwards. Small fake servers cover answers no healthy engine gives,
+and sample files written here cover the prompt-prefix check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from aiohttp import web
+
+from collectors.cli import main
+from collectors.doctor import (
+    CAUSES,
+    Check,
+    Diagnosis,
+    _base_url_variants,
+    diagnose,
+    examine,
+    format_diagnosis,
+    prompt_prefix,
+)
+from collectors.probe import ProbeSettings, api_url
+from collectors.workload import system_prompt, user_turns
+from conftest import REPO, free_port, stop
+from lab import stack
+from lab.state import LabState
+
+MODEL = "lab-model"
+KEY = "kvw-doctor-key-8e2d61c4b7"  # distinctive, so a search finds any leak
+ROUTE_CHECKS = ("reachability", "auth", "response shape", "session id propagation", "hash key")
+integration = pytest.mark.integration
+
+
+def doctor(url: str, model: str = MODEL, **options) -> Diagnosis:
+    return diagnose(ProbeSettings(base_url=url, model=model, timeout_seconds=10), **options)
+
+
+def check(diagnosis: Diagnosis, name: str) -> Check:
+    (found,) = [c for c in diagnosis.checks if c.name == name]
+    return found
+
+
+def statuses(diagnosis: Diagnosis) -> dict[str, str]:
+    return {c.name: c.status for c in diagnosis.checks}
+
+
+# --- records and small pieces -------------------------------------------------------------------
+
+
+def test_a_check_takes_only_known_statuses_and_causes():
+    with pytest.raises(ValueError, match="status"):
+        Check("auth", "ok", "")
+    with pytest.raises(ValueError, match="cause"):
+        Check("auth", "fail", "", cause="broken")
+
+
+def test_causes_come_from_failed_checks_in_order_once():
+    diagnosis = Diagnosis(
+        (
+            Check("a", "fail", "x", cause="bad_base_url"),
+            Check("b", "warn", "y"),
+            Check("c", "fail", "z", cause="model_not_found"),
+            Check("d", "fail", "w", cause="bad_base_url"),
+        )
+    )
+    assert diagnosis.causes == ["bad_base_url", "model_not_found"] and diagnosis.failed
+    report = diagnosis.as_json()
+    assert report["causes"] == diagnosis.causes
+    assert set(report["checks"][0]) == {"name", "status", "evidence", "fix", "cause"}
+    assert not Diagnosis((Check("a", "warn", "y"),)).failed
+
+
+@pytest.mark.parametrize(
+    "base, variants",
+    [
+        ("http://h:1/api", ["http://h:1"]),
+        ("http://h:1/api/", ["http://h:1"]),
+        ("http://h:1/v1/v1", ["http://h:1/v1"]),
+        ("http://h:1/v1/chat/completions", ["http://h:1/v1/chat", "http://h:1/v1"]),
+        ("http://h:1/api/v1", ["http://h:1"]),  # /api gives the same API root as /api/v1
+        ("http://h:1", []),
+    ],
+)
+def test_base_url_variants_are_the_shorter_paths_with_another_api_root(base, variants):
+    assert _base_url_variants(base) == variants
+
+
+# --- prompt-prefix stability, from sample files -------------------------------------------------
+
+STATIC = system_prompt(300, 7)
+START = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def write_sample(path: Path, systems: list[str], rounds: int = 3) -> Path:
+    """A JSONL sample of chat payloads: each system prompt opens one conversation of `rounds` requests,
+    each request resending the history, as a chat client does."""
+    lines = []
+    for number, system in enumerate(systems):
+        turns = user_turns(rounds, 12, random.Random(number))
+        for count in range(1, rounds + 1):
+            messages = [{"role": "system", "content": system}]
+            for turn in turns[:count]:
+                messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": "ok."}]
+            lines.append(json.dumps({"messages": messages[:-1]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def stamped(conversations: int) -> list[str]:
+    times = (START + timedelta(seconds=7.3 * n) for n in range(conversations))
+    return [f"Current time: {t.strftime('%Y-%m-%dT%H:%M:%S.%fZ')}\n{STATIC}" for t in times]
+
+
+def test_a_timestamp_at_the_top_of_the_system_prompt_is_dynamic_prompt_prefix(tmp_path):
+    found = prompt_prefix(write_sample(tmp_path / "sample.jsonl", stamped(10)))
+    assert (found.status, found.cause) == ("fail", "dynamic_prompt_prefix")
+    assert "30 requests, 10 distinct system prompts; the most common is shared by 3 (10%)" in found.evidence
+    assert "a timestamp that varies from token 3 on" in found.evidence
+    assert "'Current time: 2026-05-01T12:00:00.000000Z'" in found.evidence
+    assert "a real tokenizer's index differs" in found.evidence
+    assert found.fix.startswith("put static content first and dynamic content last")
+
+
+@pytest.mark.parametrize(
+    "top, kind",
+    [
+        (lambda n: f"Request {uuid.uuid4()}.", "UUID"),
+        (lambda n: f"Trace id: {uuid.uuid4().hex}", "request id"),
+        (lambda n: f"Today is {(START + timedelta(days=n)).date()}.", "date"),
+        (lambda n: f"Conversation number {n + 1000}.", "counter"),
+    ],
+    ids=["uuid", "hex-id", "date", "counter"],
+)
+def test_ids_dates_and_counters_at_the_top_are_named(tmp_path, top, kind):
+    found = prompt_prefix(write_sample(tmp_path / "sample.jsonl", [f"{top(n)} {STATIC}" for n in range(4)]))
+    assert (found.status, found.cause) == ("fail", "dynamic_prompt_prefix")
+    assert f"one prompt with a {kind} that varies" in found.evidence
+
+
+@pytest.mark.parametrize(
+    "systems, evidence",
+    [
+        ([STATIC] * 5, "all 15 requests share one system prompt of 300 tokens"),
+        ([system_prompt(300, n) for n in range(3)], "no two differ only in a piece before static content"),
+        ([f"{STATIC} Today is 2026-05-0{n + 1}." for n in range(3)], "no two differ only in a piece"),
+        ([""] * 3, "none of 9 requests starts with a system prompt"),
+    ],
+    ids=["one-prompt", "different-prompts", "dynamic-last", "no-system-prompt"],
+)
+def test_static_first_prompts_pass(tmp_path, systems, evidence):
+    found = prompt_prefix(write_sample(tmp_path / "sample.jsonl", systems))
+    assert found.status == "pass" and found.cause is None
+    assert evidence in found.evidence
+
+
+def test_a_varying_piece_that_looks_like_nothing_known_is_a_warning(tmp_path):
+    systems = [f"The customer is {name}. {STATIC}" for name in ("Alice", "Bob", "Carol")]
+    found = prompt_prefix(write_sample(tmp_path / "sample.jsonl", systems))
+    assert (found.status, found.cause) == ("warn", None)
+    assert "one prompt with a piece that varies from token 3 on" in found.evidence
+
+
+def test_unreadable_or_too_small_samples_are_skipped_with_the_reason(tmp_path):
+    assert prompt_prefix(None).status == "skipped"
+    missing = prompt_prefix(tmp_path / "missing.jsonl")
+    assert missing.status == "skipped" and "cannot read" in missing.evidence
+    junk = tmp_path / "junk.jsonl"
+    one = json.dumps({"messages": [{"role": "system", "content": "x"}]})
+    junk.write_text(f'not json\n{{"messages": "no list"}}\n[1]\n\n{one}\n')
+    found = prompt_prefix(junk)
+    assert found.status == "skipped"
+    assert found.evidence.endswith("1 requests in " + str(junk) + ": too few to compare; 3 lines were no "
+                                   "request payload with `messages`")  # fmt: skip
+
+
+# --- answers no healthy engine gives, from fake servers ------------------------------------------
+
+
+@asynccontextmanager
+async def fake_server(chat):
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": MODEL}]}))
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def against(chat, **settings) -> Diagnosis:
+    async def scenario() -> Diagnosis:
+        async with fake_server(chat) as url:
+            return await examine(ProbeSettings(base_url=url, model=MODEL, **settings))
+
+    return asyncio.run(scenario())
+
+
+def replying(body: dict, status: int = 200):
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(body, status=status)
+
+    return handler
+
+
+async def hang(request: web.Request) -> web.Response:
+    await asyncio.sleep(30)
+    return web.Response()
+
+
+ECHOING = {"error": {"message": f"Incorrect API key provided: {KEY}"}}
+
+
+@pytest.mark.parametrize(
+    "chat, failing, cause, evidence",
+    [
+        (replying(ECHOING), "response shape", "bad_response", "no `choices` in the answer: {"),
+        (replying({"choices": [{"message": {"content": "hi"}}]}), "response shape", "bad_response",
+         "a whole completion came back instead of an event stream"),
+        (replying({"error": "overloaded"}, 503), "response shape", "bad_response", "HTTP 503"),
+        (replying(ECHOING, 401), "auth", "unauthorized", "provided: [redacted]"),
+        (hang, "reachability", "connection_refused", "no complete answer within 0.5 s"),
+    ],
+    ids=["error-object", "no-stream", "http-503", "key-echoed", "hang"],
+)  # fmt: skip
+def test_broken_answers_are_named_and_the_key_never_shown(chat, failing, cause, evidence):
+    diagnosis = against(chat, api_key=KEY, timeout_seconds=0.5)
+    found = check(diagnosis, failing)
+    assert (found.status, found.cause, diagnosis.causes) == ("fail", cause, [cause])
+    assert evidence in found.evidence, found.evidence
+    later = list(ROUTE_CHECKS[ROUTE_CHECKS.index(failing) + 1 :])
+    assert [statuses(diagnosis)[name] for name in later] == ["skipped"] * len(later)
+    assert KEY not in json.dumps(diagnosis.as_json()) + format_diagnosis(diagnosis)
+
+
+def test_nothing_listening_is_connection_refused_with_the_container_hint():
+    diagnosis = doctor(f"http://127.0.0.1:{free_port()}")
+    found = check(diagnosis, "reachability")
+    assert diagnosis.causes == ["connection_refused"] and found.evidence.startswith("cannot connect to")
+    assert "inside a container, localhost is the container itself" in found.fix
+    assert statuses(diagnosis)["prefix caching"] == "skipped"
+
+
+def test_an_api_key_on_the_command_line_is_refused_unrepeated(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["doctor", "--base-url", "http://127.0.0.1:1", "--model", MODEL, "--api-key", KEY])
+    assert exited.value.code == 2 and KEY not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prometheus", "127.0.0.1:9090"], "--prometheus must start with http:// or https://"),
+        (["--requests-sample", "/nonexistent.jsonl"], "--requests-sample /nonexistent.jsonl: no such file"),
+        (["--api-key-env", "KVW_UNSET_VARIABLE"], "environment variable KVW_UNSET_VARIABLE is not set"),
+        (["--timeout", "0"], "timeout_seconds must be positive"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
+    assert main(["doctor", "--base-url", "http://127.0.0.1:1", "--model", MODEL, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+# --- the lab ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab("--replicas", "3", "--users", "2", "--think", "0.1", "--time-scale", "0.1")
+
+
+@pytest.fixture
+def fault(lab):
+    """Inject lab faults, then heal: what `kvwatch lab fault` and `heal` do, without starting a process."""
+    yield lambda name, replica=None: stack.fault(LabState.load(lab.state_dir), name, replica)
+    stack.heal(LabState.load(lab.state_dir))
+
+
+@integration
+def test_a_healthy_route_passes_every_check(lab, capsys):
+    prometheus = lab.status["prometheus"]
+    code = main(
+        ["doctor", "--base-url", lab.affinity, "--model", MODEL, "--prometheus", prometheus, "--json"]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert (code, report["causes"]) == (0, [])
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        *((name, "pass") for name in ROUTE_CHECKS),
+        ("prefix caching", "pass"),
+        ("prompt-prefix stability", "skipped"),
+    ]
+    evidence = {c["name"]: c["evidence"] for c in report["checks"]}
+    assert "X-Session-Id came back unchanged on all 12 rounds" in evidence["session id propagation"]
+    assert "Prometheus: no engine has prefix caching off" in evidence["prefix caching"]
+
+
+@integration
+@pytest.mark.parametrize(
+    "name, failing, cause, evidence",
+    [
+        ("break-affinity", "hash key", "hash_key_not_session", "sessions changed backend within 4 rounds"),
+        ("hash-request-id", "hash key", "hash_key_not_session", "sessions changed backend within 4 rounds"),
+        ("drop-session-header", "session id propagation", "session_id_not_propagated",
+         "12 of 12 rounds came back with another X-Session-Id"),
+    ],
+)  # fmt: skip
+def test_each_gateway_fault_is_named(lab, fault, name, failing, cause, evidence):
+    fault(name)
+    diagnosis = doctor(lab.affinity)
+    assert diagnosis.causes == [cause]
+    assert evidence in check(diagnosis, failing).evidence
+
+
+@integration
+def test_the_cli_prints_each_check_with_its_fix_and_exits_1_on_a_failure(lab, fault, capsys):
+    fault("break-affinity")
+    code = main(["doctor", "--base-url", lab.affinity, "--model", MODEL])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL     hash key: " in out and "sessions changed backend within 4 rounds:" in out
+    assert "fix: hash on the session id: nginx `hash $http_x_session_id consistent;`" in out
+    assert out.rstrip().endswith("causes: hash_key_not_session")
+
+
+def prometheus_sees_caching_off(lab, replica: str) -> bool:
+    answer = httpx.get(
+        f"{lab.status['prometheus']}/api/v1/query",
+        params={"query": 'vllm:cache_config_info{enable_prefix_caching="False"}'},
+        timeout=5,
+    ).json()
+    return any(series["metric"]["instance"] == replica for series in answer["data"]["result"])
+
+
+@integration
+def test_prefix_caching_off_on_one_replica_is_named_through_prometheus(lab, fault):
+    fault("disable-prefix-cache", "r2")
+    r2 = urlsplit(lab.replica_url("r2")).netloc
+    deadline = time.monotonic() + 15
+    while not prometheus_sees_caching_off(lab, r2):
+        assert time.monotonic() < deadline, "Prometheus never scraped r2's cache config"
+        time.sleep(0.2)
+    diagnosis = doctor(lab.affinity, prometheus_url=lab.status["prometheus"])
+    assert diagnosis.causes == ["prefix_cache_disabled"]
+    found = check(diagnosis, "prefix caching")
+    assert f"Prometheus: {r2} reports enable_prefix_caching=False" in found.evidence
+
+
+@integration
+def test_prefix_caching_off_everywhere_shows_in_the_sessions_alone(lab, fault):
+    for replica in ("r1", "r2", "r3"):
+        fault("disable-prefix-cache", replica)
+    diagnosis = doctor(lab.affinity)
+    found = check(diagnosis, "prefix caching")
+    assert diagnosis.causes == ["prefix_cache_disabled"]
+    assert "reused 0 of" in found.evidence and "--no-enable-prefix-caching" in found.fix
+
+
+@integration
+def test_an_unreachable_prometheus_is_said_and_the_sessions_still_judge(lab):
+    diagnosis = doctor(lab.affinity, prometheus_url=f"http://127.0.0.1:{free_port()}")
+    found = check(diagnosis, "prefix caching")
+    assert (found.status, diagnosis.causes) == ("pass", [])
+    assert "cannot be queried" in found.evidence
+
+
+@integration
+def test_dynamic_prefix_is_found_in_a_sample_the_lab_traffic_wrote(lab, request, tmp_path):
+    request.getfixturevalue("fault")("dynamic-prefix")
+    sample = tmp_path / "requests.jsonl"
+    control = lab.state_dir / "traffic.json"  # the lab's: the fault switched it on
+    command = [sys.executable, "-m", "collectors.cli", "lab", "traffic", "--url", lab.affinity,
+               "--users", "2", "--rounds", "2", "--think", "0", "--control", str(control),
+               "--requests-sample", str(sample)]  # fmt: skip
+    traffic = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sample.exists() or len(sample.read_text().splitlines()) < 8:
+            assert time.monotonic() < deadline and traffic.poll() is None, "the traffic wrote no sample"
+            time.sleep(0.2)
+    finally:
+        stop(traffic)
+    found = prompt_prefix(sample)
+    assert (found.status, found.cause) == ("fail", "dynamic_prompt_prefix")
+    assert "a timestamp that varies from token 3 on" in found.evidence
+
+
+@integration
+def test_an_unknown_model_lists_what_the_server_offers(lab):
+    diagnosis = doctor(lab.affinity, model="no-such-model")
+    found = check(diagnosis, "response shape")
+    assert diagnosis.causes == ["model_not_found"]
+    assert "The model `no-such-model` does not exist" in found.evidence
+    assert "offers: lab-model" in found.evidence
+
+
+@integration
+@pytest.mark.parametrize("path", ["/api", "/v1/v1", "/v1/chat/completions"])
+def test_a_base_url_with_a_wrong_path_names_the_one_that_works(lab, path):
+    # The lab's nginx proxies every path; a replica, which answers 404 to unknown ones, stands for a
+    # gateway that serves only its API root.
+    replica = lab.replica_url("r1")
+    diagnosis = doctor(replica + path)
+    found = check(diagnosis, "reachability")
+    assert diagnosis.causes == ["bad_base_url"]
+    assert found.evidence.startswith(f"{api_url(replica + path, 'chat/completions')} answers HTTP 404;")
+    assert found.fix.startswith(f"set the base URL to {replica}/v1,")
+    assert statuses(diagnosis)["hash key"] == "pass"  # the later checks ran on the working base URL
+
+
+@integration
+def test_a_required_api_key_missing_wrong_expired_or_scoped(start_replica, monkeypatch, capsys):
+    replica = start_replica("keys", "vllm", "--time-scale", "0.1")
+    expired, scoped = "kvw-expired-3c9a1f", "kvw-scoped-7b2e04"
+    faults = {
+        "api_keys": {KEY: [MODEL], expired: [MODEL], scoped: ["other-model"]},
+        "expired_keys": [expired],
+    }
+    replica.set_faults(**faults).raise_for_status()
+    runs = {}
+    for label, key in (("missing", None), ("wrong", "kvw-wrong-5d0c88"), ("expired", expired),
+                       ("scoped", scoped), ("good", KEY)):  # fmt: skip
+        flags = []
+        if key:
+            monkeypatch.setenv("KVW_DOCTOR_KEY", key)
+            flags = ["--api-key-env", "KVW_DOCTOR_KEY"]
+        code = main(["doctor", "--base-url", replica.url, "--model", MODEL, "--json", *flags])
+        out, err = capsys.readouterr()
+        report = json.loads(out)
+        auth = next(c for c in report["checks"] if c["name"] == "auth")
+        runs[label] = (code, report["causes"], auth["evidence"])
+        assert (key or KEY) not in out + err
+    assert runs["missing"][:2] == (1, ["unauthorized"]) and "sent without an API key" in runs["missing"][2]
+    assert runs["wrong"][:2] == (1, ["unauthorized"]) and "Incorrect API key" in runs["wrong"][2]
+    assert runs["expired"][:2] == (1, ["forbidden"]) and runs["expired"][2].startswith("token expired")
+    assert runs["scoped"][:2] == (1, ["forbidden"]) and "not allowed to use the model" in runs["scoped"][2]
+    assert runs["good"][:2] == (0, []) and runs["good"][2] == "no 401 or 403 with an API key"
+
+
+def test_every_cause_has_a_readme_entry():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
+    assert [cause for cause in CAUSES if f"`{cause}`" not in section] == []

@@ -316,3 +316,93 @@ RULE_FILES = {
     "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES),
     "alerts/kvwatch.rules.yml": ("kvwatch-alerts", ALERTS),
 }
+
+
+# --- Dashboard queries ----------------------------------------------------------------------------
+# One expression per panel, shared by the Grafana boards (collectors/grafana.py) and the Streamlit app.
+# They use Grafana's variables: `$job`, `$instance` and `$target` are label regexes, `$__rate_interval`
+# is the rate window and `$__range` the whole time range; outside Grafana, `fill_variables()` sets them.
+# Panels on recording rules keep the rules' fixed WINDOW; probe panels rate kvwatch_probe_* counters.
+
+RATE_WINDOW = "$__rate_interval"
+ENGINE_SELECTOR = 'job=~"$job", instance=~"$instance"'
+PROBE_SELECTOR = 'target=~"$target"'
+LABEL_VARIABLES = ("job", "instance", "target")
+ROUTE = "target, route_mode"
+
+
+def fill_variables(expr: str, *, window: str, time_range: str, **labels: str) -> str:
+    """A dashboard query with Grafana's variables set, to run it elsewhere (Streamlit, tests);
+    label variables that are not given match everything."""
+    values = {"__rate_interval": window, "__range": time_range, **dict.fromkeys(LABEL_VARIABLES, ".*")}
+    for name, value in (values | labels).items():
+        expr = expr.replace(f"${name}", value)
+    return expr
+
+
+def _sum_rate(metric: str, selector: str, by: str, window: str = RATE_WINDOW) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[{window}]))"
+
+
+def _ratio(numerator: str, denominator: str) -> str:
+    return f"{numerator}\n  / ({denominator} > 0)"
+
+
+def _probe_ttft_median(by: str, *matchers: str, window: str = RATE_WINDOW) -> str:
+    selector = ", ".join((PROBE_SELECTOR, *matchers))
+    buckets = _sum_rate("kvwatch_probe_ttft_seconds_bucket", selector, f"le, {by}", window)
+    return f"histogram_quantile(0.5, {buckets})"
+
+
+HIT_RATIO_BY_INSTANCE = f"{INSTANCE_HIT_RATIO}{{{ENGINE_SELECTOR}}}"
+TTFT_QUANTILES_BY_INSTANCE = f"{INSTANCE_TTFT}{{{ENGINE_SELECTOR}}}"
+REQUEST_SHARE_BY_INSTANCE = f"{INSTANCE_REQUEST_SHARE}{{{ENGINE_SELECTOR}}}"
+# Engine TTFT bucket rates for a heatmap, one query per engine family: their buckets differ.
+ENGINE_TTFT_BUCKET_RATES = {
+    name.split(":")[0]: f"sum by (le) (rate({name}{{{ENGINE_SELECTOR}}}[{RATE_WINDOW}]))"
+    for name in TTFT_BUCKETS
+}
+
+# Median probe TTFT per round and route over the whole time range: the source article's chart.
+PROBE_TTFT_BY_ROUND = _probe_ttft_median("route_mode, round", window="$__range")
+PROBE_TTFT_BY_ROUND_OVER_TIME = _probe_ttft_median("round")
+# Warm rounds' median TTFT over round 1's: affinity keeps it low, round robin makes it grow.
+WARM_COLD_TTFT_RATIO = _ratio(_probe_ttft_median(ROUTE, 'round!="1"'), _probe_ttft_median(ROUTE, 'round="1"'))
+PROBE_STICKY_SHARE = _ratio(
+    _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky="true"', ROUTE),
+    _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky!="unknown"', ROUTE),
+)
+PROBE_BACKEND_SWITCHES_PER_SESSION = _ratio(
+    _sum_rate("kvwatch_probe_backend_switches_total", PROBE_SELECTOR, ROUTE),
+    _sum_rate("kvwatch_probe_sessions_total", PROBE_SELECTOR, ROUTE),
+)
+# Delivered over ideal cached tokens. Round 1 has nothing to reuse (its ideal is 0) but can still hit
+# the shared system prompt, so it stays out.
+AFFINITY_EFFICIENCY = _ratio(
+    _sum_rate("kvwatch_probe_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
+    _sum_rate("kvwatch_probe_ideal_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
+)
+SESSION_ID_NOT_ECHOED_SHARE = _ratio(
+    _sum_rate("kvwatch_probe_session_id_echo_sessions_total", f'{PROBE_SELECTOR}, echoed="false"', ROUTE),
+    _sum_rate("kvwatch_probe_session_id_echo_sessions_total", PROBE_SELECTOR, ROUTE),
+)
+REQUESTS_WITHOUT_SESSION_KEY_SHARE = _ratio(
+    _sum_rate("kvwatch_gateway_requests_without_session_key_total", "", "log, listener"),
+    _sum_rate("kvwatch_gateway_requests_total", "", "log, listener"),
+)
+PROBE_ERRORS_BY_KIND = _sum_rate("kvwatch_probe_errors_total", PROBE_SELECTOR, "kind")
+PROBE_ROUNDS_BY_BACKEND = _sum_rate("kvwatch_probe_backend_rounds_total", PROBE_SELECTOR, "backend")
+PROBE_LAST_RUN_AGE = (
+    f"time() - max by ({ROUTE}) (kvwatch_probe_last_run_timestamp_seconds{{{PROBE_SELECTOR}}})"
+)
+FIRING_ALERTS_BY_NAME = 'count by (alertname, severity) (ALERTS{alertstate="firing", alertname=~"KVWatch.+"})'
+
+
+# --- Streamlit queries ----------------------------------------------------------------------------
+# What the Streamlit app (dashboard/app_pages/) shows besides the dashboard queries above.
+
+FIRING_ALERTS = f"sum({FIRING_ALERTS_BY_NAME}) or vector(0)"
+# The exporter's ratio of the last probe run's medians, the one KVWatchWarmRoundNoGain watches: exact,
+# where WARM_COLD_TTFT_RATIO's medians come from histogram buckets and can land anywhere in one (0.1-0.25 s).
+PROBE_WARM_COLD_TTFT_RATIO = "kvwatch_probe_warm_cold_ttft_ratio"
+PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"

@@ -1,20 +1,25 @@
 # kvwatch: `make up` starts the lab and the dashboard, `make test` runs the whole suite.
 # Both bootstrap first: a virtualenv with kvwatch installed, and Debian's nginx, Prometheus and
-# Alertmanager when they are missing.
+# Alertmanager when they are missing; `make test` also installs Debian's Chromium for the dashboard's
+# browser test.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
+TEST_PACKAGES := chromium
 LAB_ARGS ?=
 
-.PHONY: bootstrap system-packages up down test bench lint generate
+.PHONY: bootstrap system-packages test-packages up down test bench lint generate
 
 bootstrap: system-packages $(STAMP)
 
 system-packages:
 	@sh scripts/system-packages.sh $(SYSTEM_PACKAGES)
+
+test-packages:
+	@sh scripts/system-packages.sh $(TEST_PACKAGES)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +33,7 @@ up: bootstrap
 down:
 	@test -x $(BIN)/kvwatch && $(BIN)/kvwatch lab down || true
 
-test: bootstrap
+test: bootstrap test-packages
 	$(BIN)/python -m pytest -q
 
 bench: bootstrap

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from collectors import scrape
+from collectors import config, doctor, experiment, probe, scheduler, scrape
+from dashboard import cli as dashboard_cli
 from lab import cli as lab_cli
 
 
@@ -18,6 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lab_cli.add_parser(commands)
     scrape.add_parser(commands)
+    probe.add_parser(commands)
+    config.add_parser(commands)
+    scheduler.add_parser(commands)
+    experiment.add_parser(commands)
+    doctor.add_parser(commands)
+    dashboard_cli.add_parser(commands)
     return parser
 
 

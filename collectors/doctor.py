@@ -31,7 +31,7 @@ from collectors.probe import (
     DEFAULT_BACKEND_HEADERS,
     HINTS,
     ProbeSettings,
-    _RefuseKey,
+    add_api_key_arguments,
     api_url,
     resolve_api_key,
     run_session,
@@ -603,10 +603,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
     parser.add_argument("--model", required=True, help="model id, as GET <base URL>/models lists it")
-    key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
-    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
-    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+    add_api_key_arguments(parser)
     parser.add_argument(
         "--session-header",
         default=ProbeSettings.session_header,

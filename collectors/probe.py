@@ -538,6 +538,14 @@ class _RefuseKey(argparse.Action):
         )
 
 
+def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--api-key-env / --api-key-file, and an --api-key that only refuses: keys never come from argv."""
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
+    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
     parser = subparsers.add_parser(
@@ -550,10 +558,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
     parser.add_argument("--model", required=True, help="model id, as GET <base URL>/models lists it")
-    key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
-    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
-    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+    add_api_key_arguments(parser)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
         ("--sessions", "sessions", int, 3, "sessions"),

@@ -367,7 +367,8 @@ ENGINE_TTFT_BUCKET_RATES = {
 PROBE_TTFT_BY_ROUND = _probe_ttft_median("route_mode, round", window="$__range")
 PROBE_TTFT_BY_ROUND_OVER_TIME = _probe_ttft_median("round")
 # Warm rounds' median TTFT over round 1's: affinity keeps it low, round robin makes it grow.
-WARM_COLD_TTFT_RATIO = _ratio(_probe_ttft_median(ROUTE, 'round!="1"'), _probe_ttft_median(ROUTE, 'round="1"'))
+# The exporter's exact per-run ratio: medians from histogram buckets would land anywhere in one bucket.
+WARM_COLD_TTFT_RATIO = f"max by ({ROUTE}) (kvwatch_probe_warm_cold_ttft_ratio{{{PROBE_SELECTOR}}})"
 PROBE_STICKY_SHARE = _ratio(
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky="true"', ROUTE),
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky!="unknown"', ROUTE),
@@ -402,7 +403,4 @@ FIRING_ALERTS_BY_NAME = 'count by (alertname, severity) (ALERTS{alertstate="firi
 # What the Streamlit app (dashboard/app_pages/) shows besides the dashboard queries above.
 
 FIRING_ALERTS = f"sum({FIRING_ALERTS_BY_NAME}) or vector(0)"
-# The exporter's ratio of the last probe run's medians, the one KVWatchWarmRoundNoGain watches: exact,
-# where WARM_COLD_TTFT_RATIO's medians come from histogram buckets and can land anywhere in one (0.1-0.25 s).
-PROBE_WARM_COLD_TTFT_RATIO = "kvwatch_probe_warm_cold_ttft_ratio"
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"

@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 
 from lab.configs import (
-    FAST_TIME_FACTOR,
     REPO,
     render_alertmanager,
     render_kvwatch_config,
@@ -108,8 +107,8 @@ def prometheus_process(state: LabState) -> Process:
         "--web.enable-lifecycle",
         "--storage.tsdb.retention.time=2d",
     ]
-    if state.fast:  # Prometheus re-sends firing alerts every minute by default
-        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * FAST_TIME_FACTOR))}s")
+    if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
+        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * state.rule_time_scale))}s")
     return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
@@ -130,6 +129,12 @@ def serve_process(state: LabState) -> Process:
     """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook."""
     argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
     return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy")
+
+
+def dashboard_process(state: LabState) -> Process:
+    port = state.ports.dashboard
+    argv = _kvwatch("dashboard", "--config", str(state.directory / "kvwatch.yaml"), "--port", str(port))
+    return Process("dashboard", argv, f"http://127.0.0.1:{port}/_stcore/health")
 
 
 def traffic_process(state: LabState) -> Process:
@@ -157,6 +162,7 @@ def planned_processes(state: LabState) -> list[Process]:
         alertmanager_process(state),
         prometheus_process(state),
         serve_process(state),
+        dashboard_process(state),
     ]
     if state.users:
         processes.append(traffic_process(state))
@@ -348,6 +354,7 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
         "prometheus": state.ports.prometheus,
         "alertmanager": state.ports.alertmanager,
         "kvwatch exporter": state.ports.exporter,
+        "dashboard": state.ports.dashboard,
     }
     ports.update({f"replica {r.id}": r.port for r in state.replicas})
     _check_ports_free(ports)
@@ -382,7 +389,7 @@ def status(state: LabState) -> dict:
         "prometheus": url("prometheus", ports.prometheus),
         "alertmanager": url("alertmanager", ports.alertmanager),
         "exporter": url("serve", ports.exporter),
-        "dashboard": None,
+        "dashboard": url("dashboard", ports.dashboard),
         "replicas": [
             {"id": r.id, "url": url(f"replica-{r.id}", r.port), "flavour": r.flavour} for r in state.replicas
         ],

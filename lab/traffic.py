@@ -56,27 +56,6 @@ class TrafficSettings:
         )
 
 
-@dataclass(frozen=True)
-class RoundRecord:
-    """A round in the shape tests/test_lab_experiment.py reads."""
-
-    round: int
-    status: int | None
-    ttft_seconds: float | None
-    upstream: str | None
-    error: str | None
-
-
-async def run_conversation(
-    client: httpx.AsyncClient, url: str, system: str, turns: list[str], *, max_tokens: int, session_mode: str
-) -> list[RoundRecord]:
-    """The lab's interface from before the probe, kept until tests/test_lab_experiment.py calls
-    collectors.probe.run_session itself; then delete it and RoundRecord."""
-    probe = TrafficSettings(url, max_tokens=max_tokens, session_mode=session_mode).probe()
-    session = await run_session(client, probe, Conversation(system, tuple(turns)))
-    return [RoundRecord(r.round, r.status, r.ttft_seconds, r.backend, r.error_kind) for r in session.rounds]
-
-
 class _Control:
     """The control file through which the lab switches traffic faults while users keep talking."""
 

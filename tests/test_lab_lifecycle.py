@@ -23,7 +23,7 @@ def listening(port: int) -> bool:
 
 
 def lab_ports(base: int, replicas: int) -> list[int]:
-    return [base, base + 1, base + 2, base + 3, base + 4, *(base + 10 + i for i in range(replicas))]
+    return [*range(base, base + 6), *(base + 10 + i for i in range(replicas))]
 
 
 def scraped_replicas(prometheus: str) -> set[tuple[str, str]]:
@@ -52,7 +52,7 @@ def test_status_json_lists_every_url(start_lab):
     assert status["prometheus"] == f"http://127.0.0.1:{base + 2}"
     assert status["alertmanager"] == f"http://127.0.0.1:{base + 3}"
     assert status["exporter"] == f"http://127.0.0.1:{base + 4}"
-    assert status["dashboard"] is None
+    assert status["dashboard"] == f"http://127.0.0.1:{base + 5}"
     assert status["replicas"] == [
         {"id": "r1", "url": f"http://127.0.0.1:{base + 10}", "flavour": "vllm"},
         {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang"},
@@ -123,7 +123,7 @@ def test_ctrl_c_on_a_foreground_lab_stops_everything(tmp_path):
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not listening(base + 4) and time.monotonic() < deadline:
+        while not listening(base + 5) and time.monotonic() < deadline:
             assert process.poll() is None, process.stdout.read()
             time.sleep(0.2)
         time.sleep(1)  # the traffic process starts last

@@ -1,0 +1,1 @@
+"""The Streamlit dashboard: `app.py` routes, `app_pages/` draw, `data.py` reads (cached)."""

@@ -1,0 +1,66 @@
+"""Alerts: what Alertmanager holds now and what kvwatch's webhook received, each with its runbook."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data, ui
+
+COLUMNS = {
+    "received_at": st.column_config.DatetimeColumn("received (UTC)", format=ui.TIME_FORMAT),
+    "alertname": "alert",
+    "severity": "severity",
+    "state": "state",
+    "target": "target",
+    "instance": "instance",
+    "starts_at": st.column_config.DatetimeColumn("since (UTC)", format=ui.TIME_FORMAT),
+    "summary": "summary",
+    "runbook_url": "runbook",
+}
+
+
+def show(alerts: pd.DataFrame, key: str) -> None:
+    columns = [c for c in COLUMNS if c in alerts]
+    st.dataframe(alerts[columns], hide_index=True, column_config=COLUMNS, key=key)
+
+
+def runbooks(alerts: pd.DataFrame) -> None:
+    """The runbook section of each alert shown, in place: a relative runbook_url is a file of this repo."""
+    for name, url in alerts[["alertname", "runbook_url"]].dropna().drop_duplicates("alertname").values:
+        with st.expander(f"Runbook: {name}"):
+            if url.startswith(("http://", "https://")):
+                st.link_button("Open the runbook", url)
+            else:
+                section = data.runbook(url)
+                if not ui.failed(section):
+                    st.markdown(section.value)
+
+
+st.title("Alerts")
+st.subheader("Now, in Alertmanager")
+held = data.alerts()
+if not ui.failed(held):
+    if held.value.empty:
+        ui.empty(
+            "Alertmanager holds no alert: nothing is firing (not even Watchdog, so check that "
+            "Prometheus sends it alerts)."
+        )
+    else:
+        show(held.value, "alerts_now")
+
+st.subheader("Received by kvwatch's webhook")
+over = data.span(ui.time_range("alerts_range", default="1 day"))
+received = data.received_alerts(over.start)
+if not ui.failed(received):
+    if received.value.empty:
+        ui.empty(
+            "kvwatch's webhook received no alert in this range (Alertmanager sends to POST /alerts on "
+            "the exporter's address)."
+        )
+    else:
+        show(received.value, "alerts_received")
+
+shown = [r.value for r in (held, received) if not r.error and not r.value.empty]
+if shown:
+    runbooks(pd.concat(shown))

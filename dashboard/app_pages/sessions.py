@@ -1,0 +1,134 @@
+"""Sessions: the recent probe sessions of one target, the backend each round landed on (a switch is
+where a session lost its cache), and one session's rounds in detail."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from dashboard import data, ui
+
+TIMELINE_SESSIONS = 30
+SESSION_COLUMNS = {
+    "id": "#",
+    "started_at": st.column_config.DatetimeColumn("started (UTC)", format=ui.TIME_FORMAT),
+    "ok": "succeeded",
+    "sticky": "on one replica",
+    "backend_switches": "backend switches",
+    "session_id_echoed": "session id echoed",
+    "error_kind": "error",
+    "session_id": "session id",
+}
+SWITCH_COLOR = "#d62728"
+
+
+def label(session: pd.Series) -> str:
+    return f"{session['started_at']:%H:%M:%S} #{session['id']}"
+
+
+def timeline(sessions: pd.DataFrame, rounds: pd.DataFrame) -> go.Figure:
+    """One row per session, one square per round coloured by backend, a red bar where the backend changed."""
+    labels = {s["id"]: label(s) for _, s in sessions.iterrows()}
+    shown = rounds[rounds["session"].isin(labels)].assign(
+        row=lambda r: r["session"].map(labels), backend=lambda r: r["backend"].fillna("unknown")
+    )
+    served = shown[shown["error_kind"].isna()]
+    previous = served.groupby("session")["backend"].shift()
+    switches = served[previous.notna() & (served["backend"] != previous)]
+    figure = go.Figure()
+    for backend, cells in served.groupby("backend"):
+        figure.add_scatter(
+            x=cells["round"],
+            y=cells["row"],
+            mode="markers",
+            name=backend,
+            marker={"symbol": "square", "size": 18},
+        )
+    failed = shown[shown["error_kind"].notna()]
+    if len(failed):
+        figure.add_scatter(
+            x=failed["round"],
+            y=failed["row"],
+            mode="markers",
+            name="failed",
+            marker={"symbol": "x", "size": 14, "color": "black"},
+            text=failed["error_kind"],
+        )
+    figure.add_scatter(
+        x=switches["round"] - 0.5,
+        y=switches["row"],
+        mode="markers",
+        name="backend switch",
+        marker={"symbol": "line-ns", "size": 22, "line": {"width": 4, "color": SWITCH_COLOR}},
+    )
+    figure.update_layout(
+        xaxis={"title": "round", "dtick": 1},
+        yaxis={"title": "", "categoryorder": "array", "categoryarray": list(labels.values())[::-1]},
+        height=max(220, 24 * len(labels) + 120),
+        margin={"t": 10},
+        legend={"orientation": "h", "y": -0.15},
+    )
+    return figure
+
+
+def detail(rounds: pd.DataFrame) -> pd.DataFrame:
+    """One session's rounds as the probe saw them, TTFT in ms and cached tokens next to the ideal."""
+    return pd.DataFrame(
+        {
+            "round": rounds["round"],
+            "TTFT (ms)": rounds["ttft_seconds"] * 1000,
+            "prompt tokens": rounds["prompt_tokens"].astype("Int64"),
+            "cached tokens": rounds["cached_tokens"].astype("Int64"),
+            "ideal cached tokens": rounds["ideal_cached_tokens"].astype("Int64"),
+            "backend": rounds["backend"],
+            "status": rounds["status"].astype("Int64"),
+            "error": rounds["error_kind"],
+            "error detail": rounds["error_detail"],
+        }
+    )
+
+
+@st.fragment(run_every=data.REFRESH_SECONDS)
+def recent(target: str, seconds: int) -> None:
+    over = data.span(seconds)
+    found = data.sessions(over.start)
+    if ui.failed(found):
+        return
+    sessions = found.value
+    sessions = sessions[sessions["target"] == target] if not sessions.empty else sessions
+    if sessions.empty:
+        ui.empty(f"No probe sessions through {target} in this range yet.")
+        return
+    rounds = data.rounds(over.start)
+    if ui.failed(rounds):
+        return
+    judged = sessions["sticky"].dropna()
+    st.caption(
+        f"{len(sessions)} sessions since {ui.as_of(over.start)}; "
+        + (f"{judged.mean():.0%} stayed on one replica; " if len(judged) else "")
+        + f"{int(sessions['backend_switches'].fillna(0).sum())} backend switches; "
+        f"{int((~sessions['ok']).sum())} failed."
+    )
+    st.subheader("Backend per round")
+    st.plotly_chart(timeline(sessions.head(TIMELINE_SESSIONS), rounds.value), key="sessions_timeline")
+
+    st.subheader("Recent sessions")
+    st.dataframe(sessions[list(SESSION_COLUMNS)], hide_index=True, column_config=SESSION_COLUMNS)
+
+    st.subheader("One session")
+    labels = {s["id"]: label(s) for _, s in sessions.iterrows()}
+    picked = st.selectbox("Session", list(labels), format_func=labels.get, key="sessions_pick")
+    rows = detail(rounds.value[rounds.value["session"] == picked])
+    st.table(rows.style.format({"TTFT (ms)": "{:.1f}"}, na_rep="–").hide())
+
+
+st.title("Sessions")
+config = data.settings()
+if not ui.failed(config):
+    names = [t.name for t in config.value.targets]
+    if not names:
+        ui.empty(f"No probe targets in {data.config_path()}.")
+    else:
+        target = st.selectbox("Target", names, key="sessions_target")
+        recent(target, ui.time_range("sessions_range"))

@@ -1,0 +1,380 @@
+"""Everything the dashboard reads, in one place and cached: Prometheus, the SQLite store, Alertmanager,
+the runbook, experiment reports and the doctor.
+
+Every reader returns a `Result`: a value, or an error that names the URL or path it tried and what to
+do, never a traceback. Errors are cached like values, so a dead Prometheus costs one timeout per refresh,
+not one per panel. Pages ask for times on the refresh grid (`span`, `now`), so that every panel of a
+refresh, and every viewer, hits the same cache entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import pandas as pd
+import requests
+import streamlit as st
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from collectors import doctor, queries
+from collectors.config import ConfigError, Target, load_config, resolve_api_key
+from collectors.experiment import FILES
+from collectors.scheduler import probe_settings
+from collectors.store import Store, StoreError
+from dashboard import stats
+from dashboard.cli import DEFAULT_CONFIG
+
+REFRESH_SECONDS = 15  # cache lifetime, time grid and auto-refresh interval
+SETTLE_SECONDS = 5  # samples scraped just before a time may still be on their way into Prometheus
+TIMEOUT_SECONDS = 5
+POINTS_PER_CHART = 240
+MIN_RATE_WINDOW_SECONDS = 600  # probes run every 30 to 60 s: a narrower window often holds no run
+REPO = Path(__file__).resolve().parent.parent
+_cached = st.cache_data(ttl=REFRESH_SECONDS, show_spinner=False, max_entries=512)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A value, or an error message for the page to show instead."""
+
+    value: Any = None
+    error: str | None = None
+
+
+class Span(NamedTuple):
+    """A time range in unix seconds on the refresh grid, and the step between its chart points."""
+
+    start: float
+    end: float
+    step: float
+
+
+def now() -> float:
+    """The latest time on the refresh grid whose samples have settled: what Prometheus says about it
+    will not change, so a cached answer stays true."""
+    return (time.time() - SETTLE_SECONDS) // REFRESH_SECONDS * REFRESH_SECONDS
+
+
+def span(seconds: float) -> Span:
+    """The last `seconds` up to `now()`, with about POINTS_PER_CHART points."""
+    step = max(1, round(seconds / POINTS_PER_CHART / REFRESH_SECONDS)) * REFRESH_SECONDS
+    end = now()
+    return Span(end - seconds, end, step)
+
+
+# --- the kvwatch config ----------------------------------------------------------------------------
+
+
+def config_path() -> Path:
+    """The config `kvwatch dashboard` passes after `--` (`streamlit run app.py -- --config FILE`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    return parser.parse_known_args(sys.argv[1:])[0].config
+
+
+@_cached
+def settings() -> Result:
+    """The kvwatch config: the URLs and the store path to read, and the probe targets."""
+    try:
+        return Result(load_config(config_path()))
+    except ConfigError as error:
+        return Result(error=f"{error}. Start the dashboard with `kvwatch dashboard --config FILE`.")
+
+
+def _service_url(name: str) -> Result:
+    config = settings()
+    if config.error:
+        return config
+    url = getattr(config.value, name).url
+    if url is None:
+        return Result(error=f"No {name} URL in {config_path()}: set {name}.url to read from it.")
+    return Result(url.rstrip("/"))
+
+
+# --- Prometheus --------------------------------------------------------------------------------------
+
+
+@st.cache_resource(show_spinner=False)
+def _prometheus(url: str) -> PrometheusConnect:
+    # No retries: a panel that waits for backoffs is worse than one that says Prometheus is down.
+    return PrometheusConnect(url, timeout=TIMEOUT_SECONDS, retry=Retry(total=0))
+
+
+def filled(query: str, over: Span) -> str:
+    """A query of collectors.queries with Grafana's variables set for `over`: every label matches, the
+    rate window is at least MIN_RATE_WINDOW_SECONDS and at least one step, `$__range` is the span."""
+    window = max(MIN_RATE_WINDOW_SECONDS, over.step)
+    return queries.fill_variables(query, window=f"{window:g}s", time_range=f"{over.end - over.start:g}s")
+
+
+@_cached
+def instant(query: str, over: Span) -> Result:
+    """The query's value at the end of `over`: one row per series, a column per label, and `value`."""
+    expr = filled(query, over)
+    return _ask_prometheus(lambda client: client.custom_query(expr, params={"time": over.end}))
+
+
+@_cached
+def series(query: str, over: Span) -> Result:
+    """The query over a span: one row per point, a column per label, `time` (UTC) and `value`."""
+    expr = filled(query, over)
+    start, end = (datetime.fromtimestamp(t, UTC) for t in over[:2])
+    return _ask_prometheus(lambda client: client.custom_query_range(expr, start, end, f"{over.step:g}s"))
+
+
+def _ask_prometheus(ask: Callable[[PrometheusConnect], list]) -> Result:
+    url = _service_url("prometheus")
+    if url.error:
+        return url
+    where = f"Prometheus at {url.value}"
+    try:
+        return Result(_frame(ask(_prometheus(url.value))))
+    except requests.Timeout:
+        return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
+    except requests.ConnectionError as error:
+        return Result(error=f"Cannot reach {where}: {_reason(error)}. Is it running?")
+    except PrometheusApiClientException as error:
+        return Result(error=f"{where} refused the query: {_prometheus_error(error)}")
+    except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+        return Result(error=f"{where} did not answer like the Prometheus API: {_reason(error)}")
+
+
+def _frame(result: list[dict]) -> pd.DataFrame:
+    rows = [
+        {**item["metric"], "time": float(t), "value": float(v)}
+        for item in result
+        for t, v in (item["values"] if "values" in item else [item["value"]])
+    ]
+    frame = pd.DataFrame(rows) if rows else pd.DataFrame(columns=["time", "value"])
+    frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame
+
+
+def _reason(error: Exception) -> str:
+    """The useful end of a requests error, e.g. "Connection refused" from urllib3's nested message."""
+    found = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
+    return found[-1] if found else str(error) or type(error).__name__
+
+
+def _prometheus_error(error: PrometheusApiClientException) -> str:
+    """Prometheus' own `error` text, from the client's message "HTTP Status Code 400 (b'{...}')"."""
+    try:
+        body = ast.literal_eval(str(error).split(" (", 1)[1].removesuffix(")"))
+        return json.loads(body)["error"]
+    except (IndexError, ValueError, SyntaxError, TypeError, KeyError):
+        return str(error)
+
+
+# --- the SQLite store --------------------------------------------------------------------------------
+
+
+@_cached
+def sessions(since: float) -> Result:
+    """Probe sessions that started at `since` or later, newest first (columns of the sessions table)."""
+    return _read_store(lambda store: _times(pd.DataFrame(store.sessions(since=since)), "started_at"))
+
+
+@_cached
+def rounds(since: float) -> Result:
+    """The rounds of the probe sessions that started at `since` or later, newest session first."""
+    return _read_store(lambda store: _times(pd.DataFrame(store.rounds(since=since)), "started_at"))
+
+
+@_cached
+def received_alerts(since: float) -> Result:
+    """Alerts kvwatch's webhook received at `since` or later, newest first, in the shape of `alerts()`."""
+
+    def read(store: Store) -> pd.DataFrame:
+        frame = _alert_frame(
+            {
+                **alert["labels"],
+                **alert["annotations"],
+                "state": alert["status"],
+                "starts_at": alert["starts_at"],
+                "received_at": alert["received_at"],
+            }
+            for alert in store.alerts(since=since)
+        )
+        return _times(frame, "received_at", "starts_at")
+
+    return _read_store(read)
+
+
+@_cached
+def ttft_by_round(since: float) -> Result:
+    """Median and p90 TTFT per target and round of the probe sessions since `since` (dashboard.stats)."""
+    found = rounds(since)
+    if found.error or found.value.empty:
+        return found
+    return Result(stats.ttft_by_round(found.value))
+
+
+def _read_store(read: Callable[[Store], pd.DataFrame]) -> Result:
+    config = settings()
+    if config.error:
+        return config
+    path = config.value.store.path
+    try:
+        with Store(path, readonly=True) as store:
+            return Result(read(store))
+    except StoreError as error:
+        return Result(error=f"{error}: `kvwatch serve` creates it (store.path in {config_path()}).")
+    except sqlite3.Error as error:
+        return Result(error=f"Cannot read the kvwatch store {path}: {error}")
+
+
+def _times(frame: pd.DataFrame, *columns: str) -> pd.DataFrame:
+    for column in columns:
+        if column in frame:
+            frame[column] = pd.to_datetime(frame[column], unit="s", utc=True)
+    return frame
+
+
+# --- Alertmanager and the runbook --------------------------------------------------------------------
+
+ALERT_COLUMNS = (
+    "alertname",
+    "severity",
+    "state",
+    "target",
+    "instance",
+    "starts_at",
+    "summary",
+    "runbook_url",
+)
+
+
+@_cached
+def alerts() -> Result:
+    """The alerts Alertmanager holds now (state: active, suppressed), from its v2 API."""
+    base = _service_url("alertmanager")
+    if base.error:
+        return base
+    url = f"{base.value}/api/v2/alerts"
+    try:
+        response = httpx.get(url, timeout=TIMEOUT_SECONDS)
+        response.raise_for_status()
+        held = response.json()
+        return Result(
+            _alert_frame(
+                {
+                    **a["labels"],
+                    **a["annotations"],
+                    "state": a["status"]["state"],
+                    "starts_at": pd.Timestamp(a["startsAt"]),
+                }
+                for a in held
+            )
+        )
+    except httpx.TimeoutException:
+        return Result(error=f"Alertmanager at {url} did not answer within {TIMEOUT_SECONDS} s.")
+    except httpx.HTTPStatusError as error:
+        return Result(error=f"Alertmanager at {url} answered HTTP {error.response.status_code}.")
+    except httpx.HTTPError as error:
+        return Result(error=f"Cannot reach Alertmanager at {url}: {_reason(error)}. Is it running?")
+    except (ValueError, KeyError, TypeError):
+        return Result(error=f"{url} did not answer like Alertmanager's v2 API.")
+
+
+def _alert_frame(rows) -> pd.DataFrame:
+    frame = pd.DataFrame(list(rows))
+    for column in ALERT_COLUMNS:
+        if column not in frame:
+            frame[column] = None
+    return frame
+
+
+@_cached
+def runbook(url: str) -> Result:
+    """The Markdown section a relative runbook_url (`alerts/runbook.md#anchor`) points at in this repo."""
+    file, _, anchor = url.partition("#")
+    path = REPO / file
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        return Result(error=f"Cannot read the runbook {path}: {error.strerror}")
+    sections = re.split(r"^(?=## )", text, flags=re.MULTILINE)
+    for section in sections:
+        heading = section.partition("\n")[0].removeprefix("## ")
+        if re.sub(r"[^\w -]", "", heading.lower()).replace(" ", "-") == anchor.lower():
+            return Result(section)
+    return Result(error=f"No section #{anchor} in the runbook {path}.")
+
+
+# --- experiment reports and the doctor ------------------------------------------------------------
+
+EXPERIMENT_TIMEOUT_SECONDS = 1800
+
+
+@dataclass(frozen=True)
+class Report:
+    directory: Path
+    markdown: str
+    plot: bytes | None  # the PNG, when it was drawn
+
+
+@_cached
+def experiment_report(directory: str) -> Result:
+    """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
+    path = Path(directory)
+    report, plot = path / FILES["report"], path / FILES["png"]
+    if not report.exists():
+        return Result(None)
+    try:
+        return Result(
+            Report(path, report.read_text(encoding="utf-8"), plot.read_bytes() if plot.is_file() else None)
+        )
+    except (OSError, UnicodeDecodeError) as error:
+        return Result(error=f"Cannot read the experiment report in {path}: {error}")
+
+
+def run_experiment(out: str, *args: str) -> Result:
+    """`kvwatch experiment --out OUT ARGS...`, run as the user would (its checks, its messages); the
+    report is then in `out`. The value is what it said about failed sessions, "" when none failed.
+    Not cached: it measures."""
+    command = [sys.executable, "-m", "collectors.cli", "experiment", "--out", out, *args]
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=EXPERIMENT_TIMEOUT_SECONDS,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return Result(error=f"`kvwatch experiment` did not finish within {EXPERIMENT_TIMEOUT_SECONDS} s.")
+    finally:
+        experiment_report.clear()
+    if done.returncode != 0:
+        said = done.stderr.strip()[-1500:] or "no message"
+        return Result(error=f"`kvwatch experiment` failed (exit code {done.returncode}): {said}")
+    return Result(done.stderr.strip())
+
+
+def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
+    """`kvwatch doctor` against one configured target (and the configured Prometheus): its checks and
+    causes. Not cached: each run examines the route anew."""
+    config = settings()
+    if config.error:
+        return config
+    try:
+        probe = probe_settings(target, resolve_api_key(target))
+    except ConfigError as error:
+        return Result(error=str(error))
+    if requests_sample and not Path(requests_sample).is_file():
+        return Result(error=f"No request sample at {requests_sample}.")
+    return Result(doctor.diagnose(probe, config.value.prometheus.url, requests_sample or None).as_json())

@@ -1,0 +1,547 @@
+"""The Streamlit dashboard through AppTest, with its data layer replaced: every page with data, empty,
+and in each error state; then the data layer itself against a closed port, a missing store and a bad
+config."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import streamlit as st
+from streamlit.components.v2 import manifest_scanner
+from streamlit.testing.v1 import AppTest
+
+from collectors import queries
+from collectors.config import Config, Service, StoreSettings, Target
+from collectors.records import RoundResult, SessionResult
+from collectors.store import Store
+from conftest import REPO
+from dashboard import data, stats
+from dashboard.data import Result
+
+APP = REPO / "dashboard" / "app.py"
+PAGES = ("overview", "per_round", "replicas", "sessions", "alerts", "experiment", "doctor")
+PROMETHEUS = "http://127.0.0.1:18002"
+ALERTMANAGER = "http://127.0.0.1:18003"
+STORE = Path("/var/lib/kvwatch/kvwatch.db")
+CONFIG = Config(
+    targets=(
+        Target("lab-affinity", "http://127.0.0.1:18000", "lab-model", route_mode="affinity"),
+        Target("lab-round-robin", "http://127.0.0.1:18001", "lab-model", route_mode="round_robin"),
+    ),
+    store=StoreSettings(STORE),
+    prometheus=Service(PROMETHEUS),
+    alertmanager=Service(ALERTMANAGER),
+)
+T0 = 1_790_000_000.0
+
+
+def session(
+    number: int, target: str, backends: list[str], ttfts: list[float], failed: int = 0
+) -> SessionResult:
+    """A probe session as the probe records it: rounds of 1000 + 300 tokens each, ideal reuse when sticky."""
+    rounds = []
+    for index, (backend, ttft) in enumerate(zip(backends, ttfts, strict=True), start=1):
+        ideal = 0 if index == 1 else 1000 + 300 * (index - 1)
+        stayed = index > 1 and backend == backends[index - 2]
+        error = "timeout" if index == failed else None
+        sid = f"sid-{number}"
+        rounds.append(
+            RoundResult(index, T0 + number * 60 + index, None if error else 200, error, None,
+                        None if error else ttft, ttft + 0.1, 1000 + 300 * index, ideal if stayed else 0,
+                        ideal, 8, backend, sid, sid)
+        )  # fmt: skip
+        if error:
+            break
+    mode = "affinity" if target == "lab-affinity" else "round_robin"
+    return SessionResult(
+        target, mode, f"sid-{number}", T0 + number * 60, T0 + number * 60 + 10, tuple(rounds)
+    )
+
+
+SESSIONS = {
+    1: session(1, "lab-affinity", ["r1"] * 4, [0.40, 0.05, 0.05, 0.06]),
+    2: session(2, "lab-affinity", ["r2"] * 4, [0.42, 0.06, 0.05, 0.05]),
+    3: session(3, "lab-round-robin", ["r1", "r2", "r3", "r4"], [0.41, 0.50, 0.61, 0.72]),
+    4: session(4, "lab-round-robin", ["r2", "r3", "r4", "r1"], [0.40, 0.52, 0.60, 0.70], failed=4),
+}
+
+
+def sessions_frame() -> pd.DataFrame:
+    """SESSIONS as data.sessions() gives them: the store's columns, newest first, times in UTC."""
+    columns = ("target", "route_mode", "session_id", "ok", "error_kind", "sticky", "backend_switches",
+               "session_id_echoed")  # fmt: skip
+    rows = [
+        {
+            "id": i,
+            **{c: getattr(s, c) for c in columns},
+            "started_at": s.started_at,
+            "finished_at": s.finished_at,
+        }
+        for i, s in reversed(SESSIONS.items())
+    ]
+    frame = pd.DataFrame(rows)
+    frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s", utc=True)
+    return frame
+
+
+def rounds_frame() -> pd.DataFrame:
+    rows = [
+        {"session": i, "target": s.target, "route_mode": s.route_mode, **asdict(r)}
+        for i, s in reversed(SESSIONS.items())
+        for r in s.rounds
+    ]
+    frame = pd.DataFrame(rows)
+    frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s", utc=True)
+    return frame
+
+
+def points(over: data.Span, values: list[float], **labels: str) -> pd.DataFrame:
+    """A range-query result: the values spread over the span, the last one at its end."""
+    times = [over.end - over.step * (len(values) - 1 - i) for i in range(len(values))]
+    frame = pd.DataFrame({**labels, "time": times, "value": values})
+    frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame
+
+
+def per_route(over: data.Span, affinity: list[float], round_robin: list[float]) -> pd.DataFrame:
+    return pd.concat(
+        [points(over, affinity, target="lab-affinity", route_mode="affinity"),
+         points(over, round_robin, target="lab-round-robin", route_mode="round_robin")]
+    )  # fmt: skip
+
+
+SERIES = {
+    queries.CLUSTER_HIT_RATIO: lambda over: points(over, [0.80, 0.82, 0.87]),
+    queries.FIRING_ALERTS: lambda over: points(over, [0, 1, 1]),
+    queries.PROBE_STICKY_SHARE: lambda over: per_route(over, [1, 1, 1], [0, 0, 0]),
+    queries.WARM_COLD_TTFT_RATIO: lambda over: per_route(over, [0.2, 0.15, 0.14], [1.3, 1.5, 1.6]),
+    queries.AFFINITY_EFFICIENCY: lambda over: per_route(over, [0.97, 0.98, 0.99], [0.2, 0.25, 0.21]),
+    queries.HIT_RATIO_BY_INSTANCE: lambda over: pd.concat(
+        [
+            points(over, [0.8, 0.9], instance="127.0.0.1:18010"),
+            points(over, [0.7, 0.6], instance="127.0.0.1:18011"),
+        ]
+    ),
+    queries.CLUSTER_LOAD_IMBALANCE: lambda over: points(over, [1.2, 2.6]),
+}
+INSTANT = {
+    queries.REQUEST_SHARE_BY_INSTANCE: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [0.7, 0.3]}
+    ),
+    queries.TTFT_QUANTILES_BY_INSTANCE: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010"] * 3, "quantile": ["0.5", "0.9", "0.99"], "value": [0.02, 0.09, 0.2]}
+    ),
+    queries.INSTANCE_CACHE_SERIES: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"],
+         "series": ["vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total"], "value": [1, 1]}
+    ),
+    queries.PREFIX_CACHING_CONFIG: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010"], "enable_prefix_caching": ["False"], "value": [1]}
+    ),
+}  # fmt: skip
+
+
+def alerts_frame(**extra) -> pd.DataFrame:
+    return pd.DataFrame(
+        [{"alertname": "KVWatchSessionAffinityBroken", "severity": "critical", "state": "active",
+          "target": "lab-affinity", "instance": None, "starts_at": pd.Timestamp(T0, unit="s", tz="UTC"),
+          "summary": "Probe sessions through an affinity route change replica between rounds.",
+          "runbook_url": "alerts/runbook.md#kvwatchsessionaffinitybroken", **extra}]
+    )  # fmt: skip
+
+
+NO_FRAME = pd.DataFrame(columns=["time", "value"])
+DOWN = f"Cannot reach Prometheus at {PROMETHEUS}: Connection refused. Is it running?"
+NO_STORE = f"no kvwatch store at {STORE}: `kvwatch serve` creates it (store.path in kvwatch.yaml)."
+NO_ALERTMANAGER = f"Cannot reach Alertmanager at {ALERTMANAGER}/api/v2/alerts: Connection refused."
+BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or directory."
+
+
+READERS = ("settings", "series", "instant", "sessions", "rounds", "ttft_by_round", "received_alerts",
+           "alerts", "experiment_report", "run_experiment", "run_doctor")  # fmt: skip
+
+
+class Fake:
+    """The data layer's public readers, answering from canned frames, empty frames or errors."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.settings = Result(CONFIG)
+        self.ranges, self.values = dict(SERIES), dict(INSTANT)  # what range and instant queries return
+        self.prometheus = self.store = self.alertmanager = None  # an error message, when set
+        self.empty = False
+        self.report = Result(None)
+        self.doctor = Result(error="the doctor was not expected to run")
+        self.runs: list[tuple] = []
+        for name in READERS:
+            monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
+        monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
+
+    def _settings(self) -> Result:
+        return self.settings
+
+    def _frame(self, error: str | None, frame: pd.DataFrame) -> Result:
+        if self.settings.error:
+            return self.settings
+        if error:
+            return Result(error=error)
+        return Result(frame.iloc[0:0] if self.empty else frame)
+
+    def _series(self, query: str, over: data.Span) -> Result:
+        return self._frame(self.prometheus, self.ranges[query](over) if query in self.ranges else NO_FRAME)
+
+    def _instant(self, query: str, over: data.Span) -> Result:
+        return self._frame(self.prometheus, self.values.get(query, NO_FRAME))
+
+    def _sessions(self, since: float) -> Result:
+        return self._frame(self.store, sessions_frame())
+
+    def _rounds(self, since: float) -> Result:
+        return self._frame(self.store, rounds_frame())
+
+    def _ttft_by_round(self, since: float) -> Result:
+        found = self._rounds(since)
+        return found if found.error or found.value.empty else Result(stats.ttft_by_round(found.value))
+
+    def _received_alerts(self, since: float) -> Result:
+        received = pd.Timestamp(T0, unit="s", tz="UTC")
+        return self._frame(self.store, alerts_frame(state="firing", received_at=received))
+
+    def _alerts(self) -> Result:
+        return self._frame(self.alertmanager, alerts_frame())
+
+    def _experiment_report(self, directory: str) -> Result:
+        return self.report
+
+    def _run_experiment(self, out: str, *args: str) -> Result:
+        self.runs.append((out, *args))
+        return Result("")
+
+    def _run_doctor(self, target: Target, requests_sample: str) -> Result:
+        self.runs.append((target.name, requests_sample))
+        return self.doctor
+
+
+@pytest.fixture
+def fake(monkeypatch) -> Fake:
+    return Fake(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def no_component_scan(monkeypatch):
+    """Every new AppTest reads the metadata of every installed distribution, looking for Streamlit
+    components (over a second with the dev tools installed); the dashboard uses none."""
+    monkeypatch.setattr(manifest_scanner, "scan_component_manifests", lambda: [])
+
+
+def open_page(page: str) -> AppTest:
+    at = AppTest.from_file(str(REPO / "dashboard" / "app_pages" / f"{page}.py"), default_timeout=30)
+    return at.run()
+
+
+def texts(at: AppTest) -> str:
+    """Everything the page wrote, in one string to search."""
+    kinds = ("markdown", "caption", "info", "error", "success", "warning")
+    return "\n".join(str(e.value) for kind in kinds for e in getattr(at, kind))
+
+
+def metrics(at: AppTest) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for metric in at.metric:
+        found.setdefault(metric.label, []).append(metric.value)
+    return found
+
+
+# --- the app as a whole --------------------------------------------------------------------------------
+
+
+def test_the_app_routes_to_every_page(fake):
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert not at.exception and at.title[0].value == "Overview"
+    for page in PAGES[1:]:
+        at.switch_page(f"app_pages/{page}.py").run()
+        assert not at.exception, page
+        assert at.title, page
+
+
+# --- with data ---------------------------------------------------------------------------------------
+
+
+def test_overview_shows_each_number_with_its_verdict(fake):
+    at = open_page("overview")
+    assert not at.exception
+    shown = metrics(at)
+    assert shown["Cluster hit ratio"] == ["87%"]
+    assert shown["Firing alerts"] == ["1"]
+    assert shown["Sessions on one replica"] == ["100%", "0%"]
+    assert shown["Warm / cold TTFT"] == ["0.14×", "1.60×"]
+    assert shown["Affinity efficiency"] == ["99%", "21%"]
+    said = texts(at)
+    assert "87% of prompt tokens come from the prefix cache." in said
+    assert "1 kvwatch alert firing" in said
+    assert "Sessions stay on their replica." in said
+    assert "Not an affinity route" in said  # round robin is the baseline, never "bad"
+    assert f"from Prometheus at {PROMETHEUS}" in said
+
+
+def test_overview_turns_red_when_affinity_breaks(fake):
+    fake.ranges |= {
+        queries.PROBE_STICKY_SHARE: lambda over: per_route(over, [1, 0.2], [0, 0]),
+        queries.WARM_COLD_TTFT_RATIO: lambda over: per_route(over, [0.2, 0.95], [1, 1]),
+        queries.CLUSTER_HIT_RATIO: lambda over: points(over, [0.8, 0.05]),
+    }
+    said = texts(open_page("overview"))
+    assert ":red[Sessions change replica between rounds" in said
+    assert ":red[Warm rounds are as slow as round 1" in said
+    assert ":red[Almost nothing comes from the prefix cache" in said
+
+
+def test_per_round_compares_routes_round_by_round(fake):
+    at = open_page("per_round")
+    assert not at.exception
+    table = at.table[0].value
+    assert list(table.columns) == ["lab-affinity", "lab-round-robin", "lab-affinity / lab-round-robin"]
+    assert table.loc[1, "lab-affinity"] == pytest.approx(410)  # median of 0.40 and 0.42 s
+    assert table.loc[3, "lab-round-robin"] == pytest.approx(605)
+    assert table.loc[4, "lab-round-robin"] == pytest.approx(720)  # session 4 failed its round 4
+    assert table.loc[2, "lab-affinity / lab-round-robin"] == pytest.approx(0.055 / 0.51)
+
+
+def test_per_round_shows_only_the_picked_targets(fake):
+    at = open_page("per_round")
+    at.multiselect(key="per_round_targets").set_value(["lab-round-robin"]).run()
+    assert list(at.table[0].value.columns) == ["lab-round-robin"]
+
+
+def test_replicas_show_share_imbalance_and_engines(fake):
+    at = open_page("replicas")
+    assert not at.exception
+    assert metrics(at)["Load imbalance"] == ["2.60×"]
+    assert "look for a hot session key" in texts(at)
+    engines = at.dataframe[0].value.set_index("instance")
+    assert engines.loc["127.0.0.1:18010", "engine"] == "vLLM V1"
+    assert engines.loc["127.0.0.1:18010", "prefix caching"] == "off"
+    assert engines.loc["127.0.0.1:18011", "engine"] == "SGLang"
+    assert engines.loc["127.0.0.1:18011", "prefix caching"] == "not exported"
+
+
+def test_sessions_list_and_drill_into_one(fake):
+    at = open_page("sessions")
+    assert not at.exception
+    assert "2 sessions" in texts(at) and "100% stayed on one replica" in texts(at)
+    assert list(at.dataframe[0].value["id"]) == [2, 1]
+    at.selectbox(key="sessions_target").set_value("lab-round-robin").run()
+    assert "5 backend switches; 1 failed." in texts(at)  # session 4 failed in round 4: r2, r3, r4
+    at.selectbox(key="sessions_pick").set_value(4).run()
+    detail = at.table[0].value
+    assert list(detail["backend"]) == ["r2", "r3", "r4", "r1"]
+    assert list(detail["cached tokens"]) == [0, 0, 0, 0]
+    assert list(detail["ideal cached tokens"]) == [0, 1300, 1600, 1900]
+    assert detail["error"].iloc[-1] == "timeout"
+
+
+def test_alerts_from_alertmanager_and_the_webhook_with_runbooks(fake):
+    at = open_page("alerts")
+    assert not at.exception
+    now, received = at.dataframe[0].value, at.dataframe[1].value
+    assert list(now["alertname"]) == ["KVWatchSessionAffinityBroken"]
+    assert list(received["state"]) == ["firing"]
+    assert at.expander[0].label == "Runbook: KVWatchSessionAffinityBroken"
+    assert "## KVWatchSessionAffinityBroken" in at.expander[0].markdown[0].value
+
+
+def test_experiment_shows_a_report_and_runs_one(fake):
+    fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: a vs b\n\n| round |\n|---|\n", None))
+    at = open_page("experiment")
+    assert not at.exception
+    assert "## A/B experiment: a vs b" in texts(at)
+    at.number_input(key="experiment_sessions").set_value(3)
+    at.button[0].click().run()
+    assert "Done: the report is in .kvwatch/experiment." in texts(at)
+    (run,) = fake.runs
+    assert run[0] == ".kvwatch/experiment"
+    assert run[1:] == ("--a", "http://127.0.0.1:18001", "--b", "http://127.0.0.1:18000",
+                       "--label-a", "round_robin", "--label-b", "affinity", "--model", "lab-model",
+                       "--sessions", "3", "--rounds", "6", "--seed", "0")  # fmt: skip
+
+
+def test_doctor_runs_and_lists_its_findings(fake):
+    fake.doctor = Result(
+        {"checks": [{"name": "reachability", "status": "pass", "evidence": "200", "fix": ""},
+                    {"name": "hash key", "status": "fail", "evidence": "4 backends", "fix": "hash on it"}],
+         "causes": ["hash_key_not_session"]}
+    )  # fmt: skip
+    at = open_page("doctor")
+    at.button(key="doctor_run").click().run()
+    assert not at.exception
+    assert fake.runs == [("lab-affinity", "")]
+    assert "hash_key_not_session" in at.error[0].value
+    assert list(at.table[0].value["status"]) == ["pass", "fail"]
+
+
+# --- empty ---------------------------------------------------------------------------------------------
+
+
+EMPTY = {
+    "overview": "no data",
+    "per_round": "No successful probe rounds in this range yet",
+    "replicas": "No engine served prompt tokens in this range",
+    "sessions": "No probe sessions through lab-affinity in this range yet",
+    "alerts": "Alertmanager holds no alert",
+    "experiment": "No experiment report in .kvwatch/experiment yet",
+    "doctor": "The doctor sends a few short multi-turn sessions through http://127.0.0.1:18000",
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_says_when_there_is_no_data_yet(fake, page):
+    fake.empty = True
+    at = open_page(page)
+    assert not at.exception and not at.error
+    assert EMPTY[page] in texts(at) + str(metrics(at))
+
+
+def test_the_overview_without_data_says_so_in_every_tile(fake):
+    fake.empty = True
+    shown = metrics(open_page("overview"))
+    assert shown.pop("Cluster hit ratio") == shown.pop("Firing alerts") == ["no data"]
+    assert all(values == ["no data", "no data"] for values in shown.values())  # per target
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+PROMETHEUS_PAGES = ("overview", "replicas")
+STORE_PAGES = ("per_round", "sessions", "alerts")
+
+
+@pytest.mark.parametrize("page", PROMETHEUS_PAGES)
+def test_an_unreachable_prometheus_is_named(fake, page):
+    fake.prometheus = DOWN
+    at = open_page(page)
+    assert not at.exception
+    assert at.error[0].value == DOWN
+
+
+@pytest.mark.parametrize("page", STORE_PAGES)
+def test_a_missing_store_is_named(fake, page):
+    fake.store = NO_STORE
+    at = open_page(page)
+    assert not at.exception
+    assert at.error[0].value == NO_STORE
+
+
+def test_an_unreachable_alertmanager_leaves_the_received_alerts(fake):
+    fake.alertmanager = NO_ALERTMANAGER
+    at = open_page("alerts")
+    assert [e.value for e in at.error] == [NO_ALERTMANAGER]
+    assert list(at.dataframe[0].value["state"]) == ["firing"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_bad_config_is_named(fake, page):
+    fake.settings = Result(error=BAD_CONFIG)
+    at = open_page(page)
+    assert not at.exception
+    assert at.error[0].value == BAD_CONFIG
+
+
+def test_an_unreadable_experiment_report_is_named(fake):
+    fake.report = Result(error="Cannot read the experiment report in /tmp/x: [Errno 13] Permission denied")
+    assert "Permission denied" in open_page("experiment").error[0].value
+
+
+def test_a_failing_doctor_run_is_named(fake):
+    fake.doctor = Result(error="target lab-affinity: environment variable LAB_KEY is not set")
+    at = open_page("doctor")
+    at.button(key="doctor_run").click().run()
+    assert at.error[0].value == "target lab-affinity: environment variable LAB_KEY is not set"
+
+
+# --- the data layer ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch) -> Path:
+    """A kvwatch config the real data layer reads: Prometheus and Alertmanager on a closed port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(
+        "targets: [{name: t, base_url: 'http://127.0.0.1:1', model: m}]\n"
+        f"prometheus: {{url: 'http://127.0.0.1:{closed}'}}\nalertmanager: {{url: 'http://127.0.0.1:{closed}'}}\n"
+        f"store: {{path: '{tmp_path / 'kvwatch.db'}'}}\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(path)])
+    st.cache_data.clear()
+    yield path
+    st.cache_data.clear()
+
+
+def test_the_data_layer_names_what_it_could_not_reach(config_file):
+    url = data.settings().value.prometheus.url
+    assert data.series(queries.CLUSTER_HIT_RATIO, data.span(900)).error == (
+        f"Cannot reach Prometheus at {url}: Connection refused. Is it running?"
+    )
+    assert data.alerts().error == (
+        f"Cannot reach Alertmanager at {url}/api/v2/alerts: Connection refused. Is it running?"
+    )
+    store = config_file.parent / "kvwatch.db"
+    assert data.sessions(0).error == (
+        f"no kvwatch store at {store}: `kvwatch serve` creates it (store.path in {config_file})."
+    )
+
+
+def test_the_data_layer_names_a_bad_config(config_file):
+    config_file.write_text("targets: [{name: t}]\n")
+    assert data.settings().error == (
+        f"error in {config_file}: targets[0].base_url: required key is missing. "
+        "Start the dashboard with `kvwatch dashboard --config FILE`."
+    )
+
+
+def test_the_data_layer_reads_the_store(config_file):
+    alert = {"status": "firing", "labels": {"alertname": "Watchdog"}, "annotations": {"summary": "alive"},
+             "startsAt": "2026-11-29T18:00:00Z", "fingerprint": "f1"}  # fmt: skip
+    with Store(config_file.parent / "kvwatch.db") as store:
+        for result in SESSIONS.values():
+            store.add_session(result)
+        store.add_alerts({"version": "4", "alerts": [alert]}, received_at=T0)
+    assert list(data.sessions(0).value["session_id"]) == ["sid-4", "sid-3", "sid-2", "sid-1"]
+    assert len(data.rounds(0).value) == 16  # 4 sessions of 4 rounds, the last one failed
+    summary = data.ttft_by_round(0).value.set_index(["target", "round"])
+    assert summary.loc[("lab-affinity", 1), "median"] == pytest.approx(0.41)
+    (received,) = data.received_alerts(0).value.to_dict("records")
+    assert received["alertname"] == "Watchdog" and received["state"] == "firing"
+    assert received["starts_at"] == pd.Timestamp("2026-11-29T18:00:00Z")
+    assert received["received_at"] == pd.Timestamp(T0, unit="s", tz="UTC")
+
+
+def test_queries_get_a_rate_window_of_ten_minutes_or_one_step():
+    hour, week = data.Span(0, 3600, 15), data.Span(0, 7 * 86400, 2520)
+    assert "[600s]" in data.filled(queries.AFFINITY_EFFICIENCY, hour)
+    assert "[2520s]" in data.filled(queries.AFFINITY_EFFICIENCY, week)
+    assert "$" not in data.filled(queries.PROBE_STICKY_SHARE, hour)
+
+
+def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
+    monkeypatch.delenv("KVWATCH_TEST_KEY", raising=False)
+    target = Target("t", "http://127.0.0.1:1", "m", api_key_env="KVWATCH_TEST_KEY")
+    assert data.run_doctor(target).error == "target t: environment variable KVWATCH_TEST_KEY is not set"
+
+
+def test_runbook_sections_come_from_the_repository():
+    assert data.runbook("alerts/runbook.md#kvwatchprobestale").value.startswith("## KVWatchProbeStale\n")
+    assert data.runbook("alerts/runbook.md#nothing").error.startswith("No section #nothing in the runbook")
+
+
+def test_quantile_intervals_hold_the_quantile():
+    values = pd.Series(range(1, 101), dtype=float).to_numpy()
+    median, low, high = stats.quantile_interval(values, 0.5)
+    assert median == 50.5 and low < median < high
+    assert (low, high) == (41.0, 61.0)  # ranks 50 -+ 1.96 * 5
+    assert stats.quantile_interval(values[:1], 0.9) == (1.0, 1.0, 1.0)

@@ -1,0 +1,265 @@
+"""`kvwatch experiment`: its statistics on made-up sessions, and the command end to end in a small lab."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+
+import pandas as pd
+import pytest
+
+from collectors.cli import main
+from collectors.experiment import (
+    FILES,
+    Experiment,
+    bootstrap_ci,
+    interleave,
+    quantile,
+    round_rows,
+    route_rows,
+    tag,
+)
+from collectors.probe import HINTS, ProbeSettings
+from collectors.records import RoundResult, SessionResult
+from collectors.workload import synthetic
+from conftest import free_port, kvwatch
+from lab.tokenizer import split_words
+
+KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
+SESSIONS, ROUNDS = 6, 4
+
+
+def round_(
+    number: int, ttft: float = 0.05, prompt: int = 1000, cached: int | None = 0, ideal: int = 0, backend="r1"
+) -> RoundResult:
+    return RoundResult(
+        number, 0.0, 200, None, None, ttft, ttft + 0.1, prompt, cached, ideal, 8, backend, None, None
+    )
+
+
+def failed(number: int, kind: str) -> RoundResult:
+    return RoundResult(number, 0.0, None, kind, "detail", *[None] * 9)
+
+
+def session(label: str, *rounds: RoundResult) -> SessionResult:
+    return SessionResult(label, label, "s", 0.0, 1.0, rounds)
+
+
+def experiment(a: list[SessionResult], b: list[SessionResult]) -> Experiment:
+    routes = [
+        ProbeSettings(f"http://{label}.example", "m", target=label) for label in ("round_robin", "affinity")
+    ]
+    rounds = max(len(s.rounds) for s in a + b)
+    return Experiment(*routes, rounds=rounds, concurrency=1, sessions=(tuple(a), tuple(b)))
+
+
+# Statistics.
+
+
+def test_quantile_interpolates_between_sorted_values_as_numpy_does():
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert quantile([10.0, 20.0, 30.0, 40.0, 50.0], 0.9) == pytest.approx(46.0)
+    assert quantile([7.0], 0.9) == 7.0
+    values = [0.3, 0.1, 0.2, 0.5]
+    assert quantile(sorted(values), 0.5) == statistics.median(values)
+
+
+def test_bootstrap_interval_holds_the_statistic_and_is_seeded():
+    rng = random.Random(1)
+    values = [rng.lognormvariate(-3, 0.4) for _ in range(20)]
+    for q in (0.5, 0.9):
+        low, high = bootstrap_ci(values, q)
+        assert low <= quantile(sorted(values), q) <= high
+        assert low < high
+    assert bootstrap_ci(values) == bootstrap_ci(values)
+    assert bootstrap_ci(values, seed=1) != bootstrap_ci(values, seed=2)
+
+
+def test_bootstrap_interval_narrows_with_more_data():
+    rng = random.Random(2)
+    values = [rng.gauss(0.1, 0.02) for _ in range(500)]
+    few, many = bootstrap_ci(values[:12]), bootstrap_ci(values)
+    assert many[1] - many[0] < 0.5 * (few[1] - few[0])
+
+
+def test_cached_ratio_is_token_weighted_and_failed_rounds_are_counted_apart():
+    a = [
+        session("round_robin", round_(1, 0.05), round_(2, 0.10, prompt=1000, cached=900, ideal=960)),
+        session("round_robin", round_(1, 0.06), round_(2, 0.20, prompt=3000, cached=0, ideal=2880)),
+        session("round_robin", round_(1, 0.07), failed(2, "timeout")),
+    ]
+    b = [session("affinity", round_(1, 0.04), round_(2, 0.05, prompt=2000, cached=1900, ideal=1920))]
+    rows = {(r["route"], r["round"]): r for r in round_rows(experiment(a, b))}
+    warm = rows["round_robin", 2]
+    assert (warm["sessions"], warm["errors"]) == (3, 1)
+    # 900 of 4000 prompt tokens were cached: 0.225, where a mean of the ratios would say 0.45.
+    assert warm["cached_ratio"] == pytest.approx(900 / 4000)
+    assert warm["ideal_efficiency"] == pytest.approx(900 / 3840)
+    assert warm["ttft_median_seconds"] == pytest.approx(0.15)
+    assert rows["round_robin", 1]["cached_ratio"] == 0 and rows["round_robin", 1]["ideal_efficiency"] is None
+    assert rows["affinity", 2]["ttft_median_ratio_to_a"] == pytest.approx(0.05 / 0.15)
+    assert rows["round_robin", 2]["ttft_median_ratio_to_a"] == 1.0
+
+
+def test_rounds_without_cached_tokens_have_no_cached_ratio():
+    a = [session("round_robin", round_(1, cached=None), round_(2, cached=None))]
+    b = [session("affinity", round_(1), round_(2, cached=None))]
+    rows = round_rows(experiment(a, b))
+    assert [r["cached_ratio"] for r in rows] == [None, None, 0, None]
+
+
+def test_route_figures_stickiness_switches_and_errors():
+    a = [
+        session("round_robin", round_(1, backend="r1"), round_(2, backend="r2"), round_(3, backend="r3")),
+        session("round_robin", round_(1, backend="r2"), round_(2, backend="r2"), round_(3, backend="r1")),
+        session("round_robin", round_(1, backend="r3"), failed(2, "connection_refused")),
+    ]
+    b = [session("affinity", *(round_(n, backend="r4", cached=900, ideal=900) for n in (1, 2, 3)))] * 3
+    rr, affinity = route_rows(experiment(a, b))
+    assert rr == {
+        "route": "round_robin",
+        "sessions": 3,
+        "failed": 1,
+        "sticky_share": 0.0,  # the failed session's one known backend says nothing either way
+        "backend_switches_per_session": 1.5,
+        "warm_ideal_efficiency": None,
+        "errors": "connection_refused x1",
+    }
+    assert (affinity["sticky_share"], affinity["backend_switches_per_session"]) == (1.0, 0)
+    assert (affinity["warm_ideal_efficiency"], affinity["errors"]) == (1.0, "")
+
+
+def test_sessions_alternate_which_route_goes_first():
+    assert interleave(3) == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+    plan = interleave(20)
+    assert sorted(plan) == [(n, route) for n in range(20) for route in (0, 1)]
+    assert sum(route for _, route in plan[::2]) == 10  # B goes first in half of the pairs
+
+
+def test_the_tag_sets_routes_apart_at_the_same_length():
+    (conversation,) = synthetic(3, 50, 20, seed=1, sessions=1)
+    a, b = (tag(conversation, "3f9c0a1e", route) for route in (0, 1))
+    assert a.system_prompt == b.system_prompt == conversation.system_prompt
+    assert a.user_turns[1:] == b.user_turns[1:] == conversation.user_turns[1:]
+    assert a.user_turns[0] != b.user_turns[0] and a.user_turns[0].endswith(conversation.user_turns[0])
+    assert len(split_words(a.user_turns[0])) == len(split_words(b.user_turns[0]))
+
+
+# The command line.
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--label-a", "x", "--label-b", "x"], "the two routes need different labels, both are 'x'"),
+        (["--rounds", "1"], "rounds must be at least 2: warm rounds are what the experiment compares"),
+        (["--concurrency", "0"], "concurrency must be positive"),
+        (["--api-key-env", "KVW_TEST_UNSET"], "environment variable KVW_TEST_UNSET is not set or empty"),
+    ],
+)
+def test_bad_arguments_exit_2(flags, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVW_TEST_UNSET", raising=False)
+    code = main(
+        [
+            "experiment",
+            "--a",
+            "http://127.0.0.1:1",
+            "--b",
+            "http://127.0.0.1:2",
+            "--out",
+            str(tmp_path),
+            *flags,
+        ]
+    )
+    assert code == 2
+    assert capsys.readouterr().err == f"kvwatch experiment: {message}\n"
+
+
+def test_an_api_key_on_the_command_line_is_refused_unrepeated(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["experiment", "--a", "http://127.0.0.1:1", "--b", "http://127.0.0.1:2", "--out", str(tmp_path),
+              f"--api-key={KEY}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "never taken from the command line" in err and KEY not in err
+
+
+def test_every_session_failing_exits_1_with_the_error_kinds_and_hints(tmp_path, capsys):
+    closed = f"http://127.0.0.1:{free_port()}"
+    code = main(["experiment", "--a", closed, "--b", closed + "/v1", "--out", str(tmp_path / "out"),
+                 "--sessions", "2", "--rounds", "2"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == ""
+    first, hint = captured.err.splitlines()
+    assert first == "kvwatch experiment: 4 of 4 sessions failed"
+    assert hint.startswith("  connection_refused (") and hint.endswith(HINTS["connection_refused"])
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def run(start_lab, tmp_path_factory):
+    """`kvwatch experiment` once through a small lab, with an API key from the environment."""
+    lab = start_lab("--replicas", "4", "--users", "0", "--time-scale", "0.2")
+    out = tmp_path_factory.mktemp("experiment")
+    result = kvwatch(
+        "experiment", "--a", lab.round_robin, "--b", lab.affinity, "--out", str(out),
+        "--sessions", str(SESSIONS), "--rounds", str(ROUNDS), "--system-tokens", "500",
+        "--turn-tokens", "1000", "--seed", "3", "--api-key-env", "KVW_EXPERIMENT_KEY",
+        env={**os.environ, "KVW_EXPERIMENT_KEY": KEY},
+    )  # fmt: skip
+    return result, out
+
+
+@pytest.mark.integration
+def test_cli_writes_every_file(run):
+    result, out = run
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES.values())
+    per_round = pd.read_csv(out / FILES["per_round"])
+    assert len(per_round) == 2 * ROUNDS and per_round["errors"].sum() == 0
+    assert (per_round["ttft_median_low_seconds"] <= per_round["ttft_median_seconds"]).all()
+    assert (per_round["ttft_median_seconds"] <= per_round["ttft_median_high_seconds"]).all()
+    assert len(pd.read_csv(out / FILES["raw"])) == 2 * SESSIONS * ROUNDS
+    assert list(pd.read_csv(out / FILES["routes"])["route"]) == ["round_robin", "affinity"]
+    png = (out / FILES["png"]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and 20_000 < len(png) < 2_000_000
+    html = (out / FILES["html"]).read_text()
+    assert 'class="plotly-graph-div"' in html and "<script src=" not in html  # the JS is inside
+    assert result.stdout.startswith((out / FILES["report"]).read_text())
+
+
+@pytest.mark.integration
+def test_cli_runs_the_same_conversations_through_both_routes_interleaved(run):
+    raw = pd.read_csv(run[1] / FILES["raw"])
+    starts = raw[raw["round"] == 1].sort_values("started_at")
+    plan = [("round_robin", "affinity")[route] for _, route in interleave(SESSIONS)]
+    assert list(starts["route"]) == plan and list(starts["order"]) == list(range(2 * SESSIONS))
+    # Same conversations: every round's prompt is as long through A as through B.
+    lengths = raw.pivot(index=["conversation", "round"], columns="route", values="prompt_tokens")
+    assert (lengths["round_robin"] == lengths["affinity"]).all()
+
+
+@pytest.mark.integration
+def test_cli_shows_affinity_faster_from_round_2(run):
+    result, out = run
+    per_round = pd.read_csv(out / FILES["per_round"])
+    affinity = per_round[per_round["route"] == "affinity"].set_index("round")
+    assert (affinity.loc[2:, "ttft_median_ratio_to_a"] < 1).all(), per_round
+    routes = pd.read_csv(out / FILES["routes"]).set_index("route")
+    assert routes.loc["affinity", "sticky_share"] == 1.0 and routes.loc["round_robin", "sticky_share"] < 0.5
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| round | round_robin median TTFT [95 % CI] | affinity median TTFT")
+    rows = [line.split(" | ") for line in table[1 : ROUNDS + 1]]
+    assert [row[0] for row in rows] == [f"| {n}" for n in range(1, ROUNDS + 1)]
+    assert [float(row[3]) for row in rows] == pytest.approx(
+        list(affinity["ttft_median_ratio_to_a"]), abs=0.006
+    )
+
+
+@pytest.mark.integration
+def test_cli_never_writes_the_api_key(run):
+    result, out = run
+    assert result.returncode == 0
+    assert KEY not in result.stdout + result.stderr
+    for path in out.iterdir():
+        assert KEY.encode() not in path.read_bytes(), path.name

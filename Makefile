@@ -34,7 +34,7 @@ down:
 	@test -x $(BIN)/kvwatch && $(BIN)/kvwatch lab down || true
 
 test: bootstrap test-packages
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from collectors.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +69,20 @@ def _detect(state_dir: Path, fault: tuple[str, ...]) -> float | None:
     return None
 
 
+def _wait_until_quiet(state_dir: Path) -> None:
+    """After a heal, wait until only Watchdog fires: an alert still held (keep_firing_for) would hide
+    the next fault's."""
+    prometheus = json.loads((state_dir / "state.json").read_text())["base_port"] + 2
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        answer = httpx.get(f"http://127.0.0.1:{prometheus}/api/v1/alerts", timeout=10).json()["data"][
+            "alerts"
+        ]
+        if all(a["labels"]["alertname"] == "Watchdog" for a in answer):
+            return
+        time.sleep(2)
+
+
 def _measure(options: tuple[str, ...], faults: list[tuple[str, ...]]) -> dict[tuple[str, ...], float | None]:
     with tempfile.TemporaryDirectory() as tmp:
         state_dir = Path(tmp) / "lab"
@@ -80,8 +96,12 @@ def _measure(options: tuple[str, ...], faults: list[tuple[str, ...]]) -> dict[tu
             found = {}
             for fault in faults:
                 found[fault] = _detect(state_dir, fault)
+                print(
+                    f"{' '.join(options) or 'production defaults'}: {' '.join(fault)}: {found[fault]}",
+                    flush=True,
+                )
                 _kvwatch("lab", "heal", "--state-dir", str(state_dir))
-                time.sleep(15 if options else 60)
+                _wait_until_quiet(state_dir)
             return found
         finally:
             _kvwatch("lab", "down", "--state-dir", str(state_dir))

@@ -72,16 +72,21 @@ class ProbeResults:
         self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
         self._backends: dict[Route, set[str]] = defaultdict(set)
 
+    def declare(self, route: Route) -> None:
+        """Export a route's outcome counters at 0 before its first run, so that rate() and increase()
+        count that run too: a counter first seen at 2 shows no increase."""
+        with self._lock:
+            self._start_at_zero(route)
+
     def add_run(self, route: Route, sessions: Sequence[SessionResult], started_at: float, finished_at: float):
         with self._lock:
-            if route not in self._last:
-                self._start_at_zero(route)
+            self._start_at_zero(route)
             self._last[route] = LastRun(started_at, finished_at, tuple(sessions))
             for session in sessions:
                 self._count_session(route, session)
 
     def _start_at_zero(self, route: Route) -> None:
-        """Create a new route's outcome counters at 0, so that increase() sees their first event."""
+        """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
         for key, values in (
             ("sessions", ("success", "failure")),
             ("stickiness", ("true", "false", "unknown")),

@@ -105,6 +105,8 @@ class Service:
             ProbeCollector(self.results, {t.name: t.interval_seconds for t in config.targets})
         )
         self.registry.register(GatewayLogCollector(self.followers))
+        for target in config.targets:
+            self.results.declare((target.name, target.route_mode))
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
         self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
         self.conversations = {t.name: Conversations(t) for t in config.targets}

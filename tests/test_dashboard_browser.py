@@ -38,9 +38,9 @@ def lab(start_lab):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         at = data.now()
-        warm_cold = prometheus(lab, as_asked(queries.WARM_COLD_TTFT_RATIO, at), at)
-        if len(warm_cold) == 2 and prometheus(lab, queries.CLUSTER_HIT_RATIO, at):  # both targets
-            return lab
+        per_route = [prometheus(lab, as_asked(query, at), at) for query in ROUTE_QUERIES[:2]]
+        if all(len(found) == 2 for found in per_route) and prometheus(lab, queries.CLUSTER_HIT_RATIO, at):
+            return lab  # both targets
         time.sleep(1)
     pytest.fail("no probe results in Prometheus within 60 s")
 

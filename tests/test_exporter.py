@@ -101,6 +101,14 @@ def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
     assert value(registry, "kvwatch_probe_sticky_ratio") is None
 
 
+def test_declared_routes_export_zeros_before_their_first_run(exporter):
+    results, registry = exporter
+    results.declare(("lab-affinity", "affinity"))
+    assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 0
+    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="true") == 0
+    assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") is None
+
+
 def test_outcome_counters_start_at_zero_so_increase_sees_the_first_failure(exporter):
     results, registry = exporter
     results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)

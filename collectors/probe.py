@@ -93,8 +93,10 @@ def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> s
             key = Path(file).read_text().strip()
         except FileNotFoundError:
             raise ValueError(f"API key file {file}: no such file") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"API key file {file}: cannot read it ({error})") from None
+        except UnicodeDecodeError:  # its message would quote a byte of the key
+            raise ValueError(f"API key file {file}: not UTF-8 text") from None
+        except OSError as error:
+            raise ValueError(f"API key file {file}: cannot read it ({error.strerror})") from None
         if not key:
             raise ValueError(f"API key file {file} is empty")
         return key

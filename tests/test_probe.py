@@ -594,3 +594,10 @@ def test_the_api_key_never_reaches_the_output(replica):
     assert [code for code, _ in runs] == [0, 0, 1, 1]
     assert all("[redacted]" in output for _, output in runs[2:])
     assert not [output for _, output in runs if KEY in output]
+
+
+def test_a_key_file_that_is_not_text_is_named_without_quoting_the_key(tmp_path):
+    (tmp_path / "binary").write_bytes(b"sk-\xff\xfe-secret")
+    with pytest.raises(ValueError) as raised:
+        resolve_api_key(None, tmp_path / "binary")
+    assert str(raised.value) == f"API key file {tmp_path}/binary: not UTF-8 text"

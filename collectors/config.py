@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from collectors import blocksize
+
 
 class ConfigError(Exception):
     """The config cannot be used; the message says the one thing that is wrong and where."""
@@ -130,7 +132,7 @@ class Target:
     rounds: int = 6
     workload: Workload = Workload()
     timeout_seconds: float = 60.0
-    block_size: int = 16  # the engine's KV block size, to block-align the ideal cached tokens
+    block_size: int | None = None  # the engine's KV block in tokens; None: learn it (collectors.blocksize)
 
     def __post_init__(self):
         _name(self.name, "name")
@@ -148,7 +150,8 @@ class Target:
         # Round 1 is the cold baseline, so a session needs a second round to say anything.
         _check(2 <= self.rounds <= 50, "rounds", f"must be between 2 and 50, got {self.rounds}")
         _positive(self.timeout_seconds, "timeout_seconds")
-        _at_least(self.block_size, 1, "block_size")
+        if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
+            raise _Invalid("block_size", wrong)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from collectors import blocksize
+from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.probe import (
     DEFAULT_BACKEND_HEADERS,
     HINTS,
@@ -35,6 +37,7 @@ from collectors.probe import (
     api_url,
     resolve_api_key,
     run_session,
+    with_block_size,
 )
 from collectors.queries import ALERTS
 from collectors.records import RoundResult, SessionResult
@@ -121,36 +124,47 @@ class Diagnosis:
 @dataclass
 class _Route:
     """What the route's checks share: the base URL may be corrected by reachability, then each check
-    reads the first round or the sessions."""
+    reads the first round or the sessions, their ideal cached tokens in the engine's KV blocks."""
 
     client: httpx.AsyncClient
     probe: ProbeSettings
+    block_sources: BlockSizeSources
     first: RoundResult | None = None
     sessions: list[SessionResult] = field(default_factory=list)
+    block: BlockSize | None = None  # learned once the sessions ran
 
 
 def diagnose(
-    probe: ProbeSettings, prometheus_url: str | None = None, requests_sample: str | Path | None = None
+    probe: ProbeSettings,
+    prometheus_url: str | None = None,
+    requests_sample: str | Path | None = None,
+    block_sources: BlockSizeSources | None = None,
 ) -> Diagnosis:
     """Examine one route and, optionally, its engines in Prometheus and a sample of real request payloads.
 
     `probe` names the route as for `kvwatch probe` (base URL, model, API key, session and backend
     headers, timeout per request); its session mode and workload are the doctor's own. `prometheus_url`
     adds the engines' own word on prefix caching. `requests_sample` is a JSONL file of request payloads,
-    one {"messages": [...]} per line, to look for dynamic content at the front of the prompts. Never
-    raises for what it finds: a problem is a failed check. Takes a few seconds, at most a few timeouts.
+    one {"messages": [...]} per line, to look for dynamic content at the front of the prompts.
+    `block_sources` says where the engines' KV block size comes from (by default Prometheus, the base
+    URL's origin + /metrics, then the sessions' cached tokens). Never raises for what it finds: a problem
+    is a failed check. Takes a few seconds, at most a few timeouts.
     """
-    return asyncio.run(examine(probe, prometheus_url, requests_sample))
+    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources))
 
 
 async def examine(
-    probe: ProbeSettings, prometheus_url: str | None = None, requests_sample: str | Path | None = None
+    probe: ProbeSettings,
+    prometheus_url: str | None = None,
+    requests_sample: str | Path | None = None,
+    block_sources: BlockSizeSources | None = None,
 ) -> Diagnosis:
     """`diagnose` for callers that run an event loop."""
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
+    block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
     checks: list[Check] = []
     async with httpx.AsyncClient(timeout=probe.timeout_seconds) as client:
-        route = _Route(client, probe)
+        route = _Route(client, probe, block_sources)
         blocker = None
         for name, check in ROUTE_CHECKS:
             if blocker:
@@ -299,7 +313,9 @@ async def session_propagation(route: _Route) -> Check:
     """
     name, header = "session id propagation", route.probe.session_header
     conversations = synthetic(ROUNDS, SYSTEM_TOKENS, TURN_TOKENS, random.randrange(2**32), SESSIONS)
-    route.sessions = [await run_session(route.client, route.probe, c) for c in conversations]
+    sessions = [await run_session(route.client, route.probe, c) for c in conversations]
+    route.block = await blocksize.learn(route.block_sources, sessions)
+    route.sessions = with_block_size(sessions, route.block.tokens)
     answered = [r for s in route.sessions for r in s.rounds if r.status is not None]
     failed = [f"{r.error_kind} in round {r.round}" for r in answered if not r.ok]
     errors = f" ({len(failed)} rounds failed: {', '.join(dict.fromkeys(failed))})" if failed else ""
@@ -422,6 +438,8 @@ async def prefix_caching(route: _Route, prometheus_url: str | None, blocker: Che
         seen.append("no session stayed on one backend")
     elif not reported:
         seen.append("the engine reports no cached_tokens in usage")
+    if reuse:  # the blocks its cached / ideal tokens count
+        seen.append(route.block.describe())
     flagged = None  # the engines Prometheus names, once it answered
     if prometheus_url:
         try:
@@ -618,7 +636,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="response header naming the serving backend; repeatable; replaces the defaults "
         f"({', '.join(DEFAULT_BACKEND_HEADERS)})",
     )
-    parser.add_argument("--prometheus", metavar="URL", help="Prometheus scraping the engines")
+    blocksize.add_arguments(parser)
     parser.add_argument(
         "--requests-sample",
         metavar="FILE",
@@ -634,8 +652,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
     try:
-        if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
-            raise ValueError("--prometheus must start with http:// or https://")
+        block_sources = blocksize.sources_from_args(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
         probe = ProbeSettings(
@@ -649,7 +666,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvwatch doctor: {error}", file=sys.stderr)
         return 2
-    diagnosis = diagnose(probe, args.prometheus, args.requests_sample)
+    diagnosis = diagnose(probe, args.prometheus, args.requests_sample, block_sources)
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from collectors import blocksize
+from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.probe import (
     SESSION_MODES,
     ProbeSettings,
@@ -38,6 +40,7 @@ from collectors.probe import (
     failure_hints,
     resolve_api_key,
     run_session,
+    with_block_size,
 )
 from collectors.records import SessionResult
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -99,6 +102,7 @@ class Experiment:
     rounds: int  # planned rounds per session
     concurrency: int
     sessions: tuple[tuple[SessionResult, ...], tuple[SessionResult, ...]]  # A's, B's
+    block_size: BlockSize  # one for both routes, so that their cached / ideal compare
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -131,10 +135,13 @@ def run_experiment(
     conversations: Sequence[Conversation],
     concurrency: int = 1,
     run_id: str | None = None,
+    block_sources: BlockSizeSources | None = None,
 ) -> Experiment:
     """Every conversation through A and through B, interleaved, `concurrency` sessions at a time.
 
     Each route's `target` is its label. A session never raises (see the probe); failures are in the results.
+    The KV block size is learned from `block_sources` (by default both routes' /metrics) and the sessions
+    of both routes.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
@@ -162,10 +169,13 @@ def run_experiment(
                     results[route][conversation] = await run_session(clients[route], routes[route], tagged)
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, 2 * len(conversations)))))
+        sources = block_sources or blocksize.sources_for([a.base_url, b.base_url])
+        return await blocksize.learn(sources, [*results[0], *results[1]])
 
-    asyncio.run(run())
+    block = asyncio.run(run())
+    sessions = tuple(tuple(with_block_size(route, block.tokens)) for route in results)
     rounds = max(len(c.user_turns) for c in conversations)
-    return Experiment(a, b, rounds, concurrency, (tuple(results[0]), tuple(results[1])))
+    return Experiment(a, b, rounds, concurrency, sessions, block)
 
 
 # Statistics.
@@ -299,6 +309,7 @@ def report(experiment: Experiment, rounds: list[dict], routes: list[dict], about
         f"same conversations, interleaved session by session, {experiment.concurrency} at a time; model "
         f"{experiment.a.model}, answers of up to {experiment.a.max_tokens} tokens, session ids: "
         f"{experiment.a.session_mode}.",
+        f"- {experiment.block_size.describe()}, for the ideal cached tokens.",
         *(f"- {line}" for line in about),
         "",
         "Median client-side TTFT in ms with its bootstrap 95 % interval; cached ratio: cached / prompt "
@@ -493,6 +504,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--session-header", default=ProbeSettings.session_header, metavar="H", help="default %(default)s"
     )
+    blocksize.add_arguments(parser)
     parser.set_defaults(handler=run_cli)
 
 
@@ -517,8 +529,10 @@ def run_cli(args: argparse.Namespace) -> int:
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
         conversations = workload.conversations()
+        sources = blocksize.sources_from_args(args, [args.a, args.b])
         args.out.mkdir(parents=True, exist_ok=True)  # before the run: a bad DIR fails at once
-        experiment = run_experiment(a, b, conversations, args.concurrency)  # checks before it runs
+        # It checks its arguments before it runs.
+        experiment = run_experiment(a, b, conversations, args.concurrency, block_sources=sources)
     except (ValueError, OSError) as error:
         print(f"kvwatch experiment: {error}", file=sys.stderr)
         return 2

@@ -23,11 +23,13 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
+from collectors import blocksize
+from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
 from collectors.records import RoundResult, SessionResult
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -117,7 +119,9 @@ class ProbeSettings:
     backend_headers: tuple[str, ...] = DEFAULT_BACKEND_HEADERS
     backend_json_paths: tuple[str, ...] = DEFAULT_BACKEND_JSON_PATHS
     max_tokens: int = 32  # answer length
-    block_size: int = 16  # the engine's KV block, for the ideal cached tokens
+    # The KV block the rounds' ideal cached tokens are aligned to as they run; callers that learn the
+    # engine's (collectors.blocksize) align them again with `with_block_size`.
+    block_size: int = blocksize.DEFAULT_TOKENS
     timeout_seconds: float = 60.0  # per round, over the whole stream
 
     def __post_init__(self) -> None:
@@ -399,6 +403,24 @@ def _ideal(previous: RoundResult | None, prompt_tokens: int | None, block: int) 
     return max(0, min(held, (prompt_tokens - 1) // block * block))
 
 
+def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[SessionResult]:
+    """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
+
+    For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
+    so these are new ones.
+    """
+    return [
+        replace(
+            session,
+            rounds=tuple(
+                replace(r, ideal_cached_tokens=_ideal(previous, r.prompt_tokens, block))
+                for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
+            ),
+        )
+        for session in sessions
+    ]
+
+
 def _header_backend(names: tuple[str, ...], headers: httpx.Headers) -> str | None:
     for name in names:
         value = headers.get(name, "").rsplit(",", 1)[-1].strip()  # after a failover: the last one tried
@@ -461,7 +483,7 @@ def session_json(session: SessionResult) -> dict:
     }
 
 
-def format_report(settings: ProbeSettings, sessions: list[SessionResult]) -> str:
+def format_report(settings: ProbeSettings, sessions: list[SessionResult], block: BlockSize) -> str:
     """Per round across sessions, then per session: what an SRE reads first."""
     url, mode = api_url(settings.base_url, "chat/completions"), settings.session_mode
     title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
@@ -480,7 +502,7 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult]) -> str
                 ", ".join(f"{kind} x{count}" for kind, count in errors.items()) or "-",
             )
         )
-    lines = [title, ""] + _table(
+    lines = [title, block.describe(), ""] + _table(
         ("round", "median TTFT", "cached / ideal tokens", "backends", "errors"), rows
     )
     rows = []
@@ -603,7 +625,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
         "instead of synthetic ones",
     )
-    parser.add_argument("--json", action="store_true", help='print {"sessions": [...]} as JSON')
+    blocksize.add_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
+    )
     parser.set_defaults(handler=run_cli)
 
 
@@ -631,6 +656,7 @@ def run_cli(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             timeout_seconds=args.timeout,
         )
+        sources = blocksize.sources_from_args(args, [args.base_url])
         if args.sharegpt:
             conversations = [
                 Conversation(c.system_prompt, c.user_turns[: args.rounds])
@@ -644,10 +670,13 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"kvwatch probe: {error}", file=sys.stderr)
         return 2
     sessions = probe_once(settings, conversations, args.concurrency)
+    block = asyncio.run(blocksize.learn(sources, sessions))
+    sessions = with_block_size(sessions, block.tokens)
     if args.json:
-        print(json.dumps({"sessions": [session_json(s) for s in sessions]}, indent=2))
+        report = {"block_size": block.as_json(), "sessions": [session_json(s) for s in sessions]}
+        print(json.dumps(report, indent=2))
     else:
-        print(format_report(settings, sessions))
+        print(format_report(settings, sessions, block))
     failed = [s for s in sessions if not s.ok]
     if failed:
         print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)

@@ -24,11 +24,11 @@ from aiohttp import web
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry
 
-from collectors import workload
+from collectors import blocksize, workload
 from collectors.config import Config, ConfigError, Target, load_config, resolve_api_key
 from collectors.exporter import ProbeCollector, ProbeResults, make_app
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
-from collectors.probe import ProbeSettings, run_session
+from collectors.probe import ProbeSettings, run_session, with_block_size
 from collectors.store import Store
 
 log = logging.getLogger("kvwatch.serve")
@@ -50,9 +50,17 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         backend_headers=target.backend.headers,
         backend_json_paths=target.backend.json_paths,
         max_tokens=target.workload.max_tokens,
-        block_size=target.block_size,
         timeout_seconds=target.timeout_seconds,
     )
+
+
+def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.BlockSizeSources:
+    """The target's block size when the config sets it, else where to learn it: Prometheus, the route's
+    /metrics, then the sessions' cached tokens."""
+    override = None
+    if target.block_size is not None:
+        override = blocksize.BlockSize(target.block_size, f"block_size of target {target.name} in the config")
+    return blocksize.sources_for([target.base_url], prometheus_url, override)
 
 
 class Conversations:
@@ -110,11 +118,15 @@ class Service:
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
         self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
         self.conversations = {t.name: Conversations(t) for t in config.targets}
+        self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in config.targets}
         self._gate: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
 
     async def probe(self, target: Target) -> None:
-        """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported."""
+        """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported.
+
+        The engine's block size is learned anew each run, so an engine redeployed with another is followed.
+        """
         started = time.time()
         settings = self.probes[target.name]
 
@@ -124,6 +136,8 @@ class Service:
 
         try:
             sessions = await asyncio.gather(*map(one, self.conversations[target.name].next_run()))
+            block = await blocksize.learn(self.block_sources[target.name], sessions)
+            sessions = with_block_size(sessions, block.tokens)
         except Exception:  # a probe never raises; this guards the scheduler against a bug
             log.exception("probe run of %s failed", target.name)
             return
@@ -132,11 +146,12 @@ class Service:
             self.store.add_session(session)
         failed = [s.error_kind for s in sessions if not s.ok]
         log.info(
-            "%s: %d sessions, %d failed%s",
+            "%s: %d sessions, %d failed%s; %s",
             target.name,
             len(sessions),
             len(failed),
             f" ({', '.join(sorted(set(failed)))})" if failed else "",
+            block.describe(),
         )
 
     def poll_gateway_logs(self) -> None:

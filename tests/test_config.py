@@ -57,6 +57,8 @@ INVALID = [
         'targets[0].base_url: must be an http:// or https:// URL with a host, got "127.0.0.1:18000"',
     ),
     ("block-size", "targets[0].block_size: must be >= 1, got 0"),
+    ("block-size-too-large", "targets[0].block_size: must be <= 1048576 (1 << 20), got 2097152"),
+    ("block-size-float", "targets[0].block_size: expected an integer, got the number 16.5"),
     ("control-character", "invalid YAML: unacceptable character #x0007: special characters are not allowed"),
     ("duplicate-gateway-log-name", 'gateway_logs[1].name: "chat" is taken by gateway_logs[0]'),
     ("duplicate-key", 'invalid YAML at line 6, column 5: duplicate key "rounds"'),
@@ -144,7 +146,7 @@ def test_minimal_file_takes_every_default():
             "sharegpt": None,
         },
         "timeout_seconds": 60.0,
-        "block_size": 16,
+        "block_size": None,  # learned from the engines
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"

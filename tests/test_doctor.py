@@ -310,6 +310,10 @@ def test_a_healthy_route_passes_every_check(lab, capsys):
     evidence = {c["name"]: c["evidence"] for c in report["checks"]}
     assert "X-Session-Id came back unchanged on all 12 rounds" in evidence["session id propagation"]
     assert "Prometheus: no engine has prefix caching off" in evidence["prefix caching"]
+    assert (
+        f"KV block: 16 tokens (vllm:cache_config_info in Prometheus at {prometheus})"
+        in evidence["prefix caching"]
+    )
 
 
 @integration
@@ -452,6 +456,26 @@ def test_a_required_api_key_missing_wrong_expired_or_scoped(start_replica, monke
     assert runs["expired"][:2] == (1, ["forbidden"]) and runs["expired"][2].startswith("token expired")
     assert runs["scoped"][:2] == (1, ["forbidden"]) and "not allowed to use the model" in runs["scoped"][2]
     assert runs["good"][:2] == (0, []) and runs["good"][2] == "no 401 or 403 with an API key"
+
+
+@integration
+def test_prefix_caching_is_judged_in_the_engines_own_blocks(start_replica, capsys):
+    """A replica with 128-token blocks and no backend header, as a real engine: the doctor learns the block
+    from its /metrics, so its pinned sessions reuse all of their ideal; --block-size overrides it."""
+    replica = start_replica(
+        "cpu", "vllm", "--time-scale", "0.05", "--block-size", "128", "--no-identity-header"
+    )
+    diagnosis = doctor(replica.url)
+    found = check(diagnosis, "prefix caching")
+    assert (found.status, statuses(diagnosis)["hash key"], diagnosis.causes) == ("pass", "pass", [])
+    assert "cached / ideal tokens: lowest 100%" in found.evidence
+    assert f"KV block: 128 tokens (vllm:cache_config_info at {replica.url}/metrics)" in found.evidence
+
+    assert main(["doctor", "--base-url", replica.url, "--model", MODEL, "--block-size", "16", "--json"]) == 0
+    evidence = next(
+        c["evidence"] for c in json.loads(capsys.readouterr().out)["checks"] if c["name"] == "prefix caching"
+    )
+    assert "KV block: 16 tokens (--block-size)" in evidence and "lowest 100%" not in evidence
 
 
 def test_every_cause_has_a_readme_entry():

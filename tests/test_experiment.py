@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import statistics
 
 import pandas as pd
 import pytest
 
+from collectors.blocksize import BlockSize
 from collectors.cli import main
 from collectors.experiment import (
     FILES,
@@ -16,8 +18,10 @@ from collectors.experiment import (
     bootstrap_ci,
     interleave,
     quantile,
+    report,
     round_rows,
     route_rows,
+    run_experiment,
     tag,
 )
 from collectors.probe import HINTS, ProbeSettings
@@ -51,7 +55,8 @@ def experiment(a: list[SessionResult], b: list[SessionResult]) -> Experiment:
         ProbeSettings(f"http://{label}.example", "m", target=label) for label in ("round_robin", "affinity")
     ]
     rounds = max(len(s.rounds) for s in a + b)
-    return Experiment(*routes, rounds=rounds, concurrency=1, sessions=(tuple(a), tuple(b)))
+    block = BlockSize(16, "--block-size")
+    return Experiment(*routes, rounds=rounds, concurrency=1, sessions=(tuple(a), tuple(b)), block_size=block)
 
 
 # Statistics.
@@ -128,6 +133,27 @@ def test_route_figures_stickiness_switches_and_errors():
     }
     assert (affinity["sticky_share"], affinity["backend_switches_per_session"]) == (1.0, 0)
     assert (affinity["warm_ideal_efficiency"], affinity["errors"]) == (1.0, "")
+
+
+def test_the_report_names_the_block_size_and_its_source():
+    sessions = [session(label, round_(1), round_(2)) for label in ("round_robin", "affinity")]
+    run = experiment([sessions[0]], [sessions[1]])
+    markdown = report(run, round_rows(run), route_rows(run))
+    assert "\n- KV block: 16 tokens (--block-size), for the ideal cached tokens.\n" in markdown
+
+
+@pytest.mark.integration
+def test_both_routes_share_one_block_size_learned_from_the_engine(start_replica):
+    """Two labels for one vLLM replica with 128-token blocks: every warm round gets exactly its ideal."""
+    replica = start_replica("cpu", "vllm", "--time-scale", "0.05", "--block-size", "128")
+    a, b = (ProbeSettings(replica.url, "lab-model", target=label, max_tokens=8) for label in ("a", "b"))
+    run = run_experiment(a, b, synthetic(4, 600, 80, seed=5, sessions=2))
+
+    assert run.block_size == BlockSize(128, f"vllm:cache_config_info at {replica.url}/metrics")
+    warm = [r for s in run.all_sessions for r in s.rounds[1:]]
+    assert len(warm) == 12 and all(r.ideal_cached_tokens % 128 == 0 for r in warm)
+    assert [r.cached_tokens for r in warm] == [r.ideal_cached_tokens for r in warm]
+    assert [row["warm_ideal_efficiency"] for row in route_rows(run)] == [1.0, 1.0]
 
 
 def test_sessions_alternate_which_route_goes_first():
@@ -226,6 +252,9 @@ def test_cli_writes_every_file(run):
     html = (out / FILES["html"]).read_text()
     assert 'class="plotly-graph-div"' in html and "<script src=" not in html  # the JS is inside
     assert result.stdout.startswith((out / FILES["report"]).read_text())
+    # Route A's gateway passes /metrics on to one of the lab's vLLM replicas.
+    block = r"\n- KV block: 16 tokens \(vllm:cache_config_info at http://127\.0\.0\.1:\d+/metrics\), for"
+    assert re.search(block, result.stdout)
 
 
 @pytest.mark.integration

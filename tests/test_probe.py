@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -491,10 +492,14 @@ def test_cli_prints_rounds_and_sessions_and_exits_0(lab, capsys):
         lines[0]
         == f"2 sessions through {lab.affinity}/v1/chat/completions, model lab-model, session ids: client"
     )
-    assert lines[2].split() == "round median TTFT cached / ideal tokens backends errors".split()
-    assert [line.split()[0] for line in lines[3:6]] == ["1", "2", "3"]
-    assert lines[3].split()[4:6] == ["/", "0"] and lines[3].endswith("  -")  # round 1: nothing to reuse
-    sessions = lines[7:]
+    # The gateway passes /metrics on to a replica, which says how large its blocks are.
+    assert re.fullmatch(
+        r"KV block: 16 tokens \(vllm:cache_config_info at http://127\.0\.0\.1:\d+/metrics\)", lines[1]
+    )
+    assert lines[3].split() == "round median TTFT cached / ideal tokens backends errors".split()
+    assert [line.split()[0] for line in lines[4:7]] == ["1", "2", "3"]
+    assert lines[4].split()[4:6] == ["/", "0"] and lines[4].endswith("  -")  # round 1: nothing to reuse
+    sessions = lines[8:]
     assert sessions[0].split()[:4] == ["session", "stickiness", "rounds", "ok"]
     assert [line.split()[:4] for line in sessions[1:]] == [
         ["1", "sticky", "3", "yes"],
@@ -504,9 +509,14 @@ def test_cli_prints_rounds_and_sessions_and_exits_0(lab, capsys):
 
 def test_cli_json_has_every_session_and_round(lab, capsys):
     flags = ["--rounds", "2", "--sessions", "2", "--seed", "11", "--session-mode", "server", "--json"]
-    code = main(["probe", "--base-url", lab.affinity, *SMALL, *flags])
+    code = main(
+        ["probe", "--base-url", lab.affinity, *SMALL, *flags, "--prometheus", lab.status["prometheus"]]
+    )
     assert code == 0
-    sessions = json.loads(capsys.readouterr().out)["sessions"]
+    report = json.loads(capsys.readouterr().out)
+    prometheus = f"vllm:cache_config_info in Prometheus at {lab.status['prometheus']}"
+    assert report["block_size"] == {"tokens": 16, "source": prometheus}
+    sessions = report["sessions"]
     assert len(sessions) == 2
     for session in sessions:
         assert (session["sticky"], session["session_id_echoed"], session["error_kind"]) == (True, True, None)
@@ -531,7 +541,8 @@ def test_cli_failure_exits_1_with_a_hint_per_error_kind(capsys):
     code = main(["probe", "--base-url", nowhere, "--model", MODEL, "--sessions", "2"])
     captured = capsys.readouterr()
     assert code == 1
-    assert captured.out.splitlines()[3].split() == "1 - 0 / 0 unknown connection_refused x2".split()
+    assert captured.out.splitlines()[1] == "KV block: 16 tokens (default; no engine evidence)"
+    assert captured.out.splitlines()[4].split() == "1 - 0 / 0 unknown connection_refused x2".split()
     assert captured.err.splitlines()[0] == "kvwatch probe: 2 of 2 sessions failed"
     assert captured.err.splitlines()[1].startswith("  connection_refused (cannot connect to 127.0.0.1:")
     assert captured.err.splitlines()[1].endswith(HINTS["connection_refused"])

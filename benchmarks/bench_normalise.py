@@ -23,7 +23,7 @@ COUNT = 1000
 
 def exposition() -> str:
     """A vLLM V1 exposition after 500 requests of mixed sizes and latencies."""
-    metrics = make_metrics("vllm", "meta-llama/Llama-3.1-8B-Instruct", CacheConfig(16, 5000, True))
+    metrics = make_metrics("vllm", "meta-llama/Llama-3.1-8B-Instruct", CacheConfig(16, 5000, True, 131072))
     for i in range(500):
         prompt = 500 + 37 * i % 4000
         metrics.prefill_done(

@@ -37,6 +37,7 @@ class ReplicaSettings:
     model: str = "lab-model"
     block_size: int = 16
     cache_blocks: int = 5000
+    max_model_len: int = 8192  # as the lab's real vLLM runs (--max-model-len); the sim does not enforce it
     prefill_tokens_per_s: float = 6000.0
     decode_tokens_per_s: float = 50.0
     request_overhead_s: float = 0.015
@@ -75,7 +76,12 @@ class Engine:
         self.metrics = make_metrics(
             settings.flavour,
             settings.model,
-            CacheConfig(settings.block_size, settings.cache_blocks, prefix_caching=True),
+            CacheConfig(
+                settings.block_size,
+                settings.cache_blocks,
+                prefix_caching=True,
+                max_model_len=settings.max_model_len,
+            ),
         )
         self.ground_truth: deque[dict] = deque(maxlen=GROUND_TRUTH_KEPT)
         self.rng = random.Random(settings.seed)
@@ -225,6 +231,18 @@ class Sequence:
             self.completion_tokens = index + 1
             yield word
         self._state = "done"
+
+    @property
+    def created_cache_tokens(self) -> int:
+        """Prompt tokens in full blocks that this request computed for the cache, as vLLM counts them.
+
+        A fully repeated prompt still creates its last full block: that block is recomputed, since the
+        last prompt token is never a hit.
+        """
+        if not self._prefix_caching:
+            return 0
+        block = self.engine.settings.block_size
+        return len(self.prompt) // block * block - self.cached_tokens
 
     def _finish(self, reason: str) -> None:
         engine = self.engine

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lab.engine import Engine, ReplicaSettings, faults_from_json
+from lab.engine import Engine, ReplicaSettings, Sequence, faults_from_json
 from lab.tokenizer import TemplateError, render_chat, tokenize
 
 log = logging.getLogger("kvwatch.lab.replica")
@@ -122,13 +124,75 @@ def _parse_chat(engine: Engine, raw: bytes) -> dict:
     }
 
 
-def _usage(seq) -> dict:
-    return {
-        "prompt_tokens": len(seq.prompt),
-        "completion_tokens": seq.completion_tokens,
-        "total_tokens": len(seq.prompt) + seq.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
-    }
+class Answer:
+    """The bodies of one chat completion answer, shaped like the replica's engine shapes them.
+
+    The `vllm` flavour has vLLM 0.32's shape, as far as it matters to an OpenAI client (tests/contract.py
+    holds it to a real engine's): `created_cache_tokens` in the usage, OpenAI's null message fields, a
+    `system_fingerprint`, and `finish_reason` on the last token's chunk. The other flavours keep the
+    plain OpenAI shape: a separate finishing chunk, and no more than `cached_tokens` in the usage.
+    """
+
+    def __init__(self, engine: Engine, seq: Sequence, model: str) -> None:
+        self.seq = seq
+        self.vllm = engine.settings.flavour == "vllm"
+        self.head = {"id": f"chatcmpl-{seq.request_id}", "created": int(time.time()), "model": model}
+        self.closing = {"system_fingerprint": _fingerprint(engine.settings)} if self.vllm else {}
+
+    def completion(self, text: str) -> dict:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.seq.finish_reason}
+        body = {**self.head, "object": "chat.completion", "choices": [choice], "usage": self.usage(False)}
+        if self.vllm:
+            message |= {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+            body |= {"service_tier": None, **self.closing}
+        return body
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
+        """Prefill and decode the sequence, yielding each chunk of the event stream."""
+        seq = self.seq
+        await seq.prefill()
+        yield self._chunk([self._choice({"role": "assistant", "content": ""})])
+        async for word in seq.decode():
+            last = self.vllm and seq.completion_tokens == len(seq.words)
+            delta = {"content": word if seq.completion_tokens == 1 else " " + word}
+            if not last:
+                yield self._chunk([self._choice(delta)])
+            else:  # vLLM's closing chunk carries the fingerprint, unless a usage chunk follows
+                closing = {} if include_usage else self.closing
+                yield self._chunk([self._choice(delta, seq.finish_reason)], **closing)
+        if not self.vllm:
+            yield self._chunk([self._choice({}, seq.finish_reason)])
+        if include_usage:
+            yield self._chunk([], usage=self.usage(True), **self.closing)
+
+    def usage(self, streamed: bool) -> dict:
+        seq = self.seq
+        details = {"cached_tokens": seq.cached_tokens}
+        usage = {
+            "prompt_tokens": len(seq.prompt),
+            "completion_tokens": seq.completion_tokens,
+            "total_tokens": len(seq.prompt) + seq.completion_tokens,
+            "prompt_tokens_details": details,
+        }
+        if self.vllm:
+            details["created_cache_tokens"] = seq.created_cache_tokens
+            if not streamed:  # vLLM leaves null fields out of the streamed usage only
+                usage["completion_tokens_details"] = None
+        return usage
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        return {**self.head, "object": "chat.completion.chunk", "choices": choices, **extra}
+
+    @staticmethod
+    def _choice(delta: dict, finish_reason: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _fingerprint(settings: ReplicaSettings) -> str:
+    """vLLM's `vllm-<version>-<hash of its config>`: replicas configured alike print the same one."""
+    config = f"{settings.model} {settings.block_size} {settings.cache_blocks} {settings.max_model_len}"
+    return f"vllm-0.32.0-{hashlib.blake2b(config.encode(), digest_size=4).hexdigest()}"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -154,74 +218,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     headers = {"X-Worker-Id": engine.settings.replica_id} if engine.settings.identity_header else {}
     seq = engine.sequence(chat["prompt"], chat["max_tokens"], chat["stream"], session_id, arrival)
-    completion_id = f"chatcmpl-{seq.request_id}"
-    created = int(time.time())
+    answer = Answer(engine, seq, chat["model"])
     async with seq:
         if not chat["stream"]:
             await seq.prefill()
             words = [word async for word in seq.decode()]
-            return web.json_response(
-                {
-                    "id": completion_id,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": chat["model"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": " ".join(words)},
-                            "logprobs": None,
-                            "finish_reason": seq.finish_reason,
-                        }
-                    ],
-                    "usage": _usage(seq),
-                },
-                headers=headers,
-            )
+            return web.json_response(answer.completion(" ".join(words)), headers=headers)
 
         response = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-
-        async def send(choices: list, **extra) -> None:
-            chunk = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": chat["model"],
-                "choices": choices,
-                **extra,
-            }
+        async for chunk in answer.stream(chat["include_usage"]):
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        await seq.prefill()
-        await send(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
-        )
-        first = True
-        async for word in seq.decode():
-            await send(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"content": word if first else " " + word},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-            first = False
-        await send([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": seq.finish_reason}])
-        if chat["include_usage"]:
-            await send([], usage=_usage(seq))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -242,7 +251,10 @@ async def render(request: web.Request) -> web.Response:
         return ApiError(400, str(error), "invalid_request_error").response()
     except ApiError as error:
         return error.response()
-    return web.json_response({"token_ids": ids, "tokens": ids, "count": len(ids), "max_model_len": 131072})
+    max_model_len = request.app[ENGINE_KEY].settings.max_model_len
+    return web.json_response(
+        {"token_ids": ids, "tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+    )
 
 
 async def models(request: web.Request) -> web.Response:

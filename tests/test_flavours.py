@@ -13,22 +13,30 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SHARED
 from lab.flavours import FLAVOURS, CacheConfig, Finished, Prefill, make_metrics
+from lab.flavours.vllm import request_token_buckets
 
 EXPECTED = {
     "vllm": {
         "vllm:prefix_cache_queries": "counter",
         "vllm:prefix_cache_hits": "counter",
+        "vllm:external_prefix_cache_queries": "counter",
+        "vllm:external_prefix_cache_hits": "counter",
         "vllm:prompt_tokens": "counter",
+        "vllm:prompt_tokens_by_source": "counter",
         "vllm:prompt_tokens_cached": "counter",
+        "vllm:prompt_tokens_cached_by_source": "counter",
         "vllm:generation_tokens": "counter",
         "vllm:request_success": "counter",
         "vllm:num_requests_running": "gauge",
         "vllm:num_requests_waiting": "gauge",
+        "vllm:num_requests_waiting_by_reason": "gauge",
         "vllm:kv_cache_usage_perc": "gauge",
         "vllm:cache_config_info": "gauge",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:e2e_request_latency_seconds": "histogram",
         "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prompt_tokens": "histogram",
+        "vllm:request_prefill_kv_computed_tokens": "histogram",
     },
     "vllm-legacy": {
         "vllm:gpu_prefix_cache_hit_rate": "gauge",
@@ -72,11 +80,12 @@ SAMPLES = {
 
 
 def exercised(flavour: str, prefix_caching: bool = True):
-    """A flavour's metrics after one cached request, parsed back from the exposition text."""
-    metrics = make_metrics(flavour, "lab-model", CacheConfig(16, 5000, prefix_caching))
+    """A flavour's metrics after one request (64 of 100 prompt tokens cached), parsed back from text."""
+    metrics = make_metrics(flavour, "lab-model", CacheConfig(16, 5000, prefix_caching, max_model_len=8192))
+    cached = 64 if prefix_caching else 0
     metrics.set_load(running=1, waiting=2, kv_usage=0.25)
-    metrics.prefill_done(Prefill(100, 64, prefix_caching, 0.01, 0.2, streaming=True))
-    metrics.finished(Finished(100, 64, 10, 0.5, streaming=True, finished_reason="stop"))
+    metrics.prefill_done(Prefill(100, cached, prefix_caching, 0.01, 0.2, streaming=True))
+    metrics.finished(Finished(100, cached, 10, 0.5, streaming=True, finished_reason="stop"))
     text = generate_latest(metrics.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
     return metrics, families
@@ -102,23 +111,69 @@ def test_ttft_histogram_uses_the_engine_buckets(flavour):
     assert bounds == [*map(float, TTFT_BUCKETS[flavour]), float("inf")]
 
 
-def test_vllm_counts_queries_and_hits_in_tokens():
+def by_label(families, name: str, label: str) -> dict[str, float]:
+    """A family's current values keyed by one label (its `_created` samples left out)."""
+    return {s.labels[label]: s.value for s in families[name].samples if not s.name.endswith("_created")}
+
+
+def test_vllm_counts_queries_hits_and_prompt_tokens_by_source():
     _, families = exercised("vllm")
     assert value(families, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 100
     assert value(families, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 64
+    assert value(families, "vllm:prompt_tokens_cached", "vllm:prompt_tokens_cached_total") == 64
+    assert by_label(families, "vllm:prompt_tokens_by_source", "source") == {
+        "local_compute": 36,
+        "local_cache_hit": 64,
+        "external_kv_transfer": 0,
+    }
+    assert by_label(families, "vllm:prompt_tokens_cached_by_source", "source") == {
+        "device": 64,
+        "host": 0,
+        "p2p": 0,
+        "disk": 0,
+        "external_unspecified": 0,
+    }
+    external = "vllm:external_prefix_cache_queries"
+    assert value(families, external, f"{external}_total") == 0
+    assert value(families, "vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == 100
+    computed = "vllm:request_prefill_kv_computed_tokens"
+    assert value(families, computed, f"{computed}_sum") == 36
+    assert by_label(families, "vllm:request_success", "finished_reason") == {
+        "stop": 1,
+        "length": 0,
+        "abort": 0,
+        "error": 0,
+        "repetition": 0,
+    }
+    assert by_label(families, "vllm:num_requests_waiting_by_reason", "reason") == {
+        "capacity": 2,
+        "deferred": 0,
+    }
     info = families["vllm:cache_config_info"].samples[0].labels
     assert info["enable_prefix_caching"] == "True" and info["engine"] == "0"
+    assert info["kv_cache_size_tokens"] == str(5000 * 16)
 
 
 def test_vllm_lookups_stay_flat_and_info_says_off_without_prefix_caching():
     metrics, families = exercised("vllm", prefix_caching=False)
     assert value(families, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+    assert value(families, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 0
     assert value(families, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == 100
+    assert by_label(families, "vllm:prompt_tokens_by_source", "source")["local_compute"] == 100
     assert families["vllm:cache_config_info"].samples[0].labels["enable_prefix_caching"] == "False"
 
 
+def test_vllm_token_histograms_are_bucketed_up_to_the_context_length():
+    assert request_token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert request_token_buckets(8192)[-3:] == (1000, 2000, 5000)
+    _, families = exercised("vllm")
+    for name in ("vllm:request_prompt_tokens", "vllm:request_prefill_kv_computed_tokens"):
+        bounds = [float(s.labels["le"]) for s in families[name].samples if s.name.endswith("_bucket")]
+        assert bounds == [*request_token_buckets(8192), float("inf")]
+
+
 def test_vllm_legacy_hit_rate_is_minus_one_without_data_or_caching():
-    metrics = make_metrics("vllm-legacy", "m", CacheConfig(16, 100, True))
+    metrics = make_metrics("vllm-legacy", "m", CacheConfig(16, 100, True, max_model_len=8192))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     assert value(families, "vllm:gpu_prefix_cache_hit_rate") == -1
     _, families = exercised("vllm-legacy")

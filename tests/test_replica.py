@@ -68,11 +68,22 @@ def test_streaming_sends_role_content_finish_usage_and_done(start_replica):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert len(text.split()) == 8
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    # As vLLM does: the last word's chunk finishes, and the usage chunk closes with a fingerprint.
+    finishing = chunks[-2]["choices"][0]
+    assert finishing["finish_reason"] == "stop" and finishing["delta"]["content"]
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 8
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0}
+    assert chunks[-1]["system_fingerprint"].startswith("vllm-0.32.0-")
     assert ttft is not None
+
+
+def test_other_flavours_keep_the_plain_openai_shape(start_replica):
+    replica = start_replica("r1", "sglang", *FAST)
+    chunks, _ = stream(replica.url)
+    assert chunks[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "system_fingerprint" not in chunks[-1] and "system_fingerprint" not in chat(replica.url).json()
 
 
 def test_non_streaming_reports_cached_tokens_of_a_repeated_prefix(start_replica):
@@ -82,10 +93,14 @@ def test_non_streaming_reports_cached_tokens_of_a_repeated_prefix(start_replica)
     body = first.json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 4
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    again = chat(replica.url, long_prompt(200), max_tokens=4).json()["usage"]
-    prompt = again["prompt_tokens"]
-    assert again["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
+    prompt = body["usage"]["prompt_tokens"]
+    assert body["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 0,
+        "created_cache_tokens": prompt // 16 * 16,
+    }
+    again = chat(replica.url, long_prompt(200), max_tokens=4).json()["usage"]["prompt_tokens_details"]
+    assert again["cached_tokens"] == (prompt - 1) // 16 * 16
+    assert again["created_cache_tokens"] == prompt // 16 * 16 - again["cached_tokens"]
 
 
 def test_conversation_rounds_reuse_the_history(start_replica):
@@ -178,7 +193,7 @@ def test_faults_prefix_caching_off_then_reset(start_replica):
     chat(replica.url, long_prompt(100))
     assert replica.set_faults(prefix_caching=False).status_code == 200
     usage = chat(replica.url, long_prompt(100)).json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0}
     info = metric_families(replica.url)["vllm:cache_config_info"].samples
     assert [s.labels["enable_prefix_caching"] for s in info] == ["False"]
     replica.set_faults(prefix_caching=True)

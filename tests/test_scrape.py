@@ -60,7 +60,9 @@ REQUEST = Prefill(
 def server() -> Iterator[str]:
     """The sources, on a free loopback port; stopped, with every waiting handler released, at teardown."""
     metrics = make_metrics(
-        "vllm", "lab-model", CacheConfig(block_size=16, num_gpu_blocks=1000, prefix_caching=True)
+        "vllm",
+        "lab-model",
+        CacheConfig(block_size=16, num_gpu_blocks=1000, prefix_caching=True, max_model_len=8192),
     )
     lock = threading.Lock()
     release = threading.Event()

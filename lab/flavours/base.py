@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
@@ -33,9 +33,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The engine's configuration as its metrics describe it: the KV cache and the context length."""
+
     block_size: int
     num_gpu_blocks: int
     prefix_caching: bool
+    max_model_len: int  # vLLM buckets its per-request token histograms up to it
 
 
 class EngineMetrics:
@@ -57,4 +60,4 @@ class EngineMetrics:
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Called when prefix caching is switched on or off."""
-        self.cache = CacheConfig(self.cache.block_size, self.cache.num_gpu_blocks, enabled)
+        self.cache = replace(self.cache, prefix_caching=enabled)

@@ -1,4 +1,4 @@
-"""vLLM V1 engine metrics, as the current releases (0.16 and later) expose them."""
+"""vLLM V1 engine metrics, as vLLM 0.32 exposes them (tests/test_vllm_contract.py compares them with it)."""
 
 from __future__ import annotations
 
@@ -53,84 +53,177 @@ REQUEST_LATENCY_BUCKETS = (
     1920.0,
     7680.0,
 )
+# vLLM creates a child for every value of these labels at start-up, so each shows up from the first scrape.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+WAITING_REASONS = ("capacity", "deferred")
+
+
+def request_token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to the context length."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(bounds)
+            bounds.append(float(mantissa * scale))
+        scale *= 10
 
 
 class VllmMetrics(EngineMetrics):
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         super().__init__(model_name, cache)
-        labels = ["model_name", "engine"]
-        self._labels = {"model_name": model_name, "engine": "0"}
+        engine = {"model_name": model_name, "engine": "0"}
         reg = self.registry
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg).labels(**self._labels)
+        # `one`: a family with the engine's only child; `each`: a child per value of one more label.
+        def one(kind: type, name: str, doc: str, **options):
+            return kind(name, doc, list(engine), registry=reg, **options).labels(**engine)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(**self._labels)
+        def each(kind: type, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict:
+            metric = kind(name, doc, [*engine, label], registry=reg)
+            return {value: metric.labels(**engine, **{label: value}) for value in values}
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(**self._labels)
-
-        self.queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        self.queries = one(
+            Counter,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
         )
-        self.hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        self.hits = one(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        # The lab has no KV connector: external lookups stay at zero, as on a vLLM without one.
+        one(
+            Counter,
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
         )
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = Counter(
+        one(
+            Counter,
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
+        self.prompt_tokens = one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_by_source = each(
+            Counter,
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            "source",
+            PROMPT_TOKEN_SOURCES,
+        )
+        self.prompt_tokens_cached = one(
+            Counter, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        self.prompt_tokens_cached_by_source = each(
+            Counter,
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.",
+            "source",
+            CACHE_HIT_SOURCES,
+        )
+        self.generation_tokens = one(
+            Counter, "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.request_success = each(
+            Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*labels, "finished_reason"],
-            registry=reg,
+            "finished_reason",
+            FINISHED_REASONS,
         )
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.running = one(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.waiting_by_reason = each(
+            Gauge,
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+            "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+            "status). Sum of all reasons equals vllm:num_requests_waiting.",
+            "reason",
+            WAITING_REASONS,
+        )
+        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            ["block_size", "cache_dtype", "enable_prefix_caching", "engine", "num_gpu_blocks"],
+            [
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "engine",
+                "kv_cache_size_tokens",
+                "kv_offloading_backend",
+                "kv_offloading_size",
+                "num_gpu_blocks",
+            ],
             registry=reg,
         )
-        self.ttft = histogram(
+        self.ttft = one(
+            Histogram,
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
         )
-        self.e2e = histogram(
+        self.e2e = one(
+            Histogram,
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self.queue_time = histogram(
+        self.queue_time = one(
+            Histogram,
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = request_token_buckets(cache.max_model_len)
+        self.request_prompt_tokens = one(
+            Histogram,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            buckets=token_buckets,
+        )
+        self.prefill_kv_computed = one(
+            Histogram,
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            buckets=token_buckets,
         )
         self.set_prefix_caching(cache.prefix_caching)
 
     def prefill_done(self, prefill: Prefill) -> None:
+        # Without prefix caching vLLM looks nothing up, so queries and hits do not count at all.
         if prefill.prefix_caching:
             self.queries.inc(prefill.prompt_tokens)
             self.hits.inc(prefill.cached_tokens)
+            self.prompt_tokens_cached_by_source["device"].inc(prefill.cached_tokens)
         self.prompt_tokens.inc(prefill.prompt_tokens)
+        self.prompt_tokens_by_source["local_compute"].inc(prefill.prompt_tokens - prefill.cached_tokens)
+        self.prompt_tokens_by_source["local_cache_hit"].inc(prefill.cached_tokens)
         self.prompt_tokens_cached.inc(prefill.cached_tokens)
         self.ttft.observe(prefill.ttft_seconds)
         self.queue_time.observe(prefill.queue_seconds)
 
     def finished(self, finished: Finished) -> None:
         self.generation_tokens.inc(finished.completion_tokens)
-        self.request_success.labels(**self._labels, finished_reason=finished.finished_reason).inc()
+        self.request_success[finished.finished_reason].inc()
         self.e2e.observe(finished.e2e_seconds)
+        self.request_prompt_tokens.observe(finished.prompt_tokens)
+        self.prefill_kv_computed.observe(finished.prompt_tokens - finished.cached_tokens)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+        self.waiting_by_reason["capacity"].set(waiting)
         self.kv_usage.set(kv_usage)
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -141,5 +234,8 @@ class VllmMetrics(EngineMetrics):
             cache_dtype="auto",
             enable_prefix_caching=str(enabled),
             engine="0",
+            kv_cache_size_tokens=str(self.cache.num_gpu_blocks * self.cache.block_size),
+            kv_offloading_backend="native",
+            kv_offloading_size="None",
             num_gpu_blocks=str(self.cache.num_gpu_blocks),
         ).set(1)

@@ -1,7 +1,7 @@
 # kvwatch: `make up` starts the lab and the dashboard, `make test` runs the whole suite.
 # Both bootstrap first: a virtualenv with kvwatch installed, and Debian's nginx, Prometheus and
 # Alertmanager when they are missing; `make test` also installs Debian's Chromium for the dashboard's
-# browser test.
+# browser test and real vLLM for the real-engine tests (`make up` does only with LAB_ARGS="--engine vllm").
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,8 +10,13 @@ STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
 TEST_PACKAGES := chromium
 LAB_ARGS ?=
+# Real vLLM (CPU build) for `kvwatch lab up --engine vllm` and the real-engine tests, in a virtualenv of
+# its own, cached across runs and clones; lab/replicas/vllm.py looks for it here by default.
+VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvwatch/vllm-0.32.0
+export KVWATCH_VLLM_VENV := $(VLLM_VENV)
+LAB_WANTS_VLLM := $(or $(findstring --engine vllm,$(LAB_ARGS)),$(findstring --engine=vllm,$(LAB_ARGS)))
 
-.PHONY: bootstrap system-packages test-packages up down test bench lint generate
+.PHONY: bootstrap system-packages test-packages vllm up down test bench lint generate
 
 bootstrap: system-packages $(STAMP)
 
@@ -21,19 +26,22 @@ system-packages:
 test-packages:
 	@sh scripts/system-packages.sh $(TEST_PACKAGES)
 
+vllm:
+	@sh scripts/vllm-venv.sh $(VLLM_VENV)
+
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
-up: bootstrap
+up: bootstrap $(if $(LAB_WANTS_VLLM),vllm)
 	$(BIN)/kvwatch lab up $(LAB_ARGS)
 
 down:
 	@test -x $(BIN)/kvwatch && $(BIN)/kvwatch lab down || true
 
-test: bootstrap test-packages
+test: bootstrap test-packages vllm
 	$(BIN)/python -m pytest -q --durations=15
 
 bench: bootstrap

@@ -13,8 +13,13 @@ from pathlib import Path
 from lab import stack
 from lab.engine import ReplicaSettings
 from lab.flavours import FLAVOURS
+from lab.replicas import KINDS
 from lab.stack import FAULTS
 from lab.state import DEFAULT_DIRECTORY, LabState
+
+# Real vLLM on CPU: two replicas, one core each on a 2-core machine, and lighter background traffic.
+DEFAULT_REPLICAS = {"sim": 4, "vllm": 2}
+DEFAULT_USERS = {"sim": 4, "vllm": 2}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -212,11 +217,22 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
         "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
     )
-    up.add_argument("--replicas", type=int, default=4, help="number of replicas (default %(default)s)")
+    up.add_argument(
+        "--engine",
+        choices=sorted(KINDS),
+        default="sim",
+        help="; ".join(f"{name}: {kind.help}" for name, kind in sorted(KINDS.items()))
+        + " (default %(default)s)",
+    )
+    up.add_argument(
+        "--replicas",
+        type=int,
+        help=f"number of replicas (default {DEFAULT_REPLICAS['sim']}, or {DEFAULT_REPLICAS['vllm']} "
+        "with --engine vllm)",
+    )
     up.add_argument(
         "--flavours",
-        default="vllm",
-        help="comma-separated engine flavours, assigned to replicas in turn (default %(default)s)",
+        help="comma-separated metric flavours of simulated replicas, assigned in turn (default vllm)",
     )
     up.add_argument("--fast", action="store_true", help="1 s scrape and rule evaluation (for tests)")
     up.add_argument(
@@ -229,8 +245,8 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--users",
         type=int,
-        default=4,
-        help="concurrent background users through the affinity gateway; 0 for none",
+        help=f"concurrent background users through the affinity gateway; 0 for none (default "
+        f"{DEFAULT_USERS['sim']}, or {DEFAULT_USERS['vllm']} with --engine vllm)",
     )
     up.add_argument(
         "--think",
@@ -283,24 +299,33 @@ def _fail(message: str) -> int:
 
 
 def _print_status(info: dict) -> None:
+    print(f"engine               {info['engine']}, model {info['model']}")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
     for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
         print(f"{name:<20} {info[name] or '-'}")
     for replica in info["replicas"]:
-        print(f"replica {replica['id']:<12} {replica['url'] or 'down'} ({replica['flavour']})")
+        caching = "" if replica["prefix_caching"] else ", prefix caching off"
+        print(f"replica {replica['id']:<12} {replica['url'] or 'down'} ({replica['flavour']}{caching})")
     print(f"background users     {info['traffic_users']}")
     print(f"faults               {', '.join(info['faults']) or 'none'}")
     print(f"state and logs       {info['state_dir']}")
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    flavours = [f.strip() for f in args.flavours.split(",") if f.strip()]
+    kind = KINDS[args.engine]
+    if kind.flavour and args.flavours is not None:
+        return _fail(
+            f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
+        )
+    flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
     unknown = sorted(set(flavours) - set(FLAVOURS))
     if unknown or not flavours:
         return _fail(
             f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
         )
+    args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
+    args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users
     if (
         args.replicas < 1
         or args.users < 0
@@ -323,6 +348,7 @@ def _run_up(args: argparse.Namespace) -> int:
             think_seconds=args.think,
             rule_time_scale=args.rule_time_scale,
             probes=args.probes,
+            engine=kind.name,
         )
     except stack.LabError as error:
         return _fail(str(error))

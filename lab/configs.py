@@ -10,12 +10,12 @@ from pathlib import Path
 
 import yaml
 
+from lab.replicas import KINDS
 from lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-FAST_PROBE_INTERVAL_S = 5
 MIN_SCALED_SECONDS = 3  # a scaled rate window must still hold a few 1 s scrapes
 RULE_PATTERNS = ("prometheus/rules/*.yml", "alerts/*.rules.yml")
 ALERTMANAGER_TIMERS = ("group_wait", "group_interval", "repeat_interval", "resolve_timeout")
@@ -124,14 +124,19 @@ def render_prometheus(state: LabState) -> str:
 
 def render_kvwatch_config(state: LabState) -> str:
     """The kvwatch config `kvwatch serve` runs in the lab: examples/kvwatch.lab.yaml with this lab's
-    ports and state directory (a short probe interval with --fast, no probes with --no-probes)."""
+    ports, state directory and kind of replica (a short probe interval with --fast, no probes with
+    --no-probes)."""
     config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
     ports, directory = state.ports, state.directory
     gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
+    kind = KINDS[state.engine]
     for target in config["targets"]:
         target["base_url"] = f"http://127.0.0.1:{gateways[target['route_mode']]}"
+        target["model"] = state.model
         if state.fast:
-            target["interval_seconds"] = FAST_PROBE_INTERVAL_S
+            target["interval_seconds"] = kind.fast_probe_interval_s
+        if kind.probe_workload:
+            target["workload"] = {**target.get("workload", {}), **kind.probe_workload}
     if not state.probes:
         config["targets"] = []
     for log in config["gateway_logs"]:

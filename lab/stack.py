@@ -8,15 +8,14 @@ property in `lab.state.Ports`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,24 +29,15 @@ from lab.configs import (
     render_prometheus,
     rule_files,
 )
+from lab.process import LabError, Process
+from lab.process import kvwatch_command as _kvwatch
+from lab.replicas import KINDS
 from lab.state import LabState, ReplicaSpec
 
-READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
 REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
 FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
-
-
-class LabError(RuntimeError):
-    """Something the user can act on; the CLI prints it without a traceback."""
-
-
-@dataclass(frozen=True)
-class Process:
-    name: str
-    argv: list[str]
-    ready_url: str | None
 
 
 def _binary(name: str, fallback: str) -> str:
@@ -57,27 +47,8 @@ def _binary(name: str, fallback: str) -> str:
     return found
 
 
-def _kvwatch(*args: str) -> list[str]:
-    return [sys.executable, "-m", "collectors.cli", *args]
-
-
 def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
-    truth = state.directory / "ground-truth" / f"{replica.id}.jsonl"
-    argv = _kvwatch(
-        "lab",
-        "replica",
-        "--port",
-        str(replica.port),
-        "--id",
-        replica.id,
-        "--flavour",
-        replica.flavour,
-        "--time-scale",
-        str(state.time_scale),
-        "--ground-truth",
-        str(truth),
-    )
-    return Process(f"replica-{replica.id}", argv, f"http://127.0.0.1:{replica.port}/health")
+    return KINDS[state.engine].process(state, replica)
 
 
 def nginx_process(state: LabState) -> Process:
@@ -191,7 +162,13 @@ def _reap() -> None:
         pass
 
 
-def _start(state: LabState, process: Process) -> None:
+def _log_tail(state: LabState, process: Process, lines: int = 15) -> str:
+    log = state.directory / "logs" / f"{process.name}.log"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _spawn(state: LabState, process: Process) -> subprocess.Popen:
+    """Start one process in a session of its own (its children share its process group)."""
     log = state.directory / "logs" / f"{process.name}.log"
     with log.open("ab") as out:
         popen = subprocess.Popen(
@@ -200,30 +177,52 @@ def _start(state: LabState, process: Process) -> None:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=REPO,
+            env={**os.environ, **process.env},
             start_new_session=True,
         )
     state.processes[process.name] = popen.pid
     state.save()
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        if popen.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise LabError(f"{process.name} exited with code {popen.returncode} while starting:\n{tail}")
-        if process.ready_url is None:
-            time.sleep(0.3)
-            if popen.poll() is None:
-                return
-            continue
-        try:
-            if httpx.get(process.ready_url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise LabError(
-                f"{process.name} did not become ready at {process.ready_url} in {READY_TIMEOUT_S:.0f} s"
-            )
+    return popen
+
+
+def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]) -> None:
+    """Wait until every started process serves; the first that exits or times out raises LabError."""
+    began = time.monotonic()
+    waiting = dict(enumerate(started))
+    while waiting:
+        for key, (process, popen) in list(waiting.items()):
+            if popen.poll() is not None:
+                raise LabError(
+                    f"{process.name} exited with code {popen.returncode} while starting:\n"
+                    f"{_log_tail(state, process)}"
+                )
+            if process.ready_url is None:
+                if time.monotonic() - began > 0.3:
+                    del waiting[key]
+                continue
+            try:
+                if httpx.get(process.ready_url, timeout=1.0).status_code == 200:
+                    del waiting[key]
+                    continue
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - began > process.ready_timeout_s:
+                raise LabError(
+                    f"{process.name} did not become ready at {process.ready_url} in "
+                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{_log_tail(state, process)}"
+                )
         time.sleep(0.1)
+
+
+def _start(state: LabState, *processes: Process) -> None:
+    """Start processes side by side and return once all of them serve."""
+    _wait_ready(state, [(process, _spawn(state, process)) for process in processes])
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Signal a process and its children (a real engine's workers), which share its process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signum)
 
 
 def _stop(state: LabState, names: list[str]) -> None:
@@ -231,14 +230,13 @@ def _stop(state: LabState, names: list[str]) -> None:
     pids = {name: state.processes[name] for name in names if name in state.processes}
     for pid in pids.values():
         if _is_ours(state, pid):
-            os.kill(pid, signal.SIGTERM)
+            _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while any(_is_ours(state, pid) for pid in pids.values()) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
     for pid in pids.values():
-        if _is_ours(state, pid):
-            os.kill(pid, signal.SIGKILL)
+        _signal_group(pid, signal.SIGKILL)  # the leader's stragglers too; the group is still ours
     _reap()
     for name in pids:
         del state.processes[name]
@@ -343,6 +341,7 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
     for sub in ("logs", "nginx/tmp", "ground-truth", "prometheus-data", "alertmanager"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     state = LabState(directory, base_port, **options)
+    flavours = [KINDS[state.engine].flavour] if KINDS[state.engine].flavour else flavours
     state.replicas = [
         ReplicaSpec(f"r{i + 1}", state.ports.replica(i), flavours[i % len(flavours)]) for i in range(replicas)
     ]
@@ -360,8 +359,12 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
     _check_ports_free(ports)
     _write_configs(state)
     try:
+        KINDS[state.engine].prepare(state)
+        replicas = [replica_process(state, r) for r in state.replicas]
+        _start(state, *replicas)  # side by side: a real engine takes its time to start
         for process in planned_processes(state):
-            _start(state, process)
+            if process not in replicas:
+                _start(state, process)
     except BaseException:
         down(state)
         raise
@@ -382,6 +385,8 @@ def status(state: LabState) -> dict:
     ports = state.ports
     return {
         "state_dir": str(state.directory),
+        "engine": state.engine,
+        "model": state.model,
         "gateways": {
             "affinity": url("nginx", ports.affinity),
             "round_robin": url("nginx", ports.round_robin),
@@ -391,7 +396,13 @@ def status(state: LabState) -> dict:
         "exporter": url("serve", ports.exporter),
         "dashboard": url("dashboard", ports.dashboard),
         "replicas": [
-            {"id": r.id, "url": url(f"replica-{r.id}", r.port), "flavour": r.flavour} for r in state.replicas
+            {
+                "id": r.id,
+                "url": url(f"replica-{r.id}", r.port),
+                "flavour": r.flavour,
+                "prefix_caching": r.prefix_caching,
+            }
+            for r in state.replicas
         ],
         "traffic_users": state.users if "traffic" in alive else 0,
         "faults": list(state.faults),
@@ -413,6 +424,22 @@ def _log_fault(state: LabState, action: str, name: str, replica: str | None = No
         out.write(json.dumps(entry) + "\n")
 
 
+def _serves(state: LabState, replica: ReplicaSpec) -> bool:
+    return f"replica-{replica.id}" in running_processes(state)
+
+
+def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool) -> None:
+    """At runtime where the replica can (the simulator), else by restarting it with other flags."""
+    if KINDS[state.engine].live_prefix_caching:
+        replica.prefix_caching = enabled
+        _set_replica_faults(replica, prefix_caching=enabled)
+    elif replica.prefix_caching != enabled:
+        replica.prefix_caching = enabled
+        state.save()
+        _stop(state, [f"replica-{replica.id}"])
+        _start(state, replica_process(state, replica))
+
+
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
     response = httpx.post(f"http://127.0.0.1:{replica.port}/lab/faults", json=faults, timeout=10)
     if response.status_code != 200:
@@ -424,15 +451,22 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
     if name in REPLICA_FAULTS and replica_id is None:
         raise LabError(f"fault {name} needs a replica: --replica ID")
     replica = state.replica(replica_id) if replica_id else None
+    if name in ("disable-prefix-cache", "kill-replica") and not _serves(state, replica):
+        raise LabError(
+            f"replica {replica.id} is not running; start it with "
+            f"`kvwatch lab fault restart-replica {replica.id}`"
+        )
     if name in GATEWAY_FAULTS:
         state.faults = [f for f in state.faults if f not in GATEWAY_FAULTS] + [name]
         _write_configs(state)
         _reload_nginx(state)
         done = f"affinity gateway now: {name}"
     elif name == "disable-prefix-cache":
-        _set_replica_faults(replica, prefix_caching=False)
+        _switch_prefix_caching(state, replica, enabled=False)
         state.faults.append(f"{name}:{replica.id}")
         done = f"prefix caching off on {replica.id}"
+        if not KINDS[state.engine].live_prefix_caching:
+            done += " (restarted with --no-enable-prefix-caching; its counters start from zero)"
     elif name == "dynamic-prefix":
         state.faults.append(name)
         _write_configs(state)
@@ -471,10 +505,12 @@ def heal(state: LabState) -> str:
     if extra:
         _stop(state, [f"replica-{r.id}" for r in extra])
         state.replicas = state.replicas[: state.initial_replicas]
+    stopped = [r for r in state.replicas if not _serves(state, r)]
+    for replica in stopped:
+        replica.prefix_caching = True
+    _start(state, *(replica_process(state, r) for r in stopped))
     for replica in state.replicas:
-        if f"replica-{replica.id}" not in running_processes(state):
-            _start(state, replica_process(state, replica))
-        _set_replica_faults(replica, prefix_caching=True)
+        _switch_prefix_caching(state, replica, enabled=True)
     healed = list(state.faults)
     state.faults = []
     state.save()

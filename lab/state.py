@@ -53,6 +53,7 @@ class ReplicaSpec:
     id: str
     port: int
     flavour: str
+    prefix_caching: bool = True  # what a real engine is started with; the simulator's is a runtime fault
 
 
 @dataclass
@@ -64,6 +65,8 @@ class LabState:
     users: int = 4
     think_seconds: float = 1.0
     probes: bool = True  # kvwatch serve's scheduled probes through both gateways
+    engine: str = "sim"  # the kind of replica: lab.replicas.KINDS
+    model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0
     replicas: list[ReplicaSpec] = field(default_factory=list)

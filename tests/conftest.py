@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -247,9 +248,42 @@ class Lab:
 
     def stop(self) -> None:
         self.cli("down")
-        # Belt and braces: nothing of this lab may outlive the test, whatever `down` did.
-        for pid in processes_mentioning(str(self.state_dir)):
-            os.kill(pid, signal.SIGKILL)
+        kill_lab_processes(self.state_dir)
+
+
+def kill_lab_processes(state_dir: Path) -> None:
+    """Belt and braces: nothing of a lab may outlive its test, whatever `down` did. A real engine's
+    workers do not name the lab on their command line, but they stay in their leader's process group."""
+    leaders = set(processes_mentioning(str(state_dir)))
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        leaders |= set(json.loads((state_dir / "state.json").read_text())["processes"].values())
+    for pid in leaders:
+        if processes_in_group(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
+    """`kvwatch lab up --detach` in its own state directory and port block; its output if it fails."""
+    base = free_base_port()
+    result = kvwatch("lab", "up", "--detach", "--base-port", str(base), "--state-dir", str(state_dir),
+                     *options, timeout=timeout)  # fmt: skip
+    if result.returncode != 0:
+        kill_lab_processes(state_dir)
+        raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
+    return Lab(state_dir, base)
 
 
 @pytest.fixture(scope="module")
@@ -258,18 +292,31 @@ def start_lab(tmp_path_factory) -> Iterator[Callable[..., Lab]]:
     labs: list[Lab] = []
 
     def start(*options: str) -> Lab:
-        state_dir = tmp_path_factory.mktemp("lab") / "state"
-        base = free_base_port()
-        result = kvwatch("lab", "up", "--detach", "--fast", "--base-port", str(base),
-                         "--state-dir", str(state_dir), *options)  # fmt: skip
-        if result.returncode != 0:
-            for pid in processes_mentioning(str(state_dir)):
-                os.kill(pid, signal.SIGKILL)
-            raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
-        lab = Lab(state_dir, base)
+        lab = start_lab_in(tmp_path_factory.mktemp("lab") / "state", "--fast", *options)
         labs.append(lab)
         return lab
 
     yield start
     for lab in labs:
         lab.stop()
+
+
+# Real vLLM replicas start in about a minute on an idle 2-core machine, several when it is busy.
+VLLM_LAB_START_TIMEOUT_S = 600
+VLLM_LAB_RULE_TIME_SCALE = 0.25  # 30 s rate windows: a short burst of traffic fills one
+
+
+@pytest.fixture(scope="session")
+def vllm_lab(tmp_path_factory) -> Iterator[Lab]:
+    """One lab of two real vLLM servers (`make vllm` installs vLLM) behind the lab's nginx, for every
+    real-engine test module: started once, stopped at the end of the session. No background users and
+    no scheduled probes, so the engines' counters move only with a test's own traffic; 1 s scrapes and
+    rule windows at a quarter of production. A module that breaks it (a fault) puts it right again."""
+    lab = start_lab_in(
+        tmp_path_factory.mktemp("vllm-lab") / "state",
+        "--engine", "vllm", "--replicas", "2", "--users", "0", "--no-probes", "--fast",
+        "--rule-time-scale", str(VLLM_LAB_RULE_TIME_SCALE),
+        timeout=VLLM_LAB_START_TIMEOUT_S,
+    )  # fmt: skip
+    yield lab
+    lab.stop()

@@ -1,0 +1,280 @@
+"""kvwatch against real vLLM: two CPU vLLM servers behind the lab's nginx, scraped by its Prometheus.
+
+The truth here is what the engines themselves report: `usage` in their answers, their own counters on
+/metrics, and where the gateway log says each request went. Every figure kvwatch shows is compared with
+it. The tests run in order: the healthy lab first, then prefix caching switched off on r2 (a restart
+with --no-enable-prefix-caching), then healed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collectors import queries
+from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, kvwatch
+from lab.configs import scale_durations
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 128  # vLLM's CPU build; kvwatch must learn it, not be told
+WORKLOAD = ("--system-tokens", "300", "--turn-tokens", "100", "--max-tokens", "16")
+# The recording rules' rate window in this lab (production's, scaled like the lab's rules).
+WINDOW_S = int(scale_durations(queries.WINDOW, VLLM_LAB_RULE_TIME_SCALE).removesuffix("s"))
+
+
+def counters(url: str) -> dict[str, float]:
+    """An engine's own counters, summed over their label sets: {"vllm:prompt_tokens_total": ...}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def cache_config(url: str) -> dict[str, str]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            return dict(family.samples[0].labels)
+    raise AssertionError(f"{url}/metrics has no vllm:cache_config_info")
+
+
+def probe(url: str, *options: str) -> dict:
+    result = kvwatch("probe", "--base-url", url, "--model", "lab-model", *WORKLOAD, *options, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def prometheus_query(lab: Lab, expr: str, at: float) -> list[dict]:
+    response = httpx.get(
+        f"{lab.status['prometheus']}/api/v1/query", params={"query": expr, "time": at}, timeout=10
+    )
+    response.raise_for_status()
+    return response.json()["data"]["result"]
+
+
+def wait_for(condition, what: str, timeout: float = 120.0, every: float = 1.0):
+    """Poll until `condition()` returns something truthy, and return it; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(every)
+    raise AssertionError(f"{what} within {timeout:.0f} s")
+
+
+def replica_urls(lab: Lab) -> dict[str, str]:
+    return {r["id"]: r["url"] for r in lab.cli("status", "--json").json["replicas"]}
+
+
+def test_lab_serves_real_vllm(vllm_lab: Lab):
+    status = vllm_lab.status
+    assert status["engine"] == "vllm" and status["model"] == "lab-model"
+    for url in replica_urls(vllm_lab).values():
+        assert httpx.get(f"{url}/version", timeout=5).json()["version"] == "0.32.0"
+        assert cache_config(url)["block_size"] == str(BLOCK)
+        assert cache_config(url)["enable_prefix_caching"] == "True"
+    models = httpx.get(f"{vllm_lab.affinity}/v1/models", timeout=5).json()
+    assert [m["id"] for m in models["data"]] == ["lab-model"]
+
+
+def test_probe_through_affinity_is_sticky_and_reuses_all_it_could(vllm_lab: Lab):
+    """With no block-size option: 128 learned from the engine, and on every warm round the engine
+    reused exactly the ideal (the previous round's prompt and answer, in whole blocks)."""
+    urls = replica_urls(vllm_lab)
+    before = {r: counters(u) for r, u in urls.items()}
+    report = probe(vllm_lab.affinity, "--sessions", "3", "--rounds", "4")
+    after = {r: counters(u) for r, u in urls.items()}
+
+    assert report["block_size"]["tokens"] == BLOCK
+    assert report["block_size"]["source"].startswith("vllm:cache_config_info")
+    sessions = report["sessions"]
+    assert all(s["ok"] and s["sticky"] for s in sessions), [s["backends"] for s in sessions]
+    for session in sessions:
+        for r in session["rounds"][1:]:
+            assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % BLOCK == 0
+            assert r["cached_tokens"] == r["ideal_cached_tokens"], session["rounds"]
+    # The engines' own counters saw exactly what their answers reported.
+    reported = [r for s in sessions for r in s["rounds"]]
+    for name, field in (("vllm:prompt_tokens_total", "prompt_tokens"),
+                        ("vllm:prompt_tokens_cached_total", "cached_tokens")):  # fmt: skip
+        moved = sum(after[r][name] - before[r][name] for r in urls)
+        assert moved == sum(r[field] for r in reported), name
+    # And the gateway log agrees on where each session went.
+    by_session: dict[str, set[str]] = {}
+    for line in vllm_lab.access_log("affinity"):
+        if line["request"] == "POST /v1/chat/completions":
+            by_session.setdefault(line["session_id"], set()).add(line["upstream_addr"])
+    for session in sessions:
+        assert by_session[session["session_id"]] == set(session["backends"])
+
+
+def test_probe_through_round_robin_is_not_sticky(vllm_lab: Lab):
+    report = probe(vllm_lab.round_robin, "--sessions", "2", "--rounds", "4")
+    sessions = report["sessions"]
+    assert all(s["ok"] for s in sessions)
+    assert all(s["sticky"] is False and s["backend_switches"] >= 2 for s in sessions), sessions
+    assert len({b for s in sessions for b in s["backends"]}) == 2
+
+
+def test_scrape_reads_the_real_engines(vllm_lab: Lab):
+    urls = replica_urls(vllm_lab)
+    result = kvwatch("scrape", *(f"{u}/metrics" for u in urls.values()), "--json")
+    assert result.returncode == 0, result.stderr
+    for shown, url in zip(json.loads(result.stdout), urls.values(), strict=True):
+        raw = counters(url)
+        assert shown["flavour"] == "vllm" and shown["error"] is None and shown["missing"] == []
+        assert shown["prefix_caching_enabled"] is True
+        assert shown["prompt_tokens"] == raw["vllm:prompt_tokens_total"]
+        assert shown["cached_tokens"] == raw["vllm:prompt_tokens_cached_total"]
+        assert shown["hit_ratio"] == pytest.approx(
+            raw["vllm:prompt_tokens_cached_total"] / raw["vllm:prompt_tokens_total"]
+        )
+
+
+def test_doctor_names_the_hash_key_through_round_robin(vllm_lab: Lab):
+    result = kvwatch("doctor", "--base-url", vllm_lab.round_robin, "--model", "lab-model", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "hash_key_not_session" in json.loads(result.stdout)["causes"]
+
+
+def _burst_and_truth(lab: Lab, conversations: int) -> tuple[float, float, dict[str, float]]:
+    """Two-round conversations sent to every engine directly, after a quiet spell; returns when the
+    burst started and ended, and each instance's true reuse (cached / prompt tokens) in it."""
+    urls = replica_urls(lab)
+    time.sleep(3)  # quiet: Prometheus has the counters' level before the burst
+    before = {r: counters(u) for r, u in urls.items()}
+    started = time.time()
+    for url in urls.values():
+        probe(url, "--sessions", str(conversations), "--rounds", "2", "--seed", str(time.time_ns()))
+    ended = time.time()
+    after = {r: counters(u) for r, u in urls.items()}
+
+    def moved(replica: str, name: str) -> float:
+        return after[replica][name] - before[replica][name]
+
+    truth = {
+        r: moved(r, "vllm:prompt_tokens_cached_total") / moved(r, "vllm:prompt_tokens_total") for r in urls
+    }
+    truth["cluster"] = sum(moved(r, "vllm:prompt_tokens_cached_total") for r in urls) / sum(
+        moved(r, "vllm:prompt_tokens_total") for r in urls
+    )
+    return started, ended, truth
+
+
+def _evaluation_after(lab: Lab, started: float, ended: float) -> float:
+    """The first evaluation of the rules that saw the engines' counters after the burst (a scrape
+    every second) and whose window still holds the quiet level before it, so that the window's
+    increase is the burst's."""
+
+    def evaluated_at(moment: float) -> float | None:
+        found = prometheus_query(lab, f"timestamp({queries.CLUSTER_HIT_RATIO})", moment)
+        return float(found[0]["value"][1]) if found else None
+
+    for moment in range(math.ceil(ended + 2.5), math.floor(started - 2 + WINDOW_S)):
+        wait_for(lambda m=moment: (evaluated_at(time.time()) or 0) > m, "the rules evaluated", timeout=30)
+        at = evaluated_at(moment)
+        if at is not None and at > ended + 2:
+            return at
+    raise AssertionError(f"no evaluation after the burst ({ended - started:.0f} s) within {WINDOW_S} s")
+
+
+def _recorded_ratios(lab: Lab, started: float, ended: float) -> dict[str, float]:
+    """The recorded hit ratios at an evaluation whose window holds the whole burst."""
+    at = _evaluation_after(lab, started, ended)
+    port_of = {f"127.0.0.1:{r['url'].rsplit(':', 1)[1]}": r["id"] for r in lab.status["replicas"]}
+    shown = {port_of[s["metric"]["instance"]]: float(s["value"][1])
+             for s in prometheus_query(lab, queries.INSTANCE_HIT_RATIO, at)}  # fmt: skip
+    (cluster,) = prometheus_query(lab, queries.CLUSTER_HIT_RATIO, at)
+    shown["cluster"] = float(cluster["value"][1])
+    return shown
+
+
+def test_recording_rules_equal_the_engines_counters(vllm_lab: Lab):
+    started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
+    shown = _recorded_ratios(vllm_lab, started, ended)
+    assert shown.keys() == truth.keys()
+    for name, value in truth.items():
+        assert shown[name] == pytest.approx(value, abs=0.02), (name, shown, truth)
+        assert 0 <= shown[name] <= 1
+
+
+# --- prefix caching off on r2 ----------------------------------------------------------------------
+
+
+def test_disable_prefix_cache_restarts_the_engine_without_caching(vllm_lab: Lab):
+    result = vllm_lab.cli("fault", "disable-prefix-cache", "--replica", "r2")
+    assert result.returncode == 0, result.stderr
+    assert "--no-enable-prefix-caching" in result.stdout
+    url = replica_urls(vllm_lab)["r2"]
+    # The fault returned only once the restarted engine serves.
+    assert cache_config(url)["enable_prefix_caching"] == "False"
+    (r2,) = [r for r in vllm_lab.cli("status", "--json").json["replicas"] if r["id"] == "r2"]
+    assert r2["prefix_caching"] is False and r2["url"]
+    report = probe(url, "--sessions", "1", "--rounds", "3")
+    assert [r["cached_tokens"] for r in report["sessions"][0]["rounds"]] == [0, 0, 0]
+
+
+def test_scrape_says_caching_is_off(vllm_lab: Lab):
+    result = kvwatch("scrape", f"{replica_urls(vllm_lab)['r2']}/metrics", "--json")
+    (shown,) = json.loads(result.stdout)
+    assert shown["prefix_caching_enabled"] is False
+    assert shown["cached_tokens"] == 0 and shown["prompt_tokens"] > 0
+    assert shown["hit_ratio"] == 0
+
+
+def test_cluster_hit_ratio_counts_the_uncached_engine_as_zero(vllm_lab: Lab):
+    """vLLM stops counting prefix-cache lookups when caching is off; the delivered ratio still counts
+    r2's prompt tokens, so the cluster figure is the cluster's real reuse."""
+    started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
+    assert truth["r2"] == 0 and truth["r1"] > 0.3
+    shown = _recorded_ratios(vllm_lab, started, ended)
+    for name, value in truth.items():
+        assert shown[name] == pytest.approx(value, abs=0.02), (name, shown, truth)
+
+
+def test_doctor_names_prefix_caching_disabled(vllm_lab: Lab):
+    result = kvwatch("doctor", "--base-url", vllm_lab.affinity, "--model", "lab-model",
+                     "--prometheus", vllm_lab.status["prometheus"], "--json")  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert "prefix_cache_disabled" in report["causes"]
+    (check,) = [c for c in report["checks"] if c["name"] == "prefix caching"]
+    assert replica_urls(vllm_lab)["r2"].removeprefix("http://") in check["evidence"]
+
+
+def test_prefix_caching_disabled_alert_fires_for_that_engine_only(vllm_lab: Lab):
+    """What reaches the on-call engineer: Alertmanager's alerts that no other alert explains."""
+    r2 = replica_urls(vllm_lab)["r2"].removeprefix("http://")
+    url = f"{vllm_lab.status['alertmanager']}/api/v2/alerts"
+
+    def active() -> list[dict]:
+        params = {"active": "true", "silenced": "false", "inhibited": "false"}
+        return httpx.get(url, params=params, timeout=5).json()
+
+    found = wait_for(
+        lambda: [a for a in active() if a["labels"]["alertname"] == "KVWatchPrefixCachingDisabled"],
+        "KVWatchPrefixCachingDisabled at Alertmanager",
+        timeout=90,
+    )
+    assert {a["labels"]["instance"] for a in found} == {r2}
+    others = {a["labels"]["alertname"] for a in active()} - {"KVWatchPrefixCachingDisabled", "Watchdog"}
+    assert not others, others
+
+
+def test_heal_restarts_the_engine_with_caching(vllm_lab: Lab):
+    result = vllm_lab.cli("heal")
+    assert result.returncode == 0, result.stderr
+    url = replica_urls(vllm_lab)["r2"]
+    assert cache_config(url)["enable_prefix_caching"] == "True"
+    report = probe(url, "--sessions", "1", "--rounds", "3")
+    rounds = report["sessions"][0]["rounds"]
+    assert [r["cached_tokens"] == r["ideal_cached_tokens"] for r in rounds[1:]] == [True, True]

@@ -181,7 +181,11 @@ class Service:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; then stop the jobs, close the HTTP side and the store."""
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
-        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS))
+        # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's
+        # deadline over the whole exchange (ProbeSettings.timeout_seconds).
+        self._client = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS)
+        )
         runner = web.AppRunner(make_app(self.registry, self.store.add_alerts), access_log=None)
         await runner.setup()
         listen = self.config.exporter

@@ -44,6 +44,10 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Keys someone might paste a secret under; the message says how to do it instead.
 _SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
+# How a route picks a replica. The first three pin a session to one replica, so its probe sessions are
+# expected to stay there (`expect_sticky` defaults to it) and the affinity alerts watch it.
+RouteMode = Literal["affinity", "consistent_hash", "manual", "cache_aware", "round_robin", "random"]
+STICKY_ROUTE_MODES = frozenset({"affinity", "consistent_hash", "manual"})
 
 
 def _check(ok: object, where: str, message: str) -> None:
@@ -122,7 +126,8 @@ class Target:
     name: str
     base_url: str
     model: str
-    route_mode: str = "affinity"  # a label to compare routes by, e.g. affinity, round_robin
+    route_mode: RouteMode = "affinity"
+    expect_sticky: bool | None = None  # None: whether route_mode pins sessions (set on construction)
     api_key_env: str | None = None
     api_key_file: Path | None = None
     session: SessionSettings = SessionSettings()
@@ -137,7 +142,8 @@ class Target:
     def __post_init__(self):
         _name(self.name, "name")
         _url(self.base_url, "base_url")
-        _name(self.route_mode, "route_mode")
+        if self.expect_sticky is None:
+            object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         # The key itself may have been pasted here: say so without repeating it.
         _check(
             self.api_key_env is None or _ENV_VAR.fullmatch(self.api_key_env),
@@ -163,6 +169,7 @@ class GatewayLog:
     spread_window_seconds: float = 600.0
     session_ttl_seconds: float = 1800.0  # the source article recycles idle session ids after 30 min
     max_sessions: int = 100_000
+    expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
 
     def __post_init__(self):
         _name(self.name, "name")
@@ -347,6 +354,9 @@ def _convert(kind: Any, value: object, path: str):
         return tuple(_convert(item_kind, item, f"{path}[{i}]") for i, item in enumerate(value))
     if is_dataclass(kind):
         return _build(kind, value, path)
+    if kind is bool:
+        _check(isinstance(value, bool), path, f"expected true or false, got {_describe(value)}")
+        return value
     if kind in (int, float):
         # YAML's true/false are ints to Python; an int is a fine float, a float is not an int.
         ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)

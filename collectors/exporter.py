@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from collectors.config import STICKY_ROUTE_MODES
 from collectors.records import ERROR_KINDS, SessionResult
 
 log = logging.getLogger("kvwatch.exporter")
@@ -71,6 +72,7 @@ class ProbeResults:
         self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
         self._backends: dict[Route, set[str]] = defaultdict(set)
+        self._routes: set[Route] = set()
 
     def declare(self, route: Route) -> None:
         """Export a route's outcome counters at 0 before its first run, so that rate() and increase()
@@ -87,6 +89,7 @@ class ProbeResults:
 
     def _start_at_zero(self, route: Route) -> None:
         """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
+        self._routes.add(route)
         for key, values in (
             ("sessions", ("success", "failure")),
             ("stickiness", ("true", "false", "unknown")),
@@ -126,10 +129,10 @@ class ProbeResults:
             if r.ttft_seconds is not None:
                 self._ttft[labels].observe(r.ttft_seconds)
 
-    def snapshot(self) -> tuple[dict[Route, LastRun], Counter, dict]:
+    def snapshot(self) -> tuple[set[Route], dict[Route, LastRun], Counter, dict]:
         with self._lock:
             ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
-            return dict(self._last), Counter(self._totals), ttft
+            return set(self._routes), dict(self._last), Counter(self._totals), ttft
 
 
 _ROUTE = ["target", "route_mode"]
@@ -168,12 +171,20 @@ _COUNTERS = {
 class ProbeCollector(Collector):
     """Turns the probe results into fresh metric families at every scrape."""
 
-    def __init__(self, results: ProbeResults, intervals: dict[str, float]) -> None:
+    def __init__(
+        self,
+        results: ProbeResults,
+        intervals: dict[str, float],
+        expect_sticky: Mapping[str, bool] | None = None,
+    ) -> None:
         self.results = results
         self.intervals = intervals  # target -> seconds between runs, for the HELP texts
+        # target -> whether its sessions must stay on one replica; others: their route mode's default
+        self.expect_sticky = expect_sticky or {}
 
     def collect(self) -> Iterator:
-        last, totals, ttft = self.results.snapshot()
+        routes, last, totals, ttft = self.results.snapshot()
+        yield self._route_info(routes)
         families = {
             key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
             for key, (name, doc, extra) in _COUNTERS.items()
@@ -191,6 +202,18 @@ class ProbeCollector(Collector):
             histogram.add_metric(list(labels), buckets, total)
         yield histogram
         yield from self._last_run_families(last)
+
+    def _route_info(self, routes: set[Route]) -> GaugeMetricFamily:
+        """Which routes the affinity alerts watch: they select on expect_sticky, not on a route mode name."""
+        info = GaugeMetricFamily(
+            "kvwatch_probe_route_info",
+            "A probed route's settings: expect_sticky says whether its sessions must stay on one replica.",
+            labels=[*_ROUTE, "expect_sticky"],
+        )
+        for target, mode in sorted(routes):
+            sticky = self.expect_sticky.get(target, mode in STICKY_ROUTE_MODES)
+            info.add_metric([target, mode, str(sticky).lower()], 1)
+        return info
 
     def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:

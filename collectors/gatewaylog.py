@@ -1,5 +1,5 @@
 """Follow a gateway's JSON access log: load per upstream, requests without a session key, and sessions
-spread over more than one upstream, in bounded memory.
+spread over more than one upstream (apart from those a failover moved), in bounded memory.
 
 A scheduler job calls `GatewayLogFollower.poll()`; it reads what nginx appended since the last call and
 publishes an immutable `GatewayLogSnapshot`. `GatewayLogCollector` turns the latest snapshots into
@@ -9,6 +9,7 @@ publishes an immutable `GatewayLogSnapshot`. `GatewayLogCollector` turns the lat
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -40,6 +41,7 @@ _REQUIRED_FIELDS = {
     "session_id": str,
     "session_source": str,
 }
+_BOOLS = ("false", "true")  # label values, indexed by a bool
 # nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
 _UPSTREAM_SEPARATOR = re.compile(r", | : ")
 
@@ -98,6 +100,28 @@ def _frozen(mapping: Mapping) -> Mapping:
     return MappingProxyType(dict(mapping))
 
 
+class _Session:
+    """What the follower remembers of one session: when each upstream last served it, its two latest
+    requests, and when it last moved because of a failover."""
+
+    __slots__ = ("upstreams", "last", "previous", "failed_over")
+
+    def __init__(self) -> None:
+        self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
+        self.last = self.previous = self.failed_over = -math.inf
+
+    def served(self, upstream: str, at: float, failover: bool) -> None:
+        # Back on an upstream it had before its last failover: the failed server recovered, and this move
+        # is part of that failover too.
+        if failover or self.upstreams.get(upstream, math.inf) < self.failed_over:
+            self.failed_over = at
+        self.upstreams[upstream] = at
+        if at >= self.last:
+            self.previous, self.last = self.last, at
+        else:  # nginx logs a request when it ends: a long one can come after a later one
+            self.previous = max(self.previous, at)
+
+
 @dataclass(frozen=True)
 class GatewayLogSnapshot:
     """The statistics of one followed log as of one poll; the mappings are read-only copies.
@@ -106,6 +130,7 @@ class GatewayLogSnapshot:
     """
 
     log: str
+    expect_sticky: bool  # whether the log's listeners are meant to keep a session on one upstream
     taken_at: float  # the clock's time of the poll: active sessions and spread are as of then
     problem: str | None  # why the log could not be read ("not found", ...), None when it could
     lines: int
@@ -115,7 +140,10 @@ class GatewayLogSnapshot:
     failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream
     without_session_key: Mapping[str, int]  # listener -> requests whose session id the gateway assigned
     assigned_session_ids: Mapping[str, int]  # listener -> distinct session ids the gateway assigned
-    spread_sessions: Mapping[str, int]  # listener -> sessions on more than one upstream in the window
+    # (listener, failover) -> sessions on more than one upstream in the window; failover is "true" when
+    # the session moved because an upstream failed, "false" when nothing explains the move.
+    spread_sessions: Mapping[tuple[str, str], int]
+    returning_sessions: Mapping[str, int]  # listener -> sessions with 2+ requests in the window
     active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
     tracked_sessions: int
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
@@ -123,6 +151,10 @@ class GatewayLogSnapshot:
     @property
     def readable(self) -> bool:
         return self.problem is None
+
+    @property
+    def info(self) -> Mapping[str, int]:
+        return {_BOOLS[self.expect_sticky]: 1}
 
 
 class GatewayLogFollower:
@@ -143,6 +175,7 @@ class GatewayLogFollower:
         spread_window_seconds: float = 600.0,
         session_ttl_seconds: float = 1800.0,
         max_sessions: int = 100_000,
+        expect_sticky: bool = True,
         clock: Callable[[], float] = time.time,
     ):
         if not _LOG_NAME.fullmatch(name):
@@ -152,6 +185,7 @@ class GatewayLogFollower:
         self.spread_window_seconds = spread_window_seconds
         self.session_ttl_seconds = session_ttl_seconds
         self.max_sessions = max_sessions
+        self.expect_sticky = expect_sticky
         self._clock = clock
         self._file: BinaryIO | None = None
         self._pending = b""  # the start of a line nginx has not finished writing yet
@@ -164,8 +198,8 @@ class GatewayLogFollower:
         self._failovers: Counter[str] = Counter()
         self._without_key: Counter[str] = Counter()
         self._assigned_ids: Counter[str] = Counter()
-        # (listener, session id) -> {upstream: last seen}, least recently seen first.
-        self._sessions: OrderedDict[tuple[str, str], dict[str, float]] = OrderedDict()
+        # (listener, session id) -> its history, least recently seen first.
+        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
         self.latest = self._snapshot()
 
@@ -252,15 +286,19 @@ class GatewayLogFollower:
         listener, upstream = request.listener, request.upstream
         self._requests[listener, upstream] += 1
         self._responses[listener, f"{request.status // 100}xx"] += 1
-        if request.tried > 1:
+        failover = request.tried > 1
+        if failover:
             self._failovers[listener] += 1
         key = (listener, request.session_id)
+        session = self._sessions.get(key)
         if request.assigned:
             self._without_key[listener] += 1
-            if key not in self._sessions:
+            if session is None:
                 self._assigned_ids[listener] += 1
         if upstream != NO_UPSTREAM:
-            self._sessions.setdefault(key, {})[upstream] = request.time
+            if session is None:
+                session = self._sessions[key] = _Session()
+            session.served(upstream, request.time, failover)
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
@@ -269,8 +307,7 @@ class GatewayLogFollower:
     def _forget_sessions_idle_since(self, horizon: float) -> None:
         """Sessions idle longer than both the window and the TTL count for nothing; they are the oldest."""
         while self._sessions:
-            oldest = next(iter(self._sessions.values()))
-            if max(oldest.values()) >= horizon:
+            if next(iter(self._sessions.values())).last >= horizon:
                 return
             self._sessions.popitem(last=False)
 
@@ -279,10 +316,13 @@ class GatewayLogFollower:
         self._forget_sessions_idle_since(now - max(self.spread_window_seconds, self.session_ttl_seconds))
         active_since, spread_since = now - self.session_ttl_seconds, now - self.spread_window_seconds
         active: Counter[str] = Counter()
-        spread: Counter[str] = Counter()
-        for (listener, _), upstreams in self._sessions.items():
-            active[listener] += max(upstreams.values()) >= active_since
-            spread[listener] += sum(seen >= spread_since for seen in upstreams.values()) > 1
+        returning: Counter[str] = Counter()
+        spread: Counter[tuple[str, str]] = Counter()
+        for (listener, _), session in self._sessions.items():
+            active[listener] += session.last >= active_since
+            returning[listener] += session.previous >= spread_since
+            if sum(seen >= spread_since for seen in session.upstreams.values()) > 1:
+                spread[listener, _BOOLS[session.failed_over >= spread_since]] += 1
         listeners = sorted({listener for listener, _ in self._requests})
 
         def per_listener(counts: Counter[str]) -> Mapping[str, int]:
@@ -290,6 +330,7 @@ class GatewayLogFollower:
 
         return GatewayLogSnapshot(
             log=self.name,
+            expect_sticky=self.expect_sticky,
             taken_at=now,
             problem=self._problem,
             lines=self._lines,
@@ -299,7 +340,10 @@ class GatewayLogFollower:
             failovers=per_listener(self._failovers),
             without_session_key=per_listener(self._without_key),
             assigned_session_ids=per_listener(self._assigned_ids),
-            spread_sessions=per_listener(spread),
+            spread_sessions=_frozen(
+                {(name, moved): spread[name, moved] for name in listeners for moved in _BOOLS}
+            ),
+            returning_sessions=per_listener(returning),
             active_sessions=per_listener(active),
             tracked_sessions=len(self._sessions),
             evicted_sessions=self._evicted,
@@ -320,8 +364,12 @@ _FAMILIES = (
      "Distinct session ids the gateway assigned to requests without a session key."),
     ("kvwatch_gateway_failovers", CounterMetricFamily, "failovers", ("listener",),
      "Requests the gateway sent to more than one upstream before one answered."),
-    ("kvwatch_gateway_session_spread_sessions", GaugeMetricFamily, "spread_sessions", ("listener",),
-     "Sessions served by more than one upstream within the spread window, as of the last log poll."),
+    ("kvwatch_gateway_session_spread_sessions", GaugeMetricFamily, "spread_sessions",
+     ("listener", "failover"), "Sessions served by more than one upstream within the spread window, as of "
+     "the last log poll; failover=\"true\": moved because an upstream failed."),
+    ("kvwatch_gateway_returning_sessions", GaugeMetricFamily, "returning_sessions", ("listener",),
+     "Sessions with two or more requests within the spread window (the ones that could spread), as of the "
+     "last log poll."),
     ("kvwatch_gateway_active_sessions", GaugeMetricFamily, "active_sessions", ("listener",),
      "Sessions seen within the session TTL, as of the last log poll."),
     ("kvwatch_gateway_malformed_lines", CounterMetricFamily, "malformed", ("reason",),
@@ -334,6 +382,8 @@ _FAMILIES = (
      "Whether the last poll could read the access log (0: missing or unreadable)."),
     ("kvwatch_gateway_log_last_poll_timestamp_seconds", GaugeMetricFamily, "taken_at", (),
      "Unix time of the last poll of the access log by the scheduler."),
+    ("kvwatch_gateway_log_info", GaugeMetricFamily, "info", ("expect_sticky",),
+     "The followed log's settings: whether its listeners are meant to keep each session on one upstream."),
 )  # fmt: skip
 
 

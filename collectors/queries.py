@@ -1,8 +1,8 @@
 """Every PromQL expression kvwatch uses, in one place.
 
-The recording rules in prometheus/rules/ are generated from `RECORDING_RULES` (`make generate`; a test
-fails when the committed files are stale), and the dashboards and alert rules read the recorded series
-by the names defined here.
+The recording rules in prometheus/rules/ and the alert rules in alerts/ are generated from `RULE_FILES`
+(`make generate`; a test fails when the committed files are stale), and the dashboards read the recorded
+series by the names defined here.
 
 Conventions: ratios are ratios of summed rates, never averages of ratios; a denominator guarded by
 `> 0` makes zero traffic give no sample rather than 0 or NaN. Rules are `level:metric:operations`.
@@ -29,34 +29,152 @@ def _first_of(*selectors: str, by: str = INSTANCE, window: str = WINDOW) -> str:
     return "\n  or ".join(f"sum by ({by}) (rate({selector}[{window}]))" for selector in selectors)
 
 
-# Prefix-cache lookups and hits in tokens, per engine flavour and version.
-QUERIED_TOKENS = (
-    "vllm:prefix_cache_queries_total",  # vLLM V1 >= 0.9
-    "vllm:gpu_prefix_cache_queries_total",  # vLLM V1 0.8 - 0.11, deprecated
-    "sglang:prompt_tokens_total",  # SGLang >= 0.4.6
-)
-HIT_TOKENS = (
-    "vllm:prefix_cache_hits_total",
-    "vllm:gpu_prefix_cache_hits_total",
-    "sglang:cached_tokens_total",
-)
+@dataclass(frozen=True)
+class TokenRatio:
+    """A token-weighted ratio, hit tokens over all tokens, recorded per instance and for the cluster.
+
+    Each side lists one counter per engine flavour or version, preferred first; an instance's hit rate
+    comes from the counter matching its total's. Never above 1: counters that start at different moments
+    (start-up, a series created on its first increment) or reset make rate() extrapolate them differently,
+    so an instance's hit rate is capped by its own total rate, and only instances with both count.
+    """
+
+    ratio: str  # the recorded metric, e.g. "cached_prompt_tokens_per_prompt_tokens"
+    hit: str  # its numerator's, e.g. "cached_prompt_tokens"
+    total: str  # its denominator's, e.g. "prompt_tokens"
+    hit_counters: tuple[str, ...]
+    total_counters: tuple[str, ...]
+    # A total counter whose engine creates the hit counter on its first hit: until then it hit nothing.
+    zero_hits_until_created: str | None = None
+    # A ratio gauge of engines with no counters at all (-1: no data), taken per instance as it is.
+    gauge: str | None = None
+
+    @property
+    def instance_total(self) -> str:
+        return f"instance:kvwatch_{self.total}:rate{WINDOW}"
+
+    @property
+    def instance_hits(self) -> str:
+        return f"instance:kvwatch_{self.hit}:rate{WINDOW}"
+
+    @property
+    def instance_ratio(self) -> str:
+        return f"instance:kvwatch_{self.ratio}:ratio_rate{WINDOW}"
+
+    @property
+    def cluster_ratio(self) -> str:
+        return f"cluster:kvwatch_{self.ratio}:ratio_rate{WINDOW}"
+
+    def rules(self) -> tuple[Rule, ...]:
+        total, hits = self.instance_total, self.instance_hits
+        hit_rate = _first_of(*self.hit_counters)
+        if self.zero_hits_until_created:
+            hit_rate += f"\n  or 0 * {_first_of(self.zero_hits_until_created)}"
+        instance_ratio = f"{hits} / ({total} > 0)"
+        if self.gauge:
+            instance_ratio += f"\n  or max by ({INSTANCE}) ({self.gauge} >= 0)"
+        return (
+            Rule(total, _first_of(*self.total_counters)),
+            # min(hit rate, total rate), on instances that have both
+            Rule(hits, f"{total} - clamp_min({total} - (\n  {hit_rate}\n), 0)"),
+            Rule(self.instance_ratio, instance_ratio),
+            Rule(self.cluster_ratio, f"sum({hits}) / (sum({total} and {hits}) > 0)"),
+        )
+
+
 # vLLM V0 only reports a hit-rate gauge computed by the engine; -1 means no data.
 V0_HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
+SGLANG_HIT_MODES = 'sglang:prefill_effective_tokens_total{mode=~".+_hit"}'
+
+# The headline: prompt tokens the engine did not compute because their KV was cached, wherever it came
+# from (the device's prefix cache, host memory, disk, another instance), over all prompt tokens. A
+# replica with prefix caching off counts as 0 %, and decode pods fed by KV transfer count as hits.
+DELIVERED = TokenRatio(
+    ratio="cached_prompt_tokens_per_prompt_tokens",
+    hit="cached_prompt_tokens",
+    total="prompt_tokens",
+    hit_counters=(
+        "vllm:prompt_tokens_cached_total",  # vLLM >= 0.16: local and external hits
+        "vllm:prefix_cache_hits_total",  # before 0.16 the local hits are all there is
+        "vllm:gpu_prefix_cache_hits_total",  # vLLM V1 0.8 - 0.11, deprecated
+        SGLANG_HIT_MODES,  # SGLang >= 0.5.20: without retracted requests counted twice
+        "sglang:cached_tokens_total",
+    ),
+    total_counters=(
+        "vllm:prompt_tokens_total",
+        "sglang:prefill_effective_tokens_total",
+        "sglang:prompt_tokens_total",
+    ),
+    zero_hits_until_created="sglang:prompt_tokens_total",
+    gauge=V0_HIT_RATE,
+)
+# The local prefix cache's own lookups: tokens found over tokens looked up. vLLM stops looking up when
+# prefix caching is off, so such a replica drops out of it instead of counting as 0 %.
+LOCAL = TokenRatio(
+    ratio="prefix_cache_hit_tokens_per_queried_tokens",
+    hit="prefix_cache_hit_tokens",
+    total="prefix_cache_queried_tokens",
+    hit_counters=(
+        "vllm:prefix_cache_hits_total",  # vLLM V1 >= 0.9
+        "vllm:gpu_prefix_cache_hits_total",
+        'sglang:cached_tokens_total{cache_source!~"host|storage"}',  # SGLang: every prompt is looked up
+    ),
+    total_counters=(
+        "vllm:prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries_total",
+        "sglang:prompt_tokens_total",
+    ),
+    zero_hits_until_created="sglang:prompt_tokens_total",
+    gauge=V0_HIT_RATE,
+)
+# LMCache's own view next to the engine's: tokens its store held over tokens asked of it.
+LMCACHE = TokenRatio(
+    ratio="lmcache_hit_tokens_per_requested_tokens",
+    hit="lmcache_hit_tokens",
+    total="lmcache_requested_tokens",
+    hit_counters=("lmcache:num_hit_tokens_total",),
+    total_counters=("lmcache:num_requested_tokens_total",),
+)
+
+# Cached prompt tokens by where their KV came from, as each engine names it: vLLM >= 0.33 device, host,
+# p2p, disk, external_unspecified; vLLM 0.16 - 0.31 local_cache_hit, external_kv_transfer; SGLang
+# device, host, storage. Divide by the instance's prompt tokens for each source's share.
+# (counter, the label naming the source, the regex taking the source's name from it unless it is `source`)
+CACHED_BY_SOURCE = (
+    ("vllm:prompt_tokens_cached_by_source_total", "source", ""),
+    ('vllm:prompt_tokens_by_source_total{source!="local_compute"}', "source", ""),
+    (SGLANG_HIT_MODES, "mode", "(.+)_hit"),
+    ('sglang:cached_tokens_total{cache_source!=""}', "cache_source", "(.+)"),
+)
 TTFT_BUCKETS = ("vllm:time_to_first_token_seconds_bucket", "sglang:time_to_first_token_seconds_bucket")
 FINISHED_REQUESTS = ("vllm:request_success_total", "sglang:num_requests_total")
 # Any of these on an instance means its engine exports cache metrics kvwatch can read.
-ENGINE_CACHE_SERIES = (*QUERIED_TOKENS, *HIT_TOKENS, V0_HIT_RATE, "sglang:cache_hit_rate")
+ENGINE_CACHE_SERIES = tuple(
+    dict.fromkeys(
+        selector.partition("{")[0]
+        for selector in (*DELIVERED.hit_counters, *LOCAL.hit_counters, *LOCAL.total_counters)
+    )
+) + (V0_HIT_RATE, "sglang:cache_hit_rate")
+# Every vLLM and SGLang version exports its running-requests gauge from its start, whatever else it
+# exports: it tells an engine from any other target, under any job name. Pipelines that rewrite ":" to
+# "_" are recognised too (and then every kvwatch rule misses the engine).
+ENGINE_PRESENCE_SERIES = tuple(
+    spelling
+    for name in ("vllm:num_requests_running", "sglang:num_running_reqs")
+    for spelling in (name, name.replace(":", "_"))
+)
 
-INSTANCE_QUERIED = f"instance:kvwatch_prefix_cache_queried_tokens:rate{WINDOW}"
-INSTANCE_HITS = f"instance:kvwatch_prefix_cache_hit_tokens:rate{WINDOW}"
-INSTANCE_HIT_RATIO = f"instance:kvwatch_prefix_cache_hit_tokens_per_queried_tokens:ratio_rate{WINDOW}"
-CLUSTER_HIT_RATIO = f"cluster:kvwatch_prefix_cache_hit_tokens_per_queried_tokens:ratio_rate{WINDOW}"
+INSTANCE_HIT_RATIO = DELIVERED.instance_ratio
+CLUSTER_HIT_RATIO = DELIVERED.cluster_ratio
+INSTANCE_PROMPT_TOKENS = DELIVERED.instance_total
+INSTANCE_CACHED_BY_SOURCE = f"instance_source:kvwatch_cached_prompt_tokens:rate{WINDOW}"
 INSTANCE_TTFT = "instance_quantile:kvwatch_ttft_seconds:histogram_quantile"
 ENGINE_TTFT = "engine_quantile:kvwatch_ttft_seconds:histogram_quantile"
 INSTANCE_REQUESTS = f"instance:kvwatch_requests:rate{WINDOW}"
 INSTANCE_REQUEST_SHARE = f"instance:kvwatch_requests_per_cluster_requests:ratio_rate{WINDOW}"
 CLUSTER_LOAD_IMBALANCE = f"cluster:kvwatch_requests_max_per_mean:ratio_rate{WINDOW}"
 INSTANCE_CACHE_SERIES = "instance:kvwatch_engine_cache_series:present"
+GATEWAY_SPREAD_SHARE = "listener:kvwatch_gateway_spread_sessions_per_returning_sessions:ratio"
 
 
 def _ttft_buckets(by: str) -> str:
@@ -73,15 +191,23 @@ def _engine_ttft_buckets() -> str:
     return "\n  or ".join(parts)
 
 
+def _cached_by_source() -> str:
+    """Each instance's cached-token rate per source, from its engine's finest split only."""
+
+    def by_source(selector: str, label: str, regex: str) -> str:
+        rate = f"rate({selector}[{WINDOW}])"
+        if label != "source":
+            rate = f'label_replace({rate}, "source", "$1", "{label}", "{regex}")'
+        return f"sum by ({INSTANCE}, source) ({rate})"
+
+    return f"\n  or on({INSTANCE}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
+
+
 RECORDING_RULES: tuple[Rule, ...] = (
-    Rule(INSTANCE_QUERIED, _first_of(*QUERIED_TOKENS)),
-    # SGLang creates its cached-tokens counter on the first hit: until then an instance has 0 hits.
-    Rule(INSTANCE_HITS, _first_of(*HIT_TOKENS) + f"\n  or 0 * {INSTANCE_QUERIED}"),
-    Rule(
-        INSTANCE_HIT_RATIO,
-        f"{INSTANCE_HITS} / ({INSTANCE_QUERIED} > 0)\n  or max by ({INSTANCE}) ({V0_HIT_RATE} >= 0)",
-    ),
-    Rule(CLUSTER_HIT_RATIO, f"sum({INSTANCE_HITS}) / (sum({INSTANCE_QUERIED}) > 0)"),
+    *DELIVERED.rules(),
+    *LOCAL.rules(),
+    *LMCACHE.rules(),
+    Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source()),
     *(
         Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(INSTANCE)})", {"quantile": q})
         for q in QUANTILES
@@ -105,6 +231,18 @@ RECORDING_RULES: tuple[Rule, ...] = (
     ),
 )
 
+# Real users' sessions, from the gateway access logs (collectors/gatewaylog.py): of the sessions that
+# came back within the spread window, the share served by more than one upstream, by whether a failover
+# moved them.
+GATEWAY_RULES: tuple[Rule, ...] = (
+    Rule(
+        GATEWAY_SPREAD_SHARE,
+        "sum by (log, listener, failover) (kvwatch_gateway_session_spread_sessions)\n"
+        "  / on(log, listener) group_left()\n"
+        "  (sum by (log, listener) (kvwatch_gateway_returning_sessions) > 0)",
+    ),
+)
+
 
 # --- Alerts ---------------------------------------------------------------------------------------
 
@@ -118,19 +256,21 @@ class Thresholds:
     echo_ratio_below: float = 0.5  # share of a probe run's sessions whose id the gateway echoed
     keyless_share_above: float = 0.5  # share of gateway requests that arrived without a session key
     keyless_rise_factor: float = 2.0  # ... and at least this many times the share an hour earlier
-    warm_cold_ratio_above: float = 0.8  # warm-round TTFT over round-1 TTFT on an affinity route
+    spread_share_above: float = 0.5  # share of returning real sessions moved without a failover
+    min_returning_sessions: int = 5  # traffic guard of the spread alert
+    warm_cold_ratio_above: float = 0.8  # warm-round TTFT over round-1 TTFT on a sticky route
     hit_ratio_floor: float = 0.1
     hit_ratio_drop_factor: float = 0.5  # below half of its own average over the previous hour
-    min_queried_tokens_per_second: float = 50.0  # traffic guard of the hit-ratio alerts
+    min_prompt_tokens_per_second: float = 50.0  # traffic guard of the hit-ratio alerts
     probe_stale_intervals: float = 3.0
     load_imbalance_above: float = 2.0  # busiest instance over the mean
-    # The scrape jobs of the engines; set it to yours. The lab's is "replicas".
-    engine_selector: str = 'job=~"replicas|vllm.*|sglang.*|.*engine.*"'
 
 
 THRESHOLDS = Thresholds()
 RUNBOOK = "alerts/runbook.md"
-AFFINITY = 'route_mode="affinity"'
+ROUTE = "target, route_mode"
+# Routes whose sessions must stay on one replica (the config's expect_sticky, exported by the probe).
+STICKY_ROUTES = 'kvwatch_probe_route_info{expect_sticky="true"}'
 
 
 @dataclass(frozen=True)
@@ -149,6 +289,11 @@ class Alert:
         return f"{RUNBOOK}#{self.name.lower()}"
 
 
+def _per_route(aggregation: str, metric: str) -> str:
+    """A probe gauge per route, without the exporter's `job` and `instance`: the alert is about the route."""
+    return f"{aggregation} by ({ROUTE}) ({metric})"
+
+
 def _alerts(t: Thresholds) -> tuple[Alert, ...]:
     def baseline(ratio: str) -> str:
         """The ratio's own average over the hour before the last 10 minutes."""
@@ -156,20 +301,27 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
 
     def probe_errors(auth_match: str) -> str:
         selector = f'kind{auth_match}"unauthorized|forbidden"'
-        return f"sum by (target, route_mode, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
+        return f"sum by ({ROUTE}, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
 
     keyless_share = (
         "sum by (log, listener) (rate(kvwatch_gateway_requests_without_session_key_total[5m]))\n"
         "  / (sum by (log, listener) (rate(kvwatch_gateway_requests_total[5m])) > 0)"
     )
     keyless_share_an_hour_ago = keyless_share.replace("[5m]", "[5m] offset 1h")
-    instance_prompt_rate = "sum by (job, instance) (rate(vllm:prompt_tokens_total[5m]))"
+    # A minute of prompt tokens without a single lookup: prefix caching is off (a restart gives no lookups
+    # to the window from the moment the samples before it are a minute old).
+    prompt_rate = _first_of("vllm:prompt_tokens_total", window="1m")
+    lookup_rate = _first_of(
+        "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total", window="1m"
+    )
+    engines = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
     return (
         Alert(
             "KVWatchSessionAffinityBroken",
-            f"kvwatch_probe_sticky_ratio{{{AFFINITY}}} < {t.sticky_ratio_below}",
+            f"{_per_route('min', 'kvwatch_probe_sticky_ratio')} < {t.sticky_ratio_below}\n"
+            f"and on(target) {STICKY_ROUTES}",
             "critical",
-            "Probe sessions through an affinity route change replica between rounds.",
+            "Probe sessions through a sticky route change replica between rounds.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
             "{{ $labels.target }} stayed on one replica: the gateway no longer pins sessions, so rounds 2+ "
             "pay a full prefill.",
@@ -177,7 +329,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchSessionIdNotPropagated",
-            f"kvwatch_probe_session_id_echo_ratio < {t.echo_ratio_below}",
+            f"{_per_route('min', 'kvwatch_probe_session_id_echo_ratio')} < {t.echo_ratio_below}",
             "warning",
             "The gateway does not echo the session id.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
@@ -198,14 +350,27 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             labels={"source": "gateway_log"},
         ),
         Alert(
+            "KVWatchGatewaySessionsSpread",
+            f'max by (log, listener) ({GATEWAY_SPREAD_SHARE}{{failover="false"}}) > {t.spread_share_above}\n'
+            "and on(log, listener) sum by (log, listener) (kvwatch_gateway_returning_sessions)"
+            f" >= {t.min_returning_sessions}\n"
+            'and on(log) kvwatch_gateway_log_info{expect_sticky="true"}',
+            "critical",
+            "Real sessions through a sticky gateway listener are served by several replicas.",
+            "{{ $value | humanizePercentage }} of the sessions that came back to {{ $labels.log }} / "
+            "{{ $labels.listener }} within the spread window were served by more than one replica, with no "
+            "failover to explain it: the gateway no longer pins sessions to the replica holding their cache.",
+            for_="1m",
+        ),
+        Alert(
             "KVWatchPrefixCacheHitRateDrop",
             f"({CLUSTER_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(CLUSTER_HIT_RATIO)}\n"
             f"  or {CLUSTER_HIT_RATIO} < {t.hit_ratio_floor})\n"
-            f"and on() sum({INSTANCE_QUERIED}) > {t.min_queried_tokens_per_second}",
+            f"and on() sum({INSTANCE_PROMPT_TOKENS}) > {t.min_prompt_tokens_per_second}",
             "warning",
             "The cluster's prefix-cache hit ratio dropped.",
-            "The cluster's token-weighted prefix-cache hit ratio is {{ $value | humanizePercentage }}, well "
-            "below its own average of the previous hour or under the floor.",
+            "The cluster serves only {{ $value | humanizePercentage }} of its prompt tokens from cached KV, "
+            "well below its own average of the previous hour or under the floor.",
             for_="5m",
             labels={"scope": "cluster"},
         ),
@@ -213,37 +378,38 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "KVWatchPrefixCacheHitRateDrop",
             f"({INSTANCE_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(INSTANCE_HIT_RATIO)}\n"
             f"  or {INSTANCE_HIT_RATIO} < {t.hit_ratio_floor})\n"
-            f"and on(job, instance) {INSTANCE_QUERIED} > {t.min_queried_tokens_per_second}",
+            f"and on({INSTANCE}) {INSTANCE_PROMPT_TOKENS} > {t.min_prompt_tokens_per_second}",
             "warning",
             "An instance's prefix-cache hit ratio dropped.",
-            "The prefix-cache hit ratio of {{ $labels.instance }} is {{ $value | humanizePercentage }}, well "
-            "below its own average of the previous hour or under the floor.",
+            "{{ $labels.instance }} serves only {{ $value | humanizePercentage }} of its prompt tokens from "
+            "cached KV, well below its own average of the previous hour or under the floor.",
             for_="5m",
             labels={"scope": "instance"},
         ),
         Alert(
             "KVWatchWarmRoundNoGain",
-            f"kvwatch_probe_warm_cold_ttft_ratio{{{AFFINITY}}} > {t.warm_cold_ratio_above}",
+            f"{_per_route('max', 'kvwatch_probe_warm_cold_ttft_ratio')} > {t.warm_cold_ratio_above}\n"
+            f"and on(target) {STICKY_ROUTES}",
             "warning",
-            "Warm rounds are not faster than the first round on an affinity route.",
+            "Warm rounds are not faster than the first round on a sticky route.",
             "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
             "time to first token: their history is not reused.",
             for_="2m",
         ),
         Alert(
             "KVWatchPrefixCachingDisabled",
-            f"{instance_prompt_rate} > 0\n"
-            "unless on(job, instance) sum by (job, instance) (rate(vllm:prefix_cache_queries_total[5m])) > 0",
+            f"{prompt_rate} > 0\nand on({INSTANCE}) ({lookup_rate}) == 0",
             "warning",
             "An instance serves prompts without looking up its prefix cache.",
             "{{ $labels.instance }} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
             "caching is off there.",
-            for_="5m",
+            for_="30s",
+            keep_firing_for="5m",  # sparse traffic must not make it flap
             labels={"evidence": "lookups"},
         ),
         Alert(
             "KVWatchPrefixCachingDisabled",
-            'max by (job, instance) (vllm:cache_config_info{enable_prefix_caching="False"}) == 1',
+            f'max by ({INSTANCE}) (vllm:cache_config_info{{enable_prefix_caching="False"}}) == 1',
             "warning",
             "An instance runs with prefix caching disabled.",
             "{{ $labels.instance }} reports enable_prefix_caching=False: start it with prefix caching on.",
@@ -251,11 +417,12 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchEngineCacheMetricsMissing",
-            f"up{{{t.engine_selector}}} == 1\nunless on(job, instance) {INSTANCE_CACHE_SERIES}",
+            f"group by ({INSTANCE}) ({engines})\nunless on({INSTANCE}) {INSTANCE_CACHE_SERIES}",
             "warning",
             "An engine exports none of the prefix-cache series kvwatch reads.",
-            "{{ $labels.instance }} ({{ $labels.job }}) is up but exports no vLLM or SGLang prefix-cache "
-            "series: a renamed metric or a missing --enable-metrics would make the hit-ratio panels empty.",
+            "{{ $labels.instance }} ({{ $labels.job }}) is a vLLM or SGLang engine but exports none of the "
+            "prefix-cache series kvwatch reads: a renamed metric, or a pipeline that rewrote ':' to '_', "
+            "would make the hit-ratio panels empty.",
             for_="10m",
         ),
         Alert(
@@ -276,8 +443,8 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchProbeStale",
-            f"time() - kvwatch_probe_last_run_timestamp_seconds\n"
-            f"  > {t.probe_stale_intervals} * kvwatch_probe_interval_seconds",
+            f"time() - {_per_route('max', 'kvwatch_probe_last_run_timestamp_seconds')}\n"
+            f"  > {t.probe_stale_intervals} * {_per_route('max', 'kvwatch_probe_interval_seconds')}",
             "warning",
             "Probe results are stale.",
             "The last probe run through {{ $labels.target }} finished {{ $value | humanizeDuration }} ago: "
@@ -314,6 +481,7 @@ ALERTS = _alerts(THRESHOLDS)
 
 RULE_FILES = {
     "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES),
+    "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", GATEWAY_RULES),
     "alerts/kvwatch.rules.yml": ("kvwatch-alerts", ALERTS),
 }
 
@@ -328,7 +496,6 @@ RATE_WINDOW = "$__rate_interval"
 ENGINE_SELECTOR = 'job=~"$job", instance=~"$instance"'
 PROBE_SELECTOR = 'target=~"$target"'
 LABEL_VARIABLES = ("job", "instance", "target")
-ROUTE = "target, route_mode"
 
 
 def fill_variables(expr: str, *, window: str, time_range: str, **labels: str) -> str:

@@ -1,17 +1,20 @@
-"""alerts/alertmanager.yml: valid for amtool, every kvwatch alert routed to kvwatch's webhook, and the
-lab's rendering of it (its own exporter port, timers time-scaled) valid too."""
+"""alerts/alertmanager.yml: valid for amtool, every kvwatch alert routed to kvwatch's webhook, its
+inhibitions applied by a real Alertmanager, and the lab's rendering of it (its own exporter port, timers
+time-scaled) valid too."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from collectors import queries
-from conftest import REPO
+from conftest import REPO, free_port, stop, wait_http
 from lab.configs import render_alertmanager, rule_files, scale_durations
 from lab.state import LabState
 
@@ -48,6 +51,61 @@ def test_inhibitions_only_name_alerts_that_exist():
                 assert set(pattern.split("|")) <= names, matcher
 
 
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[str]:
+    """A real Alertmanager running alerts/alertmanager.yml, its webhook pointed at a closed port."""
+    config = yaml.safe_load(CONFIG.read_text())
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = f"http://127.0.0.1:{free_port()}/alerts"
+    (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(config))
+    url, log = f"http://127.0.0.1:{free_port()}", tmp_path / "alertmanager.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [shutil.which("prometheus-alertmanager"), f"--config.file={tmp_path / 'alertmanager.yml'}",
+             f"--storage.path={tmp_path / 'data'}", f"--web.listen-address={url.removeprefix('http://')}",
+             "--cluster.listen-address="],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_http(f"{url}/-/ready", process, log)
+        yield url
+    finally:
+        stop(process)
+
+
+def inhibited(alertmanager: str, *alerts: dict[str, str]) -> dict[str, bool]:
+    """Send `alerts` to the Alertmanager with amtool; which of them (by alertname) it inhibits."""
+    for labels in alerts:
+        added = amtool(
+            "alert", "add", f"--alertmanager.url={alertmanager}", *(f"{k}={v}" for k, v in labels.items())
+        )
+        assert added.returncode == 0, added.stderr
+    query = amtool(
+        "alert", "query", "--inhibited", "--active", "-o", "json", f"--alertmanager.url={alertmanager}"
+    )
+    assert query.returncode == 0, query.stderr
+    return {a["labels"]["alertname"]: bool(a["status"]["inhibitedBy"]) for a in json.loads(query.stdout)}
+
+
+def test_prefix_caching_disabled_mutes_warm_rounds_without_gain(alertmanager):
+    caching_off = {"alertname": "KVWatchPrefixCachingDisabled", "severity": "warning", "evidence": "lookups",
+                   "job": "llm/vllm", "instance": "10.0.0.7:8000"}  # fmt: skip
+    no_gain = {"alertname": "KVWatchWarmRoundNoGain", "severity": "warning", "target": "chat",
+               "route_mode": "affinity"}  # fmt: skip
+    affinity = {"alertname": "KVWatchSessionAffinityBroken", "severity": "critical", "target": "other",
+                "route_mode": "affinity"}  # fmt: skip
+    assert inhibited(alertmanager, no_gain, affinity) == {
+        "KVWatchWarmRoundNoGain": False,
+        "KVWatchSessionAffinityBroken": False,
+    }
+    assert inhibited(alertmanager, caching_off) == {
+        "KVWatchPrefixCachingDisabled": False,
+        "KVWatchWarmRoundNoGain": True,
+        "KVWatchSessionAffinityBroken": False,
+    }
+
+
 def test_the_lab_rendering_points_at_its_exporter_and_scales_timers(tmp_path: Path):
     state = LabState(tmp_path, 21000, rule_time_scale=0.1)
     rendered = render_alertmanager(state)
@@ -65,7 +123,7 @@ def test_fast_rules_scale_windows_and_durations_only():
         "for: 0s\nkeep_firing_for: 12s\nrecord: a:b:rate2m"
     )
     fast = rule_files(LabState(Path("/tmp"), 21000, rule_time_scale=0.1))
-    assert set(fast) == {"kvwatch-engines.yml", "kvwatch.rules.yml"}
+    assert set(fast) == {"kvwatch-engines.yml", "kvwatch-gateway.yml", "kvwatch.rules.yml"}
     assert "[12s]" in fast["kvwatch-engines.yml"] and "[2m]" not in fast["kvwatch-engines.yml"]
 
 

@@ -65,6 +65,8 @@ INVALID = [
     ("duplicate-target-name", 'targets[1].name: "chat" is taken by targets[0]'),
     ("empty-model", "targets[0].model: must not be empty"),
     ("empty", "the file is empty"),
+    ("expect-sticky", 'targets[0].expect_sticky: expected true or false, got the string "yes"'),
+    ("gateway-log-expect-sticky", "gateway_logs[0].expect_sticky: expected true or false, got the number 1"),
     ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1, got 0"),
     ("gateway-log-missing-path", "gateway_logs[0].path: required key is missing"),
     (
@@ -95,7 +97,8 @@ INVALID = [
     ("rounds", "targets[0].rounds: must be between 2 and 50, got 1"),
     (
         "route-mode",
-        'targets[0].route_mode: must be 1-64 lowercase letters, digits, "_" or "-", got "Round Robin"',
+        "targets[0].route_mode: must be one of affinity, consistent_hash, manual, cache_aware, round_robin, "
+        'random; got the string "afinity"',
     ),
     ("session-header", 'targets[0].session.header: must be an HTTP header name, got "X Session Id"'),
     ("session-mode", 'targets[0].session.mode: must be one of client, server, none; got the string "sticky"'),
@@ -128,6 +131,7 @@ def test_minimal_file_takes_every_default():
         "base_url": "http://127.0.0.1:18000",
         "model": "lab-model",
         "route_mode": "affinity",
+        "expect_sticky": True,  # affinity routes pin sessions
         "api_key_env": None,
         "api_key_file": None,
         "session": {"mode": "client", "header": "X-Session-Id"},
@@ -158,6 +162,17 @@ def test_minimal_file_takes_every_default():
 def test_gateway_log_defaults_match_the_follower():
     log = GatewayLog(name="chat", path=Path("access.jsonl"))
     assert (log.spread_window_seconds, log.session_ttl_seconds, log.max_sessions) == (600.0, 1800.0, 100_000)
+    assert log.expect_sticky
+
+
+@pytest.mark.parametrize(
+    ("route_mode", "sticky"),
+    [("affinity", True), ("consistent_hash", True), ("manual", True), ("cache_aware", False),
+     ("round_robin", False), ("random", False)],
+)  # fmt: skip
+def test_expect_sticky_defaults_from_the_route_mode_and_can_be_set(route_mode, sticky):
+    assert target(route_mode=route_mode).expect_sticky is sticky
+    assert target(route_mode=route_mode, expect_sticky=not sticky).expect_sticky is not sticky
 
 
 def test_full_file_overrides_every_default_and_merges_anchors():
@@ -165,7 +180,8 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         name="chat",
         base_url="https://llm.example.com/api",
         model="meta-llama/Llama-3.1-8B-Instruct",
-        route_mode="affinity",
+        route_mode="cache_aware",
+        expect_sticky=True,
         api_key_env="KVWATCH_CHAT_API_KEY",
         session=SessionSettings(mode="server", header="X-SMG-Routing-Key"),
         backend=BackendIdentity(headers=("X-Worker-Id",), json_paths=("nvext.worker_id", "metadata.pod")),
@@ -182,6 +198,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         chat,
         name="chat-rr",
         route_mode="round_robin",
+        expect_sticky=False,
         api_key_env=None,
         api_key_file=Path("/run/secrets/kvwatch-key"),
     )
@@ -194,6 +211,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
                 spread_window_seconds=300.0,
                 session_ttl_seconds=900.0,
                 max_sessions=5000,
+                expect_sticky=False,
             ),
         ),
         exporter=ExporterSettings(listen="[::1]:9100"),
@@ -206,13 +224,13 @@ def test_full_file_overrides_every_default_and_merges_anchors():
 
 def test_lab_example_points_at_the_lab():
     config = load_config(EXAMPLES / "kvwatch.lab.yaml")
-    assert [(t.name, t.base_url, t.model, t.route_mode) for t in config.targets] == [
-        ("lab-affinity", "http://127.0.0.1:18000", "lab-model", "affinity"),
-        ("lab-round-robin", "http://127.0.0.1:18001", "lab-model", "round_robin"),
+    assert [(t.name, t.base_url, t.model, t.route_mode, t.expect_sticky) for t in config.targets] == [
+        ("lab-affinity", "http://127.0.0.1:18000", "lab-model", "affinity", True),
+        ("lab-round-robin", "http://127.0.0.1:18001", "lab-model", "round_robin", False),
     ]
-    assert [(log.name, log.path) for log in config.gateway_logs] == [
-        ("affinity", Path(".kvwatch/lab/logs/gateway-affinity.jsonl")),
-        ("round_robin", Path(".kvwatch/lab/logs/gateway-round_robin.jsonl")),
+    assert [(log.name, log.path, log.expect_sticky) for log in config.gateway_logs] == [
+        ("affinity", Path(".kvwatch/lab/logs/gateway-affinity.jsonl"), True),
+        ("round_robin", Path(".kvwatch/lab/logs/gateway-round_robin.jsonl"), False),
     ]
     assert config.exporter.listen == "127.0.0.1:18004"
     assert config.store.path == Path(".kvwatch/lab/kvwatch.db")

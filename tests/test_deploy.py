@@ -13,7 +13,12 @@ K8S = REPO / "deploy" / "k8s"
 
 def test_prometheus_rule_has_exactly_the_rule_files_groups():
     rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
-    files = [REPO / "prometheus" / "rules" / "kvwatch-engines.yml", REPO / "alerts" / "kvwatch.rules.yml"]
+    rules = REPO / "prometheus" / "rules"
+    files = [
+        rules / "kvwatch-engines.yml",
+        rules / "kvwatch-gateway.yml",
+        REPO / "alerts" / "kvwatch.rules.yml",
+    ]
     groups = [group for path in files for group in yaml.safe_load(path.read_text())["groups"]]
     assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == groups
 

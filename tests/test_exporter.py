@@ -116,3 +116,23 @@ def test_outcome_counters_start_at_zero_so_increase_sees_the_first_failure(expor
     assert value(registry, "kvwatch_probe_errors_total", kind="unauthorized") == 0
     assert value(registry, "kvwatch_probe_session_id_echo_sessions_total", echoed="false") == 0
     assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="false") == 0
+
+
+def test_route_info_says_which_routes_must_be_sticky():
+    results = ProbeResults()
+    registry = CollectorRegistry()
+    registry.register(ProbeCollector(results, {}, {"chat-cache-aware": True, "lab-affinity": False}))
+    for route in [("lab-affinity", "affinity"), ("chat-cache-aware", "cache_aware"), ("sglang", "manual"),
+                  ("lab-round-robin", "round_robin")]:  # fmt: skip
+        results.declare(route)
+
+    def info(target: str, route_mode: str, expect_sticky: str) -> float | None:
+        labels = {"target": target, "route_mode": route_mode, "expect_sticky": expect_sticky}
+        return registry.get_sample_value("kvwatch_probe_route_info", labels)
+
+    # Set explicitly for the first two; the others take their route mode's default.
+    assert info("lab-affinity", "affinity", "false") == 1
+    assert info("chat-cache-aware", "cache_aware", "true") == 1
+    assert info("sglang", "manual", "true") == 1
+    assert info("lab-round-robin", "round_robin", "false") == 1
+    assert info("lab-round-robin", "round_robin", "true") is None

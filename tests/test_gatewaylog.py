@@ -24,6 +24,11 @@ T0 = 1_800_000_000.0
 R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 
 
+def spread(listener: str = "affinity", *, moved: int = 0, failed_over: int = 0) -> dict:
+    """A snapshot's spread sessions of one listener: moved for no known reason, or by a failover."""
+    return {(listener, "false"): moved, (listener, "true"): failed_over}
+
+
 class Clock:
     """A clock the test moves by hand: TTLs and windows expire without sleeping."""
 
@@ -114,7 +119,7 @@ def test_a_failover_counts_for_the_upstream_that_answered(log, follow):
     snapshot = follow().poll()
     assert snapshot.requests == {("affinity", R2): 3, ("affinity", "none"): 1}
     assert snapshot.failovers == {"affinity": 3}
-    assert snapshot.spread_sessions == {"affinity": 0}
+    assert snapshot.spread_sessions == spread()
 
 
 def test_requests_without_a_client_key_are_counted_with_the_ids_the_gateway_assigned(log, follow):
@@ -138,12 +143,50 @@ def test_a_session_seen_on_two_upstreams_within_the_window_is_spread(log, follow
     append(log, entry("moved", R1), entry("moved", R2, msec=T0 + 30))
     append(log, entry("pinned", R3), entry("pinned", R3))
     append(log, entry("moved", R1, listener="round_robin"))  # another listener, another session
-    assert follower.poll().spread_sessions == {"affinity": 1, "round_robin": 0}
+    snapshot = follower.poll()
+    assert snapshot.spread_sessions == spread(moved=1) | spread("round_robin")
+    assert snapshot.returning_sessions == {"affinity": 2, "round_robin": 0}
 
     clock.now = T0 + 620  # R1 was 620 s ago, R2 590 s ago: only one upstream is left in the window
     snapshot = follower.poll()
-    assert snapshot.spread_sessions == {"affinity": 0, "round_robin": 0}
+    assert snapshot.spread_sessions == spread() | spread("round_robin")
+    assert snapshot.returning_sessions == {"affinity": 0, "round_robin": 0}
     assert snapshot.active_sessions == {"affinity": 2, "round_robin": 1}
+
+
+def test_returning_sessions_came_twice_within_the_window(log, follow):
+    clock = Clock(T0 + 700)
+    follower = follow(clock=clock, spread_window_seconds=600)
+    append(log, entry("once", msec=T0 + 650))
+    append(log, entry("twice", msec=T0 + 50), entry("twice", msec=T0 + 650))  # the first is too old
+    append(log, entry("late", msec=T0 + 690), entry("late", msec=T0 + 680))  # logged out of order
+    assert follower.poll().returning_sessions == {"affinity": 1}
+
+
+def test_a_session_moved_by_a_failover_is_counted_apart_until_it_is_back_and_settled(log, follow):
+    clock = Clock(T0 + 100)
+    follower = follow(clock=clock, spread_window_seconds=600)
+    # R1 dies: nginx tries it, then R2 answers; the session stays on R2 until R1 is back.
+    append(
+        log, entry("s", R1, msec=T0), entry("s", f"{R1}, {R2}", msec=T0 + 10), entry("s", R2, msec=T0 + 20)
+    )
+    append(log, entry("s", R1, msec=T0 + 100))  # R1 is back, and so is the session
+    append(log, entry("moved", R1, msec=T0), entry("moved", R3, msec=T0 + 100))  # nothing failed
+    assert follower.poll().spread_sessions == spread(moved=1, failed_over=1)
+    # The failover is out of the window, R2 still in it: the move back is part of that failover.
+    clock.now = T0 + 615
+    assert follower.poll().spread_sessions == spread(failed_over=1)
+    clock.now = T0 + 650  # only R1 is left in the window
+    assert follower.poll().spread_sessions == spread()
+
+
+def test_a_move_long_after_a_failover_is_not_explained_by_it(log, follow):
+    clock = Clock(T0 + 900)
+    follower = follow(clock=clock, spread_window_seconds=600)
+    # R1 is gone for good: the session lives on R2, then, 15 minutes later, lands on R3.
+    append(log, entry("s", R1, msec=T0), entry("s", f"{R1}, {R2}", msec=T0 + 10))
+    append(log, entry("s", R2, msec=T0 + 600), entry("s", R3, msec=T0 + 900))
+    assert follower.poll().spread_sessions == spread(moved=1)
 
 
 def test_sessions_stop_being_active_after_the_ttl(log, follow):
@@ -285,7 +328,7 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
     clock = Clock(T0 + 1)
     with (
         GatewayLogFollower(affinity_log, "affinity", clock=clock) as affinity,
-        GatewayLogFollower(rr_log, "round_robin", clock=clock) as round_robin,
+        GatewayLogFollower(rr_log, "round_robin", expect_sticky=False, clock=clock) as round_robin,
         GatewayLogFollower(tmp_path / "absent.jsonl", "absent", clock=clock) as absent,
     ):
         for follower in (affinity, round_robin, absent):
@@ -304,8 +347,11 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert value("requests_without_session_key_total", **aff) == 1
         assert value("assigned_session_ids_total", **aff) == 1
         assert value("failovers_total", **aff) == 1
-        assert value("session_spread_sessions", **aff) == 0
-        assert value("session_spread_sessions", **rr) == 1
+        assert value("session_spread_sessions", **aff, failover="false") == 0
+        assert value("session_spread_sessions", **aff, failover="true") == 0
+        assert value("session_spread_sessions", **rr, failover="false") == 1
+        assert value("returning_sessions", **aff) == 1
+        assert value("returning_sessions", **rr) == 1
         assert value("active_sessions", **aff) == 2
         assert value("malformed_lines_total", log="affinity", reason="invalid_json") == 1
         assert value("malformed_lines_total", log="round_robin", reason="too_long") == 0
@@ -315,6 +361,8 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert value("log_readable", log="affinity") == 1
         assert value("log_readable", log="absent") == 0
         assert value("log_last_poll_timestamp_seconds", log="absent") == T0 + 1
+        assert value("log_info", log="round_robin", expect_sticky="false") == 1
+        assert value("log_info", log="affinity", expect_sticky="true") == 1
 
         exposition = generate_latest(registry).decode()
         assert "secret" not in exposition
@@ -432,17 +480,17 @@ def test_follows_the_lab_gateway_logs_and_sees_affinity_break(start_lab):
             assert increase(after, start, "assigned_session_ids") == {listener: 3}
             assert increase(after, start, "failovers") == {}
             assert increase(after, start, "active_sessions") == {listener: 7}
-            assert after.spread_sessions == {listener: sent[listener].spread_sessions()}
-        assert followers["affinity"].latest.spread_sessions == {"affinity": 0}
-        assert followers["round_robin"].latest.spread_sessions["round_robin"] > 0
+            assert after.spread_sessions == spread(listener, moved=sent[listener].spread_sessions())
+        assert followers["affinity"].latest.spread_sessions == spread()
+        assert followers["round_robin"].latest.spread_sessions["round_robin", "false"] > 0
 
         assert lab.cli("fault", "break-affinity").returncode == 0
         affinity = followers["affinity"]
         lines = affinity.latest.lines
         sent["affinity"].send(client, lab.affinity, ["broken-0", "broken-1", "broken-2"], rounds=4, keyless=0)
         snapshot = poll_until_lines(affinity, lines + 12)
-        assert snapshot.spread_sessions == {"affinity": sent["affinity"].spread_sessions()}
-        assert snapshot.spread_sessions["affinity"] > 0
+        assert snapshot.spread_sessions == spread(moved=sent["affinity"].spread_sessions())
+        assert snapshot.spread_sessions["affinity", "false"] > 0
 
         # A dead replica: nginx fails over and logs both upstreams; the one that answered counts.
         assert lab.cli("fault", "kill-replica", "--replica", "r2").returncode == 0

@@ -105,12 +105,17 @@ class Service:
                 spread_window_seconds=g.spread_window_seconds,
                 session_ttl_seconds=g.session_ttl_seconds,
                 max_sessions=g.max_sessions,
+                expect_sticky=g.expect_sticky,
             )
             for g in config.gateway_logs
         ]
         self.registry = CollectorRegistry()
         self.registry.register(
-            ProbeCollector(self.results, {t.name: t.interval_seconds for t in config.targets})
+            ProbeCollector(
+                self.results,
+                {t.name: t.interval_seconds for t in config.targets},
+                {t.name: t.expect_sticky for t in config.targets},
+            )
         )
         self.registry.register(GatewayLogCollector(self.followers))
         for target in config.targets:

@@ -306,6 +306,13 @@ VLLM_LAB_START_TIMEOUT_S = 600
 VLLM_LAB_RULE_TIME_SCALE = 0.25  # 30 s rate windows: a short burst of traffic fills one
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs the real-vLLM lab may be the one that waits for it to start."""
+    for item in items:
+        if "vllm_lab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(VLLM_LAB_START_TIMEOUT_S + 300))
+
+
 @pytest.fixture(scope="session")
 def vllm_lab(tmp_path_factory) -> Iterator[Lab]:
     """One lab of two real vLLM servers (`make vllm` installs vLLM) behind the lab's nginx, for every

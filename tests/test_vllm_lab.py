@@ -146,11 +146,26 @@ def test_doctor_names_the_hash_key_through_round_robin(vllm_lab: Lab):
     assert "hash_key_not_session" in json.loads(result.stdout)["causes"]
 
 
-def _burst_and_truth(lab: Lab, conversations: int) -> tuple[float, float, dict[str, float]]:
+def _quiet_since(urls: dict[str, str], seconds: float) -> float:
+    """Wait until no engine has counted a prompt token for `seconds`; return since when."""
+    level, since = None, time.time()
+    deadline = time.monotonic() + 2 * WINDOW_S + 60
+    while time.monotonic() < deadline:
+        now = {r: counters(u)["vllm:prompt_tokens_total"] for r, u in urls.items()}
+        if now != level:
+            level, since = now, time.time()
+        elif time.time() - since >= seconds:
+            return since
+        time.sleep(0.5)
+    raise AssertionError(f"the engines never stayed idle for {seconds} s")
+
+
+def _burst_and_truth(lab: Lab, conversations: int) -> tuple[float, float, float, dict[str, float]]:
     """Two-round conversations sent to every engine directly, after a quiet spell; returns when the
-    burst started and ended, and each instance's true reuse (cached / prompt tokens) in it."""
+    quiet began, when the burst started and ended, and each instance's true reuse (cached / prompt
+    tokens) in it."""
     urls = replica_urls(lab)
-    time.sleep(3)  # quiet: Prometheus has the counters' level before the burst
+    quiet = _quiet_since(urls, WINDOW_S - 5)
     before = {r: counters(u) for r, u in urls.items()}
     started = time.time()
     for url in urls.values():
@@ -167,19 +182,20 @@ def _burst_and_truth(lab: Lab, conversations: int) -> tuple[float, float, dict[s
     truth["cluster"] = sum(moved(r, "vllm:prompt_tokens_cached_total") for r in urls) / sum(
         moved(r, "vllm:prompt_tokens_total") for r in urls
     )
-    return started, ended, truth
+    return quiet, started, ended, truth
 
 
-def _evaluation_after(lab: Lab, started: float, ended: float) -> float:
+def _evaluation_after(lab: Lab, quiet: float, started: float, ended: float) -> float:
     """The first evaluation of the rules that saw the engines' counters after the burst (a scrape
-    every second) and whose window still holds the quiet level before it, so that the window's
-    increase is the burst's."""
+    every second) and whose window begins in the quiet before it, so that the window's increase is
+    the burst's and nothing else."""
 
     def evaluated_at(moment: float) -> float | None:
         found = prometheus_query(lab, f"timestamp({queries.CLUSTER_HIT_RATIO})", moment)
         return float(found[0]["value"][1]) if found else None
 
-    for moment in range(math.ceil(ended + 2.5), math.floor(started - 2 + WINDOW_S)):
+    first = max(ended + 2.5, quiet + WINDOW_S + 1)
+    for moment in range(math.ceil(first), math.floor(started - 2 + WINDOW_S)):
         wait_for(lambda m=moment: (evaluated_at(time.time()) or 0) > m, "the rules evaluated", timeout=30)
         at = evaluated_at(moment)
         if at is not None and at > ended + 2:
@@ -187,9 +203,9 @@ def _evaluation_after(lab: Lab, started: float, ended: float) -> float:
     raise AssertionError(f"no evaluation after the burst ({ended - started:.0f} s) within {WINDOW_S} s")
 
 
-def _recorded_ratios(lab: Lab, started: float, ended: float) -> dict[str, float]:
+def _recorded_ratios(lab: Lab, quiet: float, started: float, ended: float) -> dict[str, float]:
     """The recorded hit ratios at an evaluation whose window holds the whole burst."""
-    at = _evaluation_after(lab, started, ended)
+    at = _evaluation_after(lab, quiet, started, ended)
     port_of = {f"127.0.0.1:{r['url'].rsplit(':', 1)[1]}": r["id"] for r in lab.status["replicas"]}
     shown = {port_of[s["metric"]["instance"]]: float(s["value"][1])
              for s in prometheus_query(lab, queries.INSTANCE_HIT_RATIO, at)}  # fmt: skip
@@ -199,8 +215,8 @@ def _recorded_ratios(lab: Lab, started: float, ended: float) -> dict[str, float]
 
 
 def test_recording_rules_equal_the_engines_counters(vllm_lab: Lab):
-    started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
-    shown = _recorded_ratios(vllm_lab, started, ended)
+    quiet, started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
+    shown = _recorded_ratios(vllm_lab, quiet, started, ended)
     assert shown.keys() == truth.keys()
     for name, value in truth.items():
         assert shown[name] == pytest.approx(value, abs=0.02), (name, shown, truth)
@@ -234,9 +250,9 @@ def test_scrape_says_caching_is_off(vllm_lab: Lab):
 def test_cluster_hit_ratio_counts_the_uncached_engine_as_zero(vllm_lab: Lab):
     """vLLM stops counting prefix-cache lookups when caching is off; the delivered ratio still counts
     r2's prompt tokens, so the cluster figure is the cluster's real reuse."""
-    started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
+    quiet, started, ended, truth = _burst_and_truth(vllm_lab, conversations=2)
     assert truth["r2"] == 0 and truth["r1"] > 0.3
-    shown = _recorded_ratios(vllm_lab, started, ended)
+    shown = _recorded_ratios(vllm_lab, quiet, started, ended)
     for name, value in truth.items():
         assert shown[name] == pytest.approx(value, abs=0.02), (name, shown, truth)
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from collectors.connections import url_problem
 from collectors.engines import Exposition
 from collectors.engines.base import Reader
 from collectors.records import SessionResult
+from collectors.redaction import redact
 from collectors.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
 
 DEFAULT_TOKENS = 16  # vLLM's default on GPUs
@@ -110,7 +112,9 @@ async def _from_prometheus(client: httpx.AsyncClient, url: str) -> BlockSize | N
             response = await client.get(f"{url.rstrip('/')}/api/v1/query", params={"query": PROMETHEUS_QUERY})
         response.raise_for_status()
         series = response.json()["data"]["result"]
-        return _smallest((s["metric"].get("block_size", "") for s in series), f"in Prometheus at {url}")
+        return _smallest(
+            (s["metric"].get("block_size", "") for s in series), f"in Prometheus at {redact(url)}"
+        )
     except (TimeoutError, httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -121,7 +125,7 @@ async def _from_metrics(client: httpx.AsyncClient, url: str) -> BlockSize | None
         sizes = Reader(Exposition(text)).label_values(SERIES, "block_size", optional=True)
     except (ScrapeError, ValueError):  # ValueError: what the text parser raises on junk
         return None
-    return _smallest(sizes or (), f"at {url}")
+    return _smallest(sizes or (), f"at {redact(url)}")
 
 
 def _smallest(labels: Iterable[str], where: str) -> BlockSize | None:
@@ -175,5 +179,7 @@ def sources_from_args(args: argparse.Namespace, base_urls: Sequence[str]) -> Blo
     for flag, url in (("--prometheus", args.prometheus), ("--metrics-url", args.metrics_url)):
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"{flag} must start with http:// or https://")
+        if url and (reason := url_problem(url)):
+            raise ValueError(f"{flag} {redact(url)} is not a valid URL: {reason}")
     override = None if args.block_size is None else BlockSize(args.block_size, "--block-size")
     return sources_for(base_urls, args.prometheus, override, args.metrics_url)

@@ -41,6 +41,7 @@ from collectors.probe import (
 )
 from collectors.queries import ALERTS
 from collectors.records import RoundResult, SessionResult
+from collectors.redaction import redact
 from collectors.workload import Conversation, synthetic
 from lab.tokenizer import TemplateError, message_text, split_words
 
@@ -225,7 +226,7 @@ async def reachability(route: _Route) -> Check:
     """Does anything answer at the base URL, and is it the API root? A 404 there tries the variants."""
     name, probe = "reachability", route.probe
     route.first = first = await _one_round(route.client, probe)
-    url = api_url(probe.base_url, "chat/completions")
+    url = redact(api_url(probe.base_url, "chat/completions"))
     if first.error_kind in UNREACHABLE:
         fix = f"{HINTS[first.error_kind]}; `curl -v {url}` shows which hop fails"
         return Check(name, "fail", first.error_detail, fix, "connection_refused")
@@ -236,8 +237,8 @@ async def reachability(route: _Route) -> Check:
         answer = await _one_round(route.client, candidate)
         if answer.error_kind not in (*UNREACHABLE, "not_found") or await _models(route.client, candidate):
             route.probe, route.first = candidate, answer
-            root = api_url(variant, "").rstrip("/")
-            works = api_url(variant, "chat/completions")
+            root = redact(api_url(variant, "").rstrip("/"))
+            works = redact(api_url(variant, "chat/completions"))
             evidence = (
                 f"{url} answers HTTP 404; {works} answers HTTP {answer.status} (the later checks use it)"
             )
@@ -245,7 +246,7 @@ async def reachability(route: _Route) -> Check:
             return Check(name, "fail", evidence, fix, "bad_base_url")
     evidence = (
         f"{url} answers HTTP 404, and so does every shorter base URL; GET "
-        f"{api_url(probe.base_url, 'models')} lists no models: the base URL or the model id is wrong"
+        f"{redact(api_url(probe.base_url, 'models'))} lists no models: the base URL or the model id is wrong"
     )
     return Check(
         name, "warn", evidence, "find the API root: what precedes /chat/completions in a URL that works"
@@ -282,7 +283,7 @@ async def response_shape(route: _Route) -> Check:
             fix = "the server ignored `stream: true` (or a proxy collected the stream): make both sides agree"
         return Check(name, "fail", first.error_detail, fix, "bad_response")
     offered = await _models(route.client, probe)
-    models_url = api_url(probe.base_url, "models")
+    models_url = redact(api_url(probe.base_url, "models"))
     if offered and probe.model in offered:
         evidence = f"{first.error_detail}; yet GET {models_url} lists {probe.model}"
         return Check(name, "fail", evidence, "route /chat/completions to the engines", "bad_base_url")
@@ -445,7 +446,9 @@ async def prefix_caching(route: _Route, prometheus_url: str | None, blocker: Che
         try:
             flagged = await _caching_off_in_prometheus(route.client, prometheus_url)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
-            seen.append(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
+            seen.append(
+                redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
+            )
     off += [f"Prometheus: {line}" for line in flagged or []]
     seen += ["Prometheus: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)
@@ -670,6 +673,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:
-        print(f"kvwatch doctor: {api_url(probe.base_url, 'chat/completions')}, model {probe.model}\n")
+        print(f"kvwatch doctor: {redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}\n")
         print(format_diagnosis(diagnosis))
     return 1 if diagnosis.failed else 0

@@ -43,6 +43,7 @@ from collectors.probe import (
     with_block_size,
 )
 from collectors.records import SessionResult
+from collectors.redaction import redact
 from collectors.workload import Conversation, load_sharegpt, synthetic
 
 RESAMPLES = 2000
@@ -303,7 +304,7 @@ def report(experiment: Experiment, rounds: list[dict], routes: list[dict], about
     a, b = experiment.labels
     lines = [f"## A/B experiment: {a} (A) vs {b} (B)", ""]
     for group, route in zip(GROUPS, (experiment.a, experiment.b), strict=True):
-        lines.append(f"- {group}, {route.target}: {api_url(route.base_url, 'chat/completions')}")
+        lines.append(f"- {group}, {route.target}: {redact(api_url(route.base_url, 'chat/completions'))}")
     lines += [
         f"- {len(experiment.sessions[0])} sessions of {experiment.rounds} rounds through each route: the "
         f"same conversations, interleaved session by session, {experiment.concurrency} at a time; model "

@@ -24,6 +24,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -31,7 +32,9 @@ import httpx
 from collectors import blocksize
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
+from collectors.connections import connect_reason, url_problem
 from collectors.records import RoundResult, SessionResult
+from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
 
 SESSION_MODES = ("client", "server", "none")
@@ -40,10 +43,19 @@ SESSION_MODES = ("client", "server", "none")
 DEFAULT_BACKEND_HEADERS = ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token")
 DEFAULT_BACKEND_JSON_PATHS = ("nvext.worker_id",)  # NVIDIA Dynamo's extension field
 
+# What one round may receive; beyond it the round fails as stream_error, before memory runs out.
 MAX_LINE_BYTES = 1 << 20  # a streamed chunk is a few hundred bytes; more is a body that is no stream
+MAX_STREAM_LINES = 100_000  # two per token: answers of up to 50,000 tokens
+MAX_ANSWER_BYTES = 1 << 20  # of content: a probe's answer is a few dozen tokens
 MAX_BODY_BYTES = 64 << 10  # of a non-streamed answer: enough for any error object
+# Usage counts are exact integers below this: a float (Prometheus) holds them exactly, SQLite stores them.
+MAX_TOKEN_COUNT = 1 << 53
+USAGE_FIELDS = {
+    "prompt_tokens": "usage.prompt_tokens",
+    "completion_tokens": "usage.completion_tokens",
+    "cached_tokens": "usage.prompt_tokens_details.cached_tokens",
+}
 EXCERPT_CHARS = 200
-_SECRET_PATTERN = re.compile(r"(Bearer\s+)[\w.~+/=-]+|\bsk-[\w*.-]+", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _VISIBLE_ASCII = re.compile(r"[!-~]+")  # what may go into a header unquoted
 
@@ -127,6 +139,8 @@ class ProbeSettings:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must start with http:// or https://")
+        if problem := url_problem(self.base_url):
+            raise ValueError(f"base_url {redact(self.base_url)} is not a valid URL: {problem}")
         if not self.model:
             raise ValueError("model must not be empty")
         if self.session_mode not in SESSION_MODES:
@@ -157,6 +171,7 @@ class _Reply:
     status: int | None = None
     headers: httpx.Headers = field(default_factory=httpx.Headers)
     answer: list[str] = field(default_factory=list)
+    answer_bytes: int = 0
     ttft_seconds: float | None = None
     total_seconds: float | None = None
     usage: dict = field(default_factory=dict)
@@ -263,7 +278,8 @@ async def _round(
     except (TimeoutError, httpx.TimeoutException):
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
     except (httpx.ConnectError, httpx.ProxyError) as error:
-        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
+        reason = connect_reason(error)
+        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {reason}"
     except httpx.HTTPError as error:
         kind = "stream_error" if reply.status == 200 else "http_error"
         detail = f"{type(error).__name__}: {error}"
@@ -281,9 +297,12 @@ async def _round(
             cached_tokens=usage.get("cached_tokens"),
             ideal_cached_tokens=_ideal(previous, usage.get("prompt_tokens"), settings.block_size),
             completion_tokens=usage.get("completion_tokens"),
-            backend=_header_backend(settings.backend_headers, reply.headers) or reply.json_backend,
+            backend=redacted_name(
+                _header_backend(settings.backend_headers, reply.headers) or reply.json_backend,
+                settings.api_key,
+            ),
             session_id_sent=session_id,
-            session_id_returned=reply.headers.get(settings.session_header),
+            session_id_returned=redacted_name(reply.headers.get(settings.session_header), settings.api_key),
         ),
         "".join(reply.answer),
     )
@@ -328,28 +347,54 @@ def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: floa
             if reply.ttft_seconds is None:
                 reply.ttft_seconds = time.perf_counter() - start
             reply.answer.append(content)
+            reply.answer_bytes += len(content.encode())
+            if reply.answer_bytes > MAX_ANSWER_BYTES:
+                raise _Failure("stream_error", f"answer over {MAX_ANSWER_BYTES} bytes")
     usage = chunk.get("usage")
     if usage:
-        figures = {
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
+        details = usage.get("prompt_tokens_details") or {}
+        reply.usage = _token_counts(
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
             # None when the engine does not report it (vLLM without --enable-prompt-tokens-details).
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-        }
-        if not all(value is None or type(value) is int for value in figures.values()):
-            raise TypeError("usage counts are not integers")
-        reply.usage = figures
+            cached_tokens=details.get("cached_tokens"),
+        )
     for path in settings.backend_json_paths:
         value = _lookup(chunk, path)
         if isinstance(value, str | int) and not isinstance(value, bool):
             reply.json_backend = str(value)
 
 
+def _token_counts(**counts: object) -> dict[str, int | None]:
+    """The usage counts, each a token count or None: one absurd number would break the store and the
+    exporter for every target, and a negative one would make counters go down."""
+    for name, value in counts.items():
+        if value is not None and not (type(value) is int and 0 <= value < MAX_TOKEN_COUNT):
+            raise _Failure("stream_error", f"{USAGE_FIELDS[name]} is {_shown(value)}, not a token count")
+    prompt, cached = counts["prompt_tokens"], counts["cached_tokens"]
+    if prompt is not None and cached is not None and cached > prompt:
+        cached_field, prompt_field = USAGE_FIELDS["cached_tokens"], USAGE_FIELDS["prompt_tokens"]
+        raise _Failure("stream_error", f"{cached_field} is {cached}, more than {prompt_field} ({prompt})")
+    return counts
+
+
+def _shown(value: object) -> str:
+    """A value as the server sent it, shortened: a number of 400 digits as 1.00e+400."""
+    text = json.dumps(value)
+    if len(text) <= 20:
+        return text
+    return f"{Decimal(value):.3g}" if type(value) is int else text[:20] + "…"
+
+
 async def _lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The body's lines, none longer than MAX_LINE_BYTES: an endless line would be endless memory."""
-    buffer = b""
+    """The body's lines, at most MAX_STREAM_LINES of at most MAX_LINE_BYTES each: an endless line would be
+    endless memory, an endless stream endless work."""
+    buffer, count = b"", 0
     async for chunk in response.aiter_bytes():
         *lines, buffer = (buffer + chunk).split(b"\n")
+        count += len(lines)
+        if count > MAX_STREAM_LINES:
+            raise _Failure("stream_error", f"more than {MAX_STREAM_LINES} lines: a stream that does not end")
         for line in lines:
             yield line.rstrip(b"\r").decode(errors="replace")
         if len(buffer) > MAX_LINE_BYTES:
@@ -447,10 +492,8 @@ def _lookup(chunk: object, path: str) -> object:
 
 
 def _excerpt(text: str, api_key: str | None) -> str:
-    """One short line of `text` with the API key and anything that looks like a key redacted."""
-    if api_key:
-        text = text.replace(api_key, "[redacted]")
-    text = " ".join(_SECRET_PATTERN.sub(lambda m: f"{m.group(1) or ''}[redacted]", text).split())
+    """One short line of `text`, redacted before it is cut, so that no piece of a key survives the cut."""
+    text = " ".join(redact(text, api_key).split())
     return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
 
 
@@ -485,7 +528,7 @@ def session_json(session: SessionResult) -> dict:
 
 def format_report(settings: ProbeSettings, sessions: list[SessionResult], block: BlockSize) -> str:
     """Per round across sessions, then per session: what an SRE reads first."""
-    url, mode = api_url(settings.base_url, "chat/completions"), settings.session_mode
+    url, mode = redact(api_url(settings.base_url, "chat/completions")), settings.session_mode
     title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
     rows = []
     for number in range(1, max((len(s.rounds) for s in sessions), default=0) + 1):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from collectors.connections import connect_reason, url_problem
 from collectors.engines import (
     FLAVOURS,
     Exposition,
@@ -106,6 +106,8 @@ async def fetch(client: httpx.AsyncClient, source: str, timeout: float, max_byte
     """The text of a /metrics URL or a file, refusing more than `max_bytes` before reading them all."""
     try:
         if "://" in source:
+            if problem := url_problem(source):
+                raise ScrapeError(f"not a valid URL: {problem}")
             async with asyncio.timeout(timeout):  # the whole body, not each read: a slow drip ends too
                 body = await _read_url(client, source, max_bytes)
         else:
@@ -114,7 +116,7 @@ async def fetch(client: httpx.AsyncClient, source: str, timeout: float, max_byte
     except (TimeoutError, httpx.TimeoutException) as error:
         raise ScrapeError(f"no complete answer within {timeout:g} s") from error
     except httpx.ConnectError as error:
-        raise ScrapeError(f"cannot connect: {_os_reason(error)}") from error
+        raise ScrapeError(f"cannot connect: {connect_reason(error)}") from error
     except httpx.HTTPError as error:
         raise ScrapeError(f"HTTP request failed: {error}") from error
     except OSError as error:
@@ -139,15 +141,6 @@ async def _read_url(client: httpx.AsyncClient, url: str, max_bytes: int) -> byte
         return bytes(body)
 
 
-def _os_reason(error: BaseException) -> str:
-    """The operating system's reason under httpx's generic "All connection attempts failed"."""
-    while (cause := error.__cause__ or error.__context__) is not None:
-        error = cause
-    if isinstance(error, OSError) and error.errno:
-        return os.strerror(error.errno) if error.errno > 0 else str(error.strerror)
-    return str(error)
-
-
 def _size(count: int) -> str:
     return f"{count / 2**20:g} MiB" if count >= 2**20 else f"{count} bytes"
 
@@ -169,6 +162,9 @@ def format_result(result: Result) -> str:
         rows.append(("counter reset", "a counter went down: the source restarted within the window"))
     if record.missing:
         rows.append(("missing series", ", ".join(record.missing)))
+    if record.invalid:
+        bad = ", ".join(f"{name} = {value}" for name, value in sorted(record.invalid.items()))
+        rows.append(("invalid series", f"{bad} (no measurement: not counted)"))
     lines = [f"{result.source}  [{record.flavour}, {scope}]"]
     lines += [f"  {label:<20} {value}" for label, value in rows]
     return "\n".join(lines)
@@ -217,7 +213,8 @@ def _hit_ratio(record: Normalised) -> str:
         )
     if record.hit_ratio_source is not None:
         return f"unknown: the engine's gauge has no data ({record.hit_ratio_source})"
-    return "unknown: no hit-ratio series (see missing series)"
+    gaps = "missing and invalid series" if record.invalid else "missing series"
+    return f"unknown: no usable hit-ratio series (see {gaps})"
 
 
 def _count(value: float | None) -> str:

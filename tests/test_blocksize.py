@@ -269,8 +269,12 @@ def test_prometheus_comes_before_metrics_and_an_explicit_metrics_url_before_the_
         (["--block-size", "2097152"], "--block-size must be <= 1048576 (1 << 20), got 2097152"),
         (["--metrics-url", "127.0.0.1:8000/metrics"], "--metrics-url must start with http:// or https://"),
         (["--prometheus", "prometheus:9090"], "--prometheus must start with http:// or https://"),
+        (
+            ["--prometheus", "http://kvw:pw@h:99999"],
+            "--prometheus http://kvw:[redacted]@h:99999 is not a valid URL: port 99999 is not 1 to 65535",
+        ),
     ],
-    ids=["zero", "too-large", "metrics-url", "prometheus"],
+    ids=["zero", "too-large", "metrics-url", "prometheus", "port"],
 )
 def test_every_command_rejects_a_bad_block_size_option_with_exit_2(command, flags, message, tmp_path, capsys):
     args = [arg.format(tmp=tmp_path) for arg in command]

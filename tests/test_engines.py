@@ -228,6 +228,13 @@ def test_nan_samples_never_become_a_ratio():
     assert normalise(read(v0)).hit_ratio is None
 
 
+@pytest.mark.parametrize("first, second", [("NaN", 500), (100, "NaN")], ids=["at-start", "at-end"])
+def test_a_window_with_an_invalid_sample_at_either_end_is_unknown_not_the_lifetime(first, second):
+    record = normalise(read(vllm_v1(second, 2000), 5.0), read(vllm_v1(first, 1000), 0.0))
+    assert (record.hit_ratio, record.cached_tokens, record.prompt_tokens) == (None, None, 1000)
+    assert record.invalid == {"vllm:prefix_cache_hits_total": "NaN"}
+
+
 def test_histogram_buckets_match_le_numerically():
     """prometheus_client writes `le="1.0"`, the Rust exporters `le="1"`: one bucket either way."""
     text = vllm_v1(0, 0, 1, 1) + (
@@ -361,6 +368,28 @@ def test_a_router_worker_series_recreated_lower_counts_from_zero_alone():
     before = read(vllm_router_0_1_17(dict(zip(WORKERS, (50, 40, 30), strict=True)), 0, 0))
     now = read(vllm_router_0_1_17(dict(zip(WORKERS, (55, 40, 2), strict=True)), 0, 0))
     assert normalise(now, before).per_worker == {WORKERS[0]: 5, WORKERS[1]: 0, WORKERS[2]: 2}
+
+
+@pytest.mark.parametrize(
+    "text, invalid, figure",
+    [
+        (
+            sgl_router_0_2({WORKERS[0]: "NaN", WORKERS[1]: 5}, 0, 0),
+            "sgl_router_processed_requests_total",
+            "per_worker",  # not the health gauge's 0 for every worker
+        ),
+        (
+            vllm_router_0_1_17({WORKERS[0]: 3}, -1, 0),
+            "vllm_router_prefix_routing_decisions_total",
+            "router_cache_predictions",
+        ),
+    ],
+    ids=["sglang-router", "vllm-router"],
+)
+def test_a_router_counter_with_an_invalid_sample_counts_nothing_and_is_named(text, invalid, figure):
+    record = normalise(read(text))
+    assert invalid in record.invalid and invalid not in record.missing
+    assert getattr(record, figure) == {}
 
 
 def test_detection_refuses_unknown_and_ambiguous_expositions():

@@ -10,18 +10,33 @@ import re
 import statistics
 import sys
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
+from contextlib import asynccontextmanager, suppress
 from itertools import pairwise
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
 
 from collectors.cli import main
-from collectors.probe import HINTS, ProbeSettings, api_url, probe_once, resolve_api_key, run_session
+from collectors.exporter import ProbeCollector, ProbeResults
+from collectors.probe import (
+    HINTS,
+    MAX_ANSWER_BYTES,
+    MAX_STREAM_LINES,
+    MAX_TOKEN_COUNT,
+    ProbeSettings,
+    api_url,
+    probe_once,
+    resolve_api_key,
+    run_session,
+    run_sessions,
+)
 from collectors.records import ERROR_KINDS, SessionResult
+from collectors.store import Store
 from collectors.workload import Conversation, synthetic
 from conftest import REPO, free_port
 
@@ -319,10 +334,13 @@ ANSWER = [
 WORKLOAD = Conversation("Be brief.", ("first question", "second question", "third question"))
 
 
-def against(handler, **settings) -> SessionResult:
+def against(handler, scheme: str = "http", **settings) -> SessionResult:
     async def scenario():
         async with fake_server(handler) as url, httpx.AsyncClient() as client:
-            return await run_session(client, ProbeSettings(base_url=url, model=MODEL, **settings), WORKLOAD)
+            base_url = url.replace("http", scheme, 1)
+            return await run_session(
+                client, ProbeSettings(base_url=base_url, model=MODEL, **settings), WORKLOAD
+            )
 
     return asyncio.run(scenario())
 
@@ -334,14 +352,22 @@ def answering(events: list[str], headers: dict | None = None):
     return handler
 
 
+def answering_rounds(*rounds: list[str]):
+    """Each request answered with the next of `rounds`, the last one from there on."""
+    requests = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        requests.append(request)
+        return await sse(request, rounds[min(len(requests), len(rounds)) - 1])
+
+    return handler
+
+
 def replying(body: dict, status: int = 200):
     async def handler(request: web.Request) -> web.Response:
         return web.json_response(body, status=status)
 
     return handler
-
-
-ERROR_OBJECT = {"error": {"message": f"Incorrect API key provided: {KEY}", "code": "invalid_api_key"}}
 
 
 ERROR_OBJECT = {"error": {"message": f"Incorrect API key provided: {KEY}", "code": "invalid_api_key"}}
@@ -382,13 +408,7 @@ def test_broken_answers_are_classified_and_redacted(handler, status, kind, detai
 
 
 def test_a_round_failing_later_keeps_the_rounds_before_it():
-    requests = []
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        requests.append(request)
-        return await sse(request, ANSWER if len(requests) < 2 else ANSWER[:2])
-
-    session = against(handler)
+    session = against(answering_rounds(ANSWER, ANSWER[:2]))
     assert [(r.round, r.error_kind) for r in session.rounds] == [(1, None), (2, "stream_error")]
     assert session.error_kind == "stream_error" and not session.ok
 
@@ -402,6 +422,12 @@ def test_a_hanging_server_times_out_within_the_round_cap():
     session = against(hang, timeout_seconds=0.3)
     assert time.monotonic() - started < 3
     assert [r.error_kind for r in session.rounds] == ["timeout"]
+
+
+def test_tls_to_a_plain_http_port_is_said_to_be_so():
+    (failed,) = against(answering(ANSWER), scheme="https").rounds
+    assert failed.error_kind == "connection_refused"
+    assert failed.error_detail.endswith(": TLS handshake failed: is the server speaking plain HTTP?")
 
 
 def test_each_round_sends_the_system_prompt_the_history_and_the_answers_received():
@@ -476,6 +502,195 @@ def test_backend_identity_conventions(headers, extra_chunk, settings, backend):
     assert [r.backend for r in session.rounds] == [backend] * 3
     # Without a backend name, cached tokens tell: each warm round reused all a pinned replica would.
     assert session.sticky is True
+
+
+# A misbehaving server: absurd usage, endless answers, the key echoed back in every form.
+
+
+def with_usage(**usage) -> list[str]:
+    """ANSWER with `usage` over its usage."""
+    return [*ANSWER[:3], json.dumps({"choices": [], "usage": {**USAGE, **usage}}), "[DONE]"]
+
+
+@pytest.mark.parametrize(
+    "usage, detail",
+    [
+        pytest.param({"prompt_tokens": 1e20}, "usage.prompt_tokens is 1e+20, not a token count", id="1e20"),
+        pytest.param(
+            {"prompt_tokens": 10**400}, "usage.prompt_tokens is 1.00e+400, not a token count", id="huge"
+        ),
+        pytest.param(
+            {"prompt_tokens": 2**53}, "usage.prompt_tokens is 9007199254740992, not a token count", id="2^53"
+        ),
+        pytest.param(
+            {"completion_tokens": -2}, "usage.completion_tokens is -2, not a token count", id="negative"
+        ),
+        pytest.param({"prompt_tokens": "40"}, 'usage.prompt_tokens is "40", not a token count', id="string"),
+        pytest.param(
+            {"completion_tokens": True}, "usage.completion_tokens is true, not a token count", id="bool"
+        ),
+        pytest.param(
+            {"prompt_tokens_details": {"cached_tokens": -1}},
+            "usage.prompt_tokens_details.cached_tokens is -1, not a token count",
+            id="negative-cached",
+        ),
+        pytest.param(
+            {"prompt_tokens_details": {"cached_tokens": 41}},
+            "usage.prompt_tokens_details.cached_tokens is 41, more than usage.prompt_tokens (40)",
+            id="cached-over-prompt",
+        ),
+    ],
+)
+def test_usage_that_is_no_token_count_fails_its_round_and_keeps_the_rounds_before(usage, detail):
+    session = against(answering_rounds(ANSWER, with_usage(**usage)))
+
+    assert [(r.round, r.error_kind) for r in session.rounds] == [(1, None), (2, "stream_error")]
+    failed = session.rounds[1]
+    assert failed.error_detail == detail
+    assert (failed.prompt_tokens, failed.cached_tokens, failed.completion_tokens) == (None, None, None)
+
+
+def test_the_largest_token_count_is_stored_and_exported_and_a_larger_one_breaks_neither(tmp_path):
+    largest = MAX_TOKEN_COUNT - 1
+    at_most = {
+        "prompt_tokens": largest,
+        "completion_tokens": largest,
+        "prompt_tokens_details": {"cached_tokens": largest},
+    }
+    session = against(answering_rounds(with_usage(**at_most), with_usage(prompt_tokens=10**400)))
+
+    with Store(tmp_path / "kvwatch.db") as store:
+        assert store.session(store.add_session(session)) == session
+    results, registry = ProbeResults(), CollectorRegistry()
+    registry.register(ProbeCollector(results, {}))
+    results.add_run(("probe", "unknown"), [session], session.started_at, session.finished_at)
+    assert b"kvwatch_probe_prompt_tokens_total" in generate_latest(registry)  # what /metrics answers
+    labels = {"target": "probe", "route_mode": "unknown", "round": "1"}
+    assert registry.get_sample_value("kvwatch_probe_cached_tokens_total", labels) == largest
+    assert [r.error_kind for r in session.rounds] == [None, "stream_error"]
+
+
+def endless(piece: bytes):
+    """A server streaming `piece` over and over; for 30 s at most, so that even a probe that never stops
+    ends, if only by its timeout."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        deadline = time.monotonic() + 30
+        with suppress(ConnectionResetError):  # the probe hung up, as it must
+            while time.monotonic() < deadline:
+                await response.write(piece)
+        return response
+
+    return handler
+
+
+BIG_CHUNK = json.dumps({"choices": [{"delta": {"content": "x" * 4096}}]})
+TINY_CHUNK = json.dumps({"choices": [{"delta": {"content": "x"}}]})
+
+
+@pytest.mark.parametrize(
+    "piece, detail",
+    [
+        pytest.param(
+            f"data: {BIG_CHUNK}\n\n".encode(), f"answer over {MAX_ANSWER_BYTES} bytes", id="content"
+        ),
+        pytest.param(
+            f"data: {TINY_CHUNK}\n\n".encode() * 100, f"more than {MAX_STREAM_LINES} lines", id="chunks"
+        ),
+        pytest.param(b": keep-alive\n" * 1000, f"more than {MAX_STREAM_LINES} lines", id="keep-alives"),
+    ],
+)
+def test_an_endless_answer_stops_at_its_cap_long_before_the_timeout(piece, detail):
+    started = time.monotonic()
+    session = against(endless(piece), timeout_seconds=10)
+
+    assert time.monotonic() - started < 5
+    (failed,) = session.rounds
+    assert failed.error_kind == "stream_error" and detail in failed.error_detail, failed.error_detail
+
+
+# Characters that JSON, URLs and both base64 alphabets each encode, and letters for the case to change.
+ECHOED_KEY = 'kvw/Se+cr"et\\Key=5f1c0e?9a>c'
+
+
+def echoed_forms(key: str) -> list[str]:
+    """The key as a server may echo it, made here independently of the redaction under test."""
+    standard, urlsafe = (
+        base64.b64encode(key.encode()).decode(),
+        base64.urlsafe_b64encode(key.encode()).decode(),
+    )
+    assert "+" in standard and "/" in standard and standard.endswith("=") and standard != urlsafe
+    forms = [key, json.dumps(key)[1:-1], quote(key, safe=""), key.upper(), key.lower(), standard, urlsafe]
+    basic_auth = base64.b64encode(f"user:{key}".encode()).decode()  # the key's base64 inside another's
+    return [*forms, standard.rstrip("="), urlsafe.rstrip("="), basic_auth]
+
+
+def leaks(text: str, forms: Iterable[str], size: int = 10) -> set[str]:
+    """The pieces of `size` characters of any form of the key that `text` shows, in any case."""
+    pieces = {form[i : i + size] for form in forms for i in range(len(form) - size + 1)}
+    return {piece for piece in pieces if piece.lower() in text.lower()}
+
+
+def echoing(forms: list[str]):
+    """Session n gets form n of the key echoed: as its backend header and its session id (round 1), as the
+    JSON field naming the backend (round 2), and in the error that ends it (round 3)."""
+    requests: dict[str, int] = {}  # by session id, in the order the sessions came
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        session = request.headers["X-Session-Id"]
+        requests[session] = requests.get(session, 0) + 1
+        form = forms[list(requests).index(session) % len(forms)]
+        if requests[session] == 1:
+            return await sse(request, ANSWER, {"X-Worker-Id": f"worker-{form}", "X-Session-Id": form})
+        if requests[session] == 2:
+            named = json.dumps({"choices": [], "nvext": {"worker_id": f"worker-{form}"}})
+            return await sse(request, [*ANSWER[:-1], named, "[DONE]"], {"X-Session-Id": session})
+        return await sse(request, ['{"error": {"message": "Incorrect API key provided: ' + form + '"}}'])
+
+    return handler
+
+
+async def run_kvwatch(*args: str, env: dict | None = None) -> tuple[int | None, str, str]:
+    """`kvwatch ARGS` in a process of its own: its exit code, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "collectors.cli", *args, cwd=REPO, env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    return process.returncode, out.decode(), err.decode()
+
+
+def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(tmp_path):
+    forms = echoed_forms(ECHOED_KEY)
+    sessions = ["--sessions", str(len(forms)), "--rounds", "3"]
+
+    async def scenario() -> tuple[list[tuple], list[SessionResult]]:
+        async with fake_server(echoing(forms)) as url:
+            flags = ["probe", "--base-url", url, *SMALL, *sessions, "--api-key-env", "KVW_TEST_KEY"]
+            env = {"KVW_TEST_KEY": ECHOED_KEY}
+            runs = [await run_kvwatch(*flags, *json_flag, env=env) for json_flag in ([], ["--json"])]
+            settings = ProbeSettings(base_url=url, model=MODEL, api_key=ECHOED_KEY, max_tokens=8)
+            return runs, await run_sessions(settings, synthetic(3, 50, 10, 0, len(forms)))
+
+    runs, results = asyncio.run(scenario())
+    assert [code for code, _, _ in runs] == [1, 1]  # every session fails in round 3
+    report = json.loads(runs[1][1])
+    assert [s["backends"] for s in report["sessions"]] == [["[redacted]", "[redacted]"]] * len(forms)
+    assert all("[redacted]" in s["rounds"][2]["error_detail"] for s in report["sessions"])
+    with Store(tmp_path / "kvwatch.db") as store:
+        for session in results:
+            store.add_session(session)
+        rows = store.sessions() + store.rounds()
+    exporter, registry = ProbeResults(), CollectorRegistry()
+    registry.register(ProbeCollector(exporter, {}))
+    exporter.add_run(("probe", "unknown"), results, 0, 1)
+
+    stored = "\n".join(str(value) for row in rows for value in row.values())
+    printed = [out + err for _, out, err in runs]
+    for output in (*printed, stored, generate_latest(registry).decode()):
+        assert not leaks(output, forms), output
 
 
 # The command line.
@@ -555,6 +770,10 @@ def test_cli_failure_exits_1_with_a_hint_per_error_kind(capsys):
         (["--rounds", "0", "--timeout", "-1"], "--rounds must be positive; --timeout must be positive"),
         (["--api-key-env", "KVW_TEST_UNSET"], "environment variable KVW_TEST_UNSET is not set or empty"),
         (["--base-url", "127.0.0.1:8000"], "base_url must start with http:// or https://"),
+        (
+            ["--base-url", "http://kvw:pw@127.0.0.1:99999"],
+            "base_url http://kvw:[redacted]@127.0.0.1:99999 is not a valid URL: port 99999 is not 1 to 65535",
+        ),
         (["--sharegpt", "/nonexistent.json"], "/nonexistent.json: no such file"),
     ],
 )
@@ -586,14 +805,9 @@ def test_the_api_key_never_reaches_the_output(replica):
     httpx.post(f"{replica}/lab/faults", json={"api_keys": {KEY: [MODEL]}}, timeout=5).raise_for_status()
 
     async def run(url: str, *flags: str) -> tuple[int | None, str]:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "collectors.cli", "probe", "--base-url", url, *SMALL, "--rounds", "2",
-            "--sessions", "1", "--api-key-env", "KVW_TEST_KEY", *flags,
-            cwd=REPO, env={**os.environ, "KVW_TEST_KEY": KEY},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-        return process.returncode, (out + err).decode()
+        args = ["probe", "--base-url", url, *SMALL, "--rounds", "2", "--sessions", "1", *flags]
+        code, out, err = await run_kvwatch(*args, "--api-key-env", "KVW_TEST_KEY", env={"KVW_TEST_KEY": KEY})
+        return code, out + err
 
     async def scenario() -> list[tuple[int | None, str]]:
         async with fake_server(replying(ERROR_OBJECT, 401)) as echoing:
@@ -605,6 +819,27 @@ def test_the_api_key_never_reaches_the_output(replica):
     assert [code for code, _ in runs] == [0, 0, 1, 1]
     assert all("[redacted]" in output for _, output in runs[2:])
     assert not [output for _, output in runs if KEY in output]
+
+
+def test_a_password_in_the_base_url_is_never_printed(tmp_path):
+    password = "pw-9d1e5c7a3f0b"
+
+    async def scenario() -> list[tuple[int | None, str, str]]:
+        async with fake_server(answering(ANSWER)) as url:
+            base = url.replace("://", f"://kvw:{password}@")
+            experiment = ["experiment", "--a", base, "--b", base, "--out", str(tmp_path), *SMALL[2:]]
+            return await asyncio.gather(
+                *(run_kvwatch(command, "--base-url", base, "--model", MODEL, *flags)
+                  for command in ("probe", "doctor") for flags in ([], ["--json"])),
+                run_kvwatch(*experiment, "--sessions", "2", "--rounds", "2"),
+            )  # fmt: skip
+
+    runs = asyncio.run(scenario())
+    assert [code for code, _, _ in runs[:2] + runs[4:]] == [0, 0, 0], runs  # the doctor may find causes
+    assert not [err for _, _, err in runs if "Traceback" in err]
+    assert "kvw:[redacted]@127.0.0.1:" in runs[0][1].splitlines()[0]
+    written = [path.read_bytes().decode(errors="replace") for path in tmp_path.iterdir()]
+    assert not [text for _, out, err in runs for text in (out, err, *written) if password in text]
 
 
 def test_a_key_file_that_is_not_text_is_named_without_quoting_the_key(tmp_path):

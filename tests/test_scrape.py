@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from collectors.cli import build_parser
+from collectors.cli import build_parser, main
 from collectors.engines import FLAVOURS
 from collectors.scrape import scrape
 from conftest import free_port, kvwatch
@@ -39,6 +40,7 @@ JSON_KEYS = [
     "kv_cache_usage",
     "prefix_caching_enabled",
     "missing",
+    "invalid",
     "per_worker",
     "policy_decisions",
     "router_cache_predictions",
@@ -125,6 +127,7 @@ def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
         str(unrelated): "unknown flavour: no series of a known engine or router",
         f"{server}/nothing-here": "HTTP 404 Not Found",
         refused: "cannot connect: Connection refused",
+        "http://127.0.0.1:99999/metrics": "not a valid URL: port 99999 is not 1 to 65535",
         f"{server}/endless": "more than 32 MiB (the size cap",
     }
     good = f"{server}/metrics"
@@ -178,6 +181,62 @@ def test_a_silent_source_times_out_and_the_others_still_print(server):
     assert result.returncode == 1
     assert f"{server}/silent: no complete answer within 0.5 s" in result.stdout
     assert f"{server}/metrics  [vllm, lifetime" in result.stdout
+
+
+def test_tls_to_a_plain_http_port_is_said_to_be_so(server):
+    (result,) = asyncio.run(scrape([f"{server.replace('http', 'https', 1)}/metrics"]))
+    assert result.error.endswith(": cannot connect: TLS handshake failed: is the server speaking plain HTTP?")
+
+
+VLLM = """\
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{engine="0"}} {hits}
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{engine="0"}} {queries}
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0"}} 1000
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0"}} {running}
+"""
+
+
+HITS = "vllm:prefix_cache_hits_total"
+
+
+@pytest.mark.parametrize(
+    "hits, queries, running, invalid, unknown",
+    [
+        pytest.param("NaN", 1000, 2, {HITS: "NaN"}, "hit_ratio", id="nan"),
+        pytest.param("+Inf", 1000, 2, {HITS: "+Inf"}, "hit_ratio", id="inf"),
+        pytest.param(  # a hit ratio of 10000 %, were they taken as counts
+            -100,
+            -1,
+            2,
+            {HITS: "-100.0", "vllm:prefix_cache_queries_total": "-1.0"},
+            "hit_ratio",
+            id="negative",
+        ),
+        pytest.param(
+            100, 1000, "-Inf", {"vllm:num_requests_running": "-Inf"}, "requests_running", id="gauge"
+        ),
+    ],
+)
+def test_a_nan_infinite_or_negative_series_is_named_invalid_and_never_printed_as_a_number(
+    tmp_path, capsys, hits, queries, running, invalid, unknown
+):
+    path = tmp_path / "metrics.prom"
+    path.write_text(VLLM.format(hits=hits, queries=queries, running=running))
+
+    assert main(["scrape", "--json", str(path)]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["invalid"] == invalid and record[unknown] is None
+    assert not set(invalid) & set(record["missing"])  # there, but bad
+    assert main(["scrape", str(path)]) == 0
+    rows = dict(line.strip().split("  ", 1) for line in capsys.readouterr().out.splitlines()[1:])
+    named = ", ".join(f"{name} = {value}" for name, value in invalid.items())
+    assert rows["invalid series"].strip() == f"{named} (no measurement: not counted)"
+    figures = " ".join(rows[label] for label in ("hit ratio", "tokens", "requests")).lower()
+    assert not re.search(r"\b(nan|inf)\b|-\d|\d{3}\.\d%", figures), figures
 
 
 def test_the_size_cap_applies_to_files(tmp_path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 # A histogram summed over its label sets: (upper bound, cumulative count) pairs, sorted, +Inf last.
 Buckets = tuple[tuple[float, float], ...]
@@ -18,6 +20,8 @@ EXPOSED_SUFFIXES = {
     "histogram": ("_bucket", "_count", "_sum"),
     "summary": ("_count", "_sum"),
 }
+# Series that count from 0 up, whatever their declared type: a negative sample is no count.
+COUNT_SUFFIXES = ("_total", "_bucket", "_count")
 
 
 class Exposition:
@@ -32,10 +36,16 @@ class Exposition:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         # Series a family declares even before it has samples, e.g. a labelled counter with no children.
         self.declared: set[str] = set()
+        # Series with a sample that is no measurement (NaN, infinite, a negative count): its first one.
+        self.invalid: dict[str, str] = {}
         for family in text_string_to_metric_families(text):
             self.declared.update(family.name + suffix for suffix in EXPOSED_SUFFIXES.get(family.type, ("",)))
             for sample in family.samples:
                 self.samples[sample.name].append(sample)
+                if not math.isfinite(sample.value) or (
+                    sample.value < 0 and sample.name.endswith(COUNT_SUFFIXES)
+                ):
+                    self.invalid.setdefault(sample.name, floatToGoString(sample.value))
 
     def has(self, name: str) -> bool:
         return name in self.declared or name in self.samples
@@ -61,8 +71,9 @@ class RatioGauge:
 class Snapshot:
     """The cumulative values one exposition showed at one scrape, in engine-agnostic terms.
 
-    None means the flavour has no such series or the exposition lacked it; `missing` names the
-    expected series that were not found.
+    None means the flavour has no such series, the exposition lacked it (`missing` names the expected
+    series that were not found) or had it with a sample that is no measurement (`invalid` names those
+    series with their first such value, e.g. "NaN", "-3.0").
     """
 
     flavour: str
@@ -82,6 +93,7 @@ class Snapshot:
     # Routers' cache_aware policy: how often it predicted a cached prefix. A guess, not an engine hit.
     router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    invalid: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,8 @@ class Reader:
     """Reads one flavour's series from an exposition, noting the expected ones it could not find.
 
     Each read takes alternative names, preferred first (a current name, then its deprecated one);
-    when none is present the preferred name goes to `missing`, unless the series is optional.
+    when none is present the preferred name goes to `missing`, unless the series is optional. The first
+    present one with an invalid sample reads as absent and goes to `invalid`: never a made-up number.
     Values are summed over label sets: one exposition is one replica, whatever its engines, ranks,
     models or streaming modes.
     """
@@ -106,6 +119,7 @@ class Reader:
     def __init__(self, exposition: Exposition) -> None:
         self.exposition = exposition
         self.missing: list[str] = []
+        self.invalid: dict[str, str] = {}
 
     def total(self, *names: str, optional: bool = False, duplicated_by: tuple[str, ...] = ()) -> float | None:
         """The sum of a series over its label sets; 0 when declared without samples, None when absent.
@@ -161,6 +175,9 @@ class Reader:
 
     def _pick(self, names: tuple[str, ...], optional: bool, report: str | None = None) -> str | None:
         for name in names:
+            if name in self.exposition.invalid:
+                self.invalid[name] = self.exposition.invalid[name]
+                return None
             if self.exposition.has(name):
                 return name
         if not optional:

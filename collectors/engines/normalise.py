@@ -18,10 +18,11 @@ class Normalised:
     `window_seconds` is None for lifetime figures (cumulative since the process started); otherwise
     counters are increases between two scrapes. A counter that went down means the process restarted:
     it counts from zero, as PromQL's increase() does, and `counter_reset` says so. A ratio or quantile
-    with no traffic under it is None, never 0 or NaN. `hit_ratio_source` says where the ratio came
-    from: "counters" (hits / lookups, token-weighted), or an engine-computed gauge ("v0-gauge",
-    "sglang-batch-gauge-fallback") that covers a window the engine chose, not this one. Router cache
-    predictions are the router's guess of where a prefix is cached, not what any engine found.
+    with no traffic under it is None, never 0 or NaN, and so is every figure of an `invalid` series
+    (named with its first bad value: NaN, an infinity, a negative count). `hit_ratio_source` says where
+    the ratio came from: "counters" (hits / lookups, token-weighted), or an engine-computed gauge
+    ("v0-gauge", "sglang-batch-gauge-fallback") that covers a window the engine chose, not this one.
+    Router cache predictions are the router's guess of where a prefix is cached, not what any engine found.
     """
 
     flavour: str
@@ -38,6 +39,7 @@ class Normalised:
     kv_cache_usage: float | None
     prefix_caching_enabled: bool | None
     missing: tuple[str, ...]
+    invalid: Mapping[str, str] = field(default_factory=dict)
     per_worker: Mapping[str, float] = field(default_factory=dict)
     policy_decisions: Mapping[str, float] = field(default_factory=dict)
     router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
@@ -51,8 +53,8 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
     change = _Change(before)
     prompt_tokens = change.counter("prompt_tokens", now.prompt_tokens)
     ratio, source = None, None
-    if now.hits is not None and now.queries is not None:
-        hits, queries = change.counter("hits", now.hits), change.counter("queries", now.queries)
+    hits, queries = change.counter("hits", now.hits), change.counter("queries", now.queries)
+    if hits is not None and queries is not None:
         ratio, source = (hits / queries if queries > 0 else None), COUNTERS
     elif now.hit_ratio_gauge is not None:
         value = now.hit_ratio_gauge.value
@@ -60,8 +62,6 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         # tokens has no traffic under the gauge, whatever it still shows.
         idle = before is not None and prompt_tokens == 0
         ratio, source = (value if value >= 0 and not idle else None), now.hit_ratio_gauge.source
-    if ratio is not None and math.isnan(ratio):  # NaN samples are legal in an exposition; never pass one on
-        ratio = None
     ttft = change.histogram(now.ttft_buckets)
     p50, p90, p99 = (histogram_quantile(q, ttft) for q in (0.5, 0.9, 0.99))
     return Normalised(
@@ -79,6 +79,7 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         kv_cache_usage=now.kv_cache_usage,
         prefix_caching_enabled=now.prefix_caching_enabled,
         missing=now.missing,
+        invalid={**(before.invalid if before else {}), **now.invalid},
         per_worker=change.counters("per_worker", now.per_worker),
         policy_decisions=change.counters("policy_decisions", now.policy_decisions),
         router_cache_predictions=change.counters("router_cache_predictions", now.router_cache_predictions),
@@ -113,6 +114,8 @@ class _Change:
     def __init__(self, before: Snapshot | None) -> None:
         self.before = before
         self.reset = False
+        # A series absent at the window's start may have been an invalid one: its increase is unknown.
+        self.unknown_start = before is not None and bool(before.invalid)
 
     def counter(self, name: str, now: float | None) -> float | None:
         old = None if self.before is None else getattr(self.before, name)
@@ -120,12 +123,13 @@ class _Change:
 
     def counters(self, name: str, now: Mapping[str, float]) -> dict[str, float]:
         old = {} if self.before is None else getattr(self.before, name)
-        return {key: self._increase(value, old.get(key)) for key, value in now.items()}
+        increases = {key: self._increase(value, old.get(key)) for key, value in now.items()}
+        return {key: increase for key, increase in increases.items() if increase is not None}
 
     def histogram(self, now: Buckets | None) -> Buckets | None:
         old = None if self.before is None else self.before.ttft_buckets
         if now is None or not old:
-            return now
+            return None if self.unknown_start else now
         if [bound for bound, _ in old] != [bound for bound, _ in now] or now[-1][1] < old[-1][1]:
             self.reset = True  # restarted, possibly with other buckets: everything is new
             return now
@@ -135,7 +139,7 @@ class _Change:
 
     def _increase(self, now: float | None, old: float | None) -> float | None:
         if now is None or old is None:  # lifetime, or a series that appeared within the window
-            return now
+            return None if self.unknown_start else now
         if now < old:
             self.reset = True
             return now

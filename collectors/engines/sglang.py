@@ -42,6 +42,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         requests_waiting=reader.total("sglang:num_queue_reqs", duplicated_by=SAME_BATCH_RANKS),
         kv_cache_usage=reader.mean("sglang:token_usage", duplicated_by=SAME_BATCH_RANKS),
         missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
     )
 
 

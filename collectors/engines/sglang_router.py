@@ -28,6 +28,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         requests_running=reader.total("smg_worker_requests_active", optional=True),
         policy_decisions=reader.by_label("smg_worker_selection_total", "policy", optional=True),
         missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
     )
 
 
@@ -47,13 +48,17 @@ def read_sgl_router_layout(reader: Reader, flavour: str, prefix: str, scraped_at
         policy_decisions=reader.by_label(f"{prefix}policy_decisions_total", "policy", optional=True),
         router_cache_predictions={outcome: n for outcome, n in predictions.items() if n is not None},
         missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
     )
 
 
 def _requests_per_worker(reader: Reader, health: str, requests: str) -> dict[str, float]:
-    """Requests per worker URL, with 0 for every worker the health gauge knows but no request reached."""
-    workers = dict.fromkeys(reader.label_values(health, "worker") or (), 0.0)
-    return workers | reader.by_label(requests, "worker", optional=True)
+    """Requests per worker URL, with 0 for every worker the health gauge knows but no request reached;
+    none when the request counter is invalid, which says nothing of any worker."""
+    counted = reader.by_label(requests, "worker", optional=True)
+    if requests in reader.invalid:
+        return {}
+    return dict.fromkeys(reader.label_values(health, "worker") or (), 0.0) | counted
 
 
 FLAVOUR = Flavour(name="sglang-router", kind="router", detect=detect, read=read)

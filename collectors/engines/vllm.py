@@ -42,6 +42,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         kv_cache_usage=reader.mean("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         prefix_caching_enabled=prefix_caching(reader, "vllm:cache_config_info"),
         missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
     )
 
 

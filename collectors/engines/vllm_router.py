@@ -20,8 +20,9 @@ def detect(exposition: Exposition) -> int:
 
 def read(exposition: Exposition, scraped_at: float) -> Snapshot:
     reader = Reader(exposition)
-    snapshot = read_sgl_router_layout(reader, "vllm-router", "vllm_router_", scraped_at)
     decisions = reader.by_label("vllm_router_prefix_routing_decisions_total", "outcome", optional=True)
+    # Last: the snapshot it makes names the missing and invalid series of every read before.
+    snapshot = read_sgl_router_layout(reader, "vllm-router", "vllm_router_", scraped_at)
     return replace(snapshot, router_cache_predictions={**snapshot.router_cache_predictions, **decisions})
 
 

@@ -1,0 +1,37 @@
+"""Why a URL cannot be requested, or why a connection failed, in one line: what the probe and the
+scrape say where the HTTP client would raise a traceback or give a generic or misleading reason."""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+import httpx
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be requested (httpx accepts a port of 99999 and fails on it only when it
+    connects, with a traceback); None when nothing is wrong with it."""
+    try:
+        parsed = httpx.URL(url)
+        host, port = parsed.host, parsed.port  # reading the host decodes it (IDNA)
+    except (httpx.InvalidURL, ValueError) as error:  # a port that is no number, a malformed IDNA name
+        return str(error)
+    if not host:
+        return "no host"
+    if port is not None and not 0 < port < 65536:
+        return f"port {port} is not 1 to 65535"
+    return None
+
+
+def connect_reason(error: BaseException) -> str:
+    """The operating system's or TLS's reason under httpx's generic "All connection attempts failed"."""
+    while (cause := error.__cause__ or error.__context__) is not None:
+        error = cause
+    if isinstance(error, ssl.SSLError):  # an OSError whose errno 1 would read "Operation not permitted"
+        if error.reason == "WRONG_VERSION_NUMBER":  # the answer to its hello was no TLS record
+            return "TLS handshake failed: is the server speaking plain HTTP?"
+        return f"TLS handshake failed: {error.reason or error}"
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno) if error.errno > 0 else str(error.strerror)
+    return str(error)

@@ -27,14 +27,15 @@ from collectors.engines import (
     detect_flavour,
     normalise,
 )
-from collectors.engines.normalise import COUNTERS
+from collectors.engines.normalise import LOOKUPS, TOKENS
 
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024  # real expositions are well under 1 MiB; this stops a runaway one
 ACCEPT = "text/plain;version=0.0.4"  # the classic text format prometheus_client's parser reads
 
 HIT_RATIO_SOURCES = {
-    COUNTERS: "token-weighted, from prefix-cache counters",
+    TOKENS: "cached / prompt tokens, from the engine's counters",
+    LOOKUPS: "prefix-cache hits / lookups; the engine has no cached-token counter",
     "v0-gauge": "vLLM V0's own gauge: block hit rate since the engine started",
     "sglang-batch-gauge-fallback": "FALLBACK: SGLang's gauge of the last prefill batch; no token counters",
 }
@@ -175,6 +176,7 @@ def _engine_rows(record: Normalised) -> list[tuple[str, str]]:
     caching = {True: "on", False: "OFF", None: "unknown"}[record.prefix_caching_enabled]
     return [
         ("hit ratio", _hit_ratio(record)),
+        ("local lookups", _local_hit_ratio(record)),
         ("tokens", f"{_count(record.prompt_tokens)} prompt, {_count(record.cached_tokens)} cached"),
         (
             "TTFT p50/p90/p99",
@@ -207,14 +209,25 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
 def _hit_ratio(record: Normalised) -> str:
     if record.hit_ratio is not None:
         return f"{record.hit_ratio:.1%}  ({HIT_RATIO_SOURCES[record.hit_ratio_source]})"
-    if record.hit_ratio_source == COUNTERS:
-        return "unknown: no prefix-cache lookups " + (
-            "since start" if record.window_seconds is None else "in the window"
-        )
+    if record.hit_ratio_source in (TOKENS, LOOKUPS):
+        if (record.cached_tokens or 0) > (record.prompt_tokens or 0) > 0:
+            return "unknown: more cached than prompt tokens, which no engine counts"
+        return "unknown: no prompt tokens " + _scope(record)
     if record.hit_ratio_source is not None:
         return f"unknown: the engine's gauge has no data ({record.hit_ratio_source})"
     gaps = "missing and invalid series" if record.invalid else "missing series"
     return f"unknown: no usable hit-ratio series (see {gaps})"
+
+
+def _local_hit_ratio(record: Normalised) -> str:
+    """The local cache's own lookups: an engine with prefix caching off looks nothing up."""
+    if record.local_hit_ratio is not None:
+        return f"{record.local_hit_ratio:.1%}  (prefix-cache hits / lookups)"
+    return "none " + _scope(record)
+
+
+def _scope(record: Normalised) -> str:
+    return "since start" if record.window_seconds is None else "in the window"
 
 
 def _count(value: float | None) -> str:

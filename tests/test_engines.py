@@ -150,7 +150,7 @@ def test_v1_0_10_reads_new_and_deprecated_names_and_never_the_created_gauges():
     snapshot = sample("vllm-v1-0.10.0-production-stack-issue617-excerpt.prom")
     assert (snapshot.queries, snapshot.hits) == (32, 0)
     record = normalise(snapshot)
-    assert (record.hit_ratio, record.hit_ratio_source, record.cached_tokens) == (0.0, "counters", 0)
+    assert (record.hit_ratio, record.hit_ratio_source, record.cached_tokens) == (0.0, "lookups", 0)
     assert record.kv_cache_usage == pytest.approx(9.75010481363281e-06)
     assert "vllm:prefix_cache_hits_total" not in record.missing  # found under its deprecated name
     assert "vllm:prompt_tokens_total" in record.missing
@@ -216,7 +216,7 @@ def test_a_counter_that_went_down_was_reset_and_counts_from_zero():
 def test_zero_traffic_gives_no_ratio_and_no_quantiles_not_zero():
     before, now = read(vllm_v1(100, 1000, 3, 4), 0.0), read(vllm_v1(100, 1000, 3, 4), 5.0)
     record = normalise(now, before)
-    assert (record.hit_ratio, record.hit_ratio_source) == (None, "counters")
+    assert (record.hit_ratio, record.hit_ratio_source) == (None, "tokens")
     assert (record.prompt_tokens, record.ttft_p50_seconds, record.counter_reset) == (0, None, False)
     assert normalise(read(vllm_v1(0, 0))).hit_ratio is None  # a fresh engine
 
@@ -280,7 +280,7 @@ sglang:cache_hit_rate{dp_rank="0",engine_type="unified",model_name="m",tp_rank="
 """
     record = normalise(read(text))
     assert (record.prompt_tokens, record.cached_tokens) == (400, 240)
-    assert (record.hit_ratio, record.hit_ratio_source) == (240 / 400, "counters")  # never the gauge
+    assert (record.hit_ratio, record.hit_ratio_source) == (240 / 400, "tokens")  # never the gauge
     assert record.requests_running == 3 + 2
     assert record.prefix_caching_enabled is None  # SGLang exports no cache_config_info
 
@@ -424,7 +424,7 @@ def test_windowed_hit_ratio_equals_the_replicas_ground_truth(start_replica, flav
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
     assert 0 < cached < prompt
-    assert (record.hit_ratio, record.hit_ratio_source) == (cached / prompt, "counters")
+    assert (record.hit_ratio, record.hit_ratio_source) == (cached / prompt, "tokens")
     assert (record.prompt_tokens, record.cached_tokens) == (prompt, cached)
     assert_quantiles_in_true_buckets(record, now, [r["ttft_seconds"] for r in records])
     assert (record.requests_running, record.requests_waiting, record.missing) == (0, 0, ())
@@ -464,15 +464,18 @@ def test_a_window_without_traffic_has_no_hit_ratio(start_replica, flavour):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("flavour", ["vllm", "vllm-legacy"])
-def test_prefix_caching_switched_off_is_reported(start_replica, flavour):
+@pytest.mark.parametrize(("flavour", "hit_ratio"), [("vllm", 0.0), ("vllm-legacy", None)])
+def test_prefix_caching_switched_off_is_reported(start_replica, flavour, hit_ratio):
+    """V1 counts the prompt tokens it computed, none cached: 0 %, though it looks nothing up. V0 only
+    has its own gauge, which has no data without lookups: unknown, not 0 %."""
     replica = start_replica("r1", flavour, *LAB_ARGS)
     replica.set_faults(prefix_caching=False).raise_for_status()
     before = scrape_live(f"{replica.url}/metrics")
     records_since(replica, 0, converse(replica.url, sessions=1, rounds=2))
     record = normalise(scrape_live(f"{replica.url}/metrics"), before)
     assert record.prefix_caching_enabled is False
-    assert record.hit_ratio is None and record.prompt_tokens > 0  # no lookups: unknown, not 0 %
+    assert record.hit_ratio == hit_ratio and record.prompt_tokens > 0
+    assert record.local_hit_ratio is None
 
 
 @pytest.mark.integration

@@ -30,6 +30,7 @@ JSON_KEYS = [
     "window_seconds",
     "hit_ratio",
     "hit_ratio_source",
+    "local_hit_ratio",
     "prompt_tokens",
     "cached_tokens",
     "ttft_p50_seconds",
@@ -143,10 +144,11 @@ def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
     assert first["error"] is None
     assert (first["flavour"], first["window_seconds"], first["hit_ratio"]) == ("vllm", None, 0.64)
     assert (first["hit_ratio_source"], first["prefix_caching_enabled"], first["missing"]) == (
-        "counters",
+        "tokens",
         True,
         [],
     )
+    assert first["local_hit_ratio"] == 0.64
     for failed in objects[1:]:
         source, error = failed["source"], failed["error"]
         assert error.startswith(f"{source}: ") and reasons[source] in error, error
@@ -159,7 +161,8 @@ def test_human_output_labels_lifetime_figures_and_errors(server):
     assert result.returncode == 1
     good, bad = result.stdout.strip().split("\n\n")
     assert good.startswith(f"{server}/metrics  [vllm, lifetime: cumulative since the process started]")
-    assert "hit ratio            64.0%  (token-weighted, from prefix-cache counters)" in good
+    assert "hit ratio            64.0%  (cached / prompt tokens, from the engine's counters)" in good
+    assert "local lookups        64.0%  (prefix-cache hits / lookups)" in good
     assert "prefix caching       on" in good
     assert bad.startswith(f"{garbage}\n  ERROR  {garbage}: not a Prometheus text exposition")
 

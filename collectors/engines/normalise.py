@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 
 from collectors.engines.base import Buckets, Snapshot
 
-COUNTERS = "counters"  # hit_ratio_source of a token-weighted ratio of counter increases
+# hit_ratio_source of the token-weighted ratios of counter increases: cached prompt tokens over prompt
+# tokens (what the engine delivered, 0 % with caching off), or, without token counters, prefix-cache
+# hits over lookups (the local cache's own view, which an engine with caching off does not count at all).
+TOKENS = "tokens"
+LOOKUPS = "lookups"
 
 
 @dataclass(frozen=True)
@@ -20,8 +24,10 @@ class Normalised:
     it counts from zero, as PromQL's increase() does, and `counter_reset` says so. A ratio or quantile
     with no traffic under it is None, never 0 or NaN, and so is every figure of an `invalid` series
     (named with its first bad value: NaN, an infinity, a negative count). `hit_ratio_source` says where
-    the ratio came from: "counters" (hits / lookups, token-weighted), or an engine-computed gauge
-    ("v0-gauge", "sglang-batch-gauge-fallback") that covers a window the engine chose, not this one.
+    the ratio came from: "tokens" (cached / prompt tokens), "lookups" (hits / lookups, when there are no
+    token counters), or an engine-computed gauge ("v0-gauge", "sglang-batch-gauge-fallback") that covers
+    a window the engine chose, not this one. `local_hit_ratio` is hits / lookups beside it, None when
+    nothing was looked up. More cached than prompt tokens is no measurement: the ratio is unknown.
     Router cache predictions are the router's guess of where a prefix is cached, not what any engine found.
     """
 
@@ -29,6 +35,7 @@ class Normalised:
     window_seconds: float | None
     hit_ratio: float | None
     hit_ratio_source: str | None
+    local_hit_ratio: float | None
     prompt_tokens: float | None
     cached_tokens: float | None
     ttft_p50_seconds: float | None
@@ -52,10 +59,14 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         raise ValueError(f"cannot window a {before.flavour} snapshot against a {now.flavour} one")
     change = _Change(before)
     prompt_tokens = change.counter("prompt_tokens", now.prompt_tokens)
-    ratio, source = None, None
+    cached_tokens = change.counter("cached_tokens", now.cached_tokens)
     hits, queries = change.counter("hits", now.hits), change.counter("queries", now.queries)
-    if hits is not None and queries is not None:
-        ratio, source = (hits / queries if queries > 0 else None), COUNTERS
+    local = _ratio(hits, queries)
+    ratio, source = None, None
+    if prompt_tokens is not None and cached_tokens is not None:
+        ratio, source = _ratio(cached_tokens, prompt_tokens), TOKENS
+    elif hits is not None and queries is not None:
+        ratio, source = local, LOOKUPS
     elif now.hit_ratio_gauge is not None:
         value = now.hit_ratio_gauge.value
         # vLLM V0 says -1 when it has no data: unknown, not a 0 % hit ratio. A window without prompt
@@ -69,8 +80,9 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         window_seconds=None if before is None else now.scraped_at - before.scraped_at,
         hit_ratio=ratio,
         hit_ratio_source=source,
+        local_hit_ratio=local,
         prompt_tokens=prompt_tokens,
-        cached_tokens=change.counter("cached_tokens", now.cached_tokens),
+        cached_tokens=cached_tokens,
         ttft_p50_seconds=p50,
         ttft_p90_seconds=p90,
         ttft_p99_seconds=p99,
@@ -85,6 +97,13 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         router_cache_predictions=change.counters("router_cache_predictions", now.router_cache_predictions),
         counter_reset=change.reset,
     )
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    """part / whole of token counts: unknown without traffic, and when the part exceeds the whole."""
+    if part is None or whole is None or whole <= 0 or part > whole:
+        return None
+    return part / whole
 
 
 def histogram_quantile(q: float, buckets: Buckets | None) -> float | None:

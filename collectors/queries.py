@@ -243,6 +243,34 @@ GATEWAY_RULES: tuple[Rule, ...] = (
     ),
 )
 
+# What routers predict they will reuse, next to what the engines delivered (CLUSTER_HIT_RATIO): the mean
+# of a router's per-request predicted hit ratios (histograms of ratios: _sum over _count), from llm-d's
+# prefix indexer (its current and its deprecated name) and Dynamo's KV router. The router's guess from
+# its own index, not an engine hit. Delivered per predicted near 1: the prediction holds; near 0: the
+# router sends requests where it believes their prefix cached, and the engines compute it all again.
+ROUTER_PREDICTED_HIT_RATIOS = (
+    "llm_d_epp_prefix_indexer_hit_ratio",
+    "inference_extension_prefix_indexer_hit_ratio",
+    "dynamo_component_router_kv_hit_rate",
+)
+INSTANCE_ROUTER_PREDICTIONS = f"instance:kvwatch_router_predictions:rate{WINDOW}"
+INSTANCE_ROUTER_PREDICTED_HIT_RATIO = f"instance:kvwatch_router_predicted_hit_ratio:mean_rate{WINDOW}"
+INSTANCE_ROUTER_DELIVERED_PER_PREDICTED = (
+    f"instance:kvwatch_router_delivered_per_predicted_hit_ratio:ratio_rate{WINDOW}"
+)
+ROUTER_RULES: tuple[Rule, ...] = (
+    Rule(INSTANCE_ROUTER_PREDICTIONS, _first_of(*(f"{name}_count" for name in ROUTER_PREDICTED_HIT_RATIOS))),
+    Rule(
+        INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+        f"({_first_of(*(f'{name}_sum' for name in ROUTER_PREDICTED_HIT_RATIOS))})\n"
+        f"  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",
+    ),
+    Rule(
+        INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+        f"{CLUSTER_HIT_RATIO}\n  / on() group_right() ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
+    ),
+)
+
 
 # --- Alerts ---------------------------------------------------------------------------------------
 
@@ -262,6 +290,9 @@ class Thresholds:
     hit_ratio_floor: float = 0.1
     hit_ratio_drop_factor: float = 0.5  # below half of its own average over the previous hour
     min_prompt_tokens_per_second: float = 50.0  # traffic guard of the hit-ratio alerts
+    router_predicted_above: float = 0.5  # a router's mean predicted hit ratio
+    delivered_per_predicted_below: float = 0.5  # ... of which the engines deliver less than this share
+    min_router_predictions_per_second: float = 0.1  # traffic guard of the prediction alert
     probe_stale_intervals: float = 3.0
     load_imbalance_above: float = 2.0  # busiest instance over the mean
 
@@ -468,6 +499,19 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             for_="15m",
         ),
         Alert(
+            "KVWatchRouterPredictionMiss",
+            f"{INSTANCE_ROUTER_DELIVERED_PER_PREDICTED} < {t.delivered_per_predicted_below}\n"
+            f"and on({INSTANCE}) {INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > {t.router_predicted_above}\n"
+            f"and on({INSTANCE}) {INSTANCE_ROUTER_PREDICTIONS} > {t.min_router_predictions_per_second}\n"
+            f"and on() sum({INSTANCE_PROMPT_TOKENS}) > {t.min_prompt_tokens_per_second}",
+            "warning",
+            "A router predicts prefix reuse that the engines do not deliver.",
+            "{{ $labels.instance }} ({{ $labels.job }}) routes requests where its index predicts most of "
+            "their prefix cached, but the engines serve only {{ $value | humanizePercentage }} of that "
+            "prediction from cached KV: its index has drifted from the engines' caches, or caching is off.",
+            for_="5m",
+        ),
+        Alert(
             "Watchdog",
             "vector(1)",
             "none",
@@ -482,6 +526,7 @@ ALERTS = _alerts(THRESHOLDS)
 RULE_FILES = {
     "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES),
     "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", GATEWAY_RULES),
+    "prometheus/rules/kvwatch-routers.yml": ("kvwatch-routers", ROUTER_RULES),
     "alerts/kvwatch.rules.yml": ("kvwatch-alerts", ALERTS),
 }
 

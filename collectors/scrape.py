@@ -203,6 +203,14 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
         rows.append(("policy decisions", _pairs(record.policy_decisions)))
     if record.router_cache_predictions:
         rows.append(("router cache guesses", _pairs(record.router_cache_predictions) + "  (not engine hits)"))
+    if record.predicted_hit_ratio is not None:
+        rows.append(("predicted hit ratio", f"{record.predicted_hit_ratio:.1%}  (the router's guess)"))
+    if record.hit_ratio is not None:
+        rows.append(("delivered hit ratio", f"{record.hit_ratio:.1%}  (cached / prompt tokens it forwarded)"))
+    if record.sticky_outcomes:
+        rows.append(("sticky outcomes", _pairs(record.sticky_outcomes)))
+    if record.routing_key_sources:
+        rows.append(("routing key from", _pairs(record.routing_key_sources)))
     return rows
 
 
@@ -245,8 +253,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "scrape",
         help="read engine / router /metrics and print normalised cache-reuse figures",
-        description="Read vLLM, SGLang, sglang-router or vllm-router /metrics from URLs or files and "
-        "print the prefix-cache hit ratio, TTFT quantiles, load and requests per worker. One scrape "
+        description="Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
+        "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
+        "requests per worker and the router's predicted hit ratio. One scrape "
         "gives lifetime figures; --interval scrapes twice and gives the figures of that window.",
     )
     parser.add_argument("sources", nargs="+", metavar="SOURCE", help="a /metrics URL or a file")

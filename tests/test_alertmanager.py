@@ -123,7 +123,12 @@ def test_fast_rules_scale_windows_and_durations_only():
         "for: 0s\nkeep_firing_for: 12s\nrecord: a:b:rate2m"
     )
     fast = rule_files(LabState(Path("/tmp"), 21000, rule_time_scale=0.1))
-    assert set(fast) == {"kvwatch-engines.yml", "kvwatch-gateway.yml", "kvwatch.rules.yml"}
+    assert set(fast) == {
+        "kvwatch-engines.yml",
+        "kvwatch-gateway.yml",
+        "kvwatch-routers.yml",
+        "kvwatch.rules.yml",
+    }
     assert "[12s]" in fast["kvwatch-engines.yml"] and "[2m]" not in fast["kvwatch-engines.yml"]
 
 

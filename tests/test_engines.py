@@ -30,6 +30,7 @@ from collectors.engines import (
 from conftest import REPO, SHARED, Replica, free_port, stop
 
 SAMPLES = SHARED / "reference" / "samples"
+TESTDATA = Path(__file__).parent / "testdata"
 BLOCK = 16  # the lab's default prefix-cache block size
 LAB_ARGS = ("--time-scale", "0.05", "--answer-tokens", "8")
 SYSTEM_PROMPT = (
@@ -390,6 +391,79 @@ def test_a_router_counter_with_an_invalid_sample_counts_nothing_and_is_named(tex
     record = normalise(read(text))
     assert invalid in record.invalid and invalid not in record.missing
     assert getattr(record, figure) == {}
+
+
+# Routers' own metrics, from hand-written expositions (tests/testdata/routers/; each file's header says
+# where its names come from).
+
+ROUTERS = TESTDATA / "routers"
+
+
+def router(name: str, keep: Callable[[str], bool] = lambda line: True) -> Snapshot:
+    lines = (ROUTERS / name).read_text().splitlines(keepends=True)
+    return read("".join(filter(keep, lines)))
+
+
+@pytest.mark.parametrize(
+    ("name", "flavour"),
+    [
+        ("smg-1.13.prom", "sglang-router"),
+        ("llm-d-epp-0.10.prom", "llm-d-epp"),
+        ("dynamo-frontend.prom", "dynamo"),
+        ("aibrix-gateway-0.7.prom", "aibrix-gateway"),
+    ],
+)
+def test_each_router_is_detected(name, flavour):
+    assert router(name).flavour == flavour
+
+
+def test_smg_counts_its_sticky_outcomes_and_where_routing_keys_came_from():
+    record = normalise(router("smg-1.13.prom"))
+    # The third worker has served nothing yet: the health gauge names it.
+    assert record.per_worker == dict(zip(WORKERS, (5, 4, 0), strict=True))
+    assert record.sticky_outcomes == {"occupied_hit": 6, "occupied_miss": 1, "vacant": 2}
+    assert record.routing_key_sources == {"header": 8, "rid": 1}
+    assert (record.policy_decisions, record.requests_running) == ({"manual": 9}, 1)
+    assert (record.predicted_hit_ratio, record.hit_ratio, record.missing) == (None, None, ())
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [lambda line: True, lambda line: "llm_d_epp_" not in line],
+    ids=["canonical-names", "deprecated-names-only"],
+)
+def test_llm_d_epp_predicted_and_delivered_ratios_and_requests_per_endpoint(keep):
+    """The prediction is the mean of the indexer's per-lookup ratios (8 over 10 lookups); the delivered
+    ratio is the engines' cached over input tokens of its requests (7,000 of 10,000)."""
+    record = normalise(router("llm-d-epp-0.10.prom", keep))
+    assert record.flavour == "llm-d-epp"
+    assert record.predicted_hit_ratio == pytest.approx(0.8)
+    assert (record.hit_ratio, record.prompt_tokens, record.cached_tokens) == (0.7, 10000, 7000)
+    assert record.per_worker == {"vllm-0": 6, "vllm-1": 3, "vllm-2": 1}  # failures name no endpoint
+    assert (record.missing, record.invalid) == ((), {})
+
+
+def test_dynamo_frontend_delivered_ratio_ttft_and_the_kv_routers_prediction():
+    record = normalise(router("dynamo-frontend.prom"))
+    assert (record.hit_ratio, record.prompt_tokens, record.cached_tokens) == (0.6, 20000, 12000)
+    assert record.predicted_hit_ratio == 0.75
+    # 8 requests: 3 within 0.1 s, 6 within 0.5 s; the median (rank 4) is 1 of the 3 in (0.1, 0.5].
+    assert record.ttft_p50_seconds == pytest.approx(0.1 + 0.4 / 3)
+    assert (record.requests_running, record.per_worker) == (2, {})  # only workers count their requests
+
+
+def test_a_dynamo_worker_is_its_engine_not_the_router():
+    """Workers export `dynamo_component_*` beside the engine's names; only the frontend and the KV router
+    export `dynamo_frontend_*` / `dynamo_component_router_*`."""
+    worker = vllm_v1(10, 20) + "dynamo_component_requests_total 4\ndynamo_component_uptime_seconds 9\n"
+    assert read(worker).flavour == "vllm"
+
+
+def test_aibrix_decisions_by_the_share_of_the_prompt_its_index_matched():
+    record = normalise(router("aibrix-gateway-0.7.prom"))
+    assert record.router_cache_predictions == {"0": 3, "51-75": 2, "76-100": 5}
+    assert record.policy_decisions == {"prefix_match": 7, "least_request": 3}
+    assert (record.per_worker, record.predicted_hit_ratio) == ({}, None)
 
 
 def test_detection_refuses_unknown_and_ambiguous_expositions():

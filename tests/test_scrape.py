@@ -45,6 +45,9 @@ JSON_KEYS = [
     "per_worker",
     "policy_decisions",
     "router_cache_predictions",
+    "predicted_hit_ratio",
+    "sticky_outcomes",
+    "routing_key_sources",
     "counter_reset",
     "error",
 ]

@@ -1,18 +1,20 @@
 """Engine and router metrics flavours behind one interface, and the record they normalise to.
 
-Each module reads one dialect of /metrics (`vllm`, `vllm_legacy`, `sglang`, `sglang_router`,
-`vllm_router`) into a `Snapshot` of cumulative values; `normalise` turns one snapshot into lifetime
-figures or two into windowed ones. `detect_flavour` picks the flavour whose series an exposition has.
+Each module reads one dialect of /metrics (engines: `vllm`, `vllm_legacy`, `sglang`; routers:
+`sglang_router` (SMG), `vllm_router`, `llm_d` (EPP), `dynamo`, `aibrix`) into a `Snapshot` of
+cumulative values; `normalise` turns one snapshot into lifetime figures or two into windowed ones.
+`detect_flavour` picks the flavour whose series an exposition has.
 """
 
 from __future__ import annotations
 
-from collectors.engines import sglang, sglang_router, vllm, vllm_legacy, vllm_router
+from collectors.engines import aibrix, dynamo, llm_d, sglang, sglang_router, vllm, vllm_legacy, vllm_router
 from collectors.engines.base import Exposition, Flavour, Snapshot
 from collectors.engines.normalise import Normalised, histogram_quantile, normalise
 
 FLAVOURS: dict[str, Flavour] = {
-    module.FLAVOUR.name: module.FLAVOUR for module in (vllm, vllm_legacy, sglang, sglang_router, vllm_router)
+    module.FLAVOUR.name: module.FLAVOUR
+    for module in (vllm, vllm_legacy, sglang, sglang_router, vllm_router, llm_d, dynamo, aibrix)
 }
 
 __all__ = [

@@ -92,6 +92,12 @@ class Snapshot:
     policy_decisions: Mapping[str, float] = field(default_factory=dict)  # routers: decisions per policy
     # Routers' cache_aware policy: how often it predicted a cached prefix. A guess, not an engine hit.
     router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
+    # Routers that predict a hit ratio per request (llm-d's prefix indexer, Dynamo's KV router): the sum
+    # of those ratios and their count, so a window's mean prediction is a ratio of increases.
+    predicted_ratio_sum: float | None = None
+    predictions: float | None = None
+    sticky_outcomes: Mapping[str, float] = field(default_factory=dict)  # e.g. SMG's manual-policy branches
+    routing_key_sources: Mapping[str, float] = field(default_factory=dict)  # where the routing key came from
     missing: tuple[str, ...] = ()
     invalid: Mapping[str, str] = field(default_factory=dict)
 

@@ -28,7 +28,9 @@ class Normalised:
     token counters), or an engine-computed gauge ("v0-gauge", "sglang-batch-gauge-fallback") that covers
     a window the engine chose, not this one. `local_hit_ratio` is hits / lookups beside it, None when
     nothing was looked up. More cached than prompt tokens is no measurement: the ratio is unknown.
-    Router cache predictions are the router's guess of where a prefix is cached, not what any engine found.
+    Router cache predictions and `predicted_hit_ratio` (the mean of the router's per-request predicted
+    hit ratios) are the router's guess of where a prefix is cached, not what any engine found; a router
+    that forwards the engines' usage also has a delivered `hit_ratio`, as its clients saw it.
     """
 
     flavour: str
@@ -50,6 +52,9 @@ class Normalised:
     per_worker: Mapping[str, float] = field(default_factory=dict)
     policy_decisions: Mapping[str, float] = field(default_factory=dict)
     router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
+    predicted_hit_ratio: float | None = None
+    sticky_outcomes: Mapping[str, float] = field(default_factory=dict)
+    routing_key_sources: Mapping[str, float] = field(default_factory=dict)
     counter_reset: bool = False
 
 
@@ -73,6 +78,10 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         # tokens has no traffic under the gauge, whatever it still shows.
         idle = before is not None and prompt_tokens == 0
         ratio, source = (value if value >= 0 and not idle else None), now.hit_ratio_gauge.source
+    predicted = _ratio(
+        change.counter("predicted_ratio_sum", now.predicted_ratio_sum),
+        change.counter("predictions", now.predictions),
+    )
     ttft = change.histogram(now.ttft_buckets)
     p50, p90, p99 = (histogram_quantile(q, ttft) for q in (0.5, 0.9, 0.99))
     return Normalised(
@@ -95,6 +104,9 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         per_worker=change.counters("per_worker", now.per_worker),
         policy_decisions=change.counters("policy_decisions", now.policy_decisions),
         router_cache_predictions=change.counters("router_cache_predictions", now.router_cache_predictions),
+        predicted_hit_ratio=predicted,
+        sticky_outcomes=change.counters("sticky_outcomes", now.sticky_outcomes),
+        routing_key_sources=change.counters("routing_key_sources", now.routing_key_sources),
         counter_reset=change.reset,
     )
 

@@ -1,9 +1,12 @@
-"""The SGLang router (PyPI `sglang-router`), both generations of its metrics.
+"""The SGLang router (PyPI `sglang-router`, now SMG, PyPI `smg`), both generations of its metrics.
 
 Up to 0.2.x (`sgl_router_*`) it counts requests per worker in `sgl_router_processed_requests_total`
 and, under cache_aware, how often its own radix tree predicted a cached prefix. From 0.3.0, as the
 SGLang Model Gateway (`smg_*`), `smg_worker_selection_total` has no worker label; requests per worker
-come from the circuit breaker's outcome counter (a retried request counts once per attempt).
+come from the circuit breaker's outcome counter (a retried request counts once per attempt). SMG's
+manual (routing-key) policy counts its sticky outcomes by branch (`occupied_hit`: the key's worker
+served it; `occupied_miss`, `vacant`, `cap_respill`: it moved or was placed anew), and where each
+routing key came from (`smg_routing_key_source_total{source}`).
 Counters appear only after their first event, so their absence is not reported as missing; the
 worker-health gauge names every worker from the start.
 """
@@ -27,6 +30,8 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         per_worker=_requests_per_worker(reader, "smg_worker_health", "smg_worker_cb_outcomes_total"),
         requests_running=reader.total("smg_worker_requests_active", optional=True),
         policy_decisions=reader.by_label("smg_worker_selection_total", "policy", optional=True),
+        sticky_outcomes=reader.by_label("smg_manual_policy_branch_total", "branch", optional=True),
+        routing_key_sources=reader.by_label("smg_routing_key_source_total", "source", optional=True),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

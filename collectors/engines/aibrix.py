@@ -1,0 +1,34 @@
+"""AIBrix's gateway plugin (v0.7): its prefix-cache router's decisions.
+
+`aibrix_prefix_cache_routing_decisions_total{match_percent_bucket}` counts routing decisions by how
+much of the prompt the router's own prefix index matched on the chosen pod ("0": none), a prediction
+in characters, not engine tokens; `..._selection_total{selection}` says how it chose. No series counts
+requests per pod (the `target-pod` response header names it per request).
+"""
+
+from __future__ import annotations
+
+from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+
+PREFIX = "aibrix_prefix_cache_routing_"
+
+
+def detect(exposition: Exposition) -> int:
+    return exposition.count_prefixed("aibrix_")
+
+
+def read(exposition: Exposition, scraped_at: float) -> Snapshot:
+    reader = Reader(exposition)
+    return Snapshot(
+        flavour="aibrix-gateway",
+        scraped_at=scraped_at,
+        router_cache_predictions=reader.by_label(
+            f"{PREFIX}decisions_total", "match_percent_bucket", optional=True
+        ),
+        policy_decisions=reader.by_label(f"{PREFIX}selection_total", "selection", optional=True),
+        missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
+    )
+
+
+FLAVOUR = Flavour(name="aibrix-gateway", kind="router", detect=detect, read=read)

@@ -1,0 +1,38 @@
+"""NVIDIA Dynamo's frontend and KV router (`dynamo_frontend_*`, `dynamo_component_router_*`).
+
+The frontend records each request's input and cached tokens (histograms: their sums give the reuse
+the engines delivered) and its TTFT; in KV mode the router records the hit rate it predicted when it
+chose a worker (`dynamo_component_router_kv_hit_rate`, a histogram whose mean is the prediction).
+Requests per worker are counted only on each worker (`dynamo_component_requests_total`), not here.
+Series appear on their first request, so their absence is not reported as missing.
+"""
+
+from __future__ import annotations
+
+from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+
+PREDICTED = "dynamo_component_router_kv_hit_rate"
+
+
+def detect(exposition: Exposition) -> int:
+    # Not `dynamo_component_*` alone: every Dynamo worker exports those next to the engine's own names.
+    return exposition.count_prefixed("dynamo_frontend_", "dynamo_component_router_")
+
+
+def read(exposition: Exposition, scraped_at: float) -> Snapshot:
+    reader = Reader(exposition)
+    return Snapshot(
+        flavour="dynamo",
+        scraped_at=scraped_at,
+        prompt_tokens=reader.total("dynamo_frontend_input_sequence_tokens_sum", optional=True),
+        cached_tokens=reader.total("dynamo_frontend_cached_tokens_sum", optional=True),
+        ttft_buckets=reader.histogram("dynamo_frontend_time_to_first_token_seconds", optional=True),
+        requests_running=reader.total("dynamo_frontend_inflight_requests", optional=True),
+        predicted_ratio_sum=reader.total(f"{PREDICTED}_sum", optional=True),
+        predictions=reader.total(f"{PREDICTED}_count", optional=True),
+        missing=tuple(reader.missing),
+        invalid=dict(reader.invalid),
+    )
+
+
+FLAVOUR = Flavour(name="dynamo", kind="router", detect=detect, read=read)

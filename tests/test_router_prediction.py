@@ -1,0 +1,147 @@
+"""Predicted against delivered reuse with real processes: a router's recorded exposition replayed over
+HTTP, a lab replica with prefix caching off, and a real Prometheus running kvwatch's generated rules,
+until KVWatchRouterPredictionMiss fires."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from collectors import queries
+from collectors.engines.base import COUNT_SUFFIXES
+from conftest import free_base_port, free_port, stop, wait_http
+from lab.configs import rule_files
+from lab.stack import prometheus_process
+from lab.state import LabState
+
+ROUTER_EXPOSITION = Path(__file__).parent / "testdata" / "routers" / "llm-d-epp-0.10.prom"
+RULE_TIME_SCALE = 0.05  # 2m rate windows take 6 s, the alert's 5m `for` 15 s
+FIRING_TIMEOUT_S = 90.0
+GROWING = (*COUNT_SUFFIXES, "_sum")  # counts, and the sums of histograms of non-negative values
+# What the alert compares, shown when it does not fire.
+RECORDED = (
+    queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+    queries.INSTANCE_ROUTER_PREDICTIONS,
+    queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    queries.CLUSTER_HIT_RATIO,
+    f"sum({queries.INSTANCE_PROMPT_TOKENS})",
+)
+
+
+def replayed(text: str, seconds: float) -> str:
+    """The exposition `seconds` into a steady replay: every count grows by its recorded value per second."""
+
+    def advance(line: str) -> str:
+        series, _, value = line.rpartition(" ")
+        if line.startswith("#") or not series.partition("{")[0].endswith(GROWING):
+            return line
+        return f"{series} {float(value) * seconds}"
+
+    return "\n".join(map(advance, text.splitlines())) + "\n"
+
+
+@pytest.fixture
+def router_replay() -> Iterator[str]:
+    """The hand-written llm-d EPP exposition served over loopback, its counters growing with time."""
+    text, started = ROUTER_EXPOSITION.read_text(), time.monotonic()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = replayed(text, time.monotonic() - started).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_replayed_counters_grow_at_their_recorded_rate():
+    text = '# TYPE a_total counter\na_total 3\nb_bucket{le="1"} 2\nb_sum 1.5\ngauge 7\n'
+    expected = '# TYPE a_total counter\na_total 30.0\nb_bucket{le="1"} 20.0\nb_sum 15.0\ngauge 7\n'
+    assert replayed(text, 10) == expected
+
+
+def firing(prometheus: str, alertname: str) -> list[dict]:
+    answer = httpx.get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    return [a for a in answer if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
+
+
+def value(prometheus: str, expr: str) -> float | None:
+    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
+        "result"
+    ]
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.mark.integration
+def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_miss(
+    start_replica, router_replay, tmp_path: Path
+):
+    if not shutil.which("prometheus"):
+        pytest.skip("prometheus is not installed (`make bootstrap`)")
+    replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
+    replica.set_faults(prefix_caching=False).raise_for_status()
+
+    state = LabState(tmp_path, free_base_port(), rule_time_scale=RULE_TIME_SCALE)
+    (tmp_path / "rules").mkdir()
+    for name, text in rule_files(state).items():
+        (tmp_path / "rules" / name).write_text(text)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(tmp_path / "rules" / "*.yml")],
+        "scrape_configs": [
+            {"job_name": "router", "static_configs": [{"targets": [router_replay]}]},
+            {"job_name": "replicas", "static_configs": [{"targets": [f"127.0.0.1:{replica.port}"]}]},
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    process = prometheus_process(state)
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as out:
+        prometheus = subprocess.Popen(process.argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(process.ready_url, prometheus, log)
+        url = process.ready_url.removesuffix("/-/ready")
+        body = {
+            "model": "lab-model",
+            "messages": [{"role": "user", "content": "What did we cover so far? " * 20}],
+        }
+        deadline = time.monotonic() + FIRING_TIMEOUT_S
+        with httpx.Client(base_url=replica.url, timeout=10) as client:
+            while not (alerts := firing(url, "KVWatchRouterPredictionMiss")):
+                assert time.monotonic() < deadline, f"not firing within {FIRING_TIMEOUT_S} s: " + str(
+                    {rule: value(url, rule) for rule in RECORDED}
+                )
+                for _ in range(3):  # the engine's traffic: well above the alert's prompt-token floor
+                    client.post("/v1/chat/completions", json=body).raise_for_status()
+                time.sleep(0.2)
+        (alert,) = alerts
+        assert alert["labels"]["job"] == "router"
+        # The replayed indexer predicts 8 of every 10 lookups; the engine computed every prompt token.
+        assert value(url, queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO) == pytest.approx(0.8)
+        assert value(url, queries.CLUSTER_HIT_RATIO) == 0
+        assert value(url, queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED) == 0
+    finally:
+        stop(prometheus)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from collectors import blocksize
+from collectors import blocksize, identity
 
 
 class ConfigError(Exception):
@@ -85,7 +85,7 @@ class SessionSettings:
     """How a probe session carries its id, which the gateway hashes on."""
 
     mode: Literal["client", "server", "none"] = "client"  # make a UUID / adopt the gateway's / send none
-    header: str = "X-Session-Id"  # e.g. X-SMG-Routing-Key for sglang-router's manual policy
+    header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
 
     def __post_init__(self):
         _header(self.header, "header")
@@ -95,8 +95,8 @@ class SessionSettings:
 class BackendIdentity:
     """Where a response names the replica that served it; the first one present wins."""
 
-    headers: tuple[str, ...] = ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token")
-    json_paths: tuple[str, ...] = ("nvext.worker_id",)
+    headers: tuple[str, ...] = identity.DEFAULT_HEADERS
+    json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
 
     def __post_init__(self):
         for i, header in enumerate(self.headers):
@@ -132,6 +132,7 @@ class Target:
     api_key_file: Path | None = None
     session: SessionSettings = SessionSettings()
     backend: BackendIdentity = BackendIdentity()
+    router: str | None = None  # a router that names the replica only when asked (identity.ROUTERS)
     interval_seconds: float = 60.0
     sessions_per_run: int = 2
     rounds: int = 6
@@ -151,6 +152,12 @@ class Target:
             "must be the name of an environment variable (letters, digits and _), not the key itself",
         )
         _check(not (self.api_key_env and self.api_key_file), "", "set api_key_env or api_key_file, not both")
+        known = ", ".join(sorted(identity.ROUTERS))
+        _check(
+            self.router is None or self.router in identity.ROUTERS,
+            "router",
+            f'unknown router "{self.router}"; known: {known}',
+        )
         _positive(self.interval_seconds, "interval_seconds")
         _at_least(self.sessions_per_run, 1, "sessions_per_run")
         # Round 1 is the cold baseline, so a session needs a second round to say anything.

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import httpx
 
-from collectors import blocksize
+from collectors import blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.probe import (
-    DEFAULT_BACKEND_HEADERS,
     HINTS,
     ProbeSettings,
     add_api_key_arguments,
+    add_identity_arguments,
     api_url,
     resolve_api_key,
     run_session,
@@ -324,8 +324,9 @@ async def session_propagation(route: _Route) -> Check:
     missing = [r for r in answered if r.session_id_returned is None]
     forward = (
         f"make every hop forward {header} unchanged (nginx: `proxy_set_header {header} "
-        f"{_nginx_variable(header)};`; API gateways that drop unknown headers); sglang-router reads only "
-        "X-SMG-Routing-Key (--session-header X-SMG-Routing-Key)"
+        f"{_nginx_variable(header)};`; API gateways that drop unknown headers); SMG (sglang-router) "
+        "forwards only its routing-key headers (--routing-key-headers, default x-smg-routing-key: "
+        "--session-header x-smg-routing-key)"
     )
     if not answered:
         return Check(name, "warn", f"no round of {SESSIONS} sessions was answered{errors}")
@@ -362,7 +363,8 @@ async def hash_key(route: _Route) -> Check:
         evidence = f"{moved} of {len(sessions)} sessions changed backend within {ROUNDS} rounds: {paths}"
         fix = (
             f"hash on the session id: nginx `hash {_nginx_variable(route.probe.session_header)} consistent;` "
-            "(not $request_id, not round robin); sglang-router --policy manual with X-SMG-Routing-Key; "
+            "(not $request_id, not round robin); SMG --policy manual (or --routing-key-override) with "
+            "its routing-key header, x-smg-routing-key by default; "
             "vllm-router --policy consistent_hash with X-Session-ID"
         )
         return Check(name, "fail", evidence, fix, "hash_key_not_session")
@@ -629,16 +631,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--session-header",
         default=ProbeSettings.session_header,
         metavar="H",
-        help="session id header, e.g. X-SMG-Routing-Key for sglang-router (default %(default)s)",
+        help="session id header, e.g. x-smg-routing-key for SMG (default %(default)s)",
     )
-    parser.add_argument(
-        "--backend-header",
-        action="append",
-        dest="backend_headers",
-        metavar="H",
-        help="response header naming the serving backend; repeatable; replaces the defaults "
-        f"({', '.join(DEFAULT_BACKEND_HEADERS)})",
-    )
+    add_identity_arguments(parser)
     blocksize.add_arguments(parser)
     parser.add_argument(
         "--requests-sample",
@@ -663,7 +658,8 @@ def run_cli(args: argparse.Namespace) -> int:
             model=args.model,
             api_key=resolve_api_key(args.api_key_env, args.api_key_file),
             session_header=args.session_header,
-            backend_headers=tuple(args.backend_headers or DEFAULT_BACKEND_HEADERS),
+            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+            router=args.router,
             timeout_seconds=args.timeout,
         )
     except ValueError as error:

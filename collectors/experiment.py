@@ -30,12 +30,13 @@ from pathlib import Path
 
 import httpx
 
-from collectors import blocksize
+from collectors import blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.probe import (
     SESSION_MODES,
     ProbeSettings,
     add_api_key_arguments,
+    add_identity_arguments,
     api_url,
     failure_hints,
     resolve_api_key,
@@ -505,6 +506,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--session-header", default=ProbeSettings.session_header, metavar="H", help="default %(default)s"
     )
+    add_identity_arguments(parser)
     blocksize.add_arguments(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -522,6 +524,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 route_mode=label,
                 session_mode=args.session_mode,
                 session_header=args.session_header,
+                backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+                router=args.router,
                 max_tokens=args.max_tokens,
             )
             for url, label in ((args.a, args.label_a), (args.b, args.label_b))

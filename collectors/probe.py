@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import itertools
 import json
 import os
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from collectors import blocksize
+from collectors import blocksize, identity
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
 from collectors.connections import connect_reason, url_problem
@@ -38,10 +36,9 @@ from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
 
 SESSION_MODES = ("client", "server", "none")
-# Known conventions, first match wins: nginx's $upstream_addr, the lab's and Dynamo-style worker ids,
-# AIBrix's target pod, llm-d's base64 "namespace/pod" session token.
-DEFAULT_BACKEND_HEADERS = ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token")
-DEFAULT_BACKEND_JSON_PATHS = ("nvext.worker_id",)  # NVIDIA Dynamo's extension field
+# What a streamed delta may begin an answer with: its text, a reasoning model's thinking (vLLM and
+# SGLang's reasoning parsers; `reasoning` is the newer name), or a tool call.
+GENERATED_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
 # What one round may receive; beyond it the round fails as stream_error, before memory runs out.
 MAX_LINE_BYTES = 1 << 20  # a streamed chunk is a few hundred bytes; more is a body that is no stream
@@ -127,9 +124,10 @@ class ProbeSettings:
     target: str = "probe"
     route_mode: str = "unknown"
     session_mode: str = "client"  # client: a UUID per session; server: adopt the gateway's; none
-    session_header: str = "X-Session-Id"  # e.g. X-SMG-Routing-Key for sglang-router's manual policy
-    backend_headers: tuple[str, ...] = DEFAULT_BACKEND_HEADERS
-    backend_json_paths: tuple[str, ...] = DEFAULT_BACKEND_JSON_PATHS
+    session_header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
+    backend_headers: tuple[str, ...] = identity.DEFAULT_HEADERS
+    backend_json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
+    router: str | None = None  # one of identity.ROUTERS: a router that names the replica only when asked
     max_tokens: int = 32  # answer length
     # The KV block the rounds' ideal cached tokens are aligned to as they run; callers that learn the
     # engine's (collectors.blocksize) align them again with `with_block_size`.
@@ -145,6 +143,7 @@ class ProbeSettings:
             raise ValueError("model must not be empty")
         if self.session_mode not in SESSION_MODES:
             raise ValueError(f"session_mode must be one of {', '.join(SESSION_MODES)}")
+        identity.request_extras(self.router)  # ValueError for an unknown router
         for name in ("max_tokens", "block_size", "timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -173,6 +172,7 @@ class _Reply:
     answer: list[str] = field(default_factory=list)
     answer_bytes: int = 0
     ttft_seconds: float | None = None
+    first_content_seconds: float | None = None
     total_seconds: float | None = None
     usage: dict = field(default_factory=dict)
     json_backend: str | None = None
@@ -266,6 +266,8 @@ async def _round(
         "max_tokens": settings.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # Nothing else unless the route is declared: strict OpenAI-compatible APIs reject unknown fields.
+        **identity.request_extras(settings.router),
     }
     content = json.dumps(body).encode()  # encoded before the clock starts
     reply, kind, detail = _Reply(), None, None
@@ -292,13 +294,14 @@ async def _round(
             error_kind=kind,
             error_detail=None if detail is None else _excerpt(detail, settings.api_key),
             ttft_seconds=reply.ttft_seconds,
+            first_content_seconds=reply.first_content_seconds,
             total_seconds=reply.total_seconds,
             prompt_tokens=usage.get("prompt_tokens"),
             cached_tokens=usage.get("cached_tokens"),
             ideal_cached_tokens=_ideal(previous, usage.get("prompt_tokens"), settings.block_size),
             completion_tokens=usage.get("completion_tokens"),
             backend=redacted_name(
-                _header_backend(settings.backend_headers, reply.headers) or reply.json_backend,
+                identity.from_headers(settings.backend_headers, reply.headers) or reply.json_backend,
                 settings.api_key,
             ),
             session_id_sent=session_id,
@@ -311,7 +314,7 @@ async def _round(
 async def _stream(
     client: httpx.AsyncClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
 ) -> None:
-    """Stream one answer into `reply`, timing the first content token as a user would see it."""
+    """Stream one answer into `reply`, timing its first generated token and its first answer text."""
     start = time.perf_counter()
     url = api_url(settings.base_url, "chat/completions")
     async with client.stream("POST", url, content=content, headers=headers) as response:
@@ -338,14 +341,24 @@ async def _stream(
 
 
 def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: float) -> None:
-    """Take the content, usage and backend from one streamed chunk; TypeError etc. when malformed."""
+    """Take the content, usage and backend from one streamed chunk; TypeError etc. when malformed.
+
+    The first generated token of any kind ends the TTFT: a reasoning model thinks, or calls a tool,
+    before it answers, and the engine's prefill is over by then. The first answer text is kept apart.
+    """
     for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        generated = [delta.get(name) for name in GENERATED_FIELDS]
+        if not all(value is None or isinstance(value, str | list) for value in generated):
+            raise TypeError("a delta field is neither text nor a list of tool calls")
+        if reply.ttft_seconds is None and any(generated):
+            reply.ttft_seconds = time.perf_counter() - start
+        content = delta.get("content")
         if content:
             if not isinstance(content, str):
                 raise TypeError("content is not a string")
-            if reply.ttft_seconds is None:
-                reply.ttft_seconds = time.perf_counter() - start
+            if reply.first_content_seconds is None:
+                reply.first_content_seconds = time.perf_counter() - start
             reply.answer.append(content)
             reply.answer_bytes += len(content.encode())
             if reply.answer_bytes > MAX_ANSWER_BYTES:
@@ -359,10 +372,8 @@ def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: floa
             # None when the engine does not report it (vLLM without --enable-prompt-tokens-details).
             cached_tokens=details.get("cached_tokens"),
         )
-    for path in settings.backend_json_paths:
-        value = _lookup(chunk, path)
-        if isinstance(value, str | int) and not isinstance(value, bool):
-            reply.json_backend = str(value)
+    if backend := identity.from_chunk(settings.backend_json_paths, chunk):
+        reply.json_backend = backend
 
 
 def _token_counts(**counts: object) -> dict[str, int | None]:
@@ -466,31 +477,6 @@ def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[Sessi
     ]
 
 
-def _header_backend(names: tuple[str, ...], headers: httpx.Headers) -> str | None:
-    for name in names:
-        value = headers.get(name, "").rsplit(",", 1)[-1].strip()  # after a failover: the last one tried
-        if value:
-            return _pod_of_session_token(value) if name.lower() == "x-session-token" else value
-    return None
-
-
-def _pod_of_session_token(token: str) -> str:
-    """llm-d's x-session-token is base64 of "namespace/pod"; anything else is used as it is."""
-    try:
-        namespace, _, pod = base64.b64decode(token, validate=True).decode().rpartition("/")
-    except (binascii.Error, UnicodeDecodeError):
-        return token
-    return pod if namespace and pod else token
-
-
-def _lookup(chunk: object, path: str) -> object:
-    for key in path.split("."):
-        if not isinstance(chunk, dict):
-            return None
-        chunk = chunk.get(key)
-    return chunk
-
-
 def _excerpt(text: str, api_key: str | None) -> str:
     """One short line of `text`, redacted before it is cut, so that no piece of a key survives the cut."""
     text = " ".join(redact(text, api_key).split())
@@ -566,6 +552,13 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult], block:
             )
         )
     lines += [""] + _table(("session", "stickiness", "rounds ok", "id echoed", "backends", "error"), rows)
+    answered = [r for s in sessions for r in s.rounds if r.ok]
+    if answered and not any(r.backend for r in answered):
+        looked = ", ".join((*settings.backend_headers, *settings.backend_json_paths))
+        lines += [
+            "",
+            f"No response named its replica ({looked}): stickiness is inferred from the cached tokens.",
+        ]
     return "\n".join(lines)
 
 
@@ -613,6 +606,24 @@ def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
 
 
+def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
+    """--router (a router that names the replica only when asked) and --backend-header."""
+    parser.add_argument(
+        "--router",
+        choices=sorted(identity.ROUTERS),
+        help="the route is this router's frontend: ask it to name the serving replica "
+        "(dynamo: nvext.extra_fields); by default the request carries nothing beyond the OpenAI API",
+    )
+    parser.add_argument(
+        "--backend-header",
+        action="append",
+        dest="backend_headers",
+        metavar="H",
+        help="response header naming the serving backend; repeatable; replaces the defaults "
+        f"({', '.join(identity.DEFAULT_HEADERS)})",
+    )
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
     parser = subparsers.add_parser(
@@ -651,17 +662,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--session-header",
         default=ProbeSettings.session_header,
         metavar="H",
-        help="session id header, e.g. X-SMG-Routing-Key for sglang-router's manual policy "
-        "(default %(default)s)",
+        help="session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)",
     )
-    parser.add_argument(
-        "--backend-header",
-        action="append",
-        dest="backend_headers",
-        metavar="H",
-        help="response header naming the serving backend; repeatable; replaces the defaults "
-        f"({', '.join(DEFAULT_BACKEND_HEADERS)})",
-    )
+    add_identity_arguments(parser)
     parser.add_argument(
         "--sharegpt",
         metavar="FILE",
@@ -695,7 +698,8 @@ def run_cli(args: argparse.Namespace) -> int:
             api_key=resolve_api_key(args.api_key_env, args.api_key_file),
             session_mode=args.session_mode,
             session_header=args.session_header,
-            backend_headers=tuple(args.backend_headers or DEFAULT_BACKEND_HEADERS),
+            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+            router=args.router,
             max_tokens=args.max_tokens,
             timeout_seconds=args.timeout,
         )

@@ -29,7 +29,7 @@ class RoundResult:
     status: int | None  # HTTP status; None when no response arrived
     error_kind: str | None  # one of ERROR_KINDS, None on success
     error_detail: str | None  # short and redacted: never an API key, at most an excerpt of a body
-    ttft_seconds: float | None  # to the first non-empty content delta of the stream
+    ttft_seconds: float | None  # to the first generated token: answer text, reasoning or a tool call
     total_seconds: float | None
     prompt_tokens: int | None
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None when not reported
@@ -38,6 +38,9 @@ class RoundResult:
     backend: str | None  # the replica that served the round, when a header or JSON field names it
     session_id_sent: str | None
     session_id_returned: str | None  # the X-Session-Id response header
+    # To the first answer text (delta.content): later than the TTFT when a model reasons or calls a tool
+    # first; None when the answer had no text.
+    first_content_seconds: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -49,6 +49,7 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         session_header=target.session.header,
         backend_headers=target.backend.headers,
         backend_json_paths=target.backend.json_paths,
+        router=target.router,
         max_tokens=target.workload.max_tokens,
         timeout_seconds=target.timeout_seconds,
     )

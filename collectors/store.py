@@ -21,7 +21,7 @@ from pathlib import Path
 
 from collectors.records import RoundResult, SessionResult
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_SECONDS = 10.0
 ALERT_STATUSES = ("firing", "resolved")
 
@@ -57,6 +57,7 @@ _SCHEMA = (
         backend TEXT,
         session_id_sent TEXT,
         session_id_returned TEXT,
+        first_content_seconds REAL,
         PRIMARY KEY (session, round)
     ) WITHOUT ROWID""",
     # Alertmanager repeats a group's alerts in every notification: one row per alert per state
@@ -78,6 +79,10 @@ _SCHEMA = (
     )""",
     "CREATE INDEX alerts_by_time ON alerts (received_at)",
 )
+# What takes a store of the version before each one to that version, keeping its history.
+_MIGRATIONS = {
+    2: ("ALTER TABLE rounds ADD COLUMN first_content_seconds REAL",),  # reasoning models' second TTFT
+}
 # Fields and properties of SessionResult / RoundResult, stored under their own names.
 _SESSION_COLUMNS = (
     "target",
@@ -157,8 +162,13 @@ class Store:
                 )
             if version == 0 and readonly:
                 raise StoreError(f"{self.path} is not a kvwatch store")
-            if version == 0:
-                for statement in _SCHEMA:
+            if version < SCHEMA_VERSION and readonly:
+                raise StoreError(
+                    f"{self.path} has schema {version}, from an older kvwatch: `kvwatch serve` upgrades it"
+                )
+            if version < SCHEMA_VERSION:
+                steps = range(version + 1, SCHEMA_VERSION + 1)
+                for statement in _SCHEMA if version == 0 else [s for n in steps for s in _MIGRATIONS[n]]:
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 

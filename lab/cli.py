@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from lab import stack
-from lab.engine import ReplicaSettings
+from lab.engine import ANSWER_STYLES, ReplicaSettings
 from lab.flavours import FLAVOURS
 from lab.replicas import KINDS
 from lab.stack import FAULTS
@@ -99,6 +99,14 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=defaults.time_scale,
         help="multiply every simulated delay, e.g. 0.1 for fast tests",
+    )
+    replica.add_argument(
+        "--answer-style",
+        choices=ANSWER_STYLES,
+        default=defaults.answer_style,
+        help="content: answer text; reasoning: a reasoning model's thinking (delta.reasoning in the vllm "
+        "flavour, else delta.reasoning_content) before the text; tool-call: delta.tool_calls and no "
+        "text (default %(default)s)",
     )
     replica.add_argument(
         "--no-identity-header",

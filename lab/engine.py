@@ -27,6 +27,9 @@ from lab.flavours import CacheConfig, Finished, Prefill, make_metrics
 from lab.prefix_cache import PrefixCache
 from lab.tokenizer import answer_words, tokenize
 
+# content: answer text only; reasoning: a reasoning model's thinking first, then text; tool-call: a tool
+# call's arguments and no text.
+ANSWER_STYLES = ("content", "reasoning", "tool-call")
 GROUND_TRUTH_KEPT = 100_000
 
 
@@ -45,6 +48,7 @@ class ReplicaSettings:
     answer_tokens: int = 48
     time_scale: float = 1.0
     identity_header: bool = True
+    answer_style: str = "content"  # one of ANSWER_STYLES: how the stream delivers the answer's tokens
     ground_truth_path: Path | None = None
     seed: int = 0
 
@@ -231,6 +235,11 @@ class Sequence:
             self.completion_tokens = index + 1
             yield word
         self._state = "done"
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        """From arrival to the end of prefill; None before it ends."""
+        return self._ttft_seconds
 
     @property
     def created_cache_tokens(self) -> int:

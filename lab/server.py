@@ -115,12 +115,16 @@ def _parse_chat(engine: Engine, raw: bytes) -> dict:
     except TemplateError as error:
         raise ApiError(400, str(error), "invalid_request_error") from error
     options = body.get("stream_options") or {}
+    nvext = body.get("nvext")
+    extra_fields = nvext.get("extra_fields") if isinstance(nvext, dict) else None
     return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": stream,
         "include_usage": bool(isinstance(options, dict) and options.get("include_usage")),
+        # NVIDIA Dynamo's request extension: which extra fields the answer should carry.
+        "nvext_fields": frozenset(extra_fields) if isinstance(extra_fields, list) else frozenset(),
     }
 
 
@@ -131,22 +135,35 @@ class Answer:
     holds it to a real engine's): `created_cache_tokens` in the usage, OpenAI's null message fields, a
     `system_fingerprint`, and `finish_reason` on the last token's chunk. The other flavours keep the
     plain OpenAI shape: a separate finishing chunk, and no more than `cached_tokens` in the usage.
+    The replica's answer style puts the tokens in the deltas of a reasoning model or a tool call, and a
+    request that asks with `nvext.extra_fields` gets Dynamo's `nvext` in every chunk.
     """
 
-    def __init__(self, engine: Engine, seq: Sequence, model: str) -> None:
+    def __init__(self, engine: Engine, seq: Sequence, model: str, nvext_fields: frozenset = frozenset()):
         self.seq = seq
+        self.replica_id = engine.settings.replica_id
+        self.style = engine.settings.answer_style
         self.vllm = engine.settings.flavour == "vllm"
+        self.reasoning_field = "reasoning" if self.vllm else "reasoning_content"
+        self.nvext_fields = nvext_fields
         self.head = {"id": f"chatcmpl-{seq.request_id}", "created": int(time.time()), "model": model}
         self.closing = {"system_fingerprint": _fingerprint(engine.settings)} if self.vllm else {}
 
-    def completion(self, text: str) -> dict:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.seq.finish_reason}
+    def completion(self, words: list[str]) -> dict:
+        deltas = [self._delta(index, word) for index, word in enumerate(words)]
+        text = "".join(d.get("content", "") for d in deltas)
+        message = {"role": "assistant", "content": text or None}
+        if thinking := "".join(d.get(self.reasoning_field, "") for d in deltas):
+            message[self.reasoning_field] = thinking
+        if self.style == "tool-call":
+            arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+            message["tool_calls"] = [self._tool_call(arguments)]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self._finish_reason()}
         body = {**self.head, "object": "chat.completion", "choices": [choice], "usage": self.usage(False)}
         if self.vllm:
             message |= {"refusal": None, "annotations": None, "audio": None, "function_call": None}
             body |= {"service_tier": None, **self.closing}
-        return body
+        return body | self._nvext(last=True)
 
     async def stream(self, include_usage: bool) -> AsyncIterator[dict]:
         """Prefill and decode the sequence, yielding each chunk of the event stream."""
@@ -155,16 +172,50 @@ class Answer:
         yield self._chunk([self._choice({"role": "assistant", "content": ""})])
         async for word in seq.decode():
             last = self.vllm and seq.completion_tokens == len(seq.words)
-            delta = {"content": word if seq.completion_tokens == 1 else " " + word}
+            delta = self._delta(seq.completion_tokens - 1, word)
             if not last:
                 yield self._chunk([self._choice(delta)])
             else:  # vLLM's closing chunk carries the fingerprint, unless a usage chunk follows
                 closing = {} if include_usage else self.closing
-                yield self._chunk([self._choice(delta, seq.finish_reason)], **closing)
+                choices = [self._choice(delta, self._finish_reason())]
+                yield self._chunk(choices, last=not include_usage, **closing)
         if not self.vllm:
-            yield self._chunk([self._choice({}, seq.finish_reason)])
+            yield self._chunk([self._choice({}, self._finish_reason())], last=not include_usage)
         if include_usage:
-            yield self._chunk([], usage=self.usage(True), **self.closing)
+            yield self._chunk([], last=True, usage=self.usage(True), **self.closing)
+
+    def _delta(self, index: int, word: str) -> dict:
+        """The delta of the answer's `index`th token, by the replica's answer style."""
+        piece = word if index == 0 else " " + word
+        if self.style == "tool-call":
+            last = index == len(self.seq.words) - 1
+            arguments = ('{"query": "' if index == 0 else "") + piece + ('"}' if last else "")
+            later = {"index": 0, "function": {"arguments": arguments}}
+            return {"tool_calls": [self._tool_call(arguments) if index == 0 else later]}
+        thinking = self.style == "reasoning" and index < max(1, len(self.seq.words) // 2)
+        return {self.reasoning_field: piece} if thinking else {"content": piece}
+
+    def _tool_call(self, arguments: str) -> dict:
+        function = {"name": "lookup", "arguments": arguments}
+        return {"index": 0, "id": f"call-{self.seq.request_id}", "type": "function", "function": function}
+
+    def _finish_reason(self) -> str:
+        return "tool_calls" if self.style == "tool-call" else self.seq.finish_reason
+
+    def _nvext(self, last: bool) -> dict:
+        """Dynamo's `nvext`: the worker on every chunk, the timing on the last, each when asked for."""
+        nvext = {}
+        if "worker_id" in self.nvext_fields:
+            nvext["worker_id"] = {
+                "prefill_worker_id": self.replica_id,
+                "prefill_dp_rank": 0,
+                "decode_worker_id": self.replica_id,
+                "decode_dp_rank": 0,
+            }
+        if last and "timing" in self.nvext_fields:
+            ttft = self.seq.ttft_seconds or 0.0
+            nvext["timing"] = {"ttft_ms": round(ttft * 1000, 3), "prefill_time_ms": round(ttft * 1000, 3)}
+        return {"nvext": nvext} if nvext else {}
 
     def usage(self, streamed: bool) -> dict:
         seq = self.seq
@@ -181,8 +232,9 @@ class Answer:
                 usage["completion_tokens_details"] = None
         return usage
 
-    def _chunk(self, choices: list[dict], **extra) -> dict:
-        return {**self.head, "object": "chat.completion.chunk", "choices": choices, **extra}
+    def _chunk(self, choices: list[dict], last: bool = False, **extra) -> dict:
+        chunk = {**self.head, "object": "chat.completion.chunk", "choices": choices, **extra}
+        return chunk | self._nvext(last)
 
     @staticmethod
     def _choice(delta: dict, finish_reason: str | None = None) -> dict:
@@ -218,12 +270,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     headers = {"X-Worker-Id": engine.settings.replica_id} if engine.settings.identity_header else {}
     seq = engine.sequence(chat["prompt"], chat["max_tokens"], chat["stream"], session_id, arrival)
-    answer = Answer(engine, seq, chat["model"])
+    answer = Answer(engine, seq, chat["model"], chat["nvext_fields"])
     async with seq:
         if not chat["stream"]:
             await seq.prefill()
             words = [word async for word in seq.decode()]
-            return web.json_response(answer.completion(" ".join(words)), headers=headers)
+            return web.json_response(answer.completion(words), headers=headers)
 
         response = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

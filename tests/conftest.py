@@ -155,6 +155,37 @@ def start_router(tmp_path: Path) -> Iterator[Callable[[str, list[Replica]], Rout
         stop(process)
 
 
+@pytest.fixture
+def start_smg(tmp_path: Path) -> Iterator[Callable[..., Router]]:
+    """Start the real SMG (PyPI `smg`, SGLang's router since 1.x) with a policy in front of replicas, plus
+    any further `smg launch` flags; each is stopped by PID at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def start(policy: str, replicas: list[Replica], *extra: str) -> Router:
+        port, metrics_port = free_port(), free_port()
+        while metrics_port == port:
+            metrics_port = free_port()
+        command = [
+            sys.executable, "-m", "smg.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *(replica.url for replica in replicas), "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--disable-tokenizer-autoload", *extra,
+        ]  # fmt: skip
+        # It must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
+        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+        log = tmp_path / f"smg-{policy}-{port}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        started.append(process)
+        router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+        _wait_router_ready(router, healthy_workers=len(replicas))  # it registers them in the background
+        return router
+
+    yield start
+    for process in started:
+        stop(process)
+
+
 def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30.0) -> None:
     """Wait until the router reports every worker healthy; it routes nowhere before its health checks."""
     deadline = time.monotonic() + timeout

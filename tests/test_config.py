@@ -96,6 +96,10 @@ INVALID = [
     ("rounds-too-many", "targets[0].rounds: must be between 2 and 50, got 51"),
     ("rounds", "targets[0].rounds: must be between 2 and 50, got 1"),
     (
+        "router",
+        'targets[0].router: unknown router "smg"; known: dynamo',
+    ),
+    (
         "route-mode",
         "targets[0].route_mode: must be one of affinity, consistent_hash, manual, cache_aware, round_robin, "
         'random; got the string "afinity"',
@@ -136,9 +140,16 @@ def test_minimal_file_takes_every_default():
         "api_key_file": None,
         "session": {"mode": "client", "header": "X-Session-Id"},
         "backend": {
-            "headers": ("X-Upstream", "X-Worker-Id", "target-pod", "x-session-token"),
+            "headers": (
+                "X-Upstream",
+                "X-Worker-Id",
+                "x-smg-routed-worker-id",
+                "target-pod",
+                "x-session-token",
+            ),
             "json_paths": ("nvext.worker_id",),
         },
+        "router": None,  # the request carries nothing beyond the OpenAI API
         "interval_seconds": 60.0,
         "sessions_per_run": 2,
         "rounds": 6,
@@ -185,6 +196,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         api_key_env="KVWATCH_CHAT_API_KEY",
         session=SessionSettings(mode="server", header="X-SMG-Routing-Key"),
         backend=BackendIdentity(headers=("X-Worker-Id",), json_paths=("nvext.worker_id", "metadata.pod")),
+        router="dynamo",
         interval_seconds=30.5,
         sessions_per_run=3,
         rounds=8,

@@ -476,6 +476,116 @@ def test_server_mode_sends_no_session_header_when_no_gateway_assigns_one():
     assert seen == [None, None, None] and session.session_id is None and session.ok
 
 
+# Dynamo's worker id object: the decode worker holds the KV cache after a disaggregated prefill.
+DYNAMO_WORKER = {
+    "prefill_worker_id": 7587889719553542,
+    "prefill_dp_rank": 0,
+    "decode_worker_id": 7587889719553617,
+    "decode_dp_rank": 1,
+}
+AGGREGATED_WORKER = {
+    "prefill_worker_id": 5,
+    "prefill_dp_rank": 0,
+    "decode_worker_id": None,
+    "decode_dp_rank": None,
+}
+
+
+def dynamo_stream(asked: bool) -> list[str]:
+    """A stream as NVIDIA Dynamo's frontend sends it: `nvext.worker_id` in every chunk and
+    `nvext.timing` in the last, only when the request asked for them with `nvext.extra_fields`."""
+    head = {"id": "chatcmpl-5b2d", "object": "chat.completion.chunk", "created": 1796122205, "model": MODEL}
+    worker = {"nvext": {"worker_id": DYNAMO_WORKER}} if asked else {}
+    timing = {"ttft_ms": 41.7, "prefill_time_ms": 38.2, "kv_hit_rate": 0.8} if asked else None
+    deltas = [{"role": "assistant", "content": ""}, {"content": "hello"}, {"content": " world"}]
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}], **worker} for d in deltas
+    ]
+    last = {**head, "choices": [], "usage": USAGE, **worker}
+    if timing:
+        last["nvext"] = {**last["nvext"], "timing": timing}
+    return [*map(json.dumps, [*chunks, last]), "[DONE]"]
+
+
+@pytest.mark.parametrize("router", [None, "dynamo"])
+def test_a_dynamo_streams_decode_worker_id_is_the_backend_only_when_asked_for(router):
+    bodies = []
+
+    async def dynamo(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        asked = "worker_id" in body.get("nvext", {}).get("extra_fields", [])
+        return await sse(request, dynamo_stream(asked))
+
+    session = against(dynamo, router=router)
+
+    assert session.ok and len(bodies) == 3
+    if router == "dynamo":
+        assert all(b["nvext"] == {"extra_fields": ["worker_id", "timing"]} for b in bodies)
+        assert [r.backend for r in session.rounds] == ["7587889719553617"] * 3
+    else:  # a strict OpenAI-compatible API would reject an unknown field
+        assert all("nvext" not in b for b in bodies)
+        assert [r.backend for r in session.rounds] == [None] * 3
+
+
+def test_an_unknown_router_is_refused():
+    with pytest.raises(ValueError, match='unknown router "envoy"; known: dynamo'):
+        ProbeSettings(base_url="http://gw", model=MODEL, router="envoy")
+
+
+def stream_of(*deltas: dict, pause: float = 0.0):
+    """A handler streaming one chunk per delta, `pause` seconds apart, then the usage and [DONE]."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for delta in deltas:
+            await response.write(f"data: {json.dumps({'choices': [{'delta': delta}]})}\n\n".encode())
+            await asyncio.sleep(pause)
+        await response.write(
+            f"data: {json.dumps({'choices': [], 'usage': USAGE})}\n\ndata: [DONE]\n\n".encode()
+        )
+        return response
+
+    return handler
+
+
+@pytest.mark.parametrize("thinking", ["reasoning_content", "reasoning"])
+def test_ttft_is_the_first_thinking_token_and_the_answer_text_comes_second(thinking):
+    pause = 0.2
+    session = against(
+        stream_of({"role": "assistant", "content": ""}, {thinking: "Let me"}, {"content": "hi"}, pause=pause)
+    )
+
+    assert session.ok
+    for r in session.rounds:
+        assert r.first_content_seconds - r.ttft_seconds >= pause * 0.8, r
+        assert r.ttft_seconds >= pause * 0.8, r  # the empty opening delta, sent at once, is no token
+
+
+def test_a_tool_call_is_a_first_token_with_no_answer_text():
+    call = {"index": 0, "id": "call-1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    session = against(stream_of({"role": "assistant"}, {"tool_calls": [call]}))
+
+    assert session.ok
+    assert all(r.ttft_seconds is not None and r.first_content_seconds is None for r in session.rounds)
+
+
+def test_no_identity_is_said_so_and_stickiness_comes_from_the_cached_tokens(capsys):
+    """llm-d's session_id strategy routes on X-Session-Id and names no replica in the answer."""
+
+    async def scenario():
+        async with fake_server(answering(ANSWER)) as url:
+            return await asyncio.to_thread(
+                main, ["probe", "--base-url", url, *SMALL, "--rounds", "3", "--sessions", "1"]
+            )
+
+    assert asyncio.run(scenario()) == 0
+    out = capsys.readouterr().out
+    assert "No response named its replica (X-Upstream, " in out
+    assert "stickiness is inferred from the cached tokens" in out and " sticky " in out
+
+
 def session_token(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -488,7 +598,16 @@ def session_token(text: str) -> str:
         pytest.param({"target-pod": "pod-a"}, None, {}, "pod-a", id="aibrix"),
         pytest.param({"x-session-token": session_token("llm-d/decode-0")}, None, {}, "decode-0", id="llm-d"),
         pytest.param({"x-session-token": "not base64!"}, None, {}, "not base64!", id="llm-d-raw"),
-        pytest.param({}, {"choices": [], "nvext": {"worker_id": 42}}, {}, "42", id="dynamo"),
+        pytest.param(
+            {"x-smg-routed-worker-id": "http://10.0.0.7:8000"}, None, {}, "http://10.0.0.7:8000", id="smg"
+        ),
+        pytest.param({}, {"choices": [], "nvext": {"worker_id": 42}}, {}, "42", id="dynamo-bare-id"),
+        pytest.param(
+            {}, {"choices": [], "nvext": {"worker_id": DYNAMO_WORKER}}, {}, "7587889719553617", id="dynamo"
+        ),
+        pytest.param(
+            {}, {"choices": [], "nvext": {"worker_id": AGGREGATED_WORKER}}, {}, "5", id="dynamo-aggregated"
+        ),
         pytest.param(
             {"X-Pod": "gpu-3", "X-Worker-Id": "w"}, None, {"backend_headers": ("X-Pod",)}, "gpu-3", id="set"
         ),

@@ -13,6 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
+from collectors.probe import ProbeSettings, probe_once
+from collectors.workload import synthetic
 from conftest import REPO, free_port
 
 pytestmark = pytest.mark.integration
@@ -33,9 +35,9 @@ def chat(url: str, messages=USER, **body) -> httpx.Response:
     return CLIENT.post(f"{url}/v1/chat/completions", json={"messages": messages, **body})
 
 
-def stream(url: str, messages=USER, headers=None) -> tuple[list[dict], float]:
+def stream(url: str, messages=USER, headers=None, **extra) -> tuple[list[dict], float]:
     """Stream a chat; return its parsed chunks and the client-side time to the first content token."""
-    body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **extra}
     chunks: list[dict] = []
     started, ttft = time.monotonic(), None
     with CLIENT.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
@@ -84,6 +86,63 @@ def test_other_flavours_keep_the_plain_openai_shape(start_replica):
     assert chunks[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert "system_fingerprint" not in chunks[-1] and "system_fingerprint" not in chat(replica.url).json()
+
+
+def deltas(chunks: list[dict], name: str) -> list:
+    return [
+        c["choices"][0]["delta"][name] for c in chunks if c["choices"] and name in c["choices"][0]["delta"]
+    ]
+
+
+@pytest.mark.parametrize("flavour, field", [("vllm", "reasoning"), ("sglang", "reasoning_content")])
+def test_a_reasoning_replica_thinks_before_it_answers_and_the_probe_times_both(start_replica, flavour, field):
+    replica = start_replica("r1", flavour, *FAST, "--answer-style", "reasoning")
+    chunks, _ = stream(replica.url)
+    kinds = [
+        next(k for k in (field, "content") if k in c["choices"][0]["delta"])
+        for c in chunks[1:-1]
+        if c["choices"] and c["choices"][0]["delta"]
+    ]
+    assert kinds == [field] * 4 + ["content"] * 4  # half the answer's tokens think, then it answers
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    message = chat(replica.url).json()["choices"][0]["message"]
+    assert len(message[field].split()) == 4 and len(message["content"].split()) == 4
+
+    settings = ProbeSettings(base_url=replica.url, model="lab-model", max_tokens=8)
+    (session,) = probe_once(settings, synthetic(2, 50, 10, seed=1, sessions=1))
+    assert session.ok and all(0 < r.ttft_seconds < r.first_content_seconds for r in session.rounds)
+
+
+def test_a_tool_calling_replica_streams_tool_call_deltas_and_no_text(start_replica):
+    replica = start_replica("r1", "vllm", *FAST, "--answer-style", "tool-call")
+    chunks, ttft = stream(replica.url)
+    calls = [call for piece in deltas(chunks, "tool_calls") for call in piece]
+    assert calls[0]["function"]["name"] == "lookup" and calls[0]["id"] and calls[0]["type"] == "function"
+    assert len(json.loads("".join(c["function"]["arguments"] for c in calls))["query"].split()) == 8
+    assert ttft is None and deltas(chunks, "content") == [""]  # only the opening delta
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    message = chat(replica.url).json()["choices"][0]["message"]
+    assert message["content"] is None and json.loads(message["tool_calls"][0]["function"]["arguments"])
+
+    settings = ProbeSettings(base_url=replica.url, model="lab-model", max_tokens=8)
+    (session,) = probe_once(settings, synthetic(2, 50, 10, seed=2, sessions=1))
+    assert session.ok and all(r.ttft_seconds and r.first_content_seconds is None for r in session.rounds)
+
+
+def test_a_request_asking_with_nvext_gets_dynamos_worker_id_and_timing(start_replica):
+    replica = start_replica("r7", "vllm", *FAST, "--no-identity-header")
+    plain, _ = stream(replica.url)
+    assert not any("nvext" in c for c in plain)
+
+    asked, _ = stream(replica.url, nvext={"extra_fields": ["worker_id", "timing"]})
+    worker = {"prefill_worker_id": "r7", "prefill_dp_rank": 0, "decode_worker_id": "r7", "decode_dp_rank": 0}
+    assert all(c["nvext"]["worker_id"] == worker for c in asked)
+    assert [c for c in asked if "timing" in c["nvext"]] == [asked[-1]]
+    assert asked[-1]["nvext"]["timing"]["ttft_ms"] > 0
+
+    settings = ProbeSettings(base_url=replica.url, model="lab-model", max_tokens=8, router="dynamo")
+    (session,) = probe_once(settings, synthetic(3, 50, 10, seed=3, sessions=1))
+    assert session.ok and session.backends == ("r7",) * 3 and session.sticky
 
 
 def test_non_streaming_reports_cached_tokens_of_a_repeated_prefix(start_replica):

@@ -163,6 +163,28 @@ def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
         Store(newer)
 
 
+def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
+    """Schema 2 added each round's time to the first answer text (reasoning models); a store written
+    before it keeps its sessions, whose rounds read None there."""
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        old = store.add_session(session())
+    db = sqlite3.connect(path)  # what kvwatch with schema 1 left behind
+    db.execute("ALTER TABLE rounds DROP COLUMN first_content_seconds")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="has schema 1, from an older kvwatch: `kvwatch serve` upgrades it"):
+        Store(path, readonly=True)
+
+    thinking = session("reasoning", 2000.0, round_result(1, first_content_seconds=0.9), round_result(2))
+    with Store(path) as store:
+        assert store.session(old) == session()
+        assert store.session(store.add_session(thinking)) == thinking
+    with Store(path, readonly=True) as reader:
+        assert [r["first_content_seconds"] for r in reader.rounds("reasoning")] == [0.9, None]
+
+
 def test_readonly_store_cannot_write(tmp_path):
     path = tmp_path / "kvwatch.db"
     Store(path).close()

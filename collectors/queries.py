@@ -183,12 +183,20 @@ def _ttft_buckets(by: str) -> str:
 
 
 def _engine_ttft_buckets() -> str:
-    """TTFT bucket rates summed per engine family: vLLM and SGLang buckets differ, so never mix them."""
-    parts = [
-        f'label_replace(sum by (le) (rate({name}[{WINDOW}])), "engine", "{name.split(":")[0]}", "", "")'
-        for name in TTFT_BUCKETS
-    ]
-    return "\n  or ".join(parts)
+    """TTFT bucket rates summed per engine family, over the bounds every instance of the family has.
+
+    vLLM and SGLang buckets differ, and so do two vLLM instances' when one sets its own
+    (--custom-histogram-buckets): a bound that only some instances have would mix counts of different
+    ranges, so only the shared bounds (always at least +Inf) are summed. Exact, only coarser.
+    """
+
+    def shared_bounds(name: str) -> str:
+        buckets = f"sum by ({INSTANCE}, le) (rate({name}[{WINDOW}]))"
+        everywhere = f"count by (le) ({buckets}) == scalar(count(count by ({INSTANCE}) ({buckets})))"
+        shared = f"sum by (le) ({buckets} and on(le) ({everywhere}))"
+        return f'label_replace({shared}, "engine", "{name.split(":")[0]}", "", "")'
+
+    return "\n  or ".join(map(shared_bounds, TTFT_BUCKETS))
 
 
 def _cached_by_source() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -171,6 +172,19 @@ def test_sglang_without_token_counters_falls_back_to_the_batch_gauge_and_says_so
     # 11,008 requests, only 2,513 of them within the highest finite bucket (30 s): as in PromQL, a
     # quantile in the +Inf bucket is that bound.
     assert record.ttft_p50_seconds == 30.0
+
+
+def test_vllm_rust_frontend_openmetrics_without_cache_config_info():
+    """OpenMetrics only (`# TYPE vllm:prefix_cache_hits counter`, samples `..._total`, `# EOF`) and no
+    vllm:cache_config_info: read as vLLM, its lookups the evidence that prefix caching is on."""
+    text = (TESTDATA / "vllm-rust-frontend-openmetrics.prom").read_text()
+    record = normalise(read(text))
+    assert record.flavour == "vllm"
+    assert (record.hit_ratio, record.hit_ratio_source, record.local_hit_ratio) == (0.64, "tokens", 0.64)
+    assert (record.prefix_caching_enabled, record.missing) == (True, ())
+    # Prompts without a single lookup: caching off. No prompts at all: unknown, not a guess.
+    assert normalise(read(text.replace(" 1000\n", " 0\n", 1))).prefix_caching_enabled is False
+    assert normalise(read(re.sub(r" \d+\n", " 0\n", text))).prefix_caching_enabled is None
 
 
 # Synthetic expositions, unit by unit.

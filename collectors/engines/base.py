@@ -191,7 +191,7 @@ class Reader:
         return None
 
 
-def prefix_caching(reader: Reader, name: str) -> bool | None:
+def prefix_caching(reader: Reader, name: str, optional: bool = False) -> bool | None:
     """Whether the engine's cache_config_info says prefix caching is on (for every engine it lists)."""
-    values = reader.label_values(name, "enable_prefix_caching")
+    values = reader.label_values(name, "enable_prefix_caching", optional)
     return all(value.lower() == "true" for value in values) if values else None

@@ -266,7 +266,15 @@ INSTANCE_ROUTER_PREDICTED_HIT_RATIO = f"instance:kvwatch_router_predicted_hit_ra
 INSTANCE_ROUTER_DELIVERED_PER_PREDICTED = (
     f"instance:kvwatch_router_delivered_per_predicted_hit_ratio:ratio_rate{WINDOW}"
 )
+# SMG's manual (routing-key) policy: of the requests whose key was already pinned to a worker, the share
+# that reached it (`occupied_hit`) rather than respilling to another (`occupied_miss`: the pinned worker
+# was gone or overloaded). The router's own stickiness, next to the probe's.
+SMG_BRANCHES = "smg_manual_policy_branch_total"
+INSTANCE_ROUTER_PIN_KEPT = f"instance:kvwatch_router_pin_kept_per_pinned_requests:ratio_rate{WINDOW}"
+_PINNED = _first_of(SMG_BRANCHES + '{branch=~"occupied_hit|occupied_miss"}')
+_PIN_KEPT = _first_of(SMG_BRANCHES + '{branch="occupied_hit"}')
 ROUTER_RULES: tuple[Rule, ...] = (
+    Rule(INSTANCE_ROUTER_PIN_KEPT, f"({_PIN_KEPT}\n  or 0 * {_PINNED})\n  / ({_PINNED} > 0)"),
     Rule(INSTANCE_ROUTER_PREDICTIONS, _first_of(*(f"{name}_count" for name in ROUTER_PREDICTED_HIT_RATIOS))),
     Rule(
         INSTANCE_ROUTER_PREDICTED_HIT_RATIO,

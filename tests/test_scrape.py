@@ -170,6 +170,18 @@ def test_human_output_labels_lifetime_figures_and_errors(server):
     assert bad.startswith(f"{garbage}\n  ERROR  {garbage}: not a Prometheus text exposition")
 
 
+def test_a_routers_prediction_is_printed_next_to_what_its_requests_were_delivered():
+    """The hand-written llm-d EPP exposition: a mean prediction of 80 %, 7,000 of 10,000 tokens cached."""
+    result = kvwatch("scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom"), "--json", timeout=30)
+    assert result.returncode == 0, result.stderr
+    (record,) = json.loads(result.stdout)
+    assert (record["flavour"], record["predicted_hit_ratio"], record["hit_ratio"]) == ("llm-d-epp", 0.8, 0.7)
+    text = kvwatch("scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom"), timeout=30).stdout
+    assert "predicted hit ratio  80.0%  (the router's guess)" in text
+    assert "delivered hit ratio  70.0%  (cached / prompt tokens it forwarded)" in text
+    assert "vllm-0        6  (60%)" in text
+
+
 def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):
     result = kvwatch("scrape", "--json", "--interval", "0.3", f"{server}/metrics", timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr

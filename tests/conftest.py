@@ -119,36 +119,7 @@ def start_router(tmp_path: Path) -> Iterator[Callable[[str, list[Replica]], Rout
     started: list[subprocess.Popen] = []
 
     def start(policy: str, replicas: list[Replica]) -> Router:
-        port = free_port()
-        metrics_port = free_port()
-        while metrics_port == port:
-            metrics_port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *(replica.url for replica in replicas),
-            "--policy",
-            policy,
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(metrics_port),
-        ]
-        # The router must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
-        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-        log = tmp_path / f"router-{policy}-{port}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        started.append(process)
-        router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
-        _wait_router_ready(router, healthy_workers=len(replicas))
-        return router
+        return _launch_router(tmp_path, started, "sglang_router.launch_router", policy, replicas)
 
     yield start
     for process in started:
@@ -162,28 +133,41 @@ def start_smg(tmp_path: Path) -> Iterator[Callable[..., Router]]:
     started: list[subprocess.Popen] = []
 
     def start(policy: str, replicas: list[Replica], *extra: str) -> Router:
-        port, metrics_port = free_port(), free_port()
-        while metrics_port == port:
-            metrics_port = free_port()
-        command = [
-            sys.executable, "-m", "smg.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *(replica.url for replica in replicas), "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--disable-tokenizer-autoload", *extra,
-        ]  # fmt: skip
-        # It must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
-        env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-        log = tmp_path / f"smg-{policy}-{port}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        started.append(process)
-        router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
-        _wait_router_ready(router, healthy_workers=len(replicas))  # it registers them in the background
-        return router
+        flags = ("--disable-tokenizer-autoload", *extra)
+        return _launch_router(tmp_path, started, "smg.launch_router", policy, replicas, flags)
 
     yield start
     for process in started:
         stop(process)
+
+
+def _launch_router(
+    tmp_path: Path,
+    started: list[subprocess.Popen],
+    module: str,
+    policy: str,
+    replicas: list[Replica],
+    extra: tuple[str, ...] = (),
+) -> Router:
+    """Run a router's launcher module on free loopback ports, and wait until it routes to every replica."""
+    port = free_port()
+    metrics_port = free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
+    command = [
+        sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *(replica.url for replica in replicas), "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *extra,
+    ]  # fmt: skip
+    # The router must never reach out for a tokenizer: point Hugging Face at a dead loopback port.
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / f"{module.split('.')[0]}-{policy}-{port}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started.append(process)
+    router = Router(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+    _wait_router_ready(router, healthy_workers=len(replicas))  # both register workers in the background
+    return router
 
 
 def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30.0) -> None:

@@ -8,6 +8,7 @@ and sample files written here cover the prompt-prefix check.
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import random
 import subprocess
@@ -476,6 +477,43 @@ def test_prefix_caching_is_judged_in_the_engines_own_blocks(start_replica, capsy
         c["evidence"] for c in json.loads(capsys.readouterr().out)["checks"] if c["name"] == "prefix caching"
     )
     assert "KV block: 16 tokens (--block-size)" in evidence and "lowest 100%" not in evidence
+
+
+@integration
+def test_doctor_and_experiment_ask_a_dynamo_frontend_for_its_worker(start_replica, capsys, tmp_path):
+    """A replica that names itself only in Dynamo's `nvext`, when asked: --router dynamo asks."""
+    replica = start_replica("d1", "vllm", "--time-scale", "0.05", "--no-identity-header")
+
+    def hash_key(*flags: str) -> str:
+        assert main(["doctor", "--base-url", replica.url, "--model", MODEL, "--json", *flags]) == 0
+        checks = json.loads(capsys.readouterr().out)["checks"]
+        return next(c["evidence"] for c in checks if c["name"] == "hash key")
+
+    assert "sessions stayed on one backend: d1 x" in hash_key("--router", "dynamo")
+    assert "d1" not in hash_key()
+
+    out = tmp_path / "experiment"
+    flags = ["--sessions", "2", "--rounds", "2", "--system-tokens", "50", "--turn-tokens", "10"]
+    assert (
+        main(
+            [
+                "experiment",
+                "--a",
+                replica.url,
+                "--b",
+                replica.url,
+                "--out",
+                str(out),
+                "--router",
+                "dynamo",
+                *flags,
+            ]
+        )
+        == 0
+    )
+    assert {row["backend"] for row in csv.DictReader((out / "raw-rounds.csv").read_text().splitlines())} == {
+        "d1"
+    }
 
 
 def test_every_cause_has_a_readme_entry():

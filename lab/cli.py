@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from lab import stack
@@ -120,6 +122,14 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
         dest="ground_truth_path",
         help="also append every request's ground truth to this JSONL file",
     )
+    replica.add_argument(
+        "--ground-truth-max-bytes",
+        type=int,
+        default=defaults.ground_truth_max_bytes,
+        metavar="BYTES",
+        help="rename the ground-truth file to FILE.1 (replacing the one before) at this size "
+        "(default %(default)s: 64 MiB)",
+    )
     replica.add_argument("--seed", type=int, default=defaults.seed, help="seed of the error fault")
     replica.set_defaults(handler=_run_replica)
 
@@ -184,7 +194,7 @@ def _run_replica(args: argparse.Namespace) -> int:
     settings = ReplicaSettings(**{k: v for k, v in vars(args).items() if k in fields})
     problems = [
         f"--{name.replace('_', '-')} must be positive"
-        for name in ("block_size", "cache_blocks", "max_num_seqs", "answer_tokens")
+        for name in ("block_size", "cache_blocks", "max_num_seqs", "answer_tokens", "ground_truth_max_bytes")
         if getattr(settings, name) < 1
     ] + [
         f"{flag} must be positive"
@@ -345,19 +355,20 @@ def _run_up(args: argparse.Namespace) -> int:
             "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
         )
     try:
-        state = stack.up(
-            args.state_dir,
-            args.base_port,
-            args.replicas,
-            flavours,
-            fast=args.fast,
-            time_scale=args.time_scale,
-            users=args.users,
-            think_seconds=args.think,
-            rule_time_scale=args.rule_time_scale,
-            probes=args.probes,
-            engine=kind.name,
-        )
+        with stack.locked(args.state_dir.resolve(), _say_waiting):
+            state = stack.up(
+                args.state_dir,
+                args.base_port,
+                args.replicas,
+                flavours,
+                fast=args.fast,
+                time_scale=args.time_scale,
+                users=args.users,
+                think_seconds=args.think,
+                rule_time_scale=args.rule_time_scale,
+                probes=args.probes,
+                engine=kind.name,
+            )
     except stack.LabError as error:
         return _fail(str(error))
     except KeyboardInterrupt:
@@ -373,28 +384,41 @@ def _run_up(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.append(True))
     while not stop:
         stack.idle()
-    stack.down(state)
+    try:
+        with stack.locked(state.directory, _say_waiting):
+            stack.down(LabState.load(state.directory))  # as other commands left it: scale-out adds replicas
+    except stack.LabError as error:
+        return _fail(str(error))
     print("The lab is down.")
     return 0
 
 
-def _load(args: argparse.Namespace) -> LabState:
-    return LabState.load(args.state_dir.resolve())
+def _say_waiting(holder: str) -> None:
+    print(f"kvwatch lab: waiting for process {holder}, which is changing this lab", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _changing(args: argparse.Namespace) -> Iterator[LabState]:
+    """The lab's state, loaded under the lab's lock and changed before it is released."""
+    directory = args.state_dir.resolve()
+    LabState.load(directory)  # no lab here: say how to start one, before a lock file is made
+    with stack.locked(directory, _say_waiting):
+        yield LabState.load(directory)
 
 
 def _run_down(args: argparse.Namespace) -> int:
     try:
-        state = _load(args)
-    except FileNotFoundError as error:
+        with _changing(args) as state:
+            stack.down(state)
+    except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
-    stack.down(state)
     print("The lab is down.")
     return 0
 
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        info = stack.status(_load(args))
+        info = stack.status(LabState.load(args.state_dir.resolve()))
     except FileNotFoundError as error:
         return _fail(str(error))
     if args.json:
@@ -406,7 +430,8 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _run_fault(args: argparse.Namespace) -> int:
     try:
-        print(stack.fault(_load(args), args.name, args.replica or args.replica_id))
+        with _changing(args) as state:
+            print(stack.fault(state, args.name, args.replica or args.replica_id))
     except (FileNotFoundError, LookupError, stack.LabError) as error:
         return _fail(str(error))
     return 0
@@ -414,7 +439,8 @@ def _run_fault(args: argparse.Namespace) -> int:
 
 def _run_heal(args: argparse.Namespace) -> int:
     try:
-        print(stack.heal(_load(args)))
+        with _changing(args) as state:
+            print(stack.heal(state))
     except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
     return 0

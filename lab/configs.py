@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import getpass
+import hashlib
+import json
 import os
 import re
 import string
@@ -35,7 +37,18 @@ class _NginxTemplate(string.Template):
 
 
 def render_nginx(state: LabState) -> dict[str, str]:
-    """nginx.conf and proxy.conf for the current state (replicas, gateway faults)."""
+    """The gateway's config files for the current state (replicas, gateway faults), name -> text."""
+    return _nginx_files(state, nginx_generation(state))
+
+
+def nginx_generation(state: LabState) -> str:
+    """A digest of the gateway config for `state`, which both listeners answer at /-/lab-config: a
+    reload has taken when they answer the new one."""
+    unstamped = json.dumps(_nginx_files(state, generation=""), sort_keys=True)
+    return hashlib.sha256(unstamped.encode()).hexdigest()[:16]
+
+
+def _nginx_files(state: LabState, generation: str) -> dict[str, str]:
     servers = "\n".join(
         f"        server 127.0.0.1:{replica.port} max_fails=1 fail_timeout=10s;" for replica in state.replicas
     )
@@ -49,7 +62,9 @@ def render_nginx(state: LabState) -> dict[str, str]:
         affinity_port=state.ports.affinity,
         round_robin_port=state.ports.round_robin,
     )
-    return {"nginx.conf": conf, "proxy.conf": (TEMPLATES / "proxy.conf").read_text()}
+    listener = _NginxTemplate((TEMPLATES / "listener.conf").read_text()).substitute(generation=generation)
+    proxy = (TEMPLATES / "proxy.conf").read_text()
+    return {"nginx.conf": conf, "proxy.conf": proxy, "listener.conf": listener}
 
 
 def scale_durations(text: str, factor: float) -> str:

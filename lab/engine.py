@@ -31,6 +31,9 @@ from lab.tokenizer import answer_words, tokenize
 # call's arguments and no text.
 ANSWER_STYLES = ("content", "reasoning", "tool-call")
 GROUND_TRUTH_KEPT = 100_000
+# A ground-truth file is renamed to <file>.1 (replacing the one before) once it reaches this size, so
+# a replica keeps at most twice as much on disk however long the lab runs.
+GROUND_TRUTH_MAX_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class ReplicaSettings:
     identity_header: bool = True
     answer_style: str = "content"  # one of ANSWER_STYLES: how the stream delivers the answer's tokens
     ground_truth_path: Path | None = None
+    ground_truth_max_bytes: int = GROUND_TRUTH_MAX_BYTES
     seed: int = 0
 
 
@@ -109,12 +113,16 @@ class Engine:
         return self.faults.error_rate > 0 and self.rng.random() < self.faults.error_rate
 
     def record(self, entry: dict) -> None:
-        """Keep a ground-truth record in memory and, when configured, in the JSONL file."""
+        """Keep a ground-truth record in memory and, when configured, in the JSONL file (rotated)."""
         entry = {"replica": self.settings.replica_id, **entry}
         self.ground_truth.append(entry)
-        if self.settings.ground_truth_path is not None:
-            with self.settings.ground_truth_path.open("a") as out:
+        path = self.settings.ground_truth_path
+        if path is not None:
+            with path.open("a") as out:
                 out.write(json.dumps(entry) + "\n")
+                full = out.tell() >= self.settings.ground_truth_max_bytes
+            if full:
+                path.replace(path.with_name(f"{path.name}.1"))
 
     def sequence(
         self,

@@ -9,6 +9,7 @@ property in `lab.state.Ports`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -16,13 +17,16 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import yaml
 
 from lab.configs import (
     REPO,
+    nginx_generation,
     render_alertmanager,
     render_kvwatch_config,
     render_nginx,
@@ -35,6 +39,11 @@ from lab.replicas import KINDS
 from lab.state import LabState, ReplicaSpec
 
 STOP_TIMEOUT_S = 10.0
+# Old nginx workers finish their in-flight requests before a reload is done: a real engine's take seconds.
+NGINX_RELOAD_TIMEOUT_S = 30.0
+PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
+# How long a command waits for another one changing the same lab: a real-vLLM restart takes minutes.
+LOCK_TIMEOUT_S = 600.0
 GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
 REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
 FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
@@ -64,10 +73,12 @@ def nginx_process(state: LabState) -> Process:
         "-g",
         "daemon off;",
     ]
-    return Process("nginx", argv, f"http://127.0.0.1:{state.ports.affinity}/health")
+    return Process("nginx", argv, f"http://127.0.0.1:{state.ports.affinity}/-/lab-config")
 
 
 def prometheus_process(state: LabState) -> Process:
+    """Without --web.enable-lifecycle, which would let anyone stop it (POST /-/quit): the lab reloads it
+    with SIGHUP."""
     d, port = state.directory, state.ports.prometheus
     argv = [
         _binary("prometheus", "/usr/bin/prometheus"),
@@ -75,7 +86,6 @@ def prometheus_process(state: LabState) -> Process:
         f"--storage.tsdb.path={d}/prometheus-data",
         f"--web.listen-address=127.0.0.1:{port}",
         f"--web.external-url=http://127.0.0.1:{port}",
-        "--web.enable-lifecycle",
         "--storage.tsdb.retention.time=2d",
     ]
     if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
@@ -162,9 +172,12 @@ def _reap() -> None:
         pass
 
 
-def _log_tail(state: LabState, process: Process, lines: int = 15) -> str:
-    log = state.directory / "logs" / f"{process.name}.log"
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+def _log_tail(state: LabState, name: str, lines: int = 15) -> str:
+    """The end of logs/<name>.log."""
+    log = state.directory / "logs" / f"{name}.log"
+    with contextlib.suppress(FileNotFoundError):
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    return "(no log)"
 
 
 def _spawn(state: LabState, process: Process) -> subprocess.Popen:
@@ -194,7 +207,7 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
             if popen.poll() is not None:
                 raise LabError(
                     f"{process.name} exited with code {popen.returncode} while starting:\n"
-                    f"{_log_tail(state, process)}"
+                    f"{_log_tail(state, process.name)}"
                 )
             if process.ready_url is None:
                 if time.monotonic() - began > 0.3:
@@ -209,7 +222,7 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
             if time.monotonic() - began > process.ready_timeout_s:
                 raise LabError(
                     f"{process.name} did not become ready at {process.ready_url} in "
-                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{_log_tail(state, process)}"
+                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{_log_tail(state, process.name)}"
                 )
         time.sleep(0.1)
 
@@ -226,18 +239,24 @@ def _signal_group(pid: int, signum: int) -> None:
 
 
 def _stop(state: LabState, names: list[str]) -> None:
-    """SIGTERM each named process, wait, then SIGKILL what is left; forget their PIDs."""
+    """SIGTERM each named process that still runs, wait, then SIGKILL what is left; forget their PIDs.
+    Returns once they are gone."""
     pids = {name: state.processes[name] for name in names if name in state.processes}
-    for pid in pids.values():
-        if _is_ours(state, pid):
-            _signal_group(pid, signal.SIGTERM)
+    running = [pid for pid in pids.values() if _is_ours(state, pid)]  # a dead one's PID may be reused
+    for pid in running:
+        _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(_is_ours(state, pid) for pid in pids.values()) and time.monotonic() < deadline:
+    while any(_is_ours(state, pid) for pid in running) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
-    for pid in pids.values():
+    for pid in running:
         _signal_group(pid, signal.SIGKILL)  # the leader's stragglers too; the group is still ours
-    _reap()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while (left := [pid for pid in running if _is_ours(state, pid)]) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.05)
+    if left:
+        raise LabError(f"processes {left} survived SIGKILL for {STOP_TIMEOUT_S:.0f} s")
     for name in pids:
         del state.processes[name]
     state.save()
@@ -296,8 +315,20 @@ def _nginx_workers(master: int) -> set[int]:
     return workers
 
 
+def _listener_generations(state: LabState) -> dict[str, str]:
+    """The config generation each listener's nginx worker answers at /-/lab-config."""
+    answers = {}
+    for listener, port in (("affinity", state.ports.affinity), ("round_robin", state.ports.round_robin)):
+        try:
+            answers[listener] = httpx.get(f"http://127.0.0.1:{port}/-/lab-config", timeout=2).text.strip()
+        except httpx.HTTPError as error:
+            answers[listener] = f"no answer ({type(error).__name__})"
+    return answers
+
+
 def _reload_nginx(state: LabState) -> None:
-    """Gracefully reload nginx with the regenerated config, without dropping connections."""
+    """Gracefully reload nginx with the written config, without dropping connections; return once only
+    workers of that config serve, else raise LabError saying what was seen."""
     check = subprocess.run(
         [*nginx_process(state).argv, "-t", "-q"], capture_output=True, text=True, timeout=30
     )
@@ -306,26 +337,99 @@ def _reload_nginx(state: LabState) -> None:
     master = state.processes.get("nginx")
     if master is None or not _is_ours(state, master):
         raise LabError("nginx is not running; start the lab with `kvwatch lab up`")
+    expected = nginx_generation(state)
     before = _nginx_workers(master)
     os.kill(master, signal.SIGHUP)
-    # Done when new workers serve and the old ones, which finish their in-flight requests on the old
-    # config, have exited.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        workers = _nginx_workers(master)
-        if workers and not workers & before:
+    # Done when both listeners answer the new generation and the old workers, which finish their
+    # in-flight requests on the old config, have exited.
+    deadline = time.monotonic() + NGINX_RELOAD_TIMEOUT_S
+    while True:
+        old = _nginx_workers(master) & before
+        answers = _listener_generations(state)
+        if not old and set(answers.values()) == {expected}:
             return
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"nginx did not reload within {NGINX_RELOAD_TIMEOUT_S:.0f} s: the listeners answer config "
+                f"generation {answers}, not {expected}; workers from before the reload still running: "
+                f"{sorted(old) or 'none'}; logs/nginx-error.log ends:\n{_log_tail(state, 'nginx-error')}"
+            )
         time.sleep(0.05)
 
 
+def _scrape_targets(config: dict) -> dict[str, list]:
+    """Each scrape job's static targets and their labels: what the lab changes in Prometheus' config."""
+    return {
+        job["job_name"]: [(group["targets"], group.get("labels", {})) for group in job["static_configs"]]
+        for job in config["scrape_configs"]
+    }
+
+
 def _reload_prometheus(state: LabState) -> None:
-    httpx.post(f"http://127.0.0.1:{state.ports.prometheus}/-/reload", timeout=10).raise_for_status()
+    """SIGHUP the lab's Prometheus (found by PID and command line) and return once it has loaded the
+    targets just written, else raise LabError naming Prometheus."""
+    url = f"http://127.0.0.1:{state.ports.prometheus}"
+    pid = state.processes.get("prometheus")
+    if pid is None or not _is_ours(state, pid):
+        raise LabError(
+            f"Prometheus ({url}) is not running, so it does not scrape the new set of replicas (the rest "
+            "is done and in faults.log); restart the lab with `kvwatch lab down` and `kvwatch lab up`"
+        )
+    expected = _scrape_targets(yaml.safe_load((state.directory / "prometheus.yml").read_text()))
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + PROMETHEUS_RELOAD_TIMEOUT_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            loaded = httpx.get(f"{url}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
+            if _scrape_targets(yaml.safe_load(loaded)) == expected:
+                return
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"Prometheus ({url}) did not load the new config within {PROMETHEUS_RELOAD_TIMEOUT_S:.0f} s; "
+                f"logs/prometheus.log ends:\n{_log_tail(state, 'prometheus')}"
+            )
+        time.sleep(0.1)
 
 
-def _apply_configs(state: LabState) -> None:
+def _reconfigure(state: LabState) -> None:
+    """Save the state, write its configs and reload nginx: the saved state always says what the configs
+    ask for, so that `kvwatch lab heal` undoes a change even when its reload failed."""
+    state.save()
     _write_configs(state)
     _reload_nginx(state)
-    _reload_prometheus(state)
+
+
+@contextlib.contextmanager
+def locked(
+    directory: Path, waiting: Callable[[str], None] | None = None, timeout_s: float = LOCK_TIMEOUT_S
+) -> Iterator[None]:
+    """Hold the lab's lock (an flock on lab.lock): commands that change one lab run one at a time, so
+    that none acts on a state another is rewriting. A second one waits for the first, calling
+    `waiting` with its PID once, and raises LabError after `timeout_s`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "lab.lock"
+    with path.open("a+") as lock:
+        deadline = time.monotonic() + timeout_s
+        told = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = path.read_text().strip() or "unknown"
+                if time.monotonic() > deadline:
+                    raise LabError(
+                        f"another `kvwatch lab` command (PID {holder}) has been changing the lab in "
+                        f"{directory} for over {timeout_s:.0f} s; try again once it is done"
+                    ) from None
+                if waiting and not told:
+                    waiting(holder)
+                    told = True
+                time.sleep(0.1)
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -441,13 +545,16 @@ def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool)
 
 
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
-    response = httpx.post(f"http://127.0.0.1:{replica.port}/lab/faults", json=faults, timeout=10)
+    try:
+        response = httpx.post(f"http://127.0.0.1:{replica.port}/lab/faults", json=faults, timeout=10)
+    except httpx.HTTPError as error:
+        raise LabError(f"replica {replica.id} did not answer its admin API: {error!r}") from None
     if response.status_code != 200:
         raise LabError(f"replica {replica.id} refused the fault: {response.text}")
 
 
 def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
-    """Inject one fault and return a sentence saying what changed."""
+    """Inject one fault and return, once it serves, a sentence saying what changed."""
     if name in REPLICA_FAULTS and replica_id is None:
         raise LabError(f"fault {name} needs a replica: --replica ID")
     replica = state.replica(replica_id) if replica_id else None
@@ -458,8 +565,7 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         )
     if name in GATEWAY_FAULTS:
         state.faults = [f for f in state.faults if f not in GATEWAY_FAULTS] + [name]
-        _write_configs(state)
-        _reload_nginx(state)
+        _reconfigure(state)
         done = f"affinity gateway now: {name}"
     elif name == "disable-prefix-cache":
         _switch_prefix_caching(state, replica, enabled=False)
@@ -482,20 +588,20 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         done = f"replica {replica.id} restarted (its counters start from zero)"
     elif name == "scale-out":
         index = len(state.replicas)
-        added = ReplicaSpec(f"r{index + 1}", state.ports.replica(index), state.replicas[0].flavour)
-        _check_ports_free({f"replica {added.id}": added.port})
-        state.replicas.append(added)
-        state.faults.append(f"{name}:{added.id}")
+        replica = ReplicaSpec(f"r{index + 1}", state.ports.replica(index), state.replicas[0].flavour)
+        _check_ports_free({f"replica {replica.id}": replica.port})
+        state.replicas.append(replica)
+        state.faults.append(f"{name}:{replica.id}")
         state.save()
-        _start(state, replica_process(state, added))
-        _apply_configs(state)
-        done = f"replica {added.id} added on port {added.port}"
+        _start(state, replica_process(state, replica))
+        _reconfigure(state)
+        done = f"replica {replica.id} added on port {replica.port}"
     else:
         raise LabError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
     state.save()
-    if name == "scale-out":
-        replica = state.replicas[-1]
     _log_fault(state, "fault", name, replica.id if replica else None)
+    if name == "scale-out":  # after the entry: the new replica serves, whether Prometheus scrapes it or not
+        _reload_prometheus(state)
     return done
 
 
@@ -513,7 +619,7 @@ def heal(state: LabState) -> str:
         _switch_prefix_caching(state, replica, enabled=True)
     healed = list(state.faults)
     state.faults = []
-    state.save()
-    _apply_configs(state)
+    _reconfigure(state)
     _log_fault(state, "heal", ",".join(healed) or "none")
+    _reload_prometheus(state)  # after the entry: the gateways and replicas are healed either way
     return f"healed: {', '.join(healed) or 'nothing was broken'}"

@@ -467,7 +467,7 @@ def test_follows_the_lab_gateway_logs_and_sees_affinity_break(start_lab):
             )
             for listener in urls
         }
-        # What the lab logged while starting (its readiness checks) is the baseline.
+        # The baseline: what the logs hold already (the lab's own readiness checks are not logged).
         before = {listener: follower.poll() for listener, follower in followers.items()}
         sent = {listener: Sent(listener) for listener in urls}
         for listener, url in urls.items():

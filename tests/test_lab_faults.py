@@ -1,29 +1,55 @@
-"""Every lab fault has the observable effect it stands for, and `kvwatch lab heal` restores the baseline.
+"""Every lab fault has the observable effect it stands for, returns only once it serves, and
+`kvwatch lab heal` restores the baseline.
 
-One lab (real nginx, Prometheus, Alertmanager, four replicas, two background users) serves the whole
-module; each test injects one fault, checks what a user would see (gateway headers and access log,
-replica counters, ground truth), heals, and checks the baseline is back.
+A quiet lab (real nginx, Prometheus, Alertmanager, four replicas, no background users, no scheduled
+probes) serves most of the module: only the tests' own requests pass its gateways, in the tests' order,
+so what round robin does with them is known exactly. Each test injects one fault, checks what a user
+would see (gateway headers and access log, replica counters, ground truth), heals, and checks the
+baseline is back. The dynamic-prefix fault steers background users: it gets a lab with users.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import REPO, stop
+from lab import stack
+from lab.process import LabError
+from lab.state import LabState
+
 pytestmark = pytest.mark.integration
 
 CLIENT = httpx.Client(timeout=30)
+REPLICAS = 4
 SESSIONS = [f"sess-{i}" for i in range(12)]
+# Coprime with the replicas: strict round robin sends each of these sessions' next round to the next
+# replica (12 sessions would come back to the same replica every round).
+ROUND_ROBIN_SESSIONS = [f"rr-{i}" for i in range(13)]
 SYSTEM_PROMPT_TOKENS = 800  # lab traffic default
 
 
 @pytest.fixture(scope="module")
 def lab(start_lab):
-    return start_lab("--replicas", "4", "--users", "2", "--think", "0.05", "--time-scale", "0.2")
+    return start_lab("--replicas", str(REPLICAS), "--users", "0", "--no-probes", "--time-scale", "0.2")
+
+
+@pytest.fixture(scope="module")
+def busy_lab(start_lab):
+    """Two replicas and two background users, whose conversations the dynamic-prefix fault steers."""
+    return start_lab(
+        "--replicas", "2", "--users", "2", "--think", "0.05", "--time-scale", "0.2", "--no-probes"
+    )
 
 
 def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.Response:
@@ -32,11 +58,11 @@ def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.
     return CLIENT.post(f"{url}/v1/chat/completions", json=body, headers=headers)
 
 
-def upstreams(url: str, rounds: int = 3) -> dict[str, list[str]]:
-    """The upstream that served each round of each test session (from the X-Upstream header)."""
-    seen: dict[str, list[str]] = {s: [] for s in SESSIONS}
+def upstreams(url: str, rounds: int = 3, sessions: list[str] = SESSIONS) -> dict[str, list[str]]:
+    """The upstream that served each round of each session, all sessions a round (from X-Upstream)."""
+    seen: dict[str, list[str]] = {s: [] for s in sessions}
     for _ in range(rounds):
-        for session in SESSIONS:
+        for session in sessions:
             response = chat(url, session)
             assert response.status_code == 200, response.text
             seen[session].append(response.headers["X-Upstream"])
@@ -50,7 +76,7 @@ def assert_baseline(lab) -> None:
     assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
     status = lab.cli("status", "--json").json
     assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
-    assert len(status["replicas"]) == 4
+    assert len(status["replicas"]) == len(lab.status["replicas"])
 
 
 def fault(lab, *args: str) -> None:
@@ -68,6 +94,13 @@ def faults_log(lab) -> list[dict]:
     return [json.loads(line) for line in (lab.state_dir / "faults.log").read_text().splitlines()]
 
 
+def wait_until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.05)
+
+
 def replica_counter(url: str, name: str) -> float:
     text = CLIENT.get(f"{url}/metrics").text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
@@ -79,10 +112,10 @@ def test_baseline_is_sticky(lab):
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
     fault(lab, "break-affinity")
-    seen = upstreams(lab.affinity)
-    assert sum(len(set(rounds)) > 1 for rounds in seen.values()) >= len(SESSIONS) // 2, seen
-    logged = [e for e in lab.access_log("affinity") if e["session_id"] == SESSIONS[0]]
-    assert len({e["upstream_addr"] for e in logged[-3:]}) > 1
+    seen = upstreams(lab.affinity, sessions=ROUND_ROBIN_SESSIONS)
+    assert all(len(set(rounds)) == 3 for rounds in seen.values()), seen
+    logged = [e for e in lab.access_log("affinity") if e["session_id"] == ROUND_ROBIN_SESSIONS[0]]
+    assert len({e["upstream_addr"] for e in logged}) == 3
     assert faults_log(lab)[-1]["fault"] == "break-affinity"
     heal(lab)
     assert faults_log(lab)[-1]["action"] == "heal"
@@ -94,7 +127,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     assert response.headers["X-Session-Id"] not in ("", "mine")
     seen = upstreams(lab.affinity)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
-    # Every request after the fault, background users' included, carries a gateway-assigned id.
+    # Every request after the fault carries a gateway-assigned id.
     recent = lab.access_log("affinity")[-len(SESSIONS) :]
     assert {e["session_source"] for e in recent} == {"assigned"}
     heal(lab)
@@ -134,39 +167,55 @@ def test_disable_prefix_cache_keeps_lookups_flat_on_one_replica(lab):
     assert chat(url, content=long_prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def first_rounds_since(lab, since: float, count: int, timeout: float = 30) -> list[dict]:
-    """Ground truth of background users' round-1 requests that arrived after `since`."""
+def round_ones(lab, since: float, enough: Callable[[list[dict]], bool], timeout: float = 60) -> list[dict]:
+    """Ground truth of background users' round-1 requests that arrived after `since` and were
+    prefilled, once there are `enough` of them."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         found = []
-        for replica in lab.cli("status", "--json").json["replicas"]:
+        for replica in lab.status["replicas"]:
             records = CLIENT.get(f"{replica['url']}/lab/ground-truth").json()["records"]
-            # Round 1: the system prompt, one user turn and the template, nothing more.
+            # Round 1: the system prompt, one user turn and the template (a timestamp too), nothing more.
             found += [
                 r
                 for r in records
-                if r.get("time", 0) > since and r["status"] == 200
+                if r.get("time", 0) > since and r.get("ttft_seconds") is not None
                 and SYSTEM_PROMPT_TOKENS < r["prompt_tokens"] < SYSTEM_PROMPT_TOKENS + 100
             ]  # fmt: skip
-        if len(found) >= count:
+        if enough(found):
             return found
+        assert time.monotonic() < deadline, f"not enough new conversations in {timeout} s: {found}"
         time.sleep(0.5)
-    raise AssertionError(f"fewer than {count} new conversations in {timeout} s")
 
 
-def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(lab):
-    before = first_rounds_since(lab, time.time() - 3600, 1)
-    assert any(r["cached_tokens"] >= SYSTEM_PROMPT_TOKENS - 16 for r in before), before
+def warm(record: dict) -> bool:
+    """The request found the shared system prompt cached (all of it but a last partial block)."""
+    return record["cached_tokens"] >= SYSTEM_PROMPT_TOKENS - 16
+
+
+def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
+    lab = busy_lab
+    replicas = {r["id"] for r in lab.status["replicas"]}
+    # Every replica has served a conversation that found the system prompt cached, so any later one
+    # without the fault finds it too.
+    before = round_ones(lab, 0, lambda found: {r["replica"] for r in found if warm(r)} == replicas)
+    (static,) = {r["prompt_tokens"] for r in before}  # the same system prompt and turn length each time
     fault(lab, "dynamic-prefix")
-    after = first_rounds_since(lab, time.time() + 0.5, 3)
-    assert all(r["cached_tokens"] == 0 for r in after), after
+    # The timestamp at the top lengthens round 1 by a few tokens: those conversations read the fault.
+    after = round_ones(lab, 0, lambda found: sum(r["prompt_tokens"] > static for r in found) >= 3)
+    assert all(r["cached_tokens"] == 0 for r in after if r["prompt_tokens"] > static), after
+    healed_at = time.time()
     heal(lab)
-    healed = first_rounds_since(lab, time.time() + 0.5, 3)
-    assert all(r["cached_tokens"] >= SYSTEM_PROMPT_TOKENS - 16 for r in healed[1:]), healed
+    healed = round_ones(lab, healed_at, lambda found: sum(r["prompt_tokens"] == static for r in found) >= 3)
+    assert all(warm(r) for r in healed if r["prompt_tokens"] == static), healed
 
 
 def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     url = lab.replica_url("r3")
+    r3 = url.removeprefix("http://")
+    candidates = (f"pinned-{i}" for i in range(200))  # about one in four is pinned to r3
+    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == r3), None)
+    assert pinned, "no session pinned to r3"
     for _ in range(3):
         chat(url)
     served_before = replica_counter(url, "vllm:request_success_total")
@@ -175,11 +224,14 @@ def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     with pytest.raises(httpx.ConnectError):
         chat(url)
-    # nginx fails over: every session still gets an answer, from one of the three live replicas.
+    # nginx fails over: r3's session is answered by the next replica, the gateway names both.
+    failover = chat(lab.affinity, pinned)
+    assert failover.status_code == 200 and failover.headers["X-Upstream"].startswith(f"{r3}, ")
+    logged = [e for e in lab.access_log("affinity") if e["session_id"] == pinned][-1]
+    assert logged["upstream_addr"].startswith(f"{r3}, ") and logged["status"] == 200
+    # Every session still gets an answer, from one of the three live replicas.
     seen = upstreams(lab.affinity, rounds=1)
-    assert url.removeprefix("http://") not in {rounds[0] for rounds in seen.values()}
-    failovers = [e for e in lab.access_log("affinity") if "," in e["upstream_addr"]]
-    assert failovers and all(e["status"] == 200 for e in failovers)
+    assert r3 not in {rounds[0] for rounds in seen.values()}
     fault(lab, "restart-replica", "r3")
     assert replica_counter(url, "vllm:request_success_total") < served_before
     heal(lab)
@@ -192,10 +244,12 @@ def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
     status = lab.cli("status", "--json").json
     new = status["replicas"][-1]
     assert new["id"] == "r5" and new["url"]
+    address = new["url"].removeprefix("http://")
+    assert address in prometheus_config(lab)  # reloaded (by SIGHUP) before the fault returned
     after = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
     moved = [s for s in sessions if after[s] != before[s]]
     # Consistent hashing: only sessions that now belong to the new replica move, about 1 in 5.
-    assert all(after[s] == new["url"].removeprefix("http://") for s in moved)
+    assert all(after[s] == address for s in moved)
     assert 0 < len(moved) <= len(sessions) // 2
     query = {"query": 'up{job="replicas",replica="r5"}'}
     deadline = time.monotonic() + 30
@@ -207,4 +261,112 @@ def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
     else:
         raise AssertionError("Prometheus never scraped the added replica")
     heal(lab)
+    assert address not in prometheus_config(lab)
     assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
+
+
+def prometheus_config(lab) -> str:
+    """The configuration Prometheus has loaded, as it prints it."""
+    return CLIENT.get(f"{lab.status['prometheus']}/api/v1/status/config").json()["data"]["yaml"]
+
+
+ADMIN_REQUESTS = [
+    *(("GET", path) for path in ("/lab/state", "/lab/ground-truth", "//lab/state", "/%6Cab/state")),
+    ("GET", "/v1/../lab/state"),
+    *(("POST", path) for path in ("/lab/faults", "/lab/reset-cache")),
+]
+
+
+@pytest.mark.parametrize("listener", ["affinity", "round_robin"])
+def test_the_gateways_do_not_proxy_the_replicas_admin_api(lab, listener):
+    url = getattr(lab, listener)
+    for method, path in ADMIN_REQUESTS:
+        response = CLIENT.request(method, url + path, json={"prefix_caching": False})
+        assert response.status_code == 404, (method, path, response.text)
+    for replica in lab.status["replicas"]:
+        assert CLIENT.get(f"{replica['url']}/lab/state").json()["faults"]["prefix_caching"] is True
+
+
+def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
+    """A stopped nginx master cannot act on the reload: its old worker goes on serving the old config."""
+    monkeypatch.setattr(stack, "NGINX_RELOAD_TIMEOUT_S", 2.0, raising=False)
+    entries = len(faults_log(lab))
+    nginx = lab.status["processes"]["nginx"]
+    os.kill(nginx, signal.SIGSTOP)
+    try:
+        with pytest.raises(LabError, match="nginx did not reload within 2 s") as raised:
+            stack.fault(LabState.load(lab.state_dir), "break-affinity")
+    finally:
+        os.kill(nginx, signal.SIGCONT)
+    assert "workers from before the reload still running: [" in str(raised.value)
+    assert "logs/nginx-error.log ends" in str(raised.value)
+    assert len(faults_log(lab)) == entries  # a change that does not serve is not in faults.log
+    # The saved state says what the written config asks for, so heal undoes it.
+    assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
+    heal(lab)
+
+
+def lab_command(lab, stderr: Path, *args: str) -> subprocess.Popen:
+    """`kvwatch lab ...` on `lab`, in the background, its stderr written to `stderr`."""
+    command = [sys.executable, "-m", "collectors.cli", "lab", *args, "--state-dir", str(lab.state_dir)]
+    with stderr.open("w") as err:
+        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def test_commands_changing_one_lab_run_one_at_a_time(lab, tmp_path):
+    """The first command is held in its nginx reload by a stopped nginx master, so the two overlap for
+    certain: the second waits for the first instead of acting on a state the first is rewriting."""
+    nginx = lab.status["processes"]["nginx"]
+    conf = lab.state_dir / "nginx" / "nginx.conf"
+    written = conf.read_text()
+    first_err, second_err = tmp_path / "first.err", tmp_path / "second.err"
+    commands = []
+    os.kill(nginx, signal.SIGSTOP)
+    try:
+        commands.append(first := lab_command(lab, first_err, "fault", "break-affinity"))
+        wait_until(lambda: conf.read_text() != written)
+        commands.append(second := lab_command(lab, second_err, "fault", "kill-replica", "r2"))
+        wait_until(lambda: second.poll() is not None or "waiting" in second_err.read_text())
+        assert second.poll() is None, "the second command ran while the first was changing the lab"
+        assert f"waiting for process {first.pid}, which is changing this lab" in second_err.read_text()
+    finally:
+        os.kill(nginx, signal.SIGCONT)
+        for command in commands:
+            try:
+                command.wait(timeout=60)
+            finally:
+                stop(command)
+    assert first.returncode == 0, first_err.read_text()
+    assert second.returncode == 0, second_err.read_text()
+    status = lab.cli("status", "--json").json
+    assert status["faults"] == ["break-affinity", "kill-replica:r2"]
+    assert status["replicas"][1]["url"] is None
+    heal(lab)
+
+
+def test_prometheus_takes_no_lifecycle_requests(lab):
+    prometheus = lab.status["prometheus"]
+    for action in ("quit", "reload"):
+        assert CLIENT.post(f"{prometheus}/-/{action}").status_code == 403
+    assert CLIENT.get(f"{prometheus}/-/ready").status_code == 200
+
+
+def test_without_prometheus_scale_out_and_heal_fail_in_one_line_and_log_what_changed(start_lab):
+    lab = start_lab("--replicas", "2", "--users", "0", "--no-probes", "--time-scale", "0.2")
+    os.kill(lab.status["processes"]["prometheus"], signal.SIGTERM)
+    wait_until(lambda: lab.cli("status", "--json").json["prometheus"] is None)
+
+    def fails_naming_prometheus(*command: str) -> dict:
+        """The last faults.log entry, once the command failed with one line naming Prometheus."""
+        result = lab.cli(*command)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("kvwatch lab: Prometheus (") and "not running" in result.stderr
+        return faults_log(lab)[-1]
+
+    entry = fails_naming_prometheus("fault", "scale-out")
+    assert (entry["action"], entry["fault"], entry["replica"]) == ("fault", "scale-out", "r3")
+    added = lab.cli("status", "--json").json["replicas"][-1]
+    assert added["id"] == "r3" and chat(added["url"]).status_code == 200
+    entry = fails_naming_prometheus("heal")
+    assert (entry["action"], entry["fault"]) == ("heal", "scale-out:r3")
+    assert [r["id"] for r in lab.cli("status", "--json").json["replicas"]] == ["r1", "r2"]

@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from conftest import REPO, free_base_port, kvwatch, processes_mentioning
+from lab import stack
+from lab.process import LabError
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +56,9 @@ def test_status_json_lists_every_url(start_lab):
     assert status["exporter"] == f"http://127.0.0.1:{base + 4}"
     assert status["dashboard"] == f"http://127.0.0.1:{base + 5}"
     assert status["replicas"] == [
-        {"id": "r1", "url": f"http://127.0.0.1:{base + 10}", "flavour": "vllm"},
-        {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang"},
-        {"id": "r3", "url": f"http://127.0.0.1:{base + 12}", "flavour": "vllm"},
+        {"id": "r1", "url": f"http://127.0.0.1:{base + 10}", "flavour": "vllm", "prefix_caching": True},
+        {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang", "prefix_caching": True},
+        {"id": "r3", "url": f"http://127.0.0.1:{base + 12}", "flavour": "vllm", "prefix_caching": True},
     ]
     assert httpx.get(f"{status['prometheus']}/-/ready").status_code == 200
     assert httpx.get(f"{status['alertmanager']}/-/ready").status_code == 200
@@ -120,18 +122,20 @@ def test_ctrl_c_on_a_foreground_lab_stops_everything(tmp_path):
         *(sys.executable, "-m", "collectors.cli", "lab", "up", "--replicas", "1", "--users", "1"),
         *("--think", "0.1", "--time-scale", "0.1", "--base-port", str(base), "--state-dir", str(state_dir)),
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not listening(base + 5) and time.monotonic() < deadline:
-            assert process.poll() is None, process.stdout.read()
+        while "The lab is up." not in log.read_text():  # everything started, the traffic process last
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        time.sleep(1)  # the traffic process starts last
         assert len(processes_mentioning(str(state_dir))) >= 5
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=30)
-        assert process.returncode == 0, output
-        assert "The lab is down." in output
+        process.wait(timeout=30)
+        assert process.returncode == 0, log.read_text()
+        assert "The lab is down." in log.read_text()
         assert processes_mentioning(str(state_dir)) == []
     finally:
         if process.poll() is None:
@@ -152,3 +156,16 @@ def test_a_second_up_on_a_running_lab_is_refused(start_lab):
 def test_commands_without_a_lab_say_how_to_start_one(tmp_path, command):
     result = kvwatch("lab", *command, "--state-dir", str(tmp_path / "none"))
     assert result.returncode == 1 and "kvwatch lab up" in result.stderr
+
+
+def test_a_command_waiting_too_long_for_the_lock_fails_naming_the_holder(tmp_path):
+    holder = f"PID {os.getpid()}\\) has been changing the lab in {tmp_path}"
+    # A second open file of the lock: flock refuses it as it would another process.
+    with (
+        stack.locked(tmp_path),
+        pytest.raises(LabError, match=holder),
+        stack.locked(tmp_path, timeout_s=0.3),
+    ):
+        pass
+    with stack.locked(tmp_path, timeout_s=0.3):  # released: the next one takes it at once
+        pass

@@ -238,6 +238,21 @@ def test_repeated_4000_token_prompt_is_at_least_5x_faster_and_ground_truth_agree
     assert [json.loads(line) for line in truth_file.read_text().splitlines()] == truth
 
 
+def test_the_ground_truth_file_is_rotated_at_its_size_limit(start_replica, tmp_path):
+    truth_file, limit = tmp_path / "truth.jsonl", 2000
+    replica = start_replica("r1", "vllm", *FAST, "--ground-truth", str(truth_file),
+                            "--ground-truth-max-bytes", str(limit))  # fmt: skip
+    for _ in range(30):  # about 400 bytes of ground truth each
+        chat(replica.url)
+    rotated = truth_file.with_name("truth.jsonl.1")
+    assert sorted(p.name for p in tmp_path.glob("truth*")) == ["truth.jsonl", "truth.jsonl.1"]
+    longest = max(len(line) + 1 for line in rotated.read_text().splitlines())
+    assert limit <= rotated.stat().st_size < limit + longest  # renamed once the limit was reached
+    assert truth_file.stat().st_size < limit
+    kept = [json.loads(line) for path in (rotated, truth_file) for line in path.read_text().splitlines()]
+    assert kept == replica.ground_truth()[-len(kept) :]  # the newest records, none lost in between
+
+
 def test_prefill_is_serialised_so_load_queues(start_replica):
     replica = start_replica("r1", "vllm", "--answer-tokens", "2", "--time-scale", "0.5")
     with ThreadPoolExecutor(6) as pool:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -27,15 +28,27 @@ SYSTEM_TOKENS = 200
 TURN_TOKENS = 20
 
 
-async def run_for(settings: TrafficSettings, seconds: float) -> float:
-    """Run the users for `seconds`; return how long they took to stop once told to."""
+async def run_until(settings: TrafficSettings, done: Callable[[], bool], timeout: float = 30) -> float:
+    """Run the users until `done()` (checked in a thread: it may ask a replica); return how long they
+    took to stop once told to."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     stopping = asyncio.Event()
-    asyncio.get_running_loop().call_later(seconds, stopping.set)
     task = asyncio.create_task(run_users(settings, stopping))
-    await stopping.wait()
-    told = time.monotonic()
-    await asyncio.wait_for(task, timeout=5)
+    try:
+        while not await asyncio.to_thread(done):
+            assert loop.time() < deadline, f"not done within {timeout} s"
+            await asyncio.sleep(0.05)
+    finally:
+        stopping.set()
+        told = time.monotonic()
+        await asyncio.wait_for(task, timeout=5)
     return time.monotonic() - told
+
+
+def conversations(caplog) -> list[str]:
+    """The users' log lines, one per finished conversation."""
+    return [r.getMessage() for r in caplog.records if "conversation" in r.getMessage()]
 
 
 def round_ones(truth: list[dict]) -> list[dict]:
@@ -63,7 +76,7 @@ def test_dynamic_prefix_in_the_control_file_defeats_system_prompt_reuse(start_re
         control_path=control,
     )
 
-    asyncio.run(run_for(settings, 1.2))  # no control file yet: the defaults
+    asyncio.run(run_until(settings, lambda: len(conversations(caplog)) >= 3))  # no control file: defaults
     healthy = round_ones(replica.ground_truth())
     assert len(healthy) >= 3
     # Only the very first conversation finds the shared system prompt cold.
@@ -71,16 +84,17 @@ def test_dynamic_prefix_in_the_control_file_defeats_system_prompt_reuse(start_re
     assert all(c >= SYSTEM_TOKENS - 16 for c in cached[1:]), cached
 
     httpx.post(f"{replica.url}/lab/reset-cache", timeout=5)
-    seen = len(replica.ground_truth())
+    since = time.time()  # the first users are gone: everything that arrives later reads the control file
     control.write_text('{"dynamic_prefix": true}')
-    asyncio.run(run_for(settings, 1.2))
-    faulty = replica.ground_truth()[seen:]
+    finished = len(conversations(caplog))
+    asyncio.run(run_until(settings, lambda: len(conversations(caplog)) >= finished + 3))
+    faulty = [t for t in replica.ground_truth() if t["time"] > since]
     assert len(round_ones(faulty)) >= 3
     # The time is rendered into every request: not even a conversation's own history is reused.
     later = [t for t in faulty if t not in round_ones(faulty) and t["finished_reason"] != "abort"]
     assert later and all(t["cached_tokens"] == 0 for t in round_ones(faulty) + later)
 
-    finished = [r.getMessage() for r in caplog.records if "conversation" in r.getMessage()]
+    finished = conversations(caplog)
     assert len(finished) >= 6 and all("no errors, backends r1" in line for line in finished)
 
 
@@ -91,10 +105,10 @@ def test_bad_control_file_is_logged_once_and_never_fatal(tmp_path, caplog):
     settings = TrafficSettings(
         url=f"http://127.0.0.1:{free_port()}", users=2, think_seconds=0, control_path=control
     )
-    asyncio.run(run_for(settings, 1.0))
+    asyncio.run(run_until(settings, lambda: len(conversations(caplog)) >= 4))
     lines = [r.getMessage() for r in caplog.records]
     assert len([line for line in lines if "control file" in line]) == 1
-    failed = [line for line in lines if "conversation" in line]
+    failed = conversations(caplog)
     assert len(failed) >= 4 and all(
         "0/6 rounds ok, connection_refused (cannot connect" in line for line in failed
     )
@@ -102,8 +116,11 @@ def test_bad_control_file_is_logged_once_and_never_fatal(tmp_path, caplog):
 
 def test_users_stop_promptly_even_mid_request():
     async def scenario():
+        requests = []
+
         async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
+                requests.append(await reader.readuntil(b"\r\n\r\n"))
                 await asyncio.sleep(30)  # takes the request and never answers
             finally:
                 writer.close()
@@ -111,7 +128,8 @@ def test_users_stop_promptly_even_mid_request():
         server = await asyncio.start_server(hang, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         async with server:
-            return await run_for(TrafficSettings(url=url, users=3, think_seconds=0), 0.5)
+            settings = TrafficSettings(url=url, users=3, think_seconds=0)
+            return await run_until(settings, lambda: len(requests) == 3)  # every user waits on an answer
 
     assert asyncio.run(scenario()) < 1.0
 

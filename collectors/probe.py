@@ -351,14 +351,15 @@ def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: floa
         generated = [delta.get(name) for name in GENERATED_FIELDS]
         if not all(value is None or isinstance(value, str | list) for value in generated):
             raise TypeError("a delta field is neither text nor a list of tool calls")
+        now = time.perf_counter() - start  # one reading: an answer that starts with text has both equal
         if reply.ttft_seconds is None and any(generated):
-            reply.ttft_seconds = time.perf_counter() - start
+            reply.ttft_seconds = now
         content = delta.get("content")
         if content:
             if not isinstance(content, str):
                 raise TypeError("content is not a string")
             if reply.first_content_seconds is None:
-                reply.first_content_seconds = time.perf_counter() - start
+                reply.first_content_seconds = now
             reply.answer.append(content)
             reply.answer_bytes += len(content.encode())
             if reply.answer_bytes > MAX_ANSWER_BYTES:
@@ -449,13 +450,16 @@ def _answer_failure(body: str) -> _Failure:
 def _ideal(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
     """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
 
-    Capped below this round's prompt, since an engine always computes at least its last token.
+    Capped below this round's prompt, since an engine always computes at least its last token. A
+    reasoning model's thinking is in the cache but not in the history resent (the answer text only), so
+    after an answer that thought first the previous prompt is all a pinned replica can reuse.
     """
     if previous is None:
         return 0
     if prompt_tokens is None or previous.prompt_tokens is None or previous.completion_tokens is None:
         return None
-    held = (previous.prompt_tokens + previous.completion_tokens) // block * block
+    thought_first = (previous.first_content_seconds or 0) > (previous.ttft_seconds or 0)
+    held = (previous.prompt_tokens + previous.completion_tokens * (not thought_first)) // block * block
     return max(0, min(held, (prompt_tokens - 1) // block * block))
 
 

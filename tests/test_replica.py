@@ -108,9 +108,15 @@ def test_a_reasoning_replica_thinks_before_it_answers_and_the_probe_times_both(s
     message = chat(replica.url).json()["choices"][0]["message"]
     assert len(message[field].split()) == 4 and len(message["content"].split()) == 4
 
-    settings = ProbeSettings(base_url=replica.url, model="lab-model", max_tokens=8)
-    (session,) = probe_once(settings, synthetic(2, 50, 10, seed=1, sessions=1))
+    # Answers of three blocks: thinking that a pinned replica cannot reuse would show.
+    long = start_replica(
+        "r2", flavour, "--time-scale", "0.05", "--answer-tokens", "48", "--answer-style", "reasoning"
+    )
+    settings = ProbeSettings(base_url=long.url, model="lab-model", max_tokens=48)
+    (session,) = probe_once(settings, synthetic(3, 50, 10, seed=1, sessions=1))
     assert session.ok and all(0 < r.ttft_seconds < r.first_content_seconds for r in session.rounds)
+    # The thinking is cached but never resent, so a pinned replica reuses the previous prompt only.
+    assert all(r.cached_tokens >= r.ideal_cached_tokens > 0 for r in session.rounds[1:]), session.rounds
 
 
 def test_a_tool_calling_replica_streams_tool_call_deltas_and_no_text(start_replica):
@@ -124,8 +130,11 @@ def test_a_tool_calling_replica_streams_tool_call_deltas_and_no_text(start_repli
     message = chat(replica.url).json()["choices"][0]["message"]
     assert message["content"] is None and json.loads(message["tool_calls"][0]["function"]["arguments"])
 
-    settings = ProbeSettings(base_url=replica.url, model="lab-model", max_tokens=8)
-    (session,) = probe_once(settings, synthetic(2, 50, 10, seed=2, sessions=1))
+    long = start_replica(
+        "r2", "vllm", "--time-scale", "0.05", "--answer-tokens", "48", "--answer-style", "tool-call"
+    )
+    settings = ProbeSettings(base_url=long.url, model="lab-model", max_tokens=48)
+    (session,) = probe_once(settings, synthetic(3, 50, 10, seed=2, sessions=1))
     assert session.ok and all(r.ttft_seconds and r.first_content_seconds is None for r in session.rounds)
 
 

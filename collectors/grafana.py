@@ -124,10 +124,11 @@ def timeseries(
 
 
 def stat(
-    title: str, description: str, expr: str, *, steps: list[tuple[str, float | None]], **options
+    title: str, description: str, targets: list[JSON], *, steps: list[tuple[str, float | None]], **options
 ) -> JSON:
-    """The latest value with its trend as a sparkline, coloured by `steps` of (colour, from value)."""
-    panel = _panel("stat", title, description, [target(expr)], **options)
+    """The latest value of each series with its trend as a sparkline, coloured by `steps` of (colour,
+    from value)."""
+    panel = _panel("stat", title, description, targets, **options)
     panel["fieldConfig"]["defaults"] |= {
         "color": {"mode": "thresholds"},
         "thresholds": {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in steps]},
@@ -138,8 +139,50 @@ def stat(
         "justifyMode": "auto",
         "orientation": "auto",
         "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-        "textMode": "value",
+        "textMode": "auto",
     }
+    return panel
+
+
+VERDICT_WORDS = {
+    queries.OK: ("OK", "green"),
+    queries.PENDING: ("pending", "orange"),
+    queries.FIRING: ("firing", "red"),
+}
+
+
+def verdict_stat(title: str, what: str, verdict: queries.Verdict, legend: str) -> JSON:
+    """What an alert says now of each route, listener or instance it watches (or of the cluster), from
+    its own expression: a coloured OK, pending or firing."""
+    alert = verdict.alert
+    held = (
+        f"Pending: its condition holds, and it fires once that lasts {alert.for_}"
+        if alert.for_ != "0m"
+        else "It fires in the evaluation its condition holds"
+    )
+    reads_a_rule = any(rule.record in verdict.state for rule in queries.RECORDING_RULES)
+    panel = stat(
+        title,
+        f"{what}: the state of {alert.name}, computed from the alert's own expression, windows and "
+        "thresholds (collectors/queries.py), so that it is red exactly when the alert fires. The board's "
+        "filters do not apply; what the alert does not watch is not shown.\n\n"
+        f"Good: OK. Bad: firing. {alert.summary} {held}." + (FIXED_WINDOW if reads_a_rule else ""),
+        [target(verdict.state, legend)],
+        steps=[("green", None), ("orange", queries.PENDING), ("red", queries.FIRING)],
+        unit="none",
+        no_value="Nothing to judge",
+        alert=alert.name,
+    )
+    panel["fieldConfig"]["defaults"]["mappings"] = [
+        {
+            "type": "value",
+            "options": {
+                str(state): {"color": color, "index": state, "text": text}
+                for state, (text, color) in VERDICT_WORDS.items()
+            },
+        }
+    ]
+    panel["options"] |= {"colorMode": "background", "graphMode": "none", "textMode": "value_and_name"}
     return panel
 
 
@@ -216,9 +259,11 @@ def state_timeline(title: str, description: str, targets: list[JSON], **options:
 
 def hit_ratio_by_instance() -> JSON:
     return timeseries(
-        "Prefix-cache hit ratio per instance",
-        "Each instance's prompt tokens served from its prefix cache over all its prompt tokens "
-        "(token-weighted; vLLM and SGLang alike), with the cluster's for reference.\n\n"
+        "Hit ratio per instance (cached / prompt tokens)",
+        "Each instance's prompt tokens served from cached KV (its prefix cache, host memory, disk or "
+        "another instance) over all its prompt tokens, token-weighted, vLLM and SGLang alike, with the "
+        "cluster's for reference: the ratio the hit-rate alert judges. A replica with prefix caching off "
+        "is at 0 %.\n\n"
         "Good: instances close to each other and steady. Bad: all falling together (sessions no longer "
         "reach the replica holding their history, or a timestamp leads the prompt), or one instance far "
         "below the rest (prefix caching off there, or just restarted)." + FIXED_WINDOW,
@@ -227,6 +272,41 @@ def hit_ratio_by_instance() -> JSON:
         max_value=1,
         no_value=NO_ENGINE_DATA,
         alert="KVWatchPrefixCacheHitRateDrop",
+        drilldown="instance",
+    )
+
+
+def local_hit_ratio_by_instance() -> JSON:
+    return timeseries(
+        "Local lookup ratio per instance (hits / lookups)",
+        "The second figure beside the hit ratio: tokens found over tokens looked up in each engine's own "
+        "prefix cache. vLLM stops looking up when caching is off, so such a replica drops out of this "
+        "ratio instead of counting as 0 %; KV from host, disk or another instance is not in it.\n\n"
+        "Good: close to the hit ratio. Bad: far above it (reuse comes from elsewhere, or a replica "
+        "with caching off dropped out), or falling with it." + FIXED_WINDOW,
+        [
+            target(queries.LOCAL_HIT_RATIO_BY_INSTANCE, "{{instance}}"),
+            target(queries.CLUSTER_LOCAL_HIT_RATIO, "cluster"),
+        ],
+        unit="percentunit",
+        max_value=1,
+        no_value=NO_ENGINE_DATA,
+        drilldown="instance",
+    )
+
+
+def cached_share_by_source() -> JSON:
+    return timeseries(
+        "Cached prompt tokens by source",
+        "Each source's share of an instance's prompt tokens, as its engine names it (vLLM: device, host, "
+        "disk, p2p, external; SGLang: device, host, storage): the hit ratio, split. Decode pods fed by KV "
+        "transfer and offloaded KV show here instead of as misses.\n\n"
+        "Good: the sources you deployed, steady. Bad: a source falling to 0 (an offload tier or the KV "
+        "transfer stopped), or only the device where you expected more." + FIXED_WINDOW,
+        [target(queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}")],
+        unit="percentunit",
+        max_value=1,
+        no_value="No engine exports where its cached tokens came from",
         drilldown="instance",
     )
 
@@ -344,7 +424,17 @@ def dashboard(file_name: str, title: str, description: str, layout: Layout, *, m
                     "iconColor": "rgba(0, 211, 255, 1)",
                     "name": "Annotations & Alerts",
                     "type": "dashboard",
-                }
+                },
+                {
+                    "datasource": DATASOURCE,
+                    "enable": True,
+                    "expr": queries.FIRING_ALERTS_BY_NAME,
+                    "iconColor": "red",
+                    "name": "kvwatch alerts",
+                    "step": "15s",
+                    "tagKeys": "severity",
+                    "titleFormat": "{{alertname}} firing",
+                },
             ]
         },
         "description": description,
@@ -379,19 +469,43 @@ def dashboard(file_name: str, title: str, description: str, layout: Layout, *, m
     }
 
 
+VERDICT_PANELS = (
+    ("Session affinity (probes)", "Whether probe sessions through each sticky route stay on one replica",
+     queries.ROUTE_STICKY, "{{target}}"),
+    ("Real sessions (gateway logs)", "Whether real sessions through each sticky gateway listener stay on "
+     "one replica", queries.LISTENER_SPREAD, "{{log}} / {{listener}}"),
+    ("Warm rounds (probes)", "Whether warm rounds through each sticky route are faster than round 1",
+     queries.ROUTE_WARM_ROUNDS, "{{target}}"),
+    ("Cluster hit ratio drop", "Whether the cluster's hit ratio dropped", queries.CLUSTER_HIT_RATIO_DROP,
+     "cluster"),
+    ("Instance hit ratio drop", "Whether an instance's hit ratio dropped", queries.INSTANCE_HIT_RATIO_DROP,
+     "{{instance}}"),
+    ("Load balance", "Whether requests are spread evenly over the replicas", queries.LOAD_IMBALANCE,
+     "cluster"),
+)  # fmt: skip
+
+
 def overview() -> JSON:
     layout = Layout()
+    layout.row("What the alerts say")
+    for title, what, verdict, legend in VERDICT_PANELS:
+        layout.add(verdict_stat(title, what, verdict, legend), GRID_WIDTH // len(VERDICT_PANELS), 4)
     layout.row("Is the KV cache reused?")
     layout.add(
         stat(
-            "Cluster prefix-cache hit ratio",
-            "Prompt tokens served from the engines' prefix caches over all prompt tokens, token-weighted "
-            "across the whole fleet (the job and instance filters do not apply).\n\n"
+            "Cluster hit ratio",
+            "Delivered: prompt tokens served from cached KV (the prefix caches, host memory, disk or another "
+            "instance) over all prompt tokens, token-weighted across the whole fleet, a replica with caching "
+            "off counted as 0 % (the job and instance filters do not apply). Beside it, labelled, the local "
+            "lookup ratio: tokens found over tokens looked up in the engines' own prefix caches.\n\n"
             "Good: steady, and high for multi-turn chat (the lab holds about 80 % with affinity). Bad: a "
-            f"drop when the gateway changed, or under {THRESHOLDS.hit_ratio_floor:.0%} (red): sessions no "
-            "longer land where their history is cached." + FIXED_WINDOW,
-            queries.CLUSTER_HIT_RATIO,
-            steps=[("red", None), ("green", THRESHOLDS.hit_ratio_floor)],
+            "drop when the gateway changed: sessions no longer land where their history is cached. Whether "
+            "the alert says so is in Cluster hit ratio drop, under What the alerts say." + FIXED_WINDOW,
+            [
+                target(queries.CLUSTER_HIT_RATIO, "delivered (cached / prompt tokens)"),
+                target(queries.CLUSTER_LOCAL_HIT_RATIO, "local lookups (hits / lookups)"),
+            ],
+            steps=[("blue", None)],
             unit="percentunit",
             no_value=NO_ENGINE_DATA,
             alert="KVWatchPrefixCacheHitRateDrop",
@@ -415,29 +529,17 @@ def overview() -> JSON:
         10,
     )
 
+    layout.add(local_hit_ratio_by_instance(), 12)
+    layout.add(cached_share_by_source(), 12)
+
     layout.row("Are sessions pinned?")
-    layout.add(
-        timeseries(
-            "Warm / cold TTFT ratio",
-            "Median TTFT of rounds 2+ over round 1's, per probe route.\n\n"
-            "Good: well below 100 % on an affinity route: warm rounds reuse their history (the alert "
-            f"fires above {THRESHOLDS.warm_cold_ratio_above:.0%}, from the last run's gauge). Bad: near or "
-            "above 100 %: every round prefills the whole conversation, as on the round-robin route.",
-            [target(queries.WARM_COLD_TTFT_RATIO, ROUTE_LEGEND)],
-            unit="percentunit",
-            no_value=NO_PROBE_DATA,
-            alert="KVWatchWarmRoundNoGain",
-            interval=PROBE_MIN_INTERVAL,
-            drilldown="target",
-        ),
-        8,
-    )
     layout.add(
         timeseries(
             "Sticky probe sessions",
             "Share of probe sessions whose rounds all landed on one replica (sessions without evidence "
-            "either way are left out).\n\n"
-            "Good: 100 % on an affinity route. Bad: below 100 % there: the gateway lost the session "
+            "either way are left out), over the rate window: a trend over more runs than the alert's, "
+            "which judges the last run (see Session affinity under What the alerts say).\n\n"
+            "Good: 100 % on a sticky route. Bad: below 100 % there: the gateway lost the session "
             "pinning (round robin back, session header dropped, hash key not the session id). A "
             "round-robin route sits near 0 %.",
             [target(queries.PROBE_STICKY_SHARE, ROUTE_LEGEND)],
@@ -448,13 +550,30 @@ def overview() -> JSON:
             interval=PROBE_MIN_INTERVAL,
             drilldown="target",
         ),
-        8,
+        6,
+    )
+    layout.add(
+        timeseries(
+            "Real sessions on several replicas (gateway logs)",
+            "Of the real sessions that came back to a gateway listener within its log's spread window "
+            "(spread_window_seconds, 10 minutes by default), the share served by more than one replica: "
+            "failover=false with nothing to explain the move (what KVWatchGatewaySessionsSpread judges), "
+            "failover=true moved by a failed replica, kept apart.\n\n"
+            "Good: near 0 % without a failover on a sticky listener. Bad: rising there: the gateway no "
+            "longer pins real users' sessions, whatever the probes see. A round-robin listener sits high.",
+            [target(queries.REAL_SESSIONS_SPREAD, "{{log}} / {{listener}}, failover={{failover}}")],
+            unit="percentunit",
+            max_value=1,
+            no_value=NO_GATEWAY_DATA,
+            alert="KVWatchGatewaySessionsSpread",
+        ),
+        6,
     )
     layout.add(
         timeseries(
             "Backend switches per probe session",
             "How often consecutive rounds of a probe session changed replica.\n\n"
-            "Good: 0 on an affinity route. Bad: above 0 there, up to rounds - 1 when every round lands "
+            "Good: 0 on a sticky route. Bad: above 0 there, up to rounds - 1 when every round lands "
             "elsewhere, as on a round-robin route.",
             [target(queries.PROBE_BACKEND_SWITCHES_PER_SESSION, ROUTE_LEGEND)],
             unit="short",
@@ -463,7 +582,24 @@ def overview() -> JSON:
             interval=PROBE_MIN_INTERVAL,
             drilldown="target",
         ),
-        8,
+        6,
+    )
+    layout.add(
+        timeseries(
+            "Warm / cold TTFT ratio",
+            "Median TTFT of rounds 2+ over round 1's, per probe route, in each run: the gauge the alert "
+            "judges.\n\n"
+            "Good: well below 100 % on a sticky route: warm rounds reuse their history (the alert fires "
+            f"above {THRESHOLDS.warm_cold_ratio_above:.0%} for {queries.ROUTE_WARM_ROUNDS.alert.for_}). Bad: "
+            "near or above 100 %: every round prefills the whole conversation, as on the round-robin route.",
+            [target(queries.WARM_COLD_TTFT_RATIO, ROUTE_LEGEND)],
+            unit="percentunit",
+            no_value=NO_PROBE_DATA,
+            alert="KVWatchWarmRoundNoGain",
+            interval=PROBE_MIN_INTERVAL,
+            drilldown="target",
+        ),
+        6,
     )
 
     layout.row("Reuse and session keys")
@@ -612,7 +748,7 @@ def drilldown() -> JSON:
             "Time since the probe's last run through this target finished.\n\n"
             "Good: under the probe interval (interval_seconds). Bad: several intervals: the scheduler is "
             "stuck or kvwatch serve is down, and the probe panels are stale.",
-            queries.PROBE_LAST_RUN_AGE,
+            [target(queries.PROBE_LAST_RUN_AGE)],
             steps=[("blue", None)],
             unit="s",
             no_value="The probe never ran for this target",
@@ -636,6 +772,8 @@ def drilldown() -> JSON:
         8,
     )
     layout.add(request_share_by_instance(), 8)
+    layout.add(local_hit_ratio_by_instance(), 12)
+    layout.add(cached_share_by_source(), 12)
     return dashboard(
         DRILLDOWN,
         "kvwatch: one probe target and one instance",
@@ -734,12 +872,25 @@ def _draw_timeseries(axes, panel: JSON, results: list) -> None:
 
 
 def _draw_stat(axes, panel: JSON, results: list) -> None:
-    [(_, [(_, points), *_])] = results
-    minutes, values = zip(*((t / 60, v) for t, v in points), strict=True)
-    axes.fill_between(minutes, values, alpha=0.15, color="tab:green")
-    axes.set_ylim(0, max(values) * 1.5 or 1)
-    text = _format(panel["fieldConfig"]["defaults"]["unit"], values[-1])
-    axes.text(0.5, 0.5, text, transform=axes.transAxes, ha="center", va="center", fontsize=36, color="green")
+    """Each series' latest value, as the word the panel maps it to if it does; a lone one with its trend."""
+    defaults = panel["fieldConfig"]["defaults"]
+    words = {
+        float(value): (shown["text"], shown["color"])
+        for mapping in defaults.get("mappings", [])
+        for value, shown in mapping["options"].items()
+    }
+    color = defaults["thresholds"]["steps"][0]["color"]
+    shown = [(_legend(q["legendFormat"], labels), points) for q, found in results for labels, points in found]
+    if len(shown) == 1:
+        minutes, values = zip(*((t / 60, v) for t, v in shown[0][1]), strict=True)
+        axes.fill_between(minutes, values, alpha=0.15, color=color)
+        axes.set_ylim(0, max(values) * 1.5 or 1)
+    for row, (name, points) in enumerate(shown):
+        value = points[-1][1]
+        text, tint = words.get(value, (_format(defaults["unit"], value), color))
+        y = 1 - (row + 1) / (len(shown) + 1)
+        label, size = (text, 36) if len(shown) == 1 else (f"{name}: {text}", 11)
+        axes.text(0.5, y, label, transform=axes.transAxes, ha="center", va="center", size=size, color=tint)
     axes.set_yticks([])
 
 

@@ -1,8 +1,9 @@
 """Every PromQL expression kvwatch uses, in one place.
 
 The recording rules in prometheus/rules/ and the alert rules in alerts/ are generated from `RULE_FILES`
-(`make generate`; a test fails when the committed files are stale), and the dashboards read the recorded
-series by the names defined here.
+(`make generate`; a test fails when the committed files are stale), the dashboards read the recorded
+series by the names defined here, and their verdicts are the alerts' states, from the alerts' own
+expressions (`Verdict`).
 
 Conventions: ratios are ratios of summed rates, never averages of ratios; a denominator guarded by
 `> 0` makes zero traffic give no sample rather than 0 or NaN. Rules are `level:metric:operations`.
@@ -166,6 +167,7 @@ ENGINE_PRESENCE_SERIES = tuple(
 
 INSTANCE_HIT_RATIO = DELIVERED.instance_ratio
 CLUSTER_HIT_RATIO = DELIVERED.cluster_ratio
+CLUSTER_LOCAL_HIT_RATIO = LOCAL.cluster_ratio  # the second, labelled figure beside the headline
 INSTANCE_PROMPT_TOKENS = DELIVERED.instance_total
 INSTANCE_CACHED_BY_SOURCE = f"instance_source:kvwatch_cached_prompt_tokens:rate{WINDOW}"
 INSTANCE_TTFT = "instance_quantile:kvwatch_ttft_seconds:histogram_quantile"
@@ -316,8 +318,23 @@ class Thresholds:
 THRESHOLDS = Thresholds()
 RUNBOOK = "alerts/runbook.md"
 ROUTE = "target, route_mode"
-# Routes whose sessions must stay on one replica (the config's expect_sticky, exported by the probe).
-STICKY_ROUTES = 'kvwatch_probe_route_info{expect_sticky="true"}'
+LISTENER = "log, listener"
+# Routes and gateway logs whose sessions must stay on one replica (the config's expect_sticky, exported
+# by kvwatch serve): the affinity alerts watch only these.
+WATCHED_ROUTES = 'on(target) kvwatch_probe_route_info{expect_sticky="true"}'
+WATCHED_LISTENERS = 'on(log) kvwatch_gateway_log_info{expect_sticky="true"}'
+
+
+def _per_route(aggregation: str, metric: str) -> str:
+    """A probe gauge per route, without the exporter's `job` and `instance`: the alert is about the route."""
+    return f"{aggregation} by ({ROUTE}) ({metric})"
+
+
+# What the alerts judge, one series per route, listener or the cluster: the alerts compare these with
+# their thresholds, and the pages and boards show them beside the alerts' verdicts.
+STICKY_RATIO = _per_route("min", "kvwatch_probe_sticky_ratio")  # the last probe run's
+WARM_COLD_RATIO = _per_route("max", "kvwatch_probe_warm_cold_ttft_ratio")  # the last probe run's
+GATEWAY_SPREAD = f'max by ({LISTENER}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
 
 
 @dataclass(frozen=True)
@@ -334,11 +351,6 @@ class Alert:
     @property
     def runbook_url(self) -> str:
         return f"{RUNBOOK}#{self.name.lower()}"
-
-
-def _per_route(aggregation: str, metric: str) -> str:
-    """A probe gauge per route, without the exporter's `job` and `instance`: the alert is about the route."""
-    return f"{aggregation} by ({ROUTE}) ({metric})"
 
 
 def _alerts(t: Thresholds) -> tuple[Alert, ...]:
@@ -365,8 +377,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
     return (
         Alert(
             "KVWatchSessionAffinityBroken",
-            f"{_per_route('min', 'kvwatch_probe_sticky_ratio')} < {t.sticky_ratio_below}\n"
-            f"and on(target) {STICKY_ROUTES}",
+            f"{STICKY_RATIO} < {t.sticky_ratio_below}\nand {WATCHED_ROUTES}",
             "critical",
             "Probe sessions through a sticky route change replica between rounds.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
@@ -398,10 +409,10 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchGatewaySessionsSpread",
-            f'max by (log, listener) ({GATEWAY_SPREAD_SHARE}{{failover="false"}}) > {t.spread_share_above}\n'
-            "and on(log, listener) sum by (log, listener) (kvwatch_gateway_returning_sessions)"
+            f"{GATEWAY_SPREAD} > {t.spread_share_above}\n"
+            f"and on({LISTENER}) sum by ({LISTENER}) (kvwatch_gateway_returning_sessions)"
             f" >= {t.min_returning_sessions}\n"
-            'and on(log) kvwatch_gateway_log_info{expect_sticky="true"}',
+            f"and {WATCHED_LISTENERS}",
             "critical",
             "Real sessions through a sticky gateway listener are served by several replicas.",
             "{{ $value | humanizePercentage }} of the sessions that came back to {{ $labels.log }} / "
@@ -435,8 +446,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchWarmRoundNoGain",
-            f"{_per_route('max', 'kvwatch_probe_warm_cold_ttft_ratio')} > {t.warm_cold_ratio_above}\n"
-            f"and on(target) {STICKY_ROUTES}",
+            f"{WARM_COLD_RATIO} > {t.warm_cold_ratio_above}\nand {WATCHED_ROUTES}",
             "warning",
             "Warm rounds are not faster than the first round on a sticky route.",
             "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
@@ -547,6 +557,69 @@ RULE_FILES = {
 }
 
 
+# --- Verdicts -------------------------------------------------------------------------------------
+# What the Streamlit pages and the Grafana boards say of a route, a gateway listener or the cluster is
+# the state of the alert that watches it, computed from the alert's own expression: a page is red
+# exactly when the alert fires, never by a threshold of its own.
+
+OK, PENDING, FIRING = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the alert watching `signal` says of each thing it judges, as one query for every page."""
+
+    alert: Alert
+    signal: str  # what the alert compares with its threshold, one series per `by`
+    by: str  # the labels naming what is judged; "" for the cluster
+    watched: str | None = None  # the `and` filter keeping only what the alert watches
+
+    @property
+    def firing(self) -> str:
+        """The alert's own firing series in Prometheus, also while `keep_firing_for` holds it."""
+        labels = {"alertname": self.alert.name, "alertstate": "firing", **(self.alert.labels or {})}
+        return "ALERTS{" + ", ".join(f'{name}="{value}"' for name, value in labels.items()) + "}"
+
+    @property
+    def state(self) -> str:
+        """FIRING while the alert fires; PENDING while its condition holds for less than its `for`; OK
+        where it judges the signal and finds nothing wrong; no sample where it has nothing to judge."""
+        group = f"group by ({self.by})" if self.by else "group"
+        held = FIRING if self.alert.for_ == "0m" else PENDING  # without a `for` it fires in that evaluation
+        judged = f"{self.signal}\nand {self.watched}" if self.watched else self.signal
+        return (
+            f"{FIRING} * {group} ({self.firing})\n"
+            f"or {held} * {group} ({self.alert.expr})\n"
+            f"or {OK} * {group} ({judged})"
+        )
+
+
+def _alert(name: str, **labels: str) -> Alert:
+    """The alert of that name, and of those labels where one name has several rules."""
+    (found,) = (a for a in ALERTS if a.name == name and labels.items() <= (a.labels or {}).items())
+    return found
+
+
+ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, WATCHED_ROUTES)
+ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
+LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)
+CLUSTER_HIT_RATIO_DROP = Verdict(
+    _alert("KVWatchPrefixCacheHitRateDrop", scope="cluster"), CLUSTER_HIT_RATIO, ""
+)
+INSTANCE_HIT_RATIO_DROP = Verdict(
+    _alert("KVWatchPrefixCacheHitRateDrop", scope="instance"), INSTANCE_HIT_RATIO, INSTANCE
+)
+LOAD_IMBALANCE = Verdict(_alert("KVWatchReplicaLoadImbalance"), CLUSTER_LOAD_IMBALANCE, "")
+VERDICTS = (
+    ROUTE_STICKY,
+    ROUTE_WARM_ROUNDS,
+    LISTENER_SPREAD,
+    CLUSTER_HIT_RATIO_DROP,
+    INSTANCE_HIT_RATIO_DROP,
+    LOAD_IMBALANCE,
+)
+
+
 # --- Dashboard queries ----------------------------------------------------------------------------
 # One expression per panel, shared by the Grafana boards (collectors/grafana.py) and the Streamlit app.
 # They use Grafana's variables: `$job`, `$instance` and `$target` are label regexes, `$__rate_interval`
@@ -583,6 +656,12 @@ def _probe_ttft_median(by: str, *matchers: str, window: str = RATE_WINDOW) -> st
 
 
 HIT_RATIO_BY_INSTANCE = f"{INSTANCE_HIT_RATIO}{{{ENGINE_SELECTOR}}}"
+LOCAL_HIT_RATIO_BY_INSTANCE = f"{LOCAL.instance_ratio}{{{ENGINE_SELECTOR}}}"
+# Each source's share of an instance's prompt tokens (device, host, disk, p2p, external).
+CACHED_SHARE_BY_SOURCE = (
+    f"{INSTANCE_CACHED_BY_SOURCE}{{{ENGINE_SELECTOR}}}\n"
+    f"  / on({INSTANCE}) group_left() ({INSTANCE_PROMPT_TOKENS} > 0)"
+)
 TTFT_QUANTILES_BY_INSTANCE = f"{INSTANCE_TTFT}{{{ENGINE_SELECTOR}}}"
 REQUEST_SHARE_BY_INSTANCE = f"{INSTANCE_REQUEST_SHARE}{{{ENGINE_SELECTOR}}}"
 # Engine TTFT bucket rates for a heatmap, one query per engine family: their buckets differ.
@@ -596,7 +675,7 @@ PROBE_TTFT_BY_ROUND = _probe_ttft_median("route_mode, round", window="$__range")
 PROBE_TTFT_BY_ROUND_OVER_TIME = _probe_ttft_median("round")
 # Warm rounds' median TTFT over round 1's: affinity keeps it low, round robin makes it grow.
 # The exporter's exact per-run ratio: medians from histogram buckets would land anywhere in one bucket.
-WARM_COLD_TTFT_RATIO = f"max by ({ROUTE}) (kvwatch_probe_warm_cold_ttft_ratio{{{PROBE_SELECTOR}}})"
+WARM_COLD_TTFT_RATIO = _per_route("max", f"kvwatch_probe_warm_cold_ttft_ratio{{{PROBE_SELECTOR}}}")
 PROBE_STICKY_SHARE = _ratio(
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky="true"', ROUTE),
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky!="unknown"', ROUTE),
@@ -624,11 +703,17 @@ PROBE_ROUNDS_BY_BACKEND = _sum_rate("kvwatch_probe_backend_rounds_total", PROBE_
 PROBE_LAST_RUN_AGE = (
     f"time() - max by ({ROUTE}) (kvwatch_probe_last_run_timestamp_seconds{{{PROBE_SELECTOR}}})"
 )
-FIRING_ALERTS_BY_NAME = 'count by (alertname, severity) (ALERTS{alertstate="firing", alertname=~"KVWatch.+"})'
+FIRING_ALERTS_NOW = 'ALERTS{alertstate="firing", alertname=~"KVWatch.+"}'
+FIRING_ALERTS_BY_NAME = f"count by (alertname, severity) ({FIRING_ALERTS_NOW})"
+REAL_SESSIONS_SPREAD = GATEWAY_SPREAD_SHARE  # by log, listener and failover
 
 
 # --- Streamlit queries ----------------------------------------------------------------------------
 # What the Streamlit app (dashboard/app_pages/) shows besides the dashboard queries above.
 
-FIRING_ALERTS = f"sum({FIRING_ALERTS_BY_NAME}) or vector(0)"
+# Each source's share of the cluster's prompt tokens.
+CLUSTER_CACHED_SHARE_BY_SOURCE = (
+    f"sum by (source) ({INSTANCE_CACHED_BY_SOURCE})\n"
+    f"  / on() group_left() (sum({INSTANCE_PROMPT_TOKENS}) > 0)"
+)
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"

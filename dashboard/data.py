@@ -1,5 +1,5 @@
-"""Everything the dashboard reads, in one place and cached: Prometheus, the SQLite store, Alertmanager,
-the runbook, experiment reports and the doctor.
+"""Everything the dashboard reads, in one place and cached: Prometheus, the SQLite store, the lab's fault
+log, Alertmanager, the runbook, experiment reports and the doctor.
 
 Every reader returns a `Result`: a value, or an error that names the URL or path it tried and what to
 do, never a traceback. Errors are cached like values, so a dead Prometheus costs one timeout per refresh,
@@ -205,11 +205,12 @@ def received_alerts(since: float) -> Result:
                 **alert["annotations"],
                 "state": alert["status"],
                 "starts_at": alert["starts_at"],
+                "ends_at": alert["ends_at"],
                 "received_at": alert["received_at"],
             }
             for alert in store.alerts(since=since)
         )
-        return _times(frame, "received_at", "starts_at")
+        return _times(frame, "received_at", "starts_at", "ends_at")
 
     return _read_store(read)
 
@@ -221,6 +222,29 @@ def ttft_by_round(since: float) -> Result:
     if found.error or found.value.empty:
         return found
     return Result(stats.ttft_by_round(found.value))
+
+
+@_cached
+def faults(since: float) -> Result:
+    """The faults and heals at `since` or later, oldest first (time, action, fault, replica), from the
+    faults.log the lab keeps beside its store; none for a store that is not the lab's."""
+    config = settings()
+    if config.error:
+        return config
+    path = Path(config.value.store.path).parent / "faults.log"
+    try:
+        entries = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+        frame = pd.DataFrame(
+            [entry for entry in entries if entry["unix"] >= since],
+            columns=["unix", "action", "fault", "replica"],
+        )
+    except FileNotFoundError:
+        frame = pd.DataFrame(columns=["unix", "action", "fault", "replica"])
+    except OSError as error:
+        return Result(error=f"Cannot read the lab's fault log {path}: {error.strerror}")
+    except (ValueError, KeyError, TypeError):
+        return Result(error=f"{path} is not the lab's fault log: a JSON object with `unix` per line.")
+    return Result(_times(frame.rename(columns={"unix": "time"}), "time"))
 
 
 def _read_store(read: Callable[[Store], pd.DataFrame]) -> Result:
@@ -253,6 +277,7 @@ ALERT_COLUMNS = (
     "target",
     "instance",
     "starts_at",
+    "ends_at",
     "summary",
     "runbook_url",
 )

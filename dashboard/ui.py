@@ -1,4 +1,5 @@
-"""Widgets and formats the pages share: the time-range picker, error and empty states, metric tiles."""
+"""Widgets and formats the pages share: the time-range picker, error and empty states, metric tiles with
+the alerts' verdicts, and the faults and alerts marked on charts."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
 
+from collectors import queries
 from dashboard import data
 
 TIME_FORMAT = "YYYY-MM-DD HH:mm:ss"  # for st.column_config.DatetimeColumn; times are UTC
@@ -45,47 +48,111 @@ class Unit:
 
 RATIO = Unit(lambda v: f"{v:.0%}", lambda d: f"{d * 100:+.0f} pp")
 FACTOR = Unit(lambda v: f"{v:.2f}×", lambda d: f"{d:+.2f}×")
-COUNT = Unit(lambda v: f"{v:.0f}", lambda d: f"{d:+.0f}")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    good: bool | None  # None: neither, e.g. a round-robin baseline that is meant to look bad
+    """The words under a number, in the colour of its alert's state."""
+
+    color: str  # green, orange or red as the alert says; gray where no alert judges
     text: str
 
+    @property
+    def good(self) -> bool | None:
+        return {"green": True, "red": False}.get(self.color)
+
     def show(self) -> None:
-        color = {True: "green", False: "red", None: "gray"}[self.good]
-        st.markdown(f":{color}[{self.text}]")
+        st.markdown(f":{self.color}[{self.text}]")
 
 
-def tile(
-    label: str,
-    points: pd.DataFrame,
-    at: float,
-    unit: Unit,
-    verdict: Callable[[float], Verdict],
-    help: str,
-) -> None:
+def matching(frame: pd.DataFrame, **labels: str) -> pd.DataFrame:
+    """The rows of a query's answer whose labels have these values (none where a label is missing)."""
+    for name, value in labels.items():
+        frame = frame[frame[name] == value] if name in frame else frame.iloc[0:0]
+    return frame
+
+
+def judge(verdict: queries.Verdict, states: pd.DataFrame, ok: str, **labels: str) -> Verdict:
+    """What the alert behind `verdict` says now of the series with these labels, from `states` (its
+    `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green."""
+    alert = verdict.alert
+    rows = matching(states, **labels)
+    if rows.empty:
+        return Verdict("gray", f"Not judged: {alert.name} has nothing to judge here now.")
+    state = rows["value"].iloc[0]
+    if state == queries.FIRING:
+        return Verdict("red", f"{alert.name} fires: {alert.summary}")
+    if state == queries.PENDING:
+        lasts = f"its condition holds, and it fires once that lasts {alert.for_}"
+        return Verdict("orange", f"{alert.name} is pending: {lasts}.")
+    return Verdict("green", ok)
+
+
+def tile(label: str, points: pd.DataFrame, at: float, unit: Unit, verdict: Verdict, help: str) -> None:
     """A bordered metric: its value at `at`, its change over the points and the points as a sparkline,
-    both coloured by the verdict in words below; "no data" when there is no point at `at`."""
+    both coloured as the verdict below; "no data" when there is no point at `at`."""
     now = points[points["time"] == pd.Timestamp(at, unit="s", tz="UTC")]["value"]
     with st.container(border=True):
         if now.empty:
             st.metric(label, "no data", help=help)
             st.caption("No sample now: no traffic, or no probe result in the window yet.")
-            return
-        value = float(now.iloc[0])
-        judged = verdict(value)
-        change = value - float(points["value"].iloc[0])
-        moved = unit.change(change).lstrip("+-") != unit.change(0).lstrip("+-")  # "-0 pp" did not move
-        # Streamlit colours a rise green ("normal") or red ("inverse"): pick whichever gives the verdict's.
-        color = "off" if judged.good is None else "normal" if (change >= 0) == judged.good else "inverse"
-        st.metric(
-            label,
-            unit.value(value),
-            delta=unit.change(change) if moved else None,
-            delta_color=color,
-            chart_data=points["value"].tolist(),
-            help=f"{help} The change and the line are over the chosen time range.",
+        else:
+            value = float(now.iloc[0])
+            change = value - float(points["value"].iloc[0])
+            moved = unit.change(change).lstrip("+-") != unit.change(0).lstrip("+-")  # "-0 pp" did not move
+            # Streamlit colours a rise green ("normal") or red ("inverse"): pick the verdict's colour.
+            good = verdict.good
+            color = "off" if good is None else "normal" if (change >= 0) == good else "inverse"
+            st.metric(
+                label,
+                unit.value(value),
+                delta=unit.change(change) if moved else None,
+                delta_color=color,
+                chart_data=points["value"].tolist(),
+                help=f"{help} The change and the line are over the chosen time range.",
+            )
+        verdict.show()
+
+
+NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind": [], "text": []})
+EVENT_COLORS = {"fault": "#9467bd", "heal": "#2ca02c", "firing": "#d62728", "resolved": "#1f77b4"}
+
+
+def events(over: data.Span) -> pd.DataFrame:
+    """What happened in the span, to mark on charts: the lab's faults and heals, and the kvwatch alerts
+    the webhook received, firing at their start and resolved at their end. Columns time, kind, text."""
+    found = []
+    faults, alerts = data.faults(over.start), data.received_alerts(over.start)
+    for result in faults, alerts:
+        if result.error:
+            st.caption(f"Not marked on the charts: {result.error}")
+    if not faults.error:
+        fault = faults.value
+        found.append(fault.assign(kind=fault["action"], text=fault["action"] + " " + fault["fault"]))
+    if not alerts.error and not alerts.value.empty:
+        alert = alerts.value[alerts.value["alertname"].str.startswith("KVWatch")]
+        found.append(
+            alert.assign(
+                time=alert["starts_at"].where(alert["state"] == "firing", alert["ends_at"]),
+                kind=alert["state"],
+                text=alert["alertname"] + " " + alert["state"],
+            )
         )
-        judged.show()
+    frame = pd.concat([f[["time", "kind", "text"]] for f in found if not f.empty] or [NO_EVENTS])
+    start, end = (pd.Timestamp(t, unit="s", tz="UTC") for t in over[:2])
+    return frame[frame["time"].between(start, end)]
+
+
+def mark(figure: go.Figure, marks: pd.DataFrame) -> go.Figure:
+    """A dotted line and a label at the top of the chart for each event of `events()`."""
+    for event in marks.itertuples():
+        color = EVENT_COLORS.get(event.kind, "gray")
+        figure.add_shape(
+            type="line", x0=event.time, x1=event.time, y0=0, y1=1, yref="paper",
+            line={"color": color, "dash": "dot", "width": 1},
+        )  # fmt: skip
+        figure.add_annotation(
+            x=event.time, y=1, yref="paper", text=event.text, showarrow=False, textangle=-90,
+            xanchor="right", yanchor="top", font={"size": 10, "color": color},
+        )  # fmt: skip
+    return figure

@@ -4,9 +4,10 @@ config."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pandas as pd
@@ -16,7 +17,7 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from collectors import queries
-from collectors.config import Config, Service, StoreSettings, Target
+from collectors.config import Config, GatewayLog, Service, StoreSettings, Target
 from collectors.records import RoundResult, SessionResult
 from collectors.store import Store
 from conftest import REPO
@@ -33,11 +34,16 @@ CONFIG = Config(
         Target("lab-affinity", "http://127.0.0.1:18000", "lab-model", route_mode="affinity"),
         Target("lab-round-robin", "http://127.0.0.1:18001", "lab-model", route_mode="round_robin"),
     ),
+    gateway_logs=(
+        GatewayLog("affinity", Path("/var/log/nginx/affinity.jsonl")),
+        GatewayLog("round_robin", Path("/var/log/nginx/round_robin.jsonl"), expect_sticky=False),
+    ),
     store=StoreSettings(STORE),
     prometheus=Service(PROMETHEUS),
     alertmanager=Service(ALERTMANAGER),
 )
 T0 = 1_790_000_000.0
+NOW = T0 + 86400 - T0 % data.REFRESH_SECONDS  # the pages' time, on the refresh grid
 
 
 def session(
@@ -115,21 +121,61 @@ def per_route(over: data.Span, affinity: list[float], round_robin: list[float]) 
     )  # fmt: skip
 
 
+def per_listener(over: data.Span, affinity: list[float], round_robin: list[float], **labels) -> pd.DataFrame:
+    return pd.concat(
+        [points(over, affinity, log="affinity", listener="affinity", **labels),
+         points(over, round_robin, log="round_robin", listener="round_robin", **labels)]
+    )  # fmt: skip
+
+
+def states(**by_subject: int) -> pd.DataFrame:
+    """A verdict's states as Prometheus answers `verdict.state`: one row per judged route or listener."""
+    return pd.DataFrame([{**labels_of(subject), "value": state} for subject, state in by_subject.items()])
+
+
+def labels_of(subject: str) -> dict[str, str]:
+    return {"target": subject} if subject.startswith("lab") else {"log": subject, "listener": subject}
+
+
+def cluster_state(state: int) -> pd.DataFrame:
+    return pd.DataFrame({"value": [state]})
+
+
 SERIES = {
     queries.CLUSTER_HIT_RATIO: lambda over: points(over, [0.80, 0.82, 0.87]),
-    queries.FIRING_ALERTS: lambda over: points(over, [0, 1, 1]),
-    queries.PROBE_STICKY_SHARE: lambda over: per_route(over, [1, 1, 1], [0, 0, 0]),
-    queries.WARM_COLD_TTFT_RATIO: lambda over: per_route(over, [0.2, 0.15, 0.14], [1.3, 1.5, 1.6]),
+    queries.CLUSTER_LOCAL_HIT_RATIO: lambda over: points(over, [0.90, 0.91, 0.93]),
+    queries.STICKY_RATIO: lambda over: per_route(over, [1, 1, 1], [0, 0, 0]),
+    queries.WARM_COLD_RATIO: lambda over: per_route(over, [0.2, 0.15, 0.14], [1.3, 1.5, 1.6]),
     queries.AFFINITY_EFFICIENCY: lambda over: per_route(over, [0.97, 0.98, 0.99], [0.2, 0.25, 0.21]),
+    queries.GATEWAY_SPREAD: lambda over: per_listener(over, [0, 0.01, 0.02], [0.9, 0.95, 0.96]),
+    queries.REAL_SESSIONS_SPREAD: lambda over: pd.concat(
+        [
+            per_listener(over, [0, 0.01, 0.02], [0.9, 0.95, 0.96], failover="false"),
+            per_listener(over, [0, 0.1, 0.12], [0, 0, 0], failover="true"),
+        ]
+    ),  # fmt: skip
     queries.HIT_RATIO_BY_INSTANCE: lambda over: pd.concat(
         [
             points(over, [0.8, 0.9], instance="127.0.0.1:18010"),
             points(over, [0.7, 0.6], instance="127.0.0.1:18011"),
         ]
     ),
+    queries.LOCAL_HIT_RATIO_BY_INSTANCE: lambda over: points(over, [0.9, 0.95], instance="127.0.0.1:18010"),
     queries.CLUSTER_LOAD_IMBALANCE: lambda over: points(over, [1.2, 2.6]),
 }
+HEALTHY = {
+    queries.ROUTE_STICKY.state: states(**{"lab-affinity": queries.OK}),
+    queries.ROUTE_WARM_ROUNDS.state: states(**{"lab-affinity": queries.OK}),
+    queries.LISTENER_SPREAD.state: states(affinity=queries.OK),
+    queries.CLUSTER_HIT_RATIO_DROP.state: cluster_state(queries.OK),
+    queries.LOAD_IMBALANCE.state: cluster_state(queries.PENDING),
+}
 INSTANT = {
+    **HEALTHY,
+    queries.CLUSTER_CACHED_SHARE_BY_SOURCE: pd.DataFrame({"source": ["device", "host"], "value": [0.7, 0.1]}),
+    queries.CACHED_SHARE_BY_SOURCE: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010"] * 2, "source": ["device", "host"], "value": [0.7, 0.1]}
+    ),
     queries.REQUEST_SHARE_BY_INSTANCE: pd.DataFrame(
         {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [0.7, 0.3]}
     ),
@@ -163,7 +209,8 @@ BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or direct
 
 
 READERS = ("settings", "series", "instant", "sessions", "rounds", "ttft_by_round", "received_alerts",
-           "alerts", "experiment_report", "run_experiment", "run_doctor")  # fmt: skip
+           "faults", "alerts", "experiment_report", "run_experiment", "run_doctor")  # fmt: skip
+FAULT_AT, ALERT_AT, HEAL_AT = 600, 660, 1200  # seconds into the span
 
 
 class Fake:
@@ -180,6 +227,7 @@ class Fake:
         for name in READERS:
             monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
         monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
+        monkeypatch.setattr(data, "now", lambda: NOW)
 
     def _settings(self) -> Result:
         return self.settings
@@ -209,7 +257,17 @@ class Fake:
 
     def _received_alerts(self, since: float) -> Result:
         received = pd.Timestamp(T0, unit="s", tz="UTC")
-        return self._frame(self.store, alerts_frame(state="firing", received_at=received))
+        started = pd.Timestamp(since + ALERT_AT, unit="s", tz="UTC")
+        return self._frame(
+            self.store, alerts_frame(state="firing", received_at=received, starts_at=started, ends_at=pd.NaT)
+        )
+
+    def _faults(self, since: float) -> Result:
+        faults = pd.DataFrame(
+            {"time": pd.to_datetime([since + FAULT_AT, since + HEAL_AT], unit="s", utc=True),
+             "action": ["fault", "heal"], "fault": ["break-affinity", "break-affinity"], "replica": None}
+        )  # fmt: skip
+        return self._frame(None, faults)
 
     def _alerts(self) -> Result:
         return self._frame(self.alertmanager, alerts_frame())
@@ -275,29 +333,138 @@ def test_overview_shows_each_number_with_its_verdict(fake):
     at = open_page("overview")
     assert not at.exception
     shown = metrics(at)
-    assert shown["Cluster hit ratio"] == ["87%"]
-    assert shown["Firing alerts"] == ["1"]
+    assert shown["Cluster hit ratio"] == ["87%"]  # delivered: cached / prompt tokens
+    assert shown["Local lookup ratio"] == ["93%"]
     assert shown["Sessions on one replica"] == ["100%", "0%"]
     assert shown["Warm / cold TTFT"] == ["0.14×", "1.60×"]
     assert shown["Affinity efficiency"] == ["99%", "21%"]
+    assert shown["Real sessions on several replicas"] == ["2%", "96%"]  # without a failover
+    assert shown["Moved by a failover"] == ["12%", "0%"]
     said = texts(at)
-    assert "87% of prompt tokens come from the prefix cache." in said
-    assert "1 kvwatch alert firing" in said
-    assert "Sessions stay on their replica." in said
-    assert "Not an affinity route" in said  # round robin is the baseline, never "bad"
+    assert "No kvwatch alert is firing." in said
+    assert ":green[Reuse holds" in said
+    assert "device: 70%" in said and "host: 10%" in said
+    assert ":green[Sessions stay on their replica.]" in said
+    assert ":green[Real sessions stay on their replica.]" in said
+    # the round-robin route and log are the baseline: never judged, so never red
+    assert said.count(":gray[Not expected to stay on one replica") == 3
     assert f"from Prometheus at {PROMETHEUS}" in said
 
 
-def test_overview_turns_red_when_affinity_breaks(fake):
-    fake.ranges |= {
-        queries.PROBE_STICKY_SHARE: lambda over: per_route(over, [1, 0.2], [0, 0]),
-        queries.WARM_COLD_TTFT_RATIO: lambda over: per_route(over, [0.2, 0.95], [1, 1]),
-        queries.CLUSTER_HIT_RATIO: lambda over: points(over, [0.8, 0.05]),
-    }
+def fires(verdict: queries.Verdict) -> str:
+    return f":red[{verdict.alert.name} fires: {verdict.alert.summary}]"
+
+
+def pending(verdict: queries.Verdict) -> str:
+    return f":orange[{verdict.alert.name} is pending: "
+
+
+# Each verdict on the Overview: its tile, its value when judged healthy and when not, the state frame
+# Prometheus answers to its query, and its words when the alert finds nothing wrong.
+VERDICT_TILES = {
+    "route stickiness": (queries.ROUTE_STICKY, queries.STICKY_RATIO, "lab-affinity",
+                         ":green[Sessions stay on their replica.]"),
+    "warm rounds": (queries.ROUTE_WARM_ROUNDS, queries.WARM_COLD_RATIO, "lab-affinity",
+                    ":green[Warm rounds are faster than round 1"),
+    "gateway spread": (queries.LISTENER_SPREAD, queries.GATEWAY_SPREAD, "affinity",
+                       ":green[Real sessions stay on their replica.]"),
+    "cluster hit ratio": (queries.CLUSTER_HIT_RATIO_DROP, queries.CLUSTER_HIT_RATIO, None,
+                          ":green[Reuse holds"),
+}  # fmt: skip
+
+
+def state_of(subject: str | None, state: int) -> pd.DataFrame:
+    return cluster_state(state) if subject is None else states(**{subject: state})
+
+
+@pytest.mark.parametrize("name", VERDICT_TILES)
+def test_each_overview_verdict_is_its_alerts_state(fake, name):
+    verdict, signal, subject, ok = VERDICT_TILES[name]
+    for state, expected in ((queries.FIRING, fires(verdict)), (queries.PENDING, pending(verdict)),
+                            (queries.OK, ok)):  # fmt: skip
+        fake.values[verdict.state] = state_of(subject, state)
+        said = texts(open_page("overview"))
+        assert expected in said, (name, state)
+        assert (fires(verdict) in said) == (state == queries.FIRING)
+
+
+def test_a_tile_is_red_when_its_alert_fires_whatever_a_threshold_would_say(fake):
+    """The issue's Overview: 89 % of sessions on one replica, in green, while the critical alert fired."""
+    fake.ranges[queries.STICKY_RATIO] = lambda over: per_route(over, [1, 0.89], [0, 0])
+    fake.values[queries.ROUTE_STICKY.state] = states(**{"lab-affinity": queries.FIRING})
+    fake.ranges[queries.CLUSTER_HIT_RATIO] = lambda over: points(over, [0.8, 0.05])  # under the floor
+    fake.values[queries.CLUSTER_HIT_RATIO_DROP.state] = cluster_state(queries.OK)  # but not for 5 min
+    at = open_page("overview")
+    assert metrics(at)["Sessions on one replica"][0] == "89%"
+    said = texts(at)
+    assert fires(queries.ROUTE_STICKY) in said and ":green[Sessions stay" not in said
+    assert ":green[Reuse holds" in said
+
+
+def test_a_route_is_judged_when_expected_sticky_whatever_its_mode(fake):
+    manual = Target("lab-round-robin", "http://127.0.0.1:18001", "lab-model", route_mode="round_robin",
+                    expect_sticky=True)  # fmt: skip
+    fake.settings = Result(replace(CONFIG, targets=(CONFIG.targets[0], manual)))
+    fake.values[queries.ROUTE_STICKY.state] = states(
+        **{"lab-affinity": queries.OK, "lab-round-robin": queries.FIRING}
+    )
     said = texts(open_page("overview"))
-    assert ":red[Sessions change replica between rounds" in said
-    assert ":red[Warm rounds are as slow as round 1" in said
-    assert ":red[Almost nothing comes from the prefix cache" in said
+    assert ":green[Sessions stay on their replica.]" in said and fires(queries.ROUTE_STICKY) in said
+    assert said.count(":gray[Not expected to stay on one replica") == 1  # the round-robin log only
+
+
+def firing_alert(name: str, severity: str, **labels: str) -> dict:
+    return {"__name__": "ALERTS", "alertname": name, "alertstate": "firing", "severity": severity,
+            **labels, "value": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("firing", "kind", "banner"),
+    [
+        ([], "success", "No kvwatch alert is firing."),
+        ([firing_alert("KVWatchPrefixCacheHitRateDrop", "warning", scope="cluster"),
+          firing_alert("KVWatchSessionAffinityBroken", "critical", target="lab-affinity"),
+          firing_alert("KVWatchGatewaySessionsSpread", "critical", log="affinity", listener="affinity")],
+         "error",
+         "Firing now: **KVWatchGatewaySessionsSpread** (critical) on affinity / affinity; "
+         "**KVWatchSessionAffinityBroken** (critical) on lab-affinity; "
+         "**KVWatchPrefixCacheHitRateDrop** (warning) on the cluster."),
+        ([firing_alert("KVWatchPrefixCachingDisabled", "warning", instance="127.0.0.1:18011")],
+         "warning", "Firing now: **KVWatchPrefixCachingDisabled** (warning) on 127.0.0.1:18011."),
+    ],
+    ids=["none", "critical first", "warnings only"],
+)  # fmt: skip
+def test_the_overview_banner_names_what_fires_now(fake, firing, kind, banner):
+    fake.values[queries.FIRING_ALERTS_NOW] = pd.DataFrame(firing)
+    at = open_page("overview")
+    title, top, *_ = (e for e in at.main if e.type not in ("main", "flex_container"))
+    assert (title.value, top.type) == ("Overview", kind)  # right under the title
+    assert top.value.startswith(banner), top.value
+
+
+def marks(at: AppTest, key: str) -> list[tuple[str, str]]:
+    """(time, text) of every event marked on the chart of that key."""
+    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith(key)]
+    layout = json.loads(chart.proto.spec)["layout"]
+    return [(a["x"], a["text"]) for a in layout.get("annotations", [])]
+
+
+def iso(seconds: float) -> str:
+    return pd.Timestamp(seconds, unit="s", tz="UTC").isoformat()
+
+
+CHARTS_OVER_TIME = [("overview", "overview_changes"), ("replicas", "replicas_hit_ratio")]
+
+
+@pytest.mark.parametrize(("page", "chart"), CHARTS_OVER_TIME)
+def test_faults_and_alerts_are_marked_when_they_happened(fake, page, chart):
+    at = open_page(page)
+    start = NOW - 3600  # the default range
+    assert sorted(marks(at, chart)) == [
+        (iso(start + FAULT_AT), "fault break-affinity"),
+        (iso(start + ALERT_AT), "KVWatchSessionAffinityBroken firing"),
+        (iso(start + HEAL_AT), "heal break-affinity"),
+    ]
 
 
 def test_per_round_compares_routes_round_by_round(fake):
@@ -321,7 +488,13 @@ def test_replicas_show_share_imbalance_and_engines(fake):
     at = open_page("replicas")
     assert not at.exception
     assert metrics(at)["Load imbalance"] == ["2.60×"]
-    assert "look for a hot session key" in texts(at)
+    charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
+    assert [line["name"] for line in charts["replicas_hit_ratio"]] == ["127.0.0.1:18010", "127.0.0.1:18011"]
+    assert [line["name"] for line in charts["replicas_local"]] == ["127.0.0.1:18010"]
+    assert [bar["name"] for bar in charts["replicas_sources"]] == ["device", "host"]
+    assert pending(queries.LOAD_IMBALANCE) in texts(at)  # above 2, for less than the alert's 15 minutes
+    fake.values[queries.LOAD_IMBALANCE.state] = cluster_state(queries.FIRING)
+    assert fires(queries.LOAD_IMBALANCE) in texts(at.run())
     engines = at.dataframe[0].value.set_index("instance")
     assert engines.loc["127.0.0.1:18010", "engine"] == "vLLM V1"
     assert engines.loc["127.0.0.1:18010", "prefix caching"] == "off"
@@ -408,8 +581,11 @@ def test_every_page_says_when_there_is_no_data_yet(fake, page):
 def test_the_overview_without_data_says_so_in_every_tile(fake):
     fake.empty = True
     shown = metrics(open_page("overview"))
-    assert shown.pop("Cluster hit ratio") == shown.pop("Firing alerts") == ["no data"]
-    assert all(values == ["no data", "no data"] for values in shown.values())  # per target
+    assert shown.pop("Cluster hit ratio") == shown.pop("Local lookup ratio") == ["no data"]
+    assert shown == dict.fromkeys(
+        ["Sessions on one replica", "Warm / cold TTFT", "Affinity efficiency"], ["no data", "no data"]
+    )  # per target; no gateway listener seen yet
+    assert texts(open_page("overview")).count("No session came back through the gateway log") == 2
 
 
 # --- errors --------------------------------------------------------------------------------------------

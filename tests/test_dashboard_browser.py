@@ -1,6 +1,8 @@
-"""The dashboard the lab serves, in headless Chromium: every page opens, and the numbers it shows are
-what Prometheus and the store hold at the time the page says, and the probe's cached tokens what the
-replicas really cached. Screenshots of every page go to test-artifacts/."""
+"""The dashboard the lab serves, in headless Chromium: every page opens, the numbers it shows are what
+Prometheus and the store hold at the time the page says, each verdict is its alert's state then (red in
+the evaluation the alert fires after `break-affinity`, green again when it resolves after `heal`), and
+the probe's cached tokens are what the replicas really cached. Screenshots of every page go to
+test-artifacts/."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 import signal
 import statistics
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,8 +26,9 @@ from dashboard import data
 pytestmark = pytest.mark.integration
 
 CHROMIUM = Path("/usr/bin/chromium")
-ROUTE_QUERIES = (queries.PROBE_STICKY_SHARE, queries.WARM_COLD_TTFT_RATIO, queries.AFFINITY_EFFICIENCY)
 ARTIFACTS = REPO / "test-artifacts"
+EVALUATION_S = 1  # --fast: Prometheus scrapes and evaluates the rules every second
+WAIT_S = 240  # generous: the machine may be busy with other tests
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
 if not CHROMIUM.exists():
     pytest.skip("Debian's chromium is not installed (make bootstrap installs it)", allow_module_level=True)
@@ -32,17 +36,24 @@ if not CHROMIUM.exists():
 
 @pytest.fixture(scope="module")
 def lab(start_lab):
+    # Rules at a tenth of production: the affinity alert keeps firing 12 s after its condition clears.
     lab = start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
-                    "--time-scale", "0.2")  # fmt: skip
+                    "--time-scale", "0.2", "--rule-time-scale", "0.1")  # fmt: skip
     # The dashboard shows what Prometheus held a few seconds ago (dashboard.data.now): wait for data then.
-    deadline = time.monotonic() + 60
+    both = {queries.STICKY_RATIO: 2, queries.WARM_COLD_RATIO: 2, queries.GATEWAY_SPREAD: 2}
+    wait_for_data(lab, both | {queries.CLUSTER_HIT_RATIO: 1})
+    return lab
+
+
+def wait_for_data(lab, expected: dict[str, int]) -> None:
+    """Until each query has as many series as expected (both targets, both logs) at the pages' time."""
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         at = data.now()
-        per_route = [prometheus(lab, as_asked(query, at), at) for query in ROUTE_QUERIES[:2]]
-        if all(len(found) == 2 for found in per_route) and prometheus(lab, queries.CLUSTER_HIT_RATIO, at):
-            return lab  # both targets
+        if all(len(prometheus(lab, as_asked(q, at), at)) == n for q, n in expected.items()):
+            return
         time.sleep(1)
-    pytest.fail("no probe results in Prometheus within 60 s")
+    pytest.fail(f"no data for the Refresh in Prometheus within {WAIT_S} s")
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +132,6 @@ def shown_time(text: str, before: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
 
 
-def tiles(page) -> list[tuple[str, str]]:
-    """(label, value) of every metric tile, in page order."""
-    return [
-        (m.locator('[data-testid="stMetricLabel"]').inner_text().strip(),
-         m.locator('[data-testid="stMetricValue"]').inner_text().strip())
-        for m in page.locator('[data-testid="stMetric"]').all()
-    ]  # fmt: skip
-
-
 def number(shown: str) -> float | None:
     """A tile's value as a number: "87%" is 0.87, "0.29×" 0.29, "no data" None."""
     if shown == "no data":
@@ -160,29 +162,186 @@ def value_of(result: list[dict], **labels: str) -> float | None:
     return found[0] if found else None
 
 
+AFFINITY, ROUND_ROBIN = {"target": "lab-affinity"}, {"target": "lab-round-robin"}
+AFFINITY_LOG, ROUND_ROBIN_LOG = (
+    {"log": "affinity", "listener": "affinity"},
+    {"log": "round_robin", "listener": "round_robin"},
+)
+# Every tile of the lab's Refresh in page order: label, query, labels of its series, and its verdict
+# where an alert judges it (the round-robin route and log are not expected sticky).
+OVERVIEW_TILES = [
+    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, queries.CLUSTER_HIT_RATIO_DROP),
+    ("Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, {}, None),
+    ("Sessions on one replica", queries.STICKY_RATIO, AFFINITY, queries.ROUTE_STICKY),
+    ("Warm / cold TTFT", queries.WARM_COLD_RATIO, AFFINITY, queries.ROUTE_WARM_ROUNDS),
+    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, AFFINITY, None),
+    ("Sessions on one replica", queries.STICKY_RATIO, ROUND_ROBIN, None),
+    ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ROUND_ROBIN, None),
+    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ROUND_ROBIN, None),
+    ("Real sessions on several replicas", queries.GATEWAY_SPREAD, AFFINITY_LOG, queries.LISTENER_SPREAD),
+    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**AFFINITY_LOG, "failover": "true"}, None),
+    ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ROUND_ROBIN_LOG, None),
+    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**ROUND_ROBIN_LOG, "failover": "true"}, None),
+]
+
+
+@dataclass(frozen=True)
+class Tile:
+    label: str
+    value: str
+    verdict: str  # its words under it
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """What a page showed at one refresh: its "As of" time, its tiles and its text."""
+
+    as_of: float
+    tiles: list[Tile]
+    text: str
+
+
+def refresh(page) -> Refresh | None:
+    """The page as its last run left it; None while a run is drawing it. Read in one go, so that no
+    refresh lands in between."""
+    found = page.evaluate(
+        """() => {
+          const app = document.querySelector('[data-testid="stApp"]');
+          if (app.dataset.testScriptState !== 'notRunning') return null;
+          const tiles = [...document.querySelectorAll('[data-testid="stMetric"]')].map(metric => {
+            let box = metric;
+            while (box && !box.querySelector('.stMarkdownColoredText')) box = box.parentElement;
+            return [metric.querySelector('[data-testid="stMetricLabel"]').innerText.trim(),
+                    metric.querySelector('[data-testid="stMetricValue"]').innerText.trim(),
+                    box.querySelector('.stMarkdownColoredText').innerText.trim()];
+          });
+          return {text: document.body.innerText, tiles};
+        }"""
+    )  # fmt: skip
+    if found is None or "As of" not in found["text"]:
+        return None
+    return Refresh(shown_time(found["text"], "As of"), [Tile(*t) for t in found["tiles"]], found["text"])
+
+
+def state_of(verdict: queries.Verdict, words: str) -> str:
+    """The colour the page gave the verdict, from its words: the alert's name says red or orange."""
+    if words.startswith(f"{verdict.alert.name} fires:"):
+        return "red"
+    return "orange" if words.startswith(f"{verdict.alert.name} is pending:") else "green"
+
+
+def expected_state(lab, verdict: queries.Verdict, at: float, **labels: str) -> str:
+    """What Prometheus says of the verdict's series at `at`: the colour the page must show."""
+    state = value_of(prometheus(lab, verdict.state, at), **labels)
+    return {queries.FIRING: "red", queries.PENDING: "orange"}.get(state, "green")
+
+
 def test_overview_shows_what_prometheus_holds(lab, page):
-    text = visit(page, lab, "Overview", '[data-testid="stMetric"] >> nth=7', "overview")
-    at = shown_time(text, "As of")
-    route = ("Sessions on one replica", "Warm / cold TTFT", "Affinity efficiency")
-    expected = {
-        ("Cluster hit ratio", None): queries.CLUSTER_HIT_RATIO,
-        ("Firing alerts", None): queries.FIRING_ALERTS,
-        **{(label, "lab-affinity"): query for label, query in zip(route, ROUTE_QUERIES, strict=True)},
-        **{(label, "lab-round-robin"): query for label, query in zip(route, ROUTE_QUERIES, strict=True)},
-    }
-    shown = tiles(page)
-    assert [label for label, _ in shown] == [label for label, _ in expected]
-    for (label, value), ((_, target), query) in zip(shown, expected.items(), strict=True):
-        truth = value_of(prometheus(lab, as_asked(query, at), at), **({"target": target} if target else {}))
-        assert number(value) == pytest.approx(truth, abs=0.0051), (label, target)  # to the digits shown
-    assert shown[2] == ("Sessions on one replica", "100%")  # through the affinity gateway
+    visit(page, lab, "Overview", f'[data-testid="stMetric"] >> nth={len(OVERVIEW_TILES) - 1}', "overview")
+    (shown,) = refreshes(page, lambda _: True)
+    assert [tile.label for tile in shown.tiles] == [label for label, *_ in OVERVIEW_TILES]
+    at = shown.as_of
+    for tile, (label, query, labels, verdict) in zip(shown.tiles, OVERVIEW_TILES, strict=True):
+        truth = value_of(prometheus(lab, as_asked(query, at), at), **labels)
+        assert number(tile.value) == pytest.approx(truth, abs=0.0051), (label, labels)  # to the digits shown
+        if verdict:
+            judged = {k: v for k, v in labels.items() if k != "failover"}
+            assert state_of(verdict, tile.verdict) == expected_state(lab, verdict, at, **judged), (
+                label,
+                labels,
+            )
+    assert shown.tiles[2] == Tile("Sessions on one replica", "100%", "Sessions stay on their replica.")
+    assert "No kvwatch alert is firing." in shown.text
+
+
+def refreshes(page, until, timeout: float = WAIT_S) -> list[Refresh]:
+    """Every refresh of the Refresh (one per "As of" time) until `until(refresh)`."""
+    seen: list[Refresh] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = refresh(page)
+        if found and (not seen or found.as_of > seen[-1].as_of):
+            seen.append(found)
+            if until(found):
+                return seen
+        time.sleep(0.5)
+    pytest.fail(f"the Refresh did not get there within {timeout} s ({len(seen)} refreshes)")
+
+
+def alert_now(lab, verdict: queries.Verdict, **labels: str) -> dict:
+    """The alert as Prometheus holds it now (/api/v1/alerts): its state and activeAt."""
+    held = httpx.get(f"{lab.status['prometheus']}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    (found,) = [a for a in held if a["labels"]["alertname"] == verdict.alert.name
+                and labels.items() <= a["labels"].items()]  # fmt: skip
+    return found
+
+
+def unix(stamp: str) -> float:
+    """An RFC 3339 time from Prometheus (nanoseconds and all) as unix seconds."""
+    return datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", stamp.replace("Z", "+00:00"))).timestamp()
+
+
+def notified(lab, verdict: queries.Verdict, status: str, since: float, **labels: str) -> dict:
+    """The alert as kvwatch's webhook received it, firing (startsAt: when it fired) or resolved (endsAt)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+            for alert in store.alerts(since=since, status=status):
+                if alert["alertname"] == verdict.alert.name and labels.items() <= alert["labels"].items():
+                    return alert
+        time.sleep(1)
+    pytest.fail(f"kvwatch's webhook received no {status} {verdict.alert.name} within {WAIT_S} s")
+
+
+def assert_follows_the_alert(seen: list[Refresh], state, active_at: float, fired_at: float) -> None:
+    """Green before the alert went active, orange while pending, red once it fired: each within the
+    evaluation it happened in (the page asks at its "As of" time, the rules run every EVALUATION_S)."""
+    for shown in seen:
+        at, color = shown.as_of, state(shown)
+        if color == "red":
+            assert at > fired_at - EVALUATION_S, (at, fired_at)
+        elif color == "orange":
+            assert active_at - EVALUATION_S < at < fired_at, (at, active_at, fired_at)
+        else:
+            assert at < active_at, (at, active_at)
+
+
+def test_the_route_verdict_is_red_exactly_while_the_affinity_alert_fires(lab, page):
+    verdict = queries.ROUTE_STICKY
+
+    def affinity_route(shown: Refresh) -> str:
+        tile = shown.tiles[2]  # lab-affinity's first
+        assert tile.label == "Sessions on one replica"
+        return state_of(verdict, tile.verdict)
+
+    visit(page, lab, "Overview", '[data-testid="stMetric"]', "overview-healthy")
+    refreshes(page, lambda shown: affinity_route(shown) == "green")
+    assert lab.cli("fault", "break-affinity").returncode == 0
+    try:
+        seen = refreshes(page, lambda shown: affinity_route(shown) == "red")
+        active_at = unix(alert_now(lab, verdict, target="lab-affinity")["activeAt"])
+        settle(page, '[data-testid="stMetric"]', "overview-affinity-broken")
+    finally:
+        healed = time.time()
+        assert lab.cli("heal").returncode == 0
+    assert_follows_the_alert(seen, affinity_route, active_at, active_at)  # no `for`: fires when active
+    assert "Firing now: KVWatchSessionAffinityBroken (critical) on lab-affinity" in seen[-1].text
+
+    seen = refreshes(page, lambda shown: affinity_route(shown) == "green")
+    resolved_at = notified(lab, verdict, "resolved", healed, target="lab-affinity")["ends_at"]
+    for shown in seen:  # red while the alert still fires: it keeps firing a while after the heal
+        assert (affinity_route(shown) == "red") == (shown.as_of < resolved_at), (shown.as_of, resolved_at)
 
 
 def test_replicas_show_what_prometheus_holds(lab, page):
-    text = visit(page, lab, "Cache & replicas", '[data-testid="stMetric"]', "replicas")
-    imbalance = value_of(prometheus(lab, queries.CLUSTER_LOAD_IMBALANCE, shown_time(text, "As of")))
-    assert tiles(page)[0][0] == "Load imbalance"
-    assert number(tiles(page)[0][1]) == pytest.approx(imbalance, abs=0.0051)
+    visit(page, lab, "Cache & replicas", '[data-testid="stMetric"]', "replicas")
+    (shown,) = refreshes(page, lambda _: True)
+    (tile,) = shown.tiles
+    imbalance = value_of(prometheus(lab, queries.CLUSTER_LOAD_IMBALANCE, shown.as_of))
+    assert tile.label == "Load imbalance"
+    assert number(tile.value) == pytest.approx(imbalance, abs=0.0051)
+    verdict = queries.LOAD_IMBALANCE
+    assert state_of(verdict, tile.verdict) == expected_state(lab, verdict, shown.as_of)
 
 
 def test_per_round_medians_are_the_stores(frozen, page):

@@ -1,6 +1,7 @@
 """The Grafana boards: generated from collectors/queries.py and committed up to date, linted the way
 Grafana's dashboard-linter would (it cannot be installed here), and every panel's PromQL proven against
-the lab's real Prometheus, before and after the gateway's session affinity breaks."""
+the lab's real Prometheus, before and after the gateway's session affinity breaks: the verdict panels
+turn to the alert's state, and real sessions spread."""
 
 from __future__ import annotations
 
@@ -104,10 +105,15 @@ def test_every_panel_and_query_uses_the_datasource_variable(path: Path):
             assert variable["refresh"] == 2, f"{variable['name']} must reload on time-range change"
 
 
+VERDICT_STATES = {verdict.state: verdict for verdict in queries.VERDICTS}
+
+
 @pytest.mark.parametrize("path", PROVISIONED, ids=lambda p: p.name)
 def test_rate_windows_counters_units_and_descriptions(path: Path):
     board = load(path)
     for title, expr in panel_queries(board):
+        if expr in VERDICT_STATES:
+            continue  # the alert's own expression, with its own windows (below)
         for window in re.findall(r"\[([^\]]+)\]", expr):
             assert window in ("$__rate_interval", "$__range"), f"{title}: fixed window [{window}]"
         for counter in re.findall(r"\b\w+_total\b", expr):
@@ -127,12 +133,35 @@ def test_panels_on_recording_rules_say_their_window_is_fixed():
 
 
 def test_every_panel_query_is_a_named_dashboard_query():
-    named = set()
+    named = set(VERDICT_STATES)
     for name, value in vars(queries).items():
         values = value.values() if isinstance(value, dict) else [value]
         named |= {v for v in values if name.isupper() and isinstance(v, str)}
     for expr, title in every_query().items():
         assert expr in named, f"{title}: PromQL typed in the board instead of collectors/queries.py"
+
+
+def test_every_verdict_is_shown_as_its_alerts_state():
+    """One stat per verdict on the overview, its query the alert's own, coloured by the alert's state."""
+    board = load(REPO / "grafana" / "dashboards" / grafana.OVERVIEW)
+    verdicts = [p for p in panels(board) if p["type"] == "stat" and p["targets"][0]["expr"] in VERDICT_STATES]
+    assert sorted(p["targets"][0]["expr"] for p in verdicts) == sorted(VERDICT_STATES)
+    for panel in verdicts:
+        verdict = VERDICT_STATES[panel["targets"][0]["expr"]]
+        assert panel["links"] == [grafana.runbook_link(verdict.alert.name)], panel["title"]
+        assert "the alert's own expression" in panel["description"], panel["title"]
+        (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+        words = {int(value): (shown["text"], shown["color"]) for value, shown in mapping["options"].items()}
+        assert words == {queries.OK: ("OK", "green"), queries.PENDING: ("pending", "orange"),
+                         queries.FIRING: ("firing", "red")}  # fmt: skip
+
+
+def test_every_board_marks_the_kvwatch_alerts():
+    for path in PROVISIONED:
+        marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
+        assert [(a["expr"], a["datasource"]) for a in marks] == [
+            (queries.FIRING_ALERTS_BY_NAME, grafana.DATASOURCE)
+        ], path.name
 
 
 def github_anchors(markdown: str) -> set[str]:
@@ -197,6 +226,7 @@ def test_provisioning_files():
 # probes every 5 s and scrapes every second). Panels on recording rules keep the rules' 2m window.
 WINDOW = "30s"
 AFFINITY_TARGET = "lab-affinity"
+AFFINITY_LISTENER = {"log": "affinity", "listener": "affinity"}
 
 
 def instant(prometheus: str, expr: str) -> list[dict]:
@@ -206,10 +236,20 @@ def instant(prometheus: str, expr: str) -> list[dict]:
     return answer["data"]["result"]
 
 
+def value_for(prometheus: str, expr: str, **labels: str) -> float:
+    """The query's value for the series with these labels; NaN while it has none."""
+    found = [r for r in instant(prometheus, expr) if labels.items() <= r["metric"].items()]
+    return float(found[0]["value"][1]) if found else math.nan
+
+
 def affinity_value(prometheus: str, expr: str) -> float:
     """The query's value for the affinity route; NaN while it has none."""
-    found = [r for r in instant(prometheus, expr) if r["metric"].get("target") == AFFINITY_TARGET]
-    return float(found[0]["value"][1]) if found else math.nan
+    return value_for(prometheus, expr, target=AFFINITY_TARGET)
+
+
+def real_spread(prometheus: str) -> float:
+    """The share of real sessions through the affinity listener spread over replicas with no failover."""
+    return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="false")
 
 
 def cluster_hit_ratio(prometheus: str) -> float:
@@ -245,7 +285,10 @@ def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
     # The round-robin route's first run may land before the affinity route's: wait for the latter too.
     healthy_sticky = poll(lambda: affinity_value(prometheus, sticky), lambda v: not math.isnan(v), 60)
     assert healthy_sticky == 1 and affinity_value(prometheus, switches) == 0
+    assert affinity_value(prometheus, queries.ROUTE_STICKY.state) == queries.OK
     efficiency = affinity_value(prometheus, queries.AFFINITY_EFFICIENCY)
+    healthy_spread = real_spread(prometheus)
+    assert healthy_spread == 0, "real sessions spread while affinity holds"
     # The hit ratio's recording rule averages 2 minutes, which at first still hold the cold start: let it
     # settle, or a fall after the fault could hide in the warm-up.
     change = f"{queries.CLUSTER_HIT_RATIO} - {queries.CLUSTER_HIT_RATIO} offset 10s"
@@ -262,6 +305,9 @@ def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
         assert affinity_value(prometheus, queries.AFFINITY_EFFICIENCY) < efficiency
         firing = poll(lambda: instant(prometheus, queries.FIRING_ALERTS_BY_NAME), bool, 15)
         assert "KVWatchSessionAffinityBroken" in {alert["metric"]["alertname"] for alert in firing}
+        assert affinity_value(prometheus, queries.ROUTE_STICKY.state) == queries.FIRING  # the verdict panel
+        value = poll(lambda: real_spread(prometheus), lambda v: v > 0, 30)
+        assert value > 0, "real sessions through the affinity listener do not spread"
         # Round robin still reuses the shared system prompt and the rule averages 2 minutes, so the hit
         # ratio sinks slowly: about 0.01 in 20 s in this lab.
         value = poll(lambda: cluster_hit_ratio(prometheus), lambda v: v < hit_ratio - 0.01, 45)

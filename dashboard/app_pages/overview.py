@@ -1,118 +1,233 @@
-"""Overview: is the prefix cache reused, and do sessions stay on their replica? Each number with its
-trend over the chosen range and a verdict in words, red where the alert thresholds say so."""
+"""Overview: what fires now, is the KV cache reused, and do sessions stay on their replica? Each number
+with its trend over the chosen range; each verdict is the state of the alert that watches the number,
+from the alert's own expression, so that a tile is red exactly when its alert fires."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
+import pandas as pd
+import plotly.express as px
 import streamlit as st
 
 from collectors import queries
-from collectors.queries import THRESHOLDS
+from collectors.config import GatewayLog, Target
 from dashboard import data, ui
 from dashboard.ui import Verdict
 
-EFFICIENCY_GOOD = 0.8  # no alert watches it; below this an affinity route loses a fifth of its reuse
-
-
-def hit_ratio(value: float) -> Verdict:
-    if value < THRESHOLDS.hit_ratio_floor:
-        return Verdict(
-            False, "Almost nothing comes from the prefix cache: every request pays a full prefill."
-        )
-    return Verdict(True, f"{value:.0%} of prompt tokens come from the prefix cache.")
-
-
-def firing(value: float) -> Verdict:
-    if value:
-        return Verdict(False, f"{value:.0f} kvwatch alert{'s' * (value != 1)} firing: see the Alerts page.")
-    return Verdict(True, "No kvwatch alert is firing.")
-
-
-# Per probe route. A route that is not an affinity route is the baseline: it is meant to look bad.
-def sticky(value: float, affinity: bool) -> Verdict:
-    if not affinity:
-        return Verdict(None, "Not an affinity route: its sessions are expected to move.")
-    if value < THRESHOLDS.sticky_ratio_below:
-        return Verdict(False, "Sessions change replica between rounds: the gateway does not pin them.")
-    return Verdict(True, "Sessions stay on their replica.")
-
-
-def warm_cold(value: float, affinity: bool) -> Verdict:
-    if not affinity:
-        return Verdict(None, f"Warm rounds take {value:.0%} of round 1's time: the baseline to compare with.")
-    if value > THRESHOLDS.warm_cold_ratio_above:
-        return Verdict(False, "Warm rounds are as slow as round 1: their history is not reused.")
-    return Verdict(True, f"Warm rounds take {value:.0%} of round 1's time: the history is reused.")
-
-
-def efficiency(value: float, affinity: bool) -> Verdict:
-    if not affinity:
-        return Verdict(None, f"{value:.0%} of the history is reused where a round happens to land.")
-    if value < EFFICIENCY_GOOD:
-        return Verdict(False, f"Only {value:.0%} of what a pinned replica would hold is reused.")
-    return Verdict(True, f"{value:.0%} of what a pinned replica holds is reused.")
+SEVERITIES = ("critical", "warning", "info")  # the banner's order
+LAST_RUN = "in the last probe run, as the alert judges it"
+RATE_WINDOW = f"a window of {data.MIN_RATE_WINDOW_SECONDS // 60} minutes or more"
+NOT_STICKY = "Not expected to stay on one replica: no alert watches its stickiness."
 
 
 @dataclass(frozen=True)
-class RouteTile:
+class Shown:
+    """A number on the Overview: its query over the range and, when an alert watches it, its verdict."""
+
     label: str
     query: str
     unit: ui.Unit
-    judge: Callable[[float, bool], Verdict]
     help: str
+    verdict: queries.Verdict | None = None
+    ok: str = ""  # in green, where the alert finds nothing wrong
+    unjudged: str = NOT_STICKY  # in grey, where no alert judges it
 
 
-WINDOW = f"a window of {data.MIN_RATE_WINDOW_SECONDS // 60} minutes or more"
-ROUTE_TILES = (
-    RouteTile("Sessions on one replica", queries.PROBE_STICKY_SHARE, ui.RATIO, sticky,
-              f"Share of the probe sessions whose rounds all landed on one replica, over {WINDOW}."),
-    RouteTile("Warm / cold TTFT", queries.WARM_COLD_TTFT_RATIO, ui.FACTOR, warm_cold,
-              "Median time to first token of rounds 2+ over round 1's, in the last probe run."),
-    RouteTile("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO, efficiency,
-              "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would "
-              f"have cached, over {WINDOW}."),
+CLUSTER_HIT_RATIO = Shown(
+    "Cluster hit ratio", queries.CLUSTER_HIT_RATIO, ui.RATIO,
+    "Prompt tokens served from cached KV (the prefix cache, host memory, disk or another instance) over "
+    f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %.",
+    queries.CLUSTER_HIT_RATIO_DROP, "Reuse holds: no drop against its own past, and above the floor.",
 )  # fmt: skip
-CLUSTER_HELP = f"Prompt tokens served from the prefix cache over all prompt tokens, over {queries.WINDOW}."
-ALERTS_HELP = "kvwatch alerts firing in Prometheus now (not counting Watchdog, always on)."
+LOCAL_HIT_RATIO = Shown(
+    "Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, ui.RATIO,
+    "Prompt tokens found over prompt tokens looked up in the engines' own prefix caches, over "
+    f"{queries.WINDOW}.",
+    unjudged="No alert judges it: a replica with caching off drops out of it instead of counting as 0 %.",
+)  # fmt: skip
+STICKY = Shown(
+    "Sessions on one replica", queries.STICKY_RATIO, ui.RATIO,
+    f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}.",
+    queries.ROUTE_STICKY, "Sessions stay on their replica.",
+)  # fmt: skip
+WARM_COLD = Shown(
+    "Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR,
+    f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}.",
+    queries.ROUTE_WARM_ROUNDS, "Warm rounds are faster than round 1: the history is reused.",
+)  # fmt: skip
+AFFINITY_EFFICIENCY = Shown(
+    "Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO,
+    "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would have "
+    f"cached, over {RATE_WINDOW}.",
+    unjudged=f"No alert judges it: a trend to read beside the stickiness, over {RATE_WINDOW}.",
+)  # fmt: skip
+SPREAD = Shown(
+    "Real sessions on several replicas", queries.GATEWAY_SPREAD, ui.RATIO,
+    "Of the real sessions that came back within the gateway log's spread window, the share served by more "
+    "than one replica with no failover to explain it, as the alert judges it.",
+    queries.LISTENER_SPREAD, "Real sessions stay on their replica.",
+)  # fmt: skip
+MOVED_BY_FAILOVER = Shown(
+    "Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO,
+    "Of the same sessions, the share that a failed replica moved to another one: kept apart from the above.",
+    unjudged="No alert judges it: a failed replica moves its sessions legitimately.",
+)  # fmt: skip
+SHOWN = (
+    CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO, STICKY, WARM_COLD, AFFINITY_EFFICIENCY, SPREAD, MOVED_BY_FAILOVER
+)  # fmt: skip
+
+
+def subject(alert: pd.Series) -> str:
+    """What a firing alert is about: its route, gateway listener or instance, else the cluster."""
+    for labels in (("target",), ("log", "listener"), ("instance",)):
+        if all(isinstance(alert.get(label), str) for label in labels):
+            return " / ".join(alert[label] for label in labels)
+    return "the cluster"
+
+
+def banner(firing: pd.DataFrame) -> None:
+    """Every kvwatch alert firing at the page's time, the critical ones first; or that none is."""
+    if firing.empty:
+        st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
+        return
+    rank = {severity: i for i, severity in enumerate(SEVERITIES)}
+    alerts = sorted(
+        (rank.get(a["severity"], len(rank)), a["alertname"], subject(a), a["severity"])
+        for _, a in firing.iterrows()
+    )
+    names = "; ".join(f"**{name}** ({severity}) on {about}" for _, name, about, severity in alerts)
+    show = st.error if alerts[0][0] == 0 else st.warning
+    show(f"Firing now: {names}. See the Alerts page for their runbooks.", icon=":material/notifications:")
+
+
+class Board:
+    """One refresh of the Overview: every number's points over the span, every verdict's states at its end."""
+
+    def __init__(self, over: data.Span):
+        self.over = over
+        self.results = {shown.query: data.series(shown.query, over) for shown in SHOWN}
+        self.states = {
+            shown.verdict.state: data.instant(shown.verdict.state, over) for shown in SHOWN if shown.verdict
+        }
+
+    def failed(self) -> bool:
+        return any(ui.failed(result) for result in (*self.results.values(), *self.states.values()))
+
+    def points(self, shown: Shown, **labels: str) -> pd.DataFrame:
+        return ui.matching(self.results[shown.query].value, **labels)
+
+    def listeners(self, log: GatewayLog) -> list[str]:
+        """The listeners of a gateway log that had sessions come back within its spread window."""
+        return sorted(set(self.points(SPREAD, log=log.name).get("listener", [])))
+
+    def tile(self, shown: Shown, judged: bool = True, **labels: str) -> None:
+        """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
+        if shown.verdict and judged:
+            verdict = ui.judge(shown.verdict, self.states[shown.verdict.state].value, shown.ok, **labels)
+        else:
+            verdict = Verdict("gray", shown.unjudged)
+        ui.tile(shown.label, self.points(shown, **labels), self.over.end, shown.unit, verdict, shown.help)
+
+
+def cached_by_source(over: data.Span) -> None:
+    """The delivered ratio split by where the cached KV came from, where the engines say."""
+    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, over)
+    with st.container(border=True):
+        st.markdown("**Cached prompt tokens by source**")
+        if ui.failed(shares):
+            return
+        if shares.value.empty:
+            st.caption("No engine exports where its cached tokens came from.")
+            return
+        for row in shares.value.sort_values("value", ascending=False).itertuples():
+            st.markdown(f"{row.source}: {row.value:.0%}")
+        st.caption(f"Each source's share of all prompt tokens, over {queries.WINDOW}.")
+
+
+def sticky_words(expected: bool) -> str:
+    return "expected to keep each session on one replica" if expected else "not expected to be sticky"
+
+
+def route(board: Board, target: Target) -> None:
+    st.subheader(target.name)
+    st.caption(f"Probe route, {target.route_mode}, {sticky_words(target.expect_sticky)} · {target.base_url}")
+    for column, shown in zip(st.columns(3), (STICKY, WARM_COLD, AFFINITY_EFFICIENCY), strict=True):
+        with column:
+            board.tile(shown, target.expect_sticky, target=target.name)
+
+
+def gateway_log(board: Board, log: GatewayLog) -> None:
+    listeners = board.listeners(log)
+    if not listeners:
+        ui.empty(f"No session came back through the gateway log {log.name} within its spread window yet.")
+    for listener in listeners:
+        st.subheader(f"Gateway log {log.name}, listener {listener}")
+        st.caption(f"Real traffic, read from {log.path}, {sticky_words(log.expect_sticky)}.")
+        spread, moved, _ = st.columns(3)
+        with spread:
+            board.tile(SPREAD, log.expect_sticky, log=log.name, listener=listener)
+        with moved:
+            board.tile(MOVED_BY_FAILOVER, log=log.name, listener=listener, failover="true")
+
+
+def changes(board: Board, targets: tuple[Target, ...], logs: tuple[GatewayLog, ...]) -> None:
+    """The numbers the alerts watch over the range on one chart, with the faults and alerts marked."""
+    lines = {"cluster hit ratio": board.points(CLUSTER_HIT_RATIO)}
+    lines |= {"local lookup ratio": board.points(LOCAL_HIT_RATIO)}
+    lines |= {
+        f"{t.name}: sessions on one replica": board.points(STICKY, target=t.name)
+        for t in targets
+        if t.expect_sticky
+    }
+    lines |= {
+        f"{g.name} / {listener}: real sessions spread": board.points(SPREAD, log=g.name, listener=listener)
+        for g in logs
+        if g.expect_sticky
+        for listener in board.listeners(g)
+    }
+    frame = pd.concat([points[["time", "value"]].assign(line=line) for line, points in lines.items()])
+    st.subheader("Over the range")
+    st.caption("The lab's faults and the alerts kvwatch's webhook received are marked when they happened.")
+    figure = px.line(frame, x="time", y="value", color="line", labels={"value": "", "time": "", "line": ""})
+    figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=340)
+    st.plotly_chart(ui.mark(figure, ui.events(board.over)), key="overview_changes")
 
 
 @st.fragment(run_every=data.REFRESH_SECONDS)
-def overview(seconds: int) -> None:
-    over = data.span(seconds)
+def overview() -> None:
+    top = st.container()  # the banner goes above the time-range picker
+    over = data.span(ui.time_range("overview_range"))
     config = data.settings()
     if ui.failed(config):
         return
-    cluster = data.series(queries.CLUSTER_HIT_RATIO, over)
-    if ui.failed(cluster):
+    firing = data.instant(queries.FIRING_ALERTS_NOW, over)
+    board = Board(over)
+    if ui.failed(firing) or board.failed():
         return
+    with top:
+        banner(firing.value)
     st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {config.value.prometheus.url}.")
-    left, middle, _ = st.columns(3)
-    with left:
-        ui.tile("Cluster hit ratio", cluster.value, over.end, ui.RATIO, hit_ratio, CLUSTER_HELP)
-    with middle:
-        alerts = data.series(queries.FIRING_ALERTS, over)
-        if not ui.failed(alerts):
-            ui.tile("Firing alerts", alerts.value, over.end, ui.COUNT, firing, ALERTS_HELP)
+    hit_ratio, local, sources = st.columns(3)
+    with hit_ratio:
+        board.tile(CLUSTER_HIT_RATIO)
+    with local:
+        board.tile(LOCAL_HIT_RATIO)
+    with sources:
+        cached_by_source(over)
 
-    results = [data.series(tile.query, over) for tile in ROUTE_TILES]
-    if any(ui.failed(result) for result in results):
-        return
-    if not config.value.targets:
+    targets, logs = config.value.targets, config.value.gateway_logs
+    st.header("Do sessions stay on their replica?")
+    if not targets:
         ui.empty(f"No probe targets in {data.config_path()}: add one to see stickiness and warm rounds.")
-    for target in config.value.targets:
-        affinity = target.route_mode == "affinity"
-        st.subheader(target.name)
-        st.caption(f"{target.route_mode} route · {target.base_url}")
-        for column, tile, result in zip(st.columns(3), ROUTE_TILES, results, strict=True):
-            frame = result.value
-            points = frame[frame["target"] == target.name] if "target" in frame else frame
-            judge = partial(tile.judge, affinity=affinity)
-            with column:
-                ui.tile(tile.label, points, over.end, tile.unit, judge, tile.help)
+    for target in targets:
+        route(board, target)
+    if not logs:
+        ui.empty(f"No gateway logs in {data.config_path()}: add one to watch real sessions.")
+    for log in logs:
+        gateway_log(board, log)
+    changes(board, targets, logs)
 
 
 st.title("Overview")
-overview(ui.time_range("overview_range"))
+overview()

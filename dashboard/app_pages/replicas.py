@@ -1,16 +1,17 @@
-"""Cache & replicas: each replica's prefix-cache hit ratio over time, how requests are spread over the
-replicas (consistent hashing trades balance for reuse), their TTFT, and what each engine is."""
+"""Cache & replicas: each replica's hit ratio over time (the share of its prompt tokens served from
+cached KV, and beside it its local prefix cache's lookups), where its cached KV came from, how requests
+are spread over the replicas (consistent hashing trades balance for reuse), their TTFT, and what each
+engine is."""
 
 from __future__ import annotations
 
 import pandas as pd
 import plotly.express as px
+import plotly.graph_objects as go
 import streamlit as st
 
 from collectors import queries
-from collectors.queries import THRESHOLDS
 from dashboard import data, ui
-from dashboard.ui import Verdict
 
 # The first cache series an instance exports names its engine (the order of collectors.queries).
 ENGINES = {
@@ -22,14 +23,28 @@ ENGINES = {
 }
 PREFIX_CACHING = {"True": "on", "False": "off"}
 IMBALANCE_HELP = "Finished requests of the busiest instance over the mean of all instances."
+IMBALANCE_OK = "Requests are spread evenly enough over the replicas."
 
 
-def imbalance(value: float) -> Verdict:
-    if value > THRESHOLDS.load_imbalance_above:
-        return Verdict(
-            False, f"The busiest replica serves {value:.1f}× the mean: look for a hot session key."
-        )
-    return Verdict(True, f"The busiest replica serves {value:.2f}× the mean.")
+def ratio_chart(frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int) -> go.Figure:
+    """Ratios per instance over time, with the faults and alerts marked."""
+    figure = px.line(frame, x="time", y="value", color="instance", labels={"value": label, "time": ""})
+    figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=height)
+    return ui.mark(figure, marks)
+
+
+def shares(query: str, over: data.Span, empty: str, key: str, **bars) -> None:
+    """Shares per instance now, as bars (stacked by `color`, when given); or why there are none."""
+    found = data.instant(query, over)
+    if ui.failed(found):
+        return
+    if found.value.empty:
+        ui.empty(empty)
+        return
+    order = ["instance", bars["color"]] if "color" in bars else ["instance"]
+    figure = px.bar(found.value.sort_values(order), x="instance", y="value", **bars)
+    figure.update_layout(yaxis={"tickformat": ".0%"}, margin={"t": 10}, height=280)
+    st.plotly_chart(figure, key=key)
 
 
 def engines(series: pd.DataFrame, config: pd.DataFrame) -> pd.DataFrame:
@@ -50,38 +65,51 @@ def engines(series: pd.DataFrame, config: pd.DataFrame) -> pd.DataFrame:
 @st.fragment(run_every=data.REFRESH_SECONDS)
 def replicas(seconds: int) -> None:
     over = data.span(seconds)
-    hit_ratios = data.series(queries.HIT_RATIO_BY_INSTANCE, over)
-    if ui.failed(hit_ratios):
+    hit_ratios, local = (
+        data.series(q, over) for q in (queries.HIT_RATIO_BY_INSTANCE, queries.LOCAL_HIT_RATIO_BY_INSTANCE)
+    )
+    if ui.failed(hit_ratios) or ui.failed(local):
         return
     st.caption(f"As of {ui.as_of(over.end)}.")
-    st.subheader("Prefix-cache hit ratio per instance")
+    st.subheader("Hit ratio per instance")
+    st.caption(
+        "Prompt tokens served from cached KV (its prefix cache, host memory, disk or another instance) over "
+        f"all its prompt tokens, over {queries.WINDOW}: a replica with caching off is at 0 %. The alert "
+        "KVWatchPrefixCacheHitRateDrop judges this ratio."
+    )
+    marks = ui.events(over)
     if hit_ratios.value.empty:
         ui.empty(f"No engine served prompt tokens in this range (ratios over {queries.WINDOW} windows).")
     else:
-        figure = px.line(
-            hit_ratios.value, x="time", y="value", color="instance", labels={"value": "hit ratio", "time": ""}
+        st.plotly_chart(ratio_chart(hit_ratios.value, marks, "hit ratio", 320), key="replicas_hit_ratio")
+
+    lookups, sources = st.columns(2)
+    with lookups:
+        st.subheader("Local lookup ratio")
+        st.caption(
+            "Tokens found over tokens looked up in each engine's own prefix cache. vLLM stops looking up "
+            "when caching is off, so such a replica drops out here instead of counting as 0 %."
         )
-        figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1]}, margin={"t": 10}, height=320)
-        st.plotly_chart(figure, key="replicas_hit_ratio")
+        if local.value.empty:
+            ui.empty("No engine looked up its prefix cache in this range.")
+        else:
+            st.plotly_chart(ratio_chart(local.value, marks, "lookup ratio", 280), key="replicas_local")
+    with sources:
+        st.subheader("Cached KV by source")
+        st.caption("Each source's share of the instance's prompt tokens, now: the hit ratio, split.")
+        shares(queries.CACHED_SHARE_BY_SOURCE, over, "No engine exports where its cached tokens came from.",
+               "replicas_sources", color="source", labels={"value": "share of prompt tokens"})  # fmt: skip
 
     share, latency = st.columns(2)
     with share:
         st.subheader("Request share")
-        shares = data.instant(queries.REQUEST_SHARE_BY_INSTANCE, over)
-        if not ui.failed(shares) and shares.value.empty:
-            ui.empty("No finished requests in the last window.")
-        elif not shares.error:
-            figure = px.bar(
-                shares.value.sort_values("instance"),
-                x="instance",
-                y="value",
-                labels={"value": "share of requests"},
-            )
-            figure.update_layout(yaxis={"tickformat": ".0%"}, margin={"t": 10}, height=280)
-            st.plotly_chart(figure, key="replicas_share")
-        spread = data.series(queries.CLUSTER_LOAD_IMBALANCE, over)
-        if not ui.failed(spread):
-            ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, imbalance, IMBALANCE_HELP)
+        shares(queries.REQUEST_SHARE_BY_INSTANCE, over, "No finished requests in the last window.",
+               "replicas_share", labels={"value": "share of requests"})  # fmt: skip
+        spread = data.series(queries.LOAD_IMBALANCE.signal, over)
+        state = data.instant(queries.LOAD_IMBALANCE.state, over)
+        if not (ui.failed(spread) or ui.failed(state)):
+            verdict = ui.judge(queries.LOAD_IMBALANCE, state.value, IMBALANCE_OK)
+            ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, verdict, IMBALANCE_HELP)
     with latency:
         st.subheader("Engine TTFT")
         ttft = data.instant(queries.TTFT_QUANTILES_BY_INSTANCE, over)

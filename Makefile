@@ -42,7 +42,7 @@ down:
 	@test -x $(BIN)/kvwatch && $(BIN)/kvwatch lab down || true
 
 test: bootstrap test-packages vllm
-	$(BIN)/python -m pytest -q --durations=15
+	@sh scripts/test.sh $(BIN)/python
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks

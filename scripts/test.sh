@@ -1,42 +1,52 @@
 #!/bin/sh
-# The whole suite, as `make test` and CI run it. The real-vLLM tests mostly wait for engines to start,
-# restart and be scraped, so they run beside the rest, in a pytest of their own pinned to the last core
-# (their engines with it); on a single core they run after the rest. Fails if either part failed.
+# The whole suite, as `make test` and CI run it, in two lanes side by side. The real-vLLM tests mostly
+# wait for engines to start, restart and be scraped: they run in a pytest of their own pinned to the last
+# core (their engines with it), then the alert tests, which mostly wait for alerts, on every core; the
+# rest runs beside them. On a single core the lanes run one after the other. Fails if any part failed.
 #   usage: sh scripts/test.sh PYTHON
 set -u
 
 python=$1
 vllm_tests="tests/test_vllm_contract.py tests/test_vllm_lab.py"
-log=test-artifacts/vllm-tests.log
+after_vllm="tests/test_alerts_lab.py"
+log=test-artifacts/beside.log
 last_core=$(($(nproc) - 1))
-
-# shellcheck disable=SC2086
-run_vllm() {
-    $pin "$python" -m pytest -q -p no:cacheprovider --basetemp="${TMPDIR:-/tmp}/kvwatch-vllm-tests" $vllm_tests
-}
-run_rest() {
-    # shellcheck disable=SC2046
-    "$python" -m pytest -q --durations=15 -p no:cacheprovider $(printf -- '--ignore=%s ' $vllm_tests)
-}
-
 pin=""
+
+run_pytest() {
+    "$python" -m pytest -q -p no:cacheprovider "$@"
+}
+# shellcheck disable=SC2086
+beside() {
+    $pin "$python" -m pytest -q -p no:cacheprovider --basetemp="${TMPDIR:-/tmp}/kvwatch-vllm-tests" $vllm_tests
+    vllm=$?
+    run_pytest --basetemp="${TMPDIR:-/tmp}/kvwatch-alert-tests" $after_vllm
+    alerts=$?
+    [ "$vllm" -eq 0 ] && [ "$alerts" -eq 0 ]
+}
+rest() {
+    # shellcheck disable=SC2046
+    run_pytest --durations=15 $(printf -- '--ignore=%s ' $vllm_tests $after_vllm)
+}
+
 if [ "$last_core" -ge 1 ]; then
     mkdir -p test-artifacts
-    echo "The real-vLLM tests run beside the rest, on core $last_core; their report follows the rest's."
-    pin="taskset -c $last_core"  # pytest and all it starts, engines included
-    run_vllm >"$log" 2>&1 &
-    vllm_pid=$!
-    run_rest
-    rest=$?
-    wait "$vllm_pid"
-    vllm=$?
+    echo "The real-vLLM tests (on core $last_core), then the alert tests, run beside the rest;" \
+        "their report follows the rest's."
+    pin="taskset -c $last_core"
+    beside >"$log" 2>&1 &
+    beside_pid=$!
+    rest
+    rest_status=$?
+    wait "$beside_pid"
+    beside_status=$?
     echo
-    echo "=== the real-vLLM tests ($log) ==="
+    echo "=== the real-vLLM and alert tests ($log) ==="
     cat "$log"
 else
-    run_rest
-    rest=$?
-    run_vllm
-    vllm=$?
+    rest
+    rest_status=$?
+    beside
+    beside_status=$?
 fi
-[ "$rest" -eq 0 ] && [ "$vllm" -eq 0 ]
+[ "$rest_status" -eq 0 ] && [ "$beside_status" -eq 0 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import yaml
 
+from collectors import queries
 from collectors.config import load_config
 from conftest import REPO
 
@@ -13,12 +14,12 @@ K8S = REPO / "deploy" / "k8s"
 
 def test_prometheus_rule_has_exactly_the_rule_files_groups():
     rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
-    rules = REPO / "prometheus" / "rules"
-    files = [
-        rules / "kvwatch-engines.yml",
-        rules / "kvwatch-gateway.yml",
-        REPO / "alerts" / "kvwatch.rules.yml",
-    ]
+    files = [REPO / path for path in queries.RULE_FILES]
+    assert {path.name for path in files} >= {
+        "kvwatch-engines.yml",
+        "kvwatch-routers.yml",
+        "kvwatch.rules.yml",
+    }
     groups = [group for path in files for group in yaml.safe_load(path.read_text())["groups"]]
     assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == groups
 

@@ -298,6 +298,13 @@ def fault(lab):
 @integration
 def test_a_healthy_route_passes_every_check(lab, capsys):
     prometheus = lab.status["prometheus"]
+    # The block size comes from Prometheus once it has scraped every engine's cache config.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = httpx.get(f"{prometheus}/api/v1/query", params={"query": "vllm:cache_config_info"}, timeout=5)
+        if len(found.json()["data"]["result"]) == len(lab.status["replicas"]):
+            break
+        time.sleep(0.5)
     code = main(
         ["doctor", "--base-url", lab.affinity, "--model", MODEL, "--prometheus", prometheus, "--json"]
     )

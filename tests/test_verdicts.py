@@ -138,11 +138,17 @@ def test_a_verdict_is_its_alerts_state(tmp_path: Path, name: str):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make bootstrap` installs Debian's prometheus package"
     scenario = SCENARIOS[name]
-    rules = tmp_path / "verdict.yml"
-    rule = {"record": "kvwatch_verdict", "expr": scenario.verdict.state}
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "verdict", "rules": [rule]}]}))
+    # The verdict is recorded in the alert's own group, after it: rules of one group are evaluated in
+    # order, each seeing the ALERTS of that evaluation, while separate groups run in no fixed order.
+    alerts = yaml.safe_load((REPO / "alerts" / "kvwatch.rules.yml").read_text())
+    (group,) = (
+        g for g in alerts["groups"] if any(r.get("alert") == scenario.verdict.alert.name for r in g["rules"])
+    )
+    group["rules"].append({"record": "kvwatch_verdict", "expr": scenario.verdict.state})
+    rules = tmp_path / "kvwatch-with-verdict.rules.yml"
+    rules.write_text(yaml.safe_dump(alerts, sort_keys=False))
     test = {
-        "rule_files": [str(REPO / "alerts" / "kvwatch.rules.yml"), str(rules)],
+        "rule_files": [str(rules)],
         "evaluation_interval": "1m",
         "tests": [
             {

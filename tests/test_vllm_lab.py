@@ -294,3 +294,13 @@ def test_heal_restarts_the_engine_with_caching(vllm_lab: Lab):
     report = probe(url, "--sessions", "1", "--rounds", "3")
     rounds = report["sessions"][0]["rounds"]
     assert [r["cached_tokens"] == r["ideal_cached_tokens"] for r in rounds[1:]] == [True, True]
+
+
+def test_no_hit_ratio_above_one_since_the_lab_started(vllm_lab: Lab):
+    """Over the lab's start-up and r2's two restarts (counters from zero, series that begin at other
+    moments), no recorded hit ratio ever read above 1."""
+    lifetime = f"{math.ceil(time.time() - vllm_lab.started_at) + 60}s"
+    for ratio in (queries.INSTANCE_HIT_RATIO, queries.CLUSTER_HIT_RATIO, queries.LOCAL.instance_ratio):
+        found = prometheus_query(vllm_lab, f"max(max_over_time({ratio}[{lifetime}]))", time.time())
+        assert found, f"{ratio} was never recorded"
+        assert 0 < float(found[0]["value"][1]) <= 1, (ratio, found)

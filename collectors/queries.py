@@ -574,10 +574,11 @@ class Verdict:
     by: str  # the labels naming what is judged; "" for the cluster
     watched: str | None = None  # the `and` filter keeping only what the alert watches
 
-    @property
-    def firing(self) -> str:
-        """The alert's own firing series in Prometheus, also while `keep_firing_for` holds it."""
-        labels = {"alertname": self.alert.name, "alertstate": "firing", **(self.alert.labels or {})}
+    def alerts(self, alertstate: str) -> str:
+        """The alert's own series in Prometheus in that state (firing also while `keep_firing_for`
+        holds it): the page reads the rule's evaluation instead of repeating its expression, so it
+        agrees with the alert under any rule windows (the lab scales them)."""
+        labels = {"alertname": self.alert.name, "alertstate": alertstate, **(self.alert.labels or {})}
         return "ALERTS{" + ", ".join(f'{name}="{value}"' for name, value in labels.items()) + "}"
 
     @property
@@ -585,11 +586,10 @@ class Verdict:
         """FIRING while the alert fires; PENDING while its condition holds for less than its `for`; OK
         where it judges the signal and finds nothing wrong; no sample where it has nothing to judge."""
         group = f"group by ({self.by})" if self.by else "group"
-        held = FIRING if self.alert.for_ == "0m" else PENDING  # without a `for` it fires in that evaluation
         judged = f"{self.signal}\nand {self.watched}" if self.watched else self.signal
         return (
-            f"{FIRING} * {group} ({self.firing})\n"
-            f"or {held} * {group} ({self.alert.expr})\n"
+            f"{FIRING} * {group} ({self.alerts('firing')})\n"
+            f"or {PENDING} * {group} ({self.alerts('pending')})\n"
             f"or {OK} * {group} ({judged})"
         )
 

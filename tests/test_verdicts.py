@@ -114,7 +114,7 @@ def comparisons(scenario: Scenario) -> list[dict]:
     """At every minute, the verdict's FIRING and PENDING series are exactly the alert's."""
     verdict = scenario.verdict
     on = f"on({verdict.by})"
-    alert = {FIRING: verdict.firing, PENDING: verdict.firing.replace('"firing"', '"pending"')}
+    alert = {FIRING: verdict.alerts("firing"), PENDING: verdict.alerts("pending")}
     tests = []
     for minute in scenario.minutes:
         for state, alerts in alert.items():

@@ -8,16 +8,18 @@ publishes an immutable `GatewayLogSnapshot`. `GatewayLogCollector` turns the lat
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import re
+import stat
 import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import BinaryIO, NamedTuple
@@ -25,10 +27,20 @@ from typing import BinaryIO, NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+log = logging.getLogger("kvwatch.gatewaylog")
+
 MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
+# Why a poll could not read a log: a fixed list, so that a reason can be a label.
+UNREADABLE_REASONS = ("not_found", "permission_denied", "is_directory", "not_regular_file", "read_error")
 # nginx's request line limit (8 KiB by default) keeps real lines far shorter; a longer one is garbage
 # and must not grow memory.
 MAX_LINE_BYTES = 64 * 1024
+# About 0.7 s of parsing (README, "Gateway access log"), so that a huge or endless log keeps neither
+# the other logs nor a shutdown waiting; at one poll per 5 s it still follows ~3 MB/s per log.
+MAX_BYTES_PER_POLL = 16 * 1024 * 1024
+# A file truncated in place (copytruncate) and written past the offset read up to by the next poll is
+# told only by its first bytes, which an appended file keeps: a line or more of them.
+HEAD_BYTES = 4096
 # The upstream of a request no server answered: nginx did not proxy it, or found no live server.
 NO_UPSTREAM = "none"
 
@@ -96,8 +108,44 @@ def _parse(line: bytes) -> _Request:
     )
 
 
+class _NotARegularFile(OSError):
+    """A FIFO, socket or device: opening it may wait for a writer, reading it may never end."""
+
+
+def unreadable_reason(error: OSError) -> str:
+    """The reason of UNREADABLE_REASONS that an error opening or reading a log stands for."""
+    for kind, reason in (
+        (FileNotFoundError, "not_found"),
+        (PermissionError, "permission_denied"),
+        (IsADirectoryError, "is_directory"),
+        (_NotARegularFile, "not_regular_file"),
+    ):
+        if isinstance(error, kind):
+            return reason
+    return "read_error"
+
+
+def _open_regular_file(path: Path) -> BinaryIO:
+    """Open `path` for reading unless it is not a regular file; never blocks, whatever it is."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(mode):
+            raise _NotARegularFile("not a regular file (a FIFO, socket or device)")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _frozen(mapping: Mapping) -> Mapping:
     return MappingProxyType(dict(mapping))
+
+
+def _by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, int]:
+    return _frozen({reason: counts[reason] for reason in reasons})
 
 
 class _Session:
@@ -132,7 +180,9 @@ class GatewayLogSnapshot:
     log: str
     expect_sticky: bool  # whether the log's listeners are meant to keep a session on one upstream
     taken_at: float  # the clock's time of the poll: active sessions and spread are as of then
-    problem: str | None  # why the log could not be read ("not found", ...), None when it could
+    problem: str | None  # a reason of UNREADABLE_REASONS, "not_polled" before the first poll, or None
+    unreadable_polls: Mapping[str, int]  # reason -> polls that could not read the log, every reason
+    unread_bytes: int  # left for the next polls by the bound on bytes per poll
     lines: int
     malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
     requests: Mapping[tuple[str, str], int]  # (listener, last upstream tried or NO_UPSTREAM) -> requests
@@ -161,9 +211,12 @@ class GatewayLogFollower:
     """Reads an nginx JSON access log incrementally and keeps its statistics in bounded memory.
 
     Owns no thread: one scheduler job at a time calls `poll()`; any thread may read `latest`, an
-    immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does: a replaced
-    file (rotation) is read to its end before the new one is read from its start, a shrunk file
-    (truncation) is read again from its start, and a missing file is not an error.
+    immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does, and no
+    line nginx writes is lost to a rename rotation: the renamed file is read for as long as nginx may
+    still write it (until the new file is there and a whole poll interval brought nothing new), then
+    the new one from its start. A truncated file is read again from its start, and a missing file is
+    not an error. Anything but a regular file is refused, and a poll reads at most
+    `max_bytes_per_poll` of a log, so one log never stalls the others.
     Event times come from the log's `msec`; `clock` gives "now" for the window and the TTL.
     """
 
@@ -176,6 +229,7 @@ class GatewayLogFollower:
         session_ttl_seconds: float = 1800.0,
         max_sessions: int = 100_000,
         expect_sticky: bool = True,
+        max_bytes_per_poll: int = MAX_BYTES_PER_POLL,
         clock: Callable[[], float] = time.time,
     ):
         if not _LOG_NAME.fullmatch(name):
@@ -186,11 +240,17 @@ class GatewayLogFollower:
         self.session_ttl_seconds = session_ttl_seconds
         self.max_sessions = max_sessions
         self.expect_sticky = expect_sticky
+        self.max_bytes_per_poll = max_bytes_per_poll
         self._clock = clock
         self._file: BinaryIO | None = None
+        self._successor_seen = False  # whether the last poll found another file at the path already
+        self._head = b""  # the file's first bytes read, up to HEAD_BYTES: changed, it was truncated
+        self._budget = 0  # bytes this poll may still read
+        self._unread_bytes = 0
         self._pending = b""  # the start of a line nginx has not finished writing yet
         self._skipping_long_line = False
-        self._problem: str | None = "not read yet"
+        self._problem: str | None = "not_polled"
+        self._unreadable_polls: Counter[str] = Counter()
         self._lines = 0
         self._malformed: Counter[str] = Counter()
         self._requests: Counter[tuple[str, str]] = Counter()
@@ -207,11 +267,19 @@ class GatewayLogFollower:
         """Read what was appended since the last poll and publish a new snapshot as `latest`."""
         try:
             self._follow()
-            self._problem = None
-        except FileNotFoundError:
-            self._problem = "not found"
         except OSError as error:
-            self._problem = error.strerror or str(error)
+            reason = unreadable_reason(error)
+            self._unreadable_polls[reason] += 1
+            if reason != self._problem:  # logged once per change, not on every poll
+                log.warning(
+                    "gateway log %s: cannot read %s (%s: %s); kvwatch tries again on every poll",
+                    self.name, self.path, reason, error.strerror or error,
+                )  # fmt: skip
+            self._problem = reason
+        else:
+            if self._problem not in (None, "not_polled"):
+                log.info("gateway log %s: reading %s again", self.name, self.path)
+            self._problem = None
         self.latest = self._snapshot()
         return self.latest
 
@@ -219,6 +287,7 @@ class GatewayLogFollower:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._successor_seen = False
 
     def __enter__(self) -> GatewayLogFollower:
         return self
@@ -229,30 +298,52 @@ class GatewayLogFollower:
     # --- reading ----------------------------------------------------------------------------------
 
     def _follow(self) -> None:
+        self._budget, self._unread_bytes = self.max_bytes_per_poll, 0
         if self._file is not None:
             # Checked before reading, so whatever reached the old file until now is read.
             replaced = self._replaced()
-            if os.fstat(self._file.fileno()).st_size < self._file.tell():
+            if self._truncated():
                 self._take_partial_line()
                 self._file.seek(0)
+                self._head = b""
             self._read()
-            if replaced:
+            # nginx writes the renamed file until it reopens its log, which can be after the new file
+            # appeared (logrotate's `create`): the old one is done once a whole poll brought nothing.
+            if replaced and self._successor_seen and self._budget == self.max_bytes_per_poll:
                 self._take_partial_line()
                 self.close()
+            else:
+                self._successor_seen = replaced
         if self._file is None:
-            self._file = self.path.open("rb")
+            self._file = _open_regular_file(self.path)
+            self._head = b""
             self._read()
+        fd = self._file.fileno()
+        if len(self._head) < HEAD_BYTES:
+            self._head = os.pread(fd, min(HEAD_BYTES, self._file.tell()), 0)
+        self._unread_bytes = max(0, os.fstat(fd).st_size - self._file.tell())
 
     def _replaced(self) -> bool:
+        """Whether the path names another file; while it names none, nginx may still write ours."""
         try:
             current = os.stat(self.path)
         except FileNotFoundError:
-            return True
+            return False
         ours = os.fstat(self._file.fileno())
         return (current.st_dev, current.st_ino) != (ours.st_dev, ours.st_ino)
 
+    def _truncated(self) -> bool:
+        """Shorter than what was read, or (copytruncate, then written again) not the same first bytes."""
+        fd = self._file.fileno()
+        return os.fstat(fd).st_size < self._file.tell() or os.pread(fd, len(self._head), 0) != self._head
+
     def _read(self) -> None:
-        for chunk in iter(partial(self._file.readline, MAX_LINE_BYTES), b""):
+        """Read to the end of the file or of this poll's byte budget."""
+        while self._budget > 0:
+            chunk = self._file.readline(min(MAX_LINE_BYTES, self._budget))
+            if not chunk:
+                return
+            self._budget -= len(chunk)
             complete = chunk.endswith(b"\n")
             if self._skipping_long_line:
                 self._skipping_long_line = not complete
@@ -333,8 +424,10 @@ class GatewayLogFollower:
             expect_sticky=self.expect_sticky,
             taken_at=now,
             problem=self._problem,
+            unreadable_polls=_by_reason(self._unreadable_polls, UNREADABLE_REASONS),
+            unread_bytes=self._unread_bytes,
             lines=self._lines,
-            malformed=_frozen({reason: self._malformed[reason] for reason in MALFORMED_REASONS}),
+            malformed=_by_reason(self._malformed, MALFORMED_REASONS),
             requests=_frozen(self._requests),
             responses=_frozen(self._responses),
             failovers=per_listener(self._failovers),
@@ -380,6 +473,11 @@ _FAMILIES = (
      "Sessions forgotten early to keep memory bounded; when rising, raise max_sessions."),
     ("kvwatch_gateway_log_readable", GaugeMetricFamily, "readable", (),
      "Whether the last poll could read the access log (0: missing or unreadable)."),
+    ("kvwatch_gateway_log_unreadable_polls", CounterMetricFamily, "unreadable_polls", ("reason",),
+     "Polls that could not read the access log, by reason."),
+    ("kvwatch_gateway_log_unread_bytes", GaugeMetricFamily, "unread_bytes", (),
+     "Bytes of the access log left for later polls by the bound on bytes read per poll, as of the last "
+     "poll; when rising, kvwatch falls behind the log."),
     ("kvwatch_gateway_log_last_poll_timestamp_seconds", GaugeMetricFamily, "taken_at", (),
      "Unix time of the last poll of the access log by the scheduler."),
     ("kvwatch_gateway_log_info", GaugeMetricFamily, "info", ("expect_sticky",),

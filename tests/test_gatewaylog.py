@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,7 +27,9 @@ from collectors.gatewaylog import (
     GatewayLogCollector,
     GatewayLogFollower,
     GatewayLogSnapshot,
+    unreadable_reason,
 )
+from conftest import REPO, free_port, stop, wait_http
 
 T0 = 1_800_000_000.0
 R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -206,7 +217,7 @@ def test_sessions_stop_being_active_after_the_ttl(log, follow):
 def test_a_missing_log_is_reported_and_read_once_it_appears(log, follow):
     follower = follow()
     snapshot = follower.poll()
-    assert not snapshot.readable and snapshot.problem == "not found" and snapshot.lines == 0
+    assert not snapshot.readable and snapshot.problem == "not_found" and snapshot.lines == 0
     append(log, entry())
     snapshot = follower.poll()
     assert snapshot.readable and snapshot.lines == 1
@@ -215,7 +226,62 @@ def test_a_missing_log_is_reported_and_read_once_it_appears(log, follow):
 def test_an_unreadable_log_is_reported_not_raised(log, follow):
     log.mkdir()
     snapshot = follow().poll()
-    assert not snapshot.readable and snapshot.problem == "Is a directory"
+    assert not snapshot.readable and snapshot.problem == "is_directory"
+
+
+@pytest.mark.timeout(5)  # before: open() waited for a writer and read() never ended
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_is_refused_at_once_and_never_read(tmp_path, kind):
+    path = tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    with GatewayLogFollower(path, "lab", clock=Clock()) as follower:
+        snapshot = follower.poll()
+    assert snapshot.problem == "not_regular_file" and snapshot.lines == 0
+    assert snapshot.unreadable_polls["not_regular_file"] == 1
+
+
+def test_errors_a_root_test_cannot_cause_have_their_reason_too():
+    assert unreadable_reason(PermissionError(errno.EACCES, "Permission denied")) == "permission_denied"
+    assert unreadable_reason(OSError(errno.EIO, "Input/output error")) == "read_error"
+
+
+def test_why_a_log_is_unreadable_is_logged_once_per_change_and_counted(log, follow, caplog):
+    follower = follow()
+    with caplog.at_level(logging.INFO, logger="kvwatch.gatewaylog"):
+        follower.poll()
+        follower.poll()
+        log.mkdir()
+        follower.poll()
+        follower.poll()
+        log.rmdir()
+        append(log, entry())
+        snapshot = follower.poll()
+        follower.poll()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"gateway log lab: cannot read {log} (not_found: No such file or directory); "
+                    "kvwatch tries again on every poll"),
+        ("WARNING", f"gateway log lab: cannot read {log} (is_directory: Is a directory); "
+                    "kvwatch tries again on every poll"),
+        ("INFO", f"gateway log lab: reading {log} again"),
+    ]  # fmt: skip
+    assert snapshot.readable and snapshot.lines == 1
+    assert snapshot.unreadable_polls == {
+        "not_found": 2, "permission_denied": 0, "is_directory": 2, "not_regular_file": 0, "read_error": 0,
+    }  # fmt: skip
+
+
+def test_reading_is_bounded_per_poll_and_goes_on_where_it_stopped(log, follow):
+    lines = [entry(f"s{i}") for i in range(10)]
+    append(log, *lines)
+    follower = follow(max_bytes_per_poll=len(lines[0]) * 3 + 10)  # a line is cut at the bound
+    counted = [(s.lines, s.unread_bytes) for s in (follower.poll() for _ in range(4))]
+    size = len("".join(lines))
+    assert counted == [(3, size - 3 * len(lines[0]) - 10), (6, size - 6 * len(lines[0]) - 20),
+                       (9, len(lines[0]) - 30), (10, 0)]  # fmt: skip
+    assert follower.latest.malformed == dict.fromkeys(MALFORMED_REASONS, 0)
 
 
 def test_rotation_finishes_the_old_file_then_reads_the_new_one_from_its_start(log, follow):
@@ -224,10 +290,12 @@ def test_rotation_finishes_the_old_file_then_reads_the_new_one_from_its_start(lo
     assert follower.poll().lines == 2
     append(log, entry("c"))  # written after the last poll, just before the rotation
     log.rename(log.with_name("gateway.jsonl.1"))
-    assert follower.poll().lines == 3
-    append(log, entry("d"), entry("e"))
     snapshot = follower.poll()
-    assert snapshot.lines == 5 and snapshot.active_sessions == {"affinity": 5}
+    assert snapshot.lines == 3 and snapshot.readable  # nginx may still write the renamed file
+    append(log, entry("d"), entry("e"))
+    # The first poll that sees the new file waits a poll for the old one, which had nothing new: done.
+    assert [follower.poll().lines for _ in range(2)] == [3, 5]
+    assert follower.latest.active_sessions == {"affinity": 5}
 
 
 def test_rotation_with_the_new_file_already_there(log, follow):
@@ -237,7 +305,23 @@ def test_rotation_with_the_new_file_already_there(log, follow):
     append(log, entry("b"))
     log.rename(log.with_name("gateway.jsonl.1"))
     append(log, entry("c"), entry("d"))
-    assert follower.poll().lines == 4
+    assert [follower.poll().lines for _ in range(2)] == [2, 4]
+
+
+def test_what_nginx_writes_to_the_renamed_file_until_it_reopens_its_log_is_read(log, follow):
+    follower = follow()
+    append(log, entry("a"))
+    follower.poll()
+    rotated = log.with_name("gateway.jsonl.1")
+    log.rename(rotated)
+    assert follower.poll().readable
+    log.touch()  # logrotate's `create`: the new file is there before nginx reopens its log
+    follower.poll()
+    append(rotated, entry("b"))  # nginx has not reopened yet
+    follower.poll()
+    append(log, entry("c"))  # now it has
+    snapshot = [follower.poll() for _ in range(2)][-1]
+    assert snapshot.lines == 3 and snapshot.active_sessions == {"affinity": 3}
 
 
 def test_truncation_restarts_from_the_beginning(log, follow):
@@ -247,6 +331,33 @@ def test_truncation_restarts_from_the_beginning(log, follow):
     log.write_text(entry("d"))
     snapshot = follower.poll()
     assert snapshot.lines == 4 and snapshot.active_sessions == {"affinity": 4}
+
+
+def test_a_rotated_file_is_read_to_its_end_before_the_new_one_even_over_several_polls(log, follow):
+    follower = follow(max_bytes_per_poll=len(entry("a")) * 2)
+    append(log, entry("a"))
+    follower.poll()
+    append(log, entry("b"), entry("c"), entry("d"))
+    log.rename(log.with_name("gateway.jsonl.1"))
+    append(log, entry("e"))
+    # b and c fill the second poll, d the third; the fourth finds nothing new in it, then reads e.
+    assert [follower.poll().lines for _ in range(3)] == [3, 4, 5]
+    assert follower.latest.active_sessions == {"affinity": 5}
+
+
+def test_copytruncate_loses_no_line_written_after_the_truncation(log, follow):
+    """logrotate's copytruncate: the file is copied, then truncated in place and written again; by the
+    next poll it can be longer than the offset read up to, so its size alone does not show the cut."""
+    follower = follow()
+    append(log, entry("a"), entry("b"))
+    assert follower.poll().lines == 2
+    shutil.copy(log, log.with_name("gateway.jsonl.1"))
+    with log.open("r+") as same_inode:
+        same_inode.truncate(0)
+    append(log, entry("c"), entry("d"), entry("e"))
+    snapshot = follower.poll()
+    assert snapshot.lines == 5 and snapshot.malformed == dict.fromkeys(MALFORMED_REASONS, 0)
+    assert snapshot.active_sessions == {"affinity": 5}
 
 
 def test_a_partial_line_is_kept_until_it_is_completed(log, follow):
@@ -360,6 +471,9 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert value("evicted_sessions_total", log="affinity") == 0
         assert value("log_readable", log="affinity") == 1
         assert value("log_readable", log="absent") == 0
+        assert value("log_unreadable_polls_total", log="absent", reason="not_found") == 1
+        assert value("log_unreadable_polls_total", log="affinity", reason="not_found") == 0
+        assert value("log_unread_bytes", log="affinity") == 0
         assert value("log_last_poll_timestamp_seconds", log="absent") == T0 + 1
         assert value("log_info", log="round_robin", expect_sticky="false") == 1
         assert value("log_info", log="affinity", expect_sticky="true") == 1
@@ -396,6 +510,52 @@ def test_a_snapshot_cannot_be_changed(log, follow):
         snapshot.lines = 0
     with pytest.raises(TypeError):
         snapshot.requests["affinity", R1] = 0
+
+
+# --- a real `kvwatch serve` -----------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_serve_counts_a_normal_log_beside_a_fifo_and_stops_on_sigterm(tmp_path):
+    fifo, normal = tmp_path / "fifo.jsonl", tmp_path / "normal.jsonl"
+    os.mkfifo(fifo)
+    append(normal, entry("a"), entry("b"))
+    port = free_port()
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text(
+        yaml.safe_dump({
+            "gateway_logs": [{"name": "fifo", "path": str(fifo)}, {"name": "normal", "path": str(normal)}],
+            "exporter": {"listen": f"127.0.0.1:{port}"},
+            "store": {"path": str(tmp_path / "kvwatch.db")},
+        })
+    )  # fmt: skip
+    output = tmp_path / "serve.log"
+    with output.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "collectors.cli", "serve", "--config", str(config)],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/-/healthy", process, output)
+        found = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            exposition = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            found = {
+                (s.name, s.labels.get("log")): s.value
+                for family in text_string_to_metric_families(exposition)
+                for s in family.samples
+            }
+            if found.get(("kvwatch_gateway_lines_total", "normal")):
+                break
+            time.sleep(0.1)
+        assert found.get(("kvwatch_gateway_lines_total", "normal")) == 2, output.read_text()
+        assert found[("kvwatch_gateway_log_readable", "fifo")] == 0
+        os.kill(process.pid, signal.SIGTERM)  # before: the poll waited for a FIFO writer, and shutdown for it
+        assert process.wait(timeout=5) == 0, output.read_text()
+    finally:
+        stop(process)
+    assert output.read_text().count("gateway log fifo: cannot read") == 1
 
 
 # --- the lab's real nginx -------------------------------------------------------------------------

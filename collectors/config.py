@@ -245,6 +245,13 @@ class Service:
 
 
 @dataclass(frozen=True)
+class DashboardSettings:
+    """What the dashboard may do for its viewers: it writes experiment reports only under this directory."""
+
+    report_directory: Path = Path(".kvwatch/experiment")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything `kvwatch serve` runs and the dashboard reads."""
 
@@ -254,6 +261,7 @@ class Config:
     store: StoreSettings = StoreSettings()
     prometheus: Service = Service()
     alertmanager: Service = Service()
+    dashboard: DashboardSettings = DashboardSettings()
 
     def __post_init__(self):
         _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")

@@ -458,6 +458,34 @@ def write_outputs(experiment: Experiment, out: Path, about: Sequence[str] = ()) 
     return markdown
 
 
+def run_into(
+    a: ProbeSettings,
+    b: ProbeSettings,
+    workload: Workload,
+    out: Path,
+    concurrency: int = 1,
+    block_sources: BlockSizeSources | None = None,
+) -> tuple[Experiment, str | None]:
+    """The experiment and its report, written into `out` as `kvwatch experiment` and the dashboard run it.
+
+    `out` is made first, so that a bad directory fails before anything is measured; the report is None,
+    and nothing is written, when every session failed.
+    """
+    conversations = workload.conversations()
+    out.mkdir(parents=True, exist_ok=True)
+    experiment = run_experiment(a, b, conversations, concurrency, block_sources=block_sources)
+    if not any(session.ok for session in experiment.all_sessions):
+        return experiment, None
+    return experiment, write_outputs(experiment, out, [workload.describe()])
+
+
+def failures(experiment: Experiment) -> list[str]:
+    """How many sessions failed, then one line per error kind with what to check; empty when none failed."""
+    sessions = experiment.all_sessions
+    failed = [s for s in sessions if not s.ok]
+    return [f"{len(failed)} of {len(sessions)} sessions failed", *failure_hints(failed)] if failed else []
+
+
 # The command line.
 
 
@@ -533,21 +561,18 @@ def run_cli(args: argparse.Namespace) -> int:
         workload = Workload(
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
-        conversations = workload.conversations()
         sources = blocksize.sources_from_args(args, [args.a, args.b])
-        args.out.mkdir(parents=True, exist_ok=True)  # before the run: a bad DIR fails at once
         # It checks its arguments before it runs.
-        experiment = run_experiment(a, b, conversations, args.concurrency, block_sources=sources)
+        experiment, markdown = run_into(a, b, workload, args.out, args.concurrency, sources)
     except (ValueError, OSError) as error:
         print(f"kvwatch experiment: {error}", file=sys.stderr)
         return 2
-    sessions = experiment.all_sessions
-    failed = [s for s in sessions if not s.ok]
-    if len(failed) < len(sessions):
-        print(write_outputs(experiment, args.out, [workload.describe()]))
+    if markdown is not None:
+        print(markdown)
         print(f"Written to {args.out}: {', '.join(FILES.values())}")
-    if failed:
-        print(f"kvwatch experiment: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
-        for line in failure_hints(failed):
+    summary = failures(experiment)
+    if summary:
+        print(f"kvwatch experiment: {summary[0]}", file=sys.stderr)
+        for line in summary[1:]:
             print(f"  {line}", file=sys.stderr)
-    return 1 if len(failed) == len(sessions) else 0
+    return 1 if markdown is None else 0

@@ -2,9 +2,9 @@
 log, Alertmanager, the runbook, experiment reports and the doctor.
 
 Every reader returns a `Result`: a value, or an error that names the URL or path it tried and what to
-do, never a traceback. Errors are cached like values, so a dead Prometheus costs one timeout per refresh,
-not one per panel. Pages ask for times on the refresh grid (`span`, `now`), so that every panel of a
-refresh, and every viewer, hits the same cache entries.
+do, never a traceback nor a URL's password. Errors are cached like values, so a dead Prometheus costs
+one timeout per refresh, not one per panel. Pages ask for times on the refresh grid (`span`, `now`), so
+that every panel of a refresh, and every viewer, hits the same cache entries.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import ast
 import json
 import re
 import sqlite3
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,9 +29,9 @@ import streamlit as st
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from urllib3.util.retry import Retry
 
-from collectors import doctor, queries
+from collectors import blocksize, doctor, experiment, queries
 from collectors.config import ConfigError, Target, load_config, resolve_api_key
-from collectors.experiment import FILES
+from collectors.redaction import redact
 from collectors.scheduler import probe_settings
 from collectors.store import Store, StoreError
 from dashboard import stats
@@ -49,10 +48,15 @@ _cached = st.cache_data(ttl=REFRESH_SECONDS, show_spinner=False, max_entries=512
 
 @dataclass(frozen=True)
 class Result:
-    """A value, or an error message for the page to show instead."""
+    """A value, or an error message for the page to show instead; its URL passwords are redacted here,
+    so that no message, whoever wrote it, shows one."""
 
     value: Any = None
     error: str | None = None
+
+    def __post_init__(self):
+        if self.error:
+            object.__setattr__(self, "error", redact(self.error))
 
 
 class Span(NamedTuple):
@@ -342,8 +346,6 @@ def runbook(url: str) -> Result:
 
 # --- experiment reports and the doctor ------------------------------------------------------------
 
-EXPERIMENT_TIMEOUT_SECONDS = 1800
-
 
 @dataclass(frozen=True)
 class Report:
@@ -352,42 +354,54 @@ class Report:
     plot: bytes | None  # the PNG, when it was drawn
 
 
+def report_directory(name: str) -> Result:
+    """The directory `name` under the configured report directory, resolved; an error when `name` leads
+    out of it (`..`, an absolute path, a symlink): viewers read and write reports there only."""
+    config = settings()
+    if config.error:
+        return config
+    root = config.value.dashboard.report_directory
+    try:
+        path = (root / name).resolve()
+        inside = path.is_relative_to(root.resolve())
+    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a symlink loop
+        return Result(error=f'"{name}" cannot be a report directory: {error}')
+    if not inside:
+        return Result(error=f'"{name}" is outside the report directory {root}: name a directory under it.')
+    return Result(path)
+
+
 @_cached
-def experiment_report(directory: str) -> Result:
+def experiment_report(directory: Path) -> Result:
     """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
-    path = Path(directory)
-    report, plot = path / FILES["report"], path / FILES["png"]
+    report, plot = directory / experiment.FILES["report"], directory / experiment.FILES["png"]
     if not report.exists():
         return Result(None)
     try:
-        return Result(
-            Report(path, report.read_text(encoding="utf-8"), plot.read_bytes() if plot.is_file() else None)
-        )
+        markdown = report.read_text(encoding="utf-8")
+        return Result(Report(directory, markdown, plot.read_bytes() if plot.is_file() else None))
     except (OSError, UnicodeDecodeError) as error:
-        return Result(error=f"Cannot read the experiment report in {path}: {error}")
+        return Result(error=f"Cannot read the experiment report in {directory}: {error}")
 
 
-def run_experiment(out: str, *args: str) -> Result:
-    """`kvwatch experiment --out OUT ARGS...`, run as the user would (its checks, its messages); the
-    report is then in `out`. The value is what it said about failed sessions, "" when none failed.
-    Not cached: it measures."""
-    command = [sys.executable, "-m", "collectors.cli", "experiment", "--out", out, *args]
+def run_experiment(a: Target, b: Target, out: Path, sessions: int, rounds: int, seed: int) -> Result:
+    """The A/B experiment of two configured targets, written into `out` (from `report_directory`). Each
+    route gets only its own URL, API key and session settings from the config. The value says what
+    went wrong with failed sessions, [] when none failed. Not cached: it measures."""
+    config = settings()
+    if config.error:
+        return config
     try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=EXPERIMENT_TIMEOUT_SECONDS,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return Result(error=f"`kvwatch experiment` did not finish within {EXPERIMENT_TIMEOUT_SECONDS} s.")
+        routes = [probe_settings(target, resolve_api_key(target)) for target in (a, b)]
+        workload = experiment.Workload(sessions, rounds, seed=seed)
+        sources = blocksize.sources_for([a.base_url, b.base_url], config.value.prometheus.url)
+        ran, markdown = experiment.run_into(*routes, workload, out, block_sources=sources)
+    except (ConfigError, ValueError, OSError) as error:
+        return Result(error=f"The experiment cannot run: {error}")
     finally:
         experiment_report.clear()
-    if done.returncode != 0:
-        said = done.stderr.strip()[-1500:] or "no message"
-        return Result(error=f"`kvwatch experiment` failed (exit code {done.returncode}): {said}")
-    return Result(done.stderr.strip())
+    said = experiment.failures(ran)
+    return Result(said) if markdown is not None else Result(error="; ".join(said))
 
 
 def run_doctor(target: Target, requests_sample: str | None = None) -> Result:

@@ -117,7 +117,8 @@ INVALID = [
     ("unknown-key", "targets[1].session.hedaer: unknown key; known: header, mode"),
     (
         "unknown-top-level-key",
-        "thresholds: unknown key; known: alertmanager, exporter, gateway_logs, prometheus, store, targets",
+        "thresholds: unknown key; known: "
+        "alertmanager, dashboard, exporter, gateway_logs, prometheus, store, targets",
     ),
     ("workload-max-tokens", "targets[0].workload.max_tokens: must be >= 1, got 0"),
     ("workload-not-a-mapping", 'targets[0].workload: expected a mapping, got the string "synthetic"'),

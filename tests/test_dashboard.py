@@ -17,10 +17,10 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from collectors import queries
-from collectors.config import Config, GatewayLog, Service, StoreSettings, Target
+from collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from collectors.records import RoundResult, SessionResult
 from collectors.store import Store
-from conftest import REPO
+from conftest import REPO, free_port
 from dashboard import data, stats
 from dashboard.data import Result
 
@@ -29,6 +29,7 @@ PAGES = ("overview", "per_round", "replicas", "sessions", "alerts", "experiment"
 PROMETHEUS = "http://127.0.0.1:18002"
 ALERTMANAGER = "http://127.0.0.1:18003"
 STORE = Path("/var/lib/kvwatch/kvwatch.db")
+REPORTS = Path("/var/lib/kvwatch/experiments")
 CONFIG = Config(
     targets=(
         Target("lab-affinity", "http://127.0.0.1:18000", "lab-model", route_mode="affinity"),
@@ -41,6 +42,7 @@ CONFIG = Config(
     store=StoreSettings(STORE),
     prometheus=Service(PROMETHEUS),
     alertmanager=Service(ALERTMANAGER),
+    dashboard=DashboardSettings(REPORTS),
 )
 T0 = 1_790_000_000.0
 NOW = T0 + 86400 - T0 % data.REFRESH_SECONDS  # the pages' time, on the refresh grid
@@ -222,6 +224,7 @@ class Fake:
         self.prometheus = self.store = self.alertmanager = None  # an error message, when set
         self.empty = False
         self.report = Result(None)
+        self.reports_read: list[Path] = []
         self.doctor = Result(error="the doctor was not expected to run")
         self.runs: list[tuple] = []
         for name in READERS:
@@ -272,12 +275,15 @@ class Fake:
     def _alerts(self) -> Result:
         return self._frame(self.alertmanager, alerts_frame())
 
-    def _experiment_report(self, directory: str) -> Result:
+    def _experiment_report(self, directory: Path) -> Result:
+        self.reports_read.append(directory)
         return self.report
 
-    def _run_experiment(self, out: str, *args: str) -> Result:
-        self.runs.append((out, *args))
-        return Result("")
+    def _run_experiment(
+        self, a: Target, b: Target, out: Path, sessions: int, rounds: int, seed: int
+    ) -> Result:
+        self.runs.append((a, b, out, sessions, rounds, seed))
+        return Result([])
 
     def _run_doctor(self, target: Target, requests_sample: str) -> Result:
         self.runs.append((target.name, requests_sample))
@@ -534,12 +540,54 @@ def test_experiment_shows_a_report_and_runs_one(fake):
     assert "## A/B experiment: a vs b" in texts(at)
     at.number_input(key="experiment_sessions").set_value(3)
     at.button[0].click().run()
-    assert "Done: the report is in .kvwatch/experiment." in texts(at)
-    (run,) = fake.runs
-    assert run[0] == ".kvwatch/experiment"
-    assert run[1:] == ("--a", "http://127.0.0.1:18001", "--b", "http://127.0.0.1:18000",
-                       "--label-a", "round_robin", "--label-b", "affinity", "--model", "lab-model",
-                       "--sessions", "3", "--rounds", "6", "--seed", "0")  # fmt: skip
+    assert "Done: the report is below." in texts(at)
+    affinity, round_robin = CONFIG.targets
+    assert fake.runs == [(round_robin, affinity, REPORTS, 3, 6, 0)]  # A spreads sessions, B is sticky
+
+
+def test_the_experiment_runs_configured_targets_with_their_own_key_sources_only(fake):
+    """Nothing to type but a report directory: no URL, no variable or file to take a key from."""
+    keyed = Target("keyed", "http://127.0.0.1:18100", "m", api_key_env="KEYED_API_KEY")
+    filed = Target("filed", "http://127.0.0.1:18101", "m", api_key_file=Path("/run/secrets/filed-key"))
+    fake.settings = Result(replace(CONFIG, targets=(*CONFIG.targets, keyed, filed)))
+    at = open_page("experiment")
+    assert [field.key for field in at.text_input] == ["experiment_dir"]
+    assert at.selectbox(key="experiment_a").options == [
+        "lab-affinity (affinity, http://127.0.0.1:18000)",
+        "lab-round-robin (round_robin, http://127.0.0.1:18001)",
+        "keyed (affinity, http://127.0.0.1:18100)",
+        "filed (affinity, http://127.0.0.1:18101)",
+    ]
+    at.selectbox(key="experiment_a").set_value(keyed)
+    at.selectbox(key="experiment_b").set_value(filed)
+    at.button[0].click().run()
+    assert fake.runs == [(keyed, filed, REPORTS, 20, 6, 0)]  # as configured, key sources and all
+
+
+def test_reports_are_read_and_written_under_the_report_directory_only(fake, tmp_path):
+    root, outside = tmp_path / "reports", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    fake.settings = Result(replace(CONFIG, dashboard=DashboardSettings(root)))
+    at = open_page("experiment")
+    for name in ("../outside", "link", str(outside)):
+        at.text_input(key="experiment_dir").set_value(name).run()
+        assert [e.value for e in at.error] == [
+            f'"{name}" is outside the report directory {root}: name a directory under it.'
+        ]
+        assert not at.button  # no form to run one there
+    at.text_input(key="experiment_dir").set_value("ab-1").run()
+    at.button[0].click().run()
+    assert fake.reports_read == [root, root / "ab-1", root / "ab-1"]  # before and after the run
+    assert [run[2] for run in fake.runs] == [root / "ab-1"]
+
+
+def test_a_report_directory_that_cannot_be_resolved_is_named(fake, tmp_path):
+    fake.settings = Result(replace(CONFIG, dashboard=DashboardSettings(tmp_path)))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert data.report_directory("loop").error.startswith('"loop" cannot be a report directory: ')
+    assert data.report_directory("a\0b").error == '"a\0b" cannot be a report directory: embedded null byte'
 
 
 def test_doctor_runs_and_lists_its_findings(fake):
@@ -565,7 +613,7 @@ EMPTY = {
     "replicas": "No engine served prompt tokens in this range",
     "sessions": "No probe sessions through lab-affinity in this range yet",
     "alerts": "Alertmanager holds no alert",
-    "experiment": "No experiment report in .kvwatch/experiment yet",
+    "experiment": f"No experiment report in {REPORTS} yet",
     "doctor": "The doctor sends a few short multi-turn sessions through http://127.0.0.1:18000",
 }
 
@@ -635,6 +683,59 @@ def test_a_failing_doctor_run_is_named(fake):
     at = open_page("doctor")
     at.button(key="doctor_run").click().run()
     assert at.error[0].value == "target lab-affinity: environment variable LAB_KEY is not set"
+
+
+# --- secrets -------------------------------------------------------------------------------------------
+
+URL_PASSWORD, KEY = "pw-3f1c9e", "kv-8d2a71b4"  # nothing marks them as secrets but the config
+KEY_ENV = "KVWATCH_DASHBOARD_TEST_KEY"
+
+
+def with_password(url: str) -> str:
+    return url.replace("://", f"://probe:{URL_PASSWORD}@")
+
+
+SECRET_CONFIG = replace(
+    CONFIG,
+    targets=tuple(
+        replace(t, base_url=with_password(t.base_url), api_key_env=KEY_ENV) for t in CONFIG.targets
+    ),
+    prometheus=Service(with_password(PROMETHEUS)),
+    alertmanager=Service(with_password(ALERTMANAGER)),
+)
+
+
+def rendered(at: AppTest) -> str:
+    """Everything the page sent to the browser, each element's whole message: texts, labels, options,
+    tables, charts and exceptions."""
+
+    def walk(node) -> list[str]:
+        children = getattr(node, "children", {}).values()
+        return [str(node.proto or ""), *(text for child in children for text in walk(child))]
+
+    return "\n".join(text for root in (at.main, at.sidebar) for text in walk(root))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_page_shows_a_url_password_or_the_api_key(fake, monkeypatch, page):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    fake.settings = Result(SECRET_CONFIG)
+    shown = rendered(open_page(page))
+    assert "probe:" + URL_PASSWORD not in shown and URL_PASSWORD not in shown and KEY not in shown
+    if page in ("overview", "experiment", "doctor"):  # they name the URLs, without the password
+        assert "probe:[redacted]@127.0.0.1" in shown
+
+
+def test_the_data_layer_names_urls_without_their_passwords(config_file):
+    text = config_file.read_text().replace("http://", f"http://probe:{URL_PASSWORD}@")
+    config_file.write_text(text)
+    errors = [data.series(queries.CLUSTER_HIT_RATIO, data.span(900)).error, data.alerts().error]
+    assert all(e.startswith("Cannot reach ") and "probe:[redacted]@127.0.0.1" in e for e in errors), errors
+    assert not any(URL_PASSWORD in e for e in errors)
+    config_file.write_text(text.replace("http://", "ftp://", 1))  # refused, and quoted in the error
+    st.cache_data.clear()
+    assert "probe:[redacted]@127.0.0.1" in data.settings().error
+    assert URL_PASSWORD not in data.settings().error
 
 
 # --- the data layer ------------------------------------------------------------------------------------
@@ -708,6 +809,20 @@ def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
     monkeypatch.delenv("KVWATCH_TEST_KEY", raising=False)
     target = Target("t", "http://127.0.0.1:1", "m", api_key_env="KVWATCH_TEST_KEY")
     assert data.run_doctor(target).error == "target t: environment variable KVWATCH_TEST_KEY is not set"
+
+
+def test_an_experiment_run_reads_each_targets_own_key_and_says_why_it_failed(config_file, monkeypatch):
+    closed = f"http://127.0.0.1:{free_port()}"
+    keyed, plain = Target("keyed", closed, "m", api_key_env=KEY_ENV), Target("plain", closed, "m")
+    out = config_file.parent / "reports" / "ab-1"
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    assert data.run_experiment(keyed, plain, out, 1, 2, 0).error == (
+        f"The experiment cannot run: target keyed: environment variable {KEY_ENV} is not set"
+    )
+    monkeypatch.setenv(KEY_ENV, KEY)
+    failed = data.run_experiment(keyed, plain, out, 1, 2, 0).error
+    assert failed.startswith("2 of 2 sessions failed; connection_refused (") and KEY not in failed
+    assert list(out.iterdir()) == []  # made before the run, and nothing written when every session failed
 
 
 def test_runbook_sections_come_from_the_repository():

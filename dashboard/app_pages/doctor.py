@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from collectors.redaction import redact
 from dashboard import data, ui
 
 SAMPLE = "Request sample (optional): a JSONL file of real request payloads, to find dynamic prompt prefixes"
@@ -34,12 +35,13 @@ if not ui.failed(config):
         ui.empty(f"No probe targets in {data.config_path()} to examine.")
     else:
         target = targets[st.selectbox("Target", list(targets), key="doctor_target")]
+        url = redact(target.base_url)
         sample = st.text_input(SAMPLE, key="doctor_sample")
         if st.button("Run the doctor", type="primary", key="doctor_run"):
-            with st.spinner(f"Examining {target.base_url}…"):
+            with st.spinner(f"Examining {url}…"):
                 report = data.run_doctor(target, sample.strip())
             if not ui.failed(report):
                 findings(report.value)
         else:
-            ui.empty(f"The doctor sends a few short multi-turn sessions through {target.base_url} and reads "
+            ui.empty(f"The doctor sends a few short multi-turn sessions through {url} and reads "
                      "the engines' metrics in Prometheus; it takes some seconds.")  # fmt: skip

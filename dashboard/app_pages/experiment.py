@@ -1,65 +1,72 @@
-"""Experiment: the source article's A/B run (`kvwatch experiment`): load a report it wrote, or run one."""
+"""Experiment: the source article's A/B run (`kvwatch experiment`) of two configured targets: load a
+report, or run one.
+
+Viewers pick targets of the config and a directory under its report directory, nothing else: a URL, an
+API key source or a path typed here could send the server's keys anywhere or write anywhere.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import streamlit as st
 
 from collectors.config import Target
+from collectors.redaction import redact
 from dashboard import data, ui
 
-DEFAULT_OUT = ".kvwatch/experiment"
+
+def route(target: Target) -> str:
+    return f"{target.name} ({target.route_mode}, {redact(target.base_url)})"
 
 
-def run_form(targets: tuple[Target, ...], out: str) -> None:
-    """Run `kvwatch experiment` into `out`, the configured routes as defaults: A round robin, B affinity."""
-    by_mode = {t.route_mode: t for t in targets}
-    a, b = by_mode.get("round_robin"), by_mode.get("affinity")
+def run_form(targets: tuple[Target, ...], out: Path) -> None:
+    """Run the experiment into `out`, by default A a route meant to spread sessions and B a sticky one."""
+    if len(targets) < 2:
+        ui.empty(f"The experiment runs two probe targets of {data.config_path()}; it has {len(targets)}.")
+        return
+    a = next((i for i, t in enumerate(targets) if not t.expect_sticky), 0)
+    others = [i for i in range(len(targets)) if i != a]
+    b = next((i for i in others if targets[i].expect_sticky), others[0])
     with st.form("experiment_run"):
         left, right = st.columns(2)
-        a_url = left.text_input("Route A: base URL", a.base_url if a else "", key="experiment_a")
-        label_a = left.text_input("Route A: label", "round_robin", key="experiment_label_a")
-        b_url = right.text_input("Route B: base URL", b.base_url if b else "", key="experiment_b")
-        label_b = right.text_input("Route B: label", "affinity", key="experiment_label_b")
-        model = left.text_input("Model", (b or a).model if b or a else "", key="experiment_model")
-        key_env = right.text_input("API key: environment variable (optional)", key="experiment_key_env")
+        route_a = left.selectbox("Route A", targets, a, format_func=route, key="experiment_a")
+        route_b = right.selectbox("Route B", targets, b, format_func=route, key="experiment_b")
         sessions, rounds, seed = st.columns(3)
-        numbers = {
-            "--sessions": sessions.number_input("Sessions per route", 1, 500, 20, key="experiment_sessions"),
-            "--rounds": rounds.number_input("Rounds", 2, 50, 6, key="experiment_rounds"),
-            "--seed": seed.number_input("Seed", 0, None, 0, key="experiment_seed"),
-        }
+        chosen = (
+            sessions.number_input("Sessions per route", 1, 500, 20, key="experiment_sessions"),
+            rounds.number_input("Rounds", 2, 50, 6, key="experiment_rounds"),
+            seed.number_input("Seed", 0, None, 0, key="experiment_seed"),
+        )
         if not st.form_submit_button("Run the experiment", type="primary"):
             return
-    args = ["--a", a_url, "--b", b_url, "--label-a", label_a, "--label-b", label_b, "--model", model]
-    args += [str(x) for flag, value in numbers.items() for x in (flag, value)]
-    args += ["--api-key-env", key_env] if key_env else []
     with st.spinner("Running the same sessions through both routes…"):
-        ran = data.run_experiment(out, *args)
-    if ran.value:  # some sessions failed: what kvwatch experiment said about them
-        st.warning(ran.value, icon=":material/warning:")
+        ran = data.run_experiment(route_a, route_b, out, *chosen)
+    if ran.value:  # some sessions failed: how many, and why
+        st.warning("  \n".join(ran.value), icon=":material/warning:")
     elif not ui.failed(ran):
-        st.success(f"Done: the report is in {out}.")
+        st.success("Done: the report is below.")
 
 
 st.title("A/B experiment")
 st.caption(
     "The same seeded sessions through route A and route B, interleaved: per-round TTFT with bootstrap "
-    "95 % intervals, cache reuse and stickiness (`kvwatch experiment`)."
+    "95 % intervals, cache reuse and stickiness (`kvwatch experiment`). Each route is a probe target of "
+    "the config, with its own URL, API key and session settings."
 )
-directory = st.text_input("Report directory", DEFAULT_OUT, key="experiment_dir")
 config = data.settings()
-with st.expander("Run a new experiment", expanded=False):
-    if not ui.failed(config):
-        run_form(config.value.targets, directory)
-
-report = data.experiment_report(directory)
-if not ui.failed(report):
-    if report.value is None:
-        ui.empty(
-            f"No experiment report in {directory} yet: run one above, or "
-            f"`kvwatch experiment --a URL --b URL --out {directory}`."
-        )
-    else:
-        if report.value.plot:
-            st.image(report.value.plot)
-        st.markdown(report.value.markdown)
+if not ui.failed(config):
+    root = config.value.dashboard.report_directory
+    name = st.text_input(f"Report directory, under {root}", "", key="experiment_dir")
+    directory = data.report_directory(name)
+    if not ui.failed(directory):
+        with st.expander("Run a new experiment", expanded=False):
+            run_form(config.value.targets, directory.value)
+        report = data.experiment_report(directory.value)
+        if not ui.failed(report):
+            if report.value is None:
+                ui.empty(f"No experiment report in {root / name} yet: run one above.")
+            else:
+                if report.value.plot:
+                    st.image(report.value.plot)
+                st.markdown(report.value.markdown)

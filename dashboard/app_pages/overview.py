@@ -12,6 +12,7 @@ import streamlit as st
 
 from collectors import queries
 from collectors.config import GatewayLog, Target
+from collectors.redaction import redact
 from dashboard import data, ui
 from dashboard.ui import Verdict
 
@@ -151,7 +152,9 @@ def sticky_words(expected: bool) -> str:
 
 def route(board: Board, target: Target) -> None:
     st.subheader(target.name)
-    st.caption(f"Probe route, {target.route_mode}, {sticky_words(target.expect_sticky)} · {target.base_url}")
+    st.caption(
+        f"Probe route, {target.route_mode}, {sticky_words(target.expect_sticky)} · {redact(target.base_url)}"
+    )
     for column, shown in zip(st.columns(3), (STICKY, WARM_COLD, AFFINITY_EFFICIENCY), strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
@@ -207,7 +210,7 @@ def overview() -> None:
         return
     with top:
         banner(firing.value)
-    st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {config.value.prometheus.url}.")
+    st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {redact(config.value.prometheus.url)}.")
     hit_ratio, local, sources = st.columns(3)
     with hit_ratio:
         board.tile(CLUSTER_HIT_RATIO)

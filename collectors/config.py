@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import re
 import sys
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
-from urllib.parse import urlsplit
 
 import yaml
 
 from collectors import blocksize, identity
+from collectors.connections import url_problem
+from collectors.redaction import redact
 
 
 class ConfigError(Exception):
@@ -48,6 +51,13 @@ _SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
 # expected to stay there (`expect_sticky` defaults to it) and the affinity alerts watch it.
 RouteMode = Literal["affinity", "consistent_hash", "manual", "cache_aware", "round_robin", "random"]
 STICKY_ROUTE_MODES = frozenset({"affinity", "consistent_hash", "manual"})
+# What a config file may be: a real one is a few kilobytes and five levels deep; far more is a mistake that
+# would otherwise be read whole into memory or recurse past Python's limit.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
+HOUR, DAY = 3600, 86400
+# A run builds every session's prompts before it sends them: ~60 MB of text at most.
+MAX_RUN_TOKENS = 10_000_000
 
 
 def _check(ok: object, where: str, message: str) -> None:
@@ -62,22 +72,39 @@ def _name(value: str, where: str) -> None:
 
 
 def _url(value: str | None, where: str) -> None:
+    """A URL the HTTP client can request: checked here, since the client takes a port of 99999 and fails
+    only when it connects. Its password, if any, is not repeated."""
     if value is not None:
-        parts = urlsplit(value)
-        ok = parts.scheme in ("http", "https") and parts.hostname
-        _check(ok, where, f'must be an http:// or https:// URL with a host, got "{value}"')
+        shown = redact(value)
+        ok = value.startswith(("http://", "https://"))
+        _check(ok, where, f'must be an http:// or https:// URL with a host, got "{shown}"')
+        problem = url_problem(value)
+        _check(problem is None, where, f'"{shown}" is not a valid URL: {problem}')
 
 
 def _header(value: str, where: str) -> None:
     _check(_HEADER.fullmatch(value), where, f'must be an HTTP header name, got "{value}"')
 
 
-def _at_least(value: int, low: int, where: str) -> None:
-    _check(value >= low, where, f"must be >= {low}, got {value}")
+def _bounded(default: float, low: float, high: float, *, low_excluded: bool = False) -> Any:
+    """A number field with its default and its range, written next to it and checked by `_check_ranges`."""
+    return dataclass_field(default=default, metadata={"range": (low, high, low_excluded)})
 
 
-def _positive(value: float, where: str) -> None:
-    _check(value > 0, where, f"must be > 0, got {value:g}")
+def _check_ranges(section: object) -> None:
+    """Every number has a maximum, so one absurd value (a typo, `.inf`, a million sessions) is a config
+    error, not a run that exhausts memory or never ends. NaN compares false, so it is in no range."""
+    for number in fields(section):
+        if "range" in number.metadata:
+            low, high, low_excluded = number.metadata["range"]
+            value = getattr(section, number.name)
+            ok = (value > low if low_excluded else value >= low) and value <= high
+            low_text = f"> {_show(low)}" if low_excluded else f">= {_show(low)}"
+            _check(ok, number.name, f"must be {low_text} and <= {_show(high)}, got {_show(value)}")
+
+
+def _show(number: float) -> str:
+    return f"{number:g}" if isinstance(number, float) else str(number)
 
 
 @dataclass(frozen=True)
@@ -107,16 +134,15 @@ class BackendIdentity:
 class Workload:
     """The probe's conversations, seeded so that runs are comparable."""
 
-    system_tokens: int = 1000
-    turn_tokens: int = 200
-    max_tokens: int = 32
+    system_tokens: int = _bounded(1000, 0, 1_000_000)
+    turn_tokens: int = _bounded(200, 1, 1_000_000)
+    # The probe takes answers of up to 50,000 tokens (probe.MAX_STREAM_LINES); a longer one fails the round.
+    max_tokens: int = _bounded(32, 1, 50_000)
     seed: int = 0
     sharegpt: Path | None = None  # a ShareGPT-style JSON file instead of synthetic turns
 
     def __post_init__(self):
-        _at_least(self.system_tokens, 0, "system_tokens")
-        _at_least(self.turn_tokens, 1, "turn_tokens")
-        _at_least(self.max_tokens, 1, "max_tokens")
+        _check_ranges(self)
 
 
 @dataclass(frozen=True)
@@ -133,11 +159,12 @@ class Target:
     session: SessionSettings = SessionSettings()
     backend: BackendIdentity = BackendIdentity()
     router: str | None = None  # a router that names the replica only when asked (identity.ROUTERS)
-    interval_seconds: float = 60.0
-    sessions_per_run: int = 2
-    rounds: int = 6
+    interval_seconds: float = _bounded(60.0, 1, DAY)
+    sessions_per_run: int = _bounded(2, 1, 1000)
+    # Round 1 is the cold baseline, so a session needs a second round to say anything.
+    rounds: int = _bounded(6, 2, 50)
     workload: Workload = Workload()
-    timeout_seconds: float = 60.0
+    timeout_seconds: float = _bounded(60.0, 0, HOUR, low_excluded=True)
     block_size: int | None = None  # the engine's KV block in tokens; None: learn it (collectors.blocksize)
 
     def __post_init__(self):
@@ -158,11 +185,16 @@ class Target:
             "router",
             f'unknown router "{self.router}"; known: {known}',
         )
-        _positive(self.interval_seconds, "interval_seconds")
-        _at_least(self.sessions_per_run, 1, "sessions_per_run")
-        # Round 1 is the cold baseline, so a session needs a second round to say anything.
-        _check(2 <= self.rounds <= 50, "rounds", f"must be between 2 and 50, got {self.rounds}")
-        _positive(self.timeout_seconds, "timeout_seconds")
+        _check_ranges(self)
+        spec = self.workload
+        if spec.sharegpt is None:  # synthetic: every session has a system prompt of its own
+            tokens = self.sessions_per_run * (spec.system_tokens + self.rounds * spec.turn_tokens)
+            _check(
+                tokens <= MAX_RUN_TOKENS,
+                "",
+                "a run's prompts, sessions_per_run x (workload.system_tokens + rounds x "
+                f"workload.turn_tokens), are {tokens} tokens, more than {MAX_RUN_TOKENS}; lower one of them",
+            )
         if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
             raise _Invalid("block_size", wrong)
 
@@ -173,16 +205,15 @@ class GatewayLog:
 
     name: str  # the `log` label
     path: Path
-    spread_window_seconds: float = 600.0
-    session_ttl_seconds: float = 1800.0  # the source article recycles idle session ids after 30 min
-    max_sessions: int = 100_000
+    spread_window_seconds: float = _bounded(600.0, 0, DAY, low_excluded=True)
+    # The source article recycles idle session ids after 30 min.
+    session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
+    max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
     expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
 
     def __post_init__(self):
         _name(self.name, "name")
-        _positive(self.spread_window_seconds, "spread_window_seconds")
-        _positive(self.session_ttl_seconds, "session_ttl_seconds")
-        _at_least(self.max_sessions, 1, "max_sessions")
+        _check_ranges(self)
 
 
 @dataclass(frozen=True)
@@ -228,10 +259,19 @@ class StoreSettings:
     """The SQLite history of probe sessions and received alerts."""
 
     path: Path = Path(".kvwatch/kvwatch.db")
-    retention_days: float = 14.0
+    retention_days: float = _bounded(14.0, 0, 3650, low_excluded=True)
 
     def __post_init__(self):
-        _positive(self.retention_days, "retention_days")
+        _check_ranges(self)
+        # `kvwatch serve` creates the missing directories; a path in which none can be made is refused here.
+        example = self.path / "kvwatch.db"
+        _check(
+            not os.path.isdir(self.path),
+            "path",
+            f'"{self.path}" is a directory; name the database file in it, e.g. "{example}"',
+        )
+        existing = next(parent for parent in self.path.parents if os.path.exists(parent))
+        _check(os.path.isdir(existing), "path", f'cannot be created: "{existing}" is not a directory')
 
 
 @dataclass(frozen=True)
@@ -278,7 +318,10 @@ class Config:
 def load_config(path: str | os.PathLike) -> Config:
     """Read and check a config file; any problem is one `ConfigError` naming the file."""
     try:
-        return _parse(Path(path).read_text(encoding="utf-8"))
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # no more: the path may be a huge file or /dev/zero
+        _check(len(data) <= MAX_CONFIG_BYTES, "", "larger than 1 MiB; a kvwatch config is a few kilobytes")
+        return _parse(data.decode("utf-8"))
     except OSError as error:
         problem = f"cannot read it: {error.strerror}"
     except UnicodeDecodeError:
@@ -306,8 +349,35 @@ def _parse(text: str) -> Config:
 class _Loader(yaml.SafeLoader):
     """A SafeLoader that rejects a key given twice in one mapping instead of keeping the last silently.
 
-    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends.
+    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends. Nesting deeper than
+    MAX_YAML_DEPTH and a scalar that resolves to no valid date or integer are YAML errors with a position,
+    where SafeLoader would raise RecursionError or ValueError.
     """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.depth == MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except ValueError:  # 2026-13-45, an integer of more than 4,300 digits
+            kind = node.tag.rpartition(":")[2]
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a valid {kind}", node.start_mark
+            ) from None
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -376,7 +446,10 @@ def _convert(kind: Any, value: object, path: str):
         # YAML's true/false are ints to Python; an int is a fine float, a float is not an int.
         ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
         _check(ok, path, f"expected {'an integer' if kind is int else 'a number'}, got {_describe(value)}")
-        return kind(value)
+        try:
+            return kind(value)
+        except OverflowError:  # an integer beyond any float: out of every range, as infinity is
+            return math.inf if value > 0 else -math.inf
     _check(isinstance(value, str), path, f"expected a string, got {_describe(value)}")
     _check(value, path, "must not be empty")
     return Path(value).expanduser() if kind is Path else value

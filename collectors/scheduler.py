@@ -29,7 +29,7 @@ from collectors.config import Config, ConfigError, Target, load_config, resolve_
 from collectors.exporter import ProbeCollector, ProbeResults, make_app
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
-from collectors.store import Store
+from collectors.store import Store, StoreError
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -233,7 +233,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
     try:
         service = Service(load_config(args.config))
-    except (ConfigError, ValueError, OSError) as error:
+    except (ConfigError, StoreError, ValueError, OSError) as error:
         print(f"kvwatch serve: {error}", file=sys.stderr)
         return 1
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from collectors import cli
 from collectors.config import (
     BackendIdentity,
     Config,
@@ -56,10 +57,24 @@ INVALID = [
         "base-url",
         'targets[0].base_url: must be an http:// or https:// URL with a host, got "127.0.0.1:18000"',
     ),
+    (
+        "base-url-password-port",
+        'targets[0].base_url: "http://kvw:[redacted]@127.0.0.1:99999/v1" is not a valid URL: '
+        "port 99999 is not 1 to 65535",
+    ),
+    (
+        "base-url-port",
+        'targets[0].base_url: "http://127.0.0.1:99999" is not a valid URL: port 99999 is not 1 to 65535',
+    ),
+    (
+        "base-url-port-name",
+        "targets[0].base_url: \"http://127.0.0.1:port\" is not a valid URL: Invalid port: 'port'",
+    ),
     ("block-size", "targets[0].block_size: must be >= 1, got 0"),
     ("block-size-too-large", "targets[0].block_size: must be <= 1048576 (1 << 20), got 2097152"),
     ("block-size-float", "targets[0].block_size: expected an integer, got the number 16.5"),
     ("control-character", "invalid YAML: unacceptable character #x0007: special characters are not allowed"),
+    ("date", "invalid YAML at line 6, column 13: not a valid timestamp"),
     ("duplicate-gateway-log-name", 'gateway_logs[1].name: "chat" is taken by gateway_logs[0]'),
     ("duplicate-key", 'invalid YAML at line 6, column 5: duplicate key "rounds"'),
     ("duplicate-target-name", 'targets[1].name: "chat" is taken by targets[0]'),
@@ -67,17 +82,34 @@ INVALID = [
     ("empty", "the file is empty"),
     ("expect-sticky", 'targets[0].expect_sticky: expected true or false, got the string "yes"'),
     ("gateway-log-expect-sticky", "gateway_logs[0].expect_sticky: expected true or false, got the number 1"),
-    ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1, got 0"),
+    ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 0"),
+    (
+        "gateway-log-max-sessions-too-many",
+        "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 1000001",
+    ),
     ("gateway-log-missing-path", "gateway_logs[0].path: required key is missing"),
     (
         "gateway-log-name",
         'gateway_logs[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "gateway.affinity"',
     ),
-    ("gateway-log-session-ttl", "gateway_logs[0].session_ttl_seconds: must be > 0, got 0"),
-    ("gateway-log-spread-window", "gateway_logs[0].spread_window_seconds: must be > 0, got 0"),
+    ("gateway-log-session-ttl", "gateway_logs[0].session_ttl_seconds: must be > 0 and <= 604800, got 0"),
+    (
+        "gateway-log-session-ttl-too-long",
+        "gateway_logs[0].session_ttl_seconds: must be > 0 and <= 604800, got inf",
+    ),
+    ("gateway-log-spread-window", "gateway_logs[0].spread_window_seconds: must be > 0 and <= 86400, got 0"),
+    (
+        "gateway-log-spread-window-too-long",
+        "gateway_logs[0].spread_window_seconds: must be > 0 and <= 86400, got 86401",
+    ),
+    ("integer-too-long", "invalid YAML at line 6, column 13: not a valid int"),
     ("interval-null", "targets[0].interval_seconds: expected a number, got null"),
     ("interval-type", 'targets[0].interval_seconds: expected a number, got the string "60s"'),
-    ("interval", "targets[0].interval_seconds: must be > 0, got 0"),
+    ("interval", "targets[0].interval_seconds: must be >= 1 and <= 86400, got 0"),
+    ("interval-huge-integer", "targets[0].interval_seconds: must be >= 1 and <= 86400, got inf"),
+    ("interval-nan", "targets[0].interval_seconds: must be >= 1 and <= 86400, got nan"),
+    ("interval-too-long", "targets[0].interval_seconds: must be >= 1 and <= 86400, got 86401"),
+    ("interval-too-short", "targets[0].interval_seconds: must be >= 1 and <= 86400, got 0.5"),
     ("listen-host", 'exporter.listen: "bad_host" is not an IP address or host name'),
     ("listen-port", 'exporter.listen: must be host:port with a port from 1 to 65535, got "127.0.0.1:99999"'),
     (
@@ -92,9 +124,13 @@ INVALID = [
         "prometheus-url",
         'prometheus.url: must be an http:// or https:// URL with a host, got "prometheus:9090"',
     ),
+    (
+        "prometheus-url-port",
+        'prometheus.url: "http://127.0.0.1:0" is not a valid URL: port 0 is not 1 to 65535',
+    ),
     ("rounds-float", "targets[0].rounds: expected an integer, got the number 6.5"),
-    ("rounds-too-many", "targets[0].rounds: must be between 2 and 50, got 51"),
-    ("rounds", "targets[0].rounds: must be between 2 and 50, got 1"),
+    ("rounds-too-many", "targets[0].rounds: must be >= 2 and <= 50, got 51"),
+    ("rounds", "targets[0].rounds: must be >= 2 and <= 50, got 1"),
     (
         "router",
         'targets[0].router: unknown router "smg"; known: dynamo',
@@ -107,12 +143,16 @@ INVALID = [
     ("session-header", 'targets[0].session.header: must be an HTTP header name, got "X Session Id"'),
     ("session-mode", 'targets[0].session.mode: must be one of client, server, none; got the string "sticky"'),
     ("sessions-per-run-boolean", "targets[0].sessions_per_run: expected an integer, got the boolean true"),
-    ("sessions-per-run", "targets[0].sessions_per_run: must be >= 1, got 0"),
-    ("store-retention", "store.retention_days: must be > 0, got 0"),
+    ("sessions-per-run", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 0"),
+    ("sessions-per-run-too-many", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 1001"),
+    ("store-retention", "store.retention_days: must be > 0 and <= 3650, got 0"),
+    ("store-retention-too-long", "store.retention_days: must be > 0 and <= 3650, got 3651"),
     ("target-name", 'targets[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "Chat Route"'),
     ("target-not-a-mapping", 'targets[0]: expected a mapping, got the string "chat"'),
     ("targets-not-a-list", "targets: expected a list, got a mapping"),
-    ("timeout", "targets[0].timeout_seconds: must be > 0, got -1"),
+    ("timeout", "targets[0].timeout_seconds: must be > 0 and <= 3600, got -1"),
+    ("timeout-infinite", "targets[0].timeout_seconds: must be > 0 and <= 3600, got inf"),
+    ("timeout-too-long", "targets[0].timeout_seconds: must be > 0 and <= 3600, got 3601"),
     ("top-level-list", "the top level must be a mapping of keys, got a list"),
     ("unknown-key", "targets[1].session.hedaer: unknown key; known: header, mode"),
     (
@@ -120,10 +160,24 @@ INVALID = [
         "thresholds: unknown key; known: "
         "alertmanager, dashboard, exporter, gateway_logs, prometheus, store, targets",
     ),
-    ("workload-max-tokens", "targets[0].workload.max_tokens: must be >= 1, got 0"),
+    ("workload-max-tokens", "targets[0].workload.max_tokens: must be >= 1 and <= 50000, got 0"),
+    ("workload-max-tokens-too-many", "targets[0].workload.max_tokens: must be >= 1 and <= 50000, got 50001"),
     ("workload-not-a-mapping", 'targets[0].workload: expected a mapping, got the string "synthetic"'),
-    ("workload-system-tokens", "targets[0].workload.system_tokens: must be >= 0, got -1"),
-    ("workload-turn-tokens", "targets[0].workload.turn_tokens: must be >= 1, got 0"),
+    ("workload-system-tokens", "targets[0].workload.system_tokens: must be >= 0 and <= 1000000, got -1"),
+    (
+        "workload-system-tokens-too-many",
+        "targets[0].workload.system_tokens: must be >= 0 and <= 1000000, got 1000001",
+    ),
+    (
+        "workload-too-large-for-a-run",
+        "targets[0]: a run's prompts, sessions_per_run x (workload.system_tokens + rounds x "
+        "workload.turn_tokens), are 20000000 tokens, more than 10000000; lower one of them",
+    ),
+    ("workload-turn-tokens", "targets[0].workload.turn_tokens: must be >= 1 and <= 1000000, got 0"),
+    (
+        "workload-turn-tokens-too-many",
+        "targets[0].workload.turn_tokens: must be >= 1 and <= 1000000, got 1000001",
+    ),
     ("yaml", "invalid YAML at line 5, column 4: expected <block end>, but found '<block mapping start>'"),
 ]
 
@@ -282,8 +336,61 @@ def test_missing_file():
         load_config(path)
 
 
+def test_a_config_over_1_mib_is_refused_unread(tmp_path):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_bytes((TESTDATA / "good-minimal.yml").read_bytes().ljust((1 << 20) + 1, b"#"))
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == f"error in {path}: larger than 1 MiB; a kvwatch config is a few kilobytes"
+
+
+# 10,000 deep: Python's recursion limit is 1,000. The first node 33 levels deep is the 32nd list, or the
+# key of the 32nd mapping.
+@pytest.mark.parametrize(("opening", "closing", "column"), [("[", "]", 41), ("{a: ", "}", 131)])
+def test_deep_nesting_is_one_line(tmp_path, opening, closing, column):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(f"targets: {opening * 10_000}{closing * 10_000}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == (
+        f"error in {path}: invalid YAML at line 1, column {column}: nested more than 32 levels deep"
+    )
+
+
+def with_store_path(tmp_path: Path, store: Path) -> Path:
+    path = tmp_path / "kvwatch.yaml"
+    minimal = (TESTDATA / "good-minimal.yml").read_text()
+    path.write_text(f"{minimal}store:\n  path: {store}\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("store", "problem"),
+    [
+        ("", '"{tmp}" is a directory; name the database file in it, e.g. "{tmp}/kvwatch.db"'),
+        ("file/history/kvwatch.db", 'cannot be created: "{tmp}/file" is not a directory'),
+    ],
+    ids=["directory", "under-a-file"],
+)
+def test_a_store_path_no_one_can_create_is_one_line(tmp_path, store, problem):
+    (tmp_path / "file").touch()
+    path = with_store_path(tmp_path, tmp_path / store)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == f"error in {path}: store.path: " + problem.format(tmp=tmp_path)
+
+
+def test_serve_says_in_one_line_that_it_cannot_open_the_store(tmp_path, capsys):
+    # /proc takes no new files, even from root; the config cannot know, only opening the store does.
+    path = with_store_path(tmp_path, Path("/proc/kvwatch.db"))
+    assert cli.main(["serve", "--config", str(path)]) == 1
+    assert capsys.readouterr().err == (
+        "kvwatch serve: cannot open the kvwatch store /proc/kvwatch.db: unable to open database file\n"
+    )
+
+
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ValueError, match=r"^rounds: must be between 2 and 50, got 60$"):
+    with pytest.raises(ValueError, match=r"^rounds: must be >= 2 and <= 50, got 60$"):
         Target(name="chat", base_url="http://127.0.0.1:18000", model="m", rounds=60)
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -185,17 +185,19 @@ async def run_session(
     think_seconds: float = 0.0,
     render_system_prompt: Callable[[str], str] | None = None,
     on_request: Callable[[list[dict]], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> SessionResult:
     """One conversation through the route, round after round, until its turns run out or a round fails.
 
     `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
-    that templates the current time into it does (the lab's dynamic-prefix fault).
+    that templates the current time into it does (the lab's dynamic-prefix fault). `stop`, once set,
+    abandons the round in flight: the session ends with its finished rounds, marked interrupted.
     """
     # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
     session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
     messages = [{"role": "system", "content": conversation.system_prompt}]
     rounds: list[RoundResult] = []
-    started_at = time.time()
+    started_at, interrupted = time.time(), False
     for number, turn in enumerate(conversation.user_turns, start=1):
         if number > 1 and think_seconds > 0:
             await asyncio.sleep(think_seconds)
@@ -205,7 +207,13 @@ async def run_session(
         if on_request is not None:
             on_request([dict(m) for m in messages])
         previous = rounds[-1] if rounds else None
-        result, answer = await _round(client, settings, number, messages, session_id, previous)
+        answered = await _unless_stopped(
+            stop, _round(client, settings, number, messages, session_id, previous)
+        )
+        if answered is None:
+            interrupted = True
+            break
+        result, answer = answered
         rounds.append(result)
         if not result.ok:
             break
@@ -219,7 +227,24 @@ async def run_session(
         started_at=started_at,
         finished_at=time.time(),
         rounds=tuple(rounds),
+        interrupted=interrupted,
     )
+
+
+async def _unless_stopped(
+    stop: asyncio.Event | None, work: Coroutine[object, object, tuple[RoundResult, str]]
+) -> tuple[RoundResult, str] | None:
+    """What `work` returns, or None when `stop` is set first; `work` is then cancelled."""
+    if stop is None:
+        return await work
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        task.cancel()  # nothing when it is done
+        await asyncio.wait((task,))
+    return None if task.cancelled() else task.result()
 
 
 async def run_sessions(

@@ -57,6 +57,9 @@ class SessionResult:
     started_at: float
     finished_at: float
     rounds: tuple[RoundResult, ...]
+    # Cut short by `kvwatch serve` stopping: `rounds` are the ones that finished, the round in flight is
+    # not among them.
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:

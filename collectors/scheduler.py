@@ -1,27 +1,30 @@
 """`kvwatch serve`: probes on a schedule, gateway logs followed, the exporter and the alert webhook.
 
-One asyncio process: APScheduler 3.x's AsyncIOScheduler runs a job per target (with jitter, one instance
-at a time, missed runs coalesced), a job that polls the gateway logs and one that prunes the store;
-aiohttp serves /metrics and the webhook. Probes never raise; a job that fails anyway is logged and
-the next run goes on.
+One asyncio process: a job per target (with jitter, one run at a time, missed runs skipped), a job that
+polls the gateway logs and one that prunes the store, each timed by the monotonic clock (`every`);
+aiohttp serves /metrics and the webhook; one thread writes the store (StoreWriter). Probes never raise;
+a job that fails anyway is logged and the next run goes on. On SIGTERM the runs in flight store what
+they have: the sessions' finished rounds, marked interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
+import math
 import random
 import signal
 import sys
 import time
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 from aiohttp import web
-from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry
 
 from collectors import blocksize, workload
@@ -29,13 +32,14 @@ from collectors.config import Config, ConfigError, Target, load_config, resolve_
 from collectors.exporter import ProbeCollector, ProbeResults, make_app
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
-from collectors.store import Store, StoreError
+from collectors.store import Store, StoreError, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
 
 GATEWAY_POLL_SECONDS = 5.0
 PRUNE_SECONDS = 3600.0
 MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the cluster they measure
+RUNS_FINISH_SECONDS = 10.0  # at a stop, for the runs in flight to learn their block size and store
 
 
 def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
@@ -53,6 +57,28 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         max_tokens=target.workload.max_tokens,
         timeout_seconds=target.timeout_seconds,
     )
+
+
+async def every(
+    name: str, interval: float, job: Callable[[], Awaitable[object]], stop: asyncio.Event, jitter: float = 0.0
+) -> None:
+    """Run `job` now, then once per tick of `interval` seconds until `stop` is set.
+
+    Ticks follow the event loop's monotonic clock, so a step of the wall clock (NTP, a resumed VM) neither
+    pauses nor bunches the runs. One run at a time: a run that outlasts its interval skips the ticks it
+    missed. Each run starts up to `jitter` seconds after its tick, so that targets do not probe in
+    lockstep. A run that raises is logged, and the next one goes on.
+    """
+    loop = asyncio.get_running_loop()
+    tick = loop.time()
+    while not stop.is_set():
+        try:
+            await job()
+        except Exception:
+            log.exception("%s failed", name)
+        tick += interval * (1 + max(0, math.floor((loop.time() - tick) / interval)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick - loop.time() + random.uniform(0, jitter))
 
 
 def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.BlockSizeSources:
@@ -98,6 +124,7 @@ class Service:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.store = Store(config.store.path, config.store.retention_days)
+        self.writer = StoreWriter()
         self.results = ProbeResults()
         self.followers = [
             GatewayLogFollower(
@@ -119,6 +146,7 @@ class Service:
             )
         )
         self.registry.register(GatewayLogCollector(self.followers))
+        self.registry.register(self.writer)
         for target in config.targets:
             self.results.declare((target.name, target.route_mode))
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
@@ -127,21 +155,24 @@ class Service:
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in config.targets}
         self._gate: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
+        self._stop: asyncio.Event | None = None
 
     async def probe(self, target: Target) -> None:
         """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported.
 
         The engine's block size is learned anew each run, so an engine redeployed with another is followed.
+        A stop cuts the sessions short; those with a finished round are stored, marked interrupted.
         """
         started = time.time()
         settings = self.probes[target.name]
 
         async def one(conversation: workload.Conversation):
             async with self._gate:
-                return await run_session(self._client, settings, conversation)
+                return await run_session(self._client, settings, conversation, stop=self._stop)
 
         try:
             sessions = await asyncio.gather(*map(one, self.conversations[target.name].next_run()))
+            sessions = [s for s in sessions if s.rounds]  # stopped before its first answer: nothing measured
             block = await blocksize.learn(self.block_sources[target.name], sessions)
             sessions = with_block_size(sessions, block.tokens)
         except Exception:  # a probe never raises; this guards the scheduler against a bug
@@ -149,14 +180,16 @@ class Service:
             return
         self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
         for session in sessions:
-            self.store.add_session(session)
+            self.writer.submit(self.store.add_session, session)
         failed = [s.error_kind for s in sessions if not s.ok]
+        interrupted = sum(s.interrupted for s in sessions)
         log.info(
-            "%s: %d sessions, %d failed%s; %s",
+            "%s: %d sessions, %d failed%s%s; %s",
             target.name,
             len(sessions),
             len(failed),
             f" ({', '.join(sorted(set(failed)))})" if failed else "",
+            f", {interrupted} cut short by the stop" if interrupted else "",
             block.describe(),
         )
 
@@ -164,28 +197,30 @@ class Service:
         for follower in self.followers:
             follower.poll()
 
-    def prune(self) -> None:
-        removed = self.store.prune()
-        if removed:
-            log.info("pruned %d old sessions and alerts", removed)
+    async def prune(self) -> None:
+        with contextlib.suppress(WriteDropped):  # the writer has said why
+            removed = await asyncio.wrap_future(self.writer.submit(self.store.prune))
+            if removed:
+                log.info("pruned %d old sessions and alerts", removed)
 
-    def _schedule(self, scheduler: AsyncIOScheduler) -> None:
-        now = datetime.now(UTC)
-        for target in self.config.targets:
-            interval = target.interval_seconds
-            scheduler.add_job(
-                self.probe, "interval", args=[target], id=f"probe-{target.name}", seconds=interval,
-                jitter=min(5.0, interval / 10), next_run_time=now, misfire_grace_time=max(1, int(interval)),
-            )  # fmt: skip
+    def _start_jobs(self, stop: asyncio.Event) -> list[asyncio.Task]:
+        """The probe of each target, jittered by a tenth of its interval (5 s at most), the gateway-log
+        poll (in a thread: it reads files) and the store's pruning, each on its own schedule."""
+        jobs = [
+            every(f"probe run of {t.name}", t.interval_seconds, functools.partial(self.probe, t), stop,
+                  jitter=min(5.0, t.interval_seconds / 10))
+            for t in self.config.targets
+        ]  # fmt: skip
         if self.followers:
-            scheduler.add_job(
-                self.poll_gateway_logs, "interval", id="gateway-logs", seconds=GATEWAY_POLL_SECONDS,
-                next_run_time=now,
-            )  # fmt: skip
-        scheduler.add_job(self.prune, "interval", id="prune", seconds=PRUNE_SECONDS, next_run_time=now)
+            poll = functools.partial(asyncio.to_thread, self.poll_gateway_logs)
+            jobs.append(every("gateway-log poll", GATEWAY_POLL_SECONDS, poll, stop))
+        jobs.append(every("store pruning", PRUNE_SECONDS, self.prune, stop))
+        return [asyncio.create_task(job) for job in jobs]
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set; then stop the jobs, close the HTTP side and the store."""
+        """Serve until `stop` is set; then let the runs in flight store what they have, close the HTTP
+        side and write what is queued for the store (FLUSH_SECONDS at most)."""
+        self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's
         # deadline over the whole exchange (ProbeSettings.timeout_seconds).
@@ -195,24 +230,27 @@ class Service:
         runner = web.AppRunner(make_app(self.registry, self.store.add_alerts), access_log=None)
         await runner.setup()
         listen = self.config.exporter
-        scheduler = AsyncIOScheduler(
-            timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
-        )
+        jobs: list[asyncio.Task] = []
         try:
             await web.TCPSite(runner, listen.host, listen.port).start()
             log.info(
                 "exporter and webhook on http://%s:%d (/metrics, POST /alerts)", listen.host, listen.port
             )
-            self._schedule(scheduler)
-            scheduler.start()
+            jobs = self._start_jobs(stop)
             await stop.wait()
+            _, late = await asyncio.wait(jobs, timeout=RUNS_FINISH_SECONDS)
+            if late:
+                log.warning(
+                    "%d jobs still ran %g s after the stop: cancelled", len(late), RUNS_FINISH_SECONDS
+                )
         finally:
-            if scheduler.running:
-                scheduler.shutdown(wait=False)
+            for job in jobs:
+                job.cancel()
             await runner.cleanup()
             await self._client.aclose()
             for follower in self.followers:
                 follower.close()
+            self.writer.close()
             self.store.close()
 
 
@@ -230,7 +268,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     try:
         service = Service(load_config(args.config))
     except (ConfigError, StoreError, ValueError, OSError) as error:

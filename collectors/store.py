@@ -1,28 +1,37 @@
 """The SQLite history: probe sessions, their rounds, and the alerts kvwatch's webhook received.
 
 Prometheus keeps the aggregates; the per-session, per-round detail the dashboard drills into lives
-here. One process writes (`kvwatch serve`: scheduler threads and the webhook share one `Store`), others
-read at the same time (the dashboard, with `readonly=True`): WAL mode lets readers see the last commit
-while a write is in progress, and a busy timeout absorbs the short moments when SQLite must lock.
+here. One process writes (`kvwatch serve`, through one StoreWriter thread, so that a locked or full
+store never holds up its event loop), others read at the same time (the dashboard, with `readonly=True`):
+WAL mode lets readers see the last commit while a write is in progress, a busy timeout absorbs the short
+moments when SQLite must lock, and the writer retries what takes longer.
 Nothing here accepts an API key: the records carry none, and alerts carry only labels and annotations.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 from collectors.records import RoundResult, SessionResult
 
-SCHEMA_VERSION = 2
-BUSY_TIMEOUT_SECONDS = 10.0
+log = logging.getLogger("kvwatch.store")
+
+SCHEMA_VERSION = 3
+BUSY_TIMEOUT_SECONDS = 1.0  # SQLite's own wait for a lock; StoreWriter retries past it
 ALERT_STATUSES = ("firing", "resolved")
 
 _SCHEMA = (
@@ -37,7 +46,8 @@ _SCHEMA = (
         error_kind TEXT,
         sticky INTEGER,
         backend_switches INTEGER,
-        session_id_echoed INTEGER
+        session_id_echoed INTEGER,
+        interrupted INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX sessions_by_time ON sessions (started_at)",
     "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
@@ -82,6 +92,7 @@ _SCHEMA = (
 # What takes a store of the version before each one to that version, keeping its history.
 _MIGRATIONS = {
     2: ("ALTER TABLE rounds ADD COLUMN first_content_seconds REAL",),  # reasoning models' second TTFT
+    3: ("ALTER TABLE sessions ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0",),  # cut by a stop
 }
 # Fields and properties of SessionResult / RoundResult, stored under their own names.
 _SESSION_COLUMNS = (
@@ -95,6 +106,7 @@ _SESSION_COLUMNS = (
     "sticky",
     "backend_switches",
     "session_id_echoed",
+    "interrupted",
 )
 _ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
 _ALERT_COLUMNS = (
@@ -110,7 +122,7 @@ _ALERT_COLUMNS = (
     "ends_at",
     "fingerprint",
 )
-_BOOLEANS = ("ok", "sticky", "session_id_echoed")
+_BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted")
 
 
 class StoreError(Exception):
@@ -184,7 +196,8 @@ class Store:
             try:
                 yield db
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # SQLite has rolled back already after some errors (a full disk)
+                    db.execute("ROLLBACK")
                 raise
             db.execute("COMMIT")
 
@@ -259,6 +272,7 @@ class Store:
             started_at=row["started_at"],
             finished_at=row["finished_at"],
             rounds=tuple(RoundResult(**r) for r in rounds),
+            interrupted=bool(row["interrupted"]),
         )
 
     # --- alerts ------------------------------------------------------------------------------------
@@ -296,6 +310,124 @@ class Store:
             sessions = db.execute("DELETE FROM sessions WHERE started_at < ?", (cutoff,)).rowcount
             alerts = db.execute("DELETE FROM alerts WHERE received_at < ?", (cutoff,)).rowcount
         return sessions + alerts
+
+
+# --- the writer thread -------------------------------------------------------------------------------
+
+QUEUE_CAPACITY = 1000  # writes waiting: hours of sessions of a few targets
+RETRY_SECONDS = (
+    120.0  # how long one write is retried: past the longest lock or disk clean-up worth waiting for
+)
+FIRST_RETRY_DELAY_SECONDS = 0.1
+MAX_RETRY_DELAY_SECONDS = 5.0
+FLUSH_SECONDS = 10.0  # what a stop waits for the queued writes (Kubernetes gives 30 s in all)
+# SQLite's result codes worth trying again: a lock held elsewhere, a full disk, a failed read or write.
+RETRIED = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR})
+DROP_REASONS = ("queue_full", "failed")
+
+
+class WriteDropped(Exception):
+    """A write the StoreWriter lost: its queue was full, or its retries ran out; logged and counted."""
+
+
+class StoreWriter:
+    """The one thread that writes to the store, fed by a bounded queue, so that a locked, slow or full
+    SQLite file never holds up `kvwatch serve`'s event loop (its /metrics answers, its probes' timing).
+
+    A write that fails on a lock or a full disk is retried with backoff for up to `retry_seconds`. When
+    `capacity` writes are waiting, the newest is dropped and the queued ones kept: they are older
+    measurements the writer accepted already, and the newest's caller learns it at once (the webhook
+    answers 503, so that Alertmanager sends the alerts again). Every drop is logged and counted in
+    kvwatch_store_writes_dropped_total.
+    """
+
+    def __init__(self, capacity: int = QUEUE_CAPACITY, retry_seconds: float = RETRY_SECONDS) -> None:
+        self.capacity = capacity
+        self.retry_seconds = retry_seconds
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._counts_lock = threading.Lock()
+        self._dropped: Counter[str] = Counter()
+        self._retries = 0
+        self._give_up_at = float("inf")  # monotonic; set by close()
+        self._closing = threading.Event()  # wakes a retry's backoff at close
+        self._thread = threading.Thread(target=self._run, name="kvwatch-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: Callable, *args) -> Future:
+        """Queue `write(*args)`, a method of the store; the future holds what it returns, the ValueError
+        of a payload it refuses, or WriteDropped."""
+        future: Future = Future()
+        if self._queue.qsize() >= self.capacity:
+            self._drop(future, write, "queue_full", f"{self.capacity} writes are waiting already")
+        else:
+            self._queue.put((write, args, future))
+        return future
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Write what is queued, retrying for `timeout` seconds at most; drop what is left then."""
+        self._give_up_at = time.monotonic() + timeout
+        self._closing.set()
+        self._queue.put(None)
+        self._thread.join(timeout + BUSY_TIMEOUT_SECONDS)  # the write under way may be in its busy wait
+
+    def collect(self) -> Iterator[Metric]:
+        """The writer's health on /metrics."""
+        with self._counts_lock:
+            dropped, retries = dict(self._dropped), self._retries
+        lost = CounterMetricFamily(
+            "kvwatch_store_writes_dropped",
+            "Store writes (sessions, alerts, pruning) lost: the write queue was full, or retries after a "
+            "lock or a full disk ran out.",
+            labels=["reason"],
+        )
+        for reason in DROP_REASONS:
+            lost.add_metric([reason], dropped.get(reason, 0))
+        yield lost
+        yield CounterMetricFamily(
+            "kvwatch_store_write_retries", "Store writes tried again after a lock or a full disk.", retries
+        )
+        yield GaugeMetricFamily(
+            "kvwatch_store_writes_queued", "Store writes waiting for the writer thread.", self._queue.qsize()
+        )
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._write(*item)
+
+    def _write(self, write: Callable, args: tuple, future: Future) -> None:
+        delay, deadline = FIRST_RETRY_DELAY_SECONDS, time.monotonic() + self.retry_seconds
+        while True:
+            try:
+                future.set_result(write(*args))
+                return
+            except (ValueError, TypeError) as refused:  # a malformed webhook payload: its caller says so
+                future.set_exception(refused)
+                return
+            except sqlite3.OperationalError as error:
+                give_up_at = min(deadline, self._give_up_at)
+                if error.sqlite_errorcode & 0xFF not in RETRIED or time.monotonic() >= give_up_at:
+                    self._drop(future, write, "failed", str(error))
+                    return
+                if delay == FIRST_RETRY_DELAY_SECONDS:
+                    log.warning("store write %s failed (%s); trying again", write.__name__, error)
+                with self._counts_lock:
+                    self._retries += 1
+                pause = max(0.0, min(delay, give_up_at - time.monotonic()))
+                if self._closing.is_set():  # give_up_at has the close's deadline in it now
+                    time.sleep(pause)
+                else:
+                    self._closing.wait(pause)
+                delay = min(2 * delay, MAX_RETRY_DELAY_SECONDS)
+            except Exception as error:
+                log.exception("store write %s failed", write.__name__)
+                self._drop(future, write, "failed", f"{type(error).__name__}: {error}")
+                return
+
+    def _drop(self, future: Future, write: Callable, reason: str, why: str) -> None:
+        with self._counts_lock:
+            self._dropped[reason] += 1
+        log.warning("store write %s dropped: %s", write.__name__, why)
+        future.set_exception(WriteDropped(why))
 
 
 def _insert(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:

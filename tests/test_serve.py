@@ -3,11 +3,17 @@ stores alerts; and the lab runs exactly the shipped example config."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -15,6 +21,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from collectors.config import Config, ExporterSettings, StoreSettings, Target
+from collectors.scheduler import Service
 from collectors.store import Store
 from conftest import REPO, free_port, stop, wait_http
 from lab.configs import render_kvwatch_config
@@ -97,15 +105,13 @@ def test_the_webhook_stores_alerts_and_rejects_garbage(start_lab):
         assert [a["alertname"] for a in store.alerts()] == ["KVWatchSessionAffinityBroken"]
 
 
-def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, start_replica):
-    replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
+def start_serve(tmp_path: Path, target: dict) -> tuple[subprocess.Popen, str, Path]:
+    """A real `kvwatch serve` of one target on a free loopback port: its process, its URL and its log."""
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(
         yaml.safe_dump({
-            "targets": [{"name": "direct", "base_url": replica.url, "model": "lab-model",
-                         "interval_seconds": 1, "rounds": 2,
-                         "workload": {"system_tokens": 50, "turn_tokens": 10, "max_tokens": 4}}],
+            "targets": [target],
             "exporter": {"listen": f"127.0.0.1:{port}"},
             "store": {"path": str(tmp_path / "kvwatch.db")},
         })
@@ -118,10 +124,23 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
         )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/-/healthy", process, log)
+    except BaseException:
+        stop(process)
+        raise
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, start_replica):
+    replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
+    target = {"name": "direct", "base_url": replica.url, "model": "lab-model", "interval_seconds": 1,
+              "rounds": 2, "workload": {"system_tokens": 50, "turn_tokens": 10, "max_tokens": 4}}  # fmt: skip
+    process, url, log = start_serve(tmp_path, target)
+    config = tmp_path / "kvwatch.yaml"
+    try:
         deadline = time.monotonic() + 20
         direct = {"target": "direct", "route_mode": "affinity", "outcome": "success"}
         while time.monotonic() < deadline:
-            if sample(samples(f"http://127.0.0.1:{port}"), "kvwatch_probe_sessions_total", **direct):
+            if sample(samples(url), "kvwatch_probe_sessions_total", **direct):
                 break
             time.sleep(0.3)
         os.kill(process.pid, signal.SIGTERM)
@@ -137,3 +156,149 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert bad.returncode == 1 and "targets[0].base_url" in bad.stderr
+
+
+# --- durable measurements ---------------------------------------------------------------------------
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+ANSWER = [{"choices": [{"delta": {"role": "assistant", "content": "hi"}}]}, {"choices": [], "usage": USAGE}]
+
+
+class StallingEngine:
+    """An OpenAI-compatible server that answers every round at once until `stall()`; from then on no
+    round 2 gets an answer (it hangs until the engine closes), so a run stays in flight with round 1
+    finished."""
+
+    def __init__(self) -> None:
+        self.stalling = False
+        self.stalled = 0  # requests hanging now
+        self._closed = threading.Event()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if engine.stalling and len(body["messages"]) > 2:  # system, user: round 1
+                    engine.stalled += 1
+                    engine._closed.wait(30)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for event in [*map(json.dumps, ANSWER), "[DONE]"]:
+                    self.wfile.write(f"data: {event}\n\n".encode())
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stall(self) -> None:
+        self.stalling = True
+
+    def close(self) -> None:
+        self._closed.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def exported_sessions(url: str) -> float:
+    found = samples(url)
+    route = {"target": "direct", "route_mode": "affinity"}
+    return sum(
+        sample(found, "kvwatch_probe_sessions_total", outcome=o, **route) or 0 for o in ("success", "failure")
+    )
+
+
+def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
+    """Another process holds the store's write lock past SQLite's busy timeout: /metrics answers at once
+    all along and every session is stored once the lock goes. Then SIGTERM while a session waits for
+    its round 2: its finished round 1 is stored, marked interrupted."""
+    engine = StallingEngine()
+    target = {"name": "direct", "base_url": engine.url, "model": "m", "interval_seconds": 1,
+              "sessions_per_run": 1, "rounds": 2, "block_size": 16,
+              "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
+    try:
+        process, url, log = start_serve(tmp_path, target)
+        try:
+            before = exported_sessions(url)
+            locker = sqlite3.connect(tmp_path / "kvwatch.db", isolation_level=None, timeout=10)
+            locker.execute("BEGIN IMMEDIATE")
+            slowest, unlock_at = 0.0, time.monotonic() + 1.3  # a run each second: one writes meanwhile
+            while time.monotonic() < unlock_at:
+                asked = time.monotonic()
+                during = exported_sessions(url)
+                slowest = max(slowest, time.monotonic() - asked)
+                time.sleep(0.05)
+            locker.execute("COMMIT")
+            locker.close()
+            assert during > before and slowest < 1, log.read_text()  # a blocked loop: not before COMMIT
+
+            engine.stall()
+            deadline = time.monotonic() + 5
+            while not engine.stalled and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.stalled == 1, log.read_text()
+            finished = exported_sessions(url)
+            os.kill(process.pid, signal.SIGTERM)
+            assert process.wait(timeout=15) == 0, log.read_text()
+        finally:
+            stop(process)
+    finally:
+        engine.close()
+    with Store(tmp_path / "kvwatch.db", readonly=True) as store:
+        sessions = store.sessions()
+        assert len(sessions) == finished + 1
+        cut, *complete = sessions  # newest first
+        assert cut["interrupted"] and not any(s["interrupted"] for s in complete)
+        assert [(r["round"], r["error_kind"]) for r in store.rounds() if r["session"] == cut["id"]] == [
+            (1, None)
+        ]
+
+
+def step_wall_clock(monkeypatch, seconds: float) -> None:
+    """Step the wall clock as every Python reader sees it: time.time(), and datetime.now() also where a
+    module holds the class itself. The monotonic clock, which no step moves, is left alone."""
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + seconds)
+
+    class Stepped(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.fromtimestamp(time.time(), tz)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get("datetime") is datetime:
+            monkeypatch.setattr(module, "datetime", Stepped)
+
+
+def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_next_run(
+    tmp_path, monkeypatch
+):
+    target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=1)
+    config = Config(
+        targets=(target,),
+        exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),
+        store=StoreSettings(tmp_path / "kvwatch.db"),
+    )
+    service, runs = Service(config), []
+
+    async def scenario():
+        stop = asyncio.Event()
+
+        async def probe(target: Target) -> None:
+            runs.append(time.monotonic())
+            if len(runs) == 1:
+                step_wall_clock(monkeypatch, -3600)
+            else:
+                stop.set()
+            raise RuntimeError("a bug in a run")
+
+        monkeypatch.setattr(service, "probe", probe)
+        await asyncio.wait_for(service.run(stop), timeout=5)
+
+    asyncio.run(scenario())
+    assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step

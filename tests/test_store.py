@@ -7,14 +7,16 @@ import inspect
 import sqlite3
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from collectors.records import RoundResult, SessionResult
-from collectors.store import SCHEMA_VERSION, Store, StoreError
+from collectors.store import SCHEMA_VERSION, Store, StoreError, StoreWriter, WriteDropped
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -80,13 +82,19 @@ def test_session_round_trip_gives_back_the_record(store):
     assert rows[1] == {
         "id": ids[0], "target": "lab-affinity", "route_mode": "affinity", "session_id": "5f0c-session",
         "started_at": 1000.0, "finished_at": 1003.5, "ok": True, "error_kind": None, "sticky": True,
-        "backend_switches": 0, "session_id_echoed": True,
+        "backend_switches": 0, "session_id_echoed": True, "interrupted": False,
     }  # fmt: skip
     assert rows[0] == {
         "id": ids[1], "target": "lab-round-robin", "route_mode": "round_robin", "session_id": "5f0c-session",
         "started_at": 2000.0, "finished_at": 2003.5, "ok": False, "error_kind": "unauthorized",
-        "sticky": False, "backend_switches": 1, "session_id_echoed": False,
+        "sticky": False, "backend_switches": 1, "session_id_echoed": False, "interrupted": False,
     }  # fmt: skip
+
+
+def test_an_interrupted_session_keeps_its_finished_rounds_and_says_so(store):
+    cut = replace(session("t", 1000.0, round_result(1), round_result(2)), interrupted=True)
+    assert store.session(store.add_session(cut)) == cut
+    assert [row["interrupted"] for row in store.sessions()] == [True]
 
 
 def test_unknown_stickiness_is_null_not_false(store):
@@ -136,7 +144,7 @@ def test_reopened_store_reads_back_what_was_written(tmp_path):
 
 
 def test_busy_timeout_is_set(store):
-    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 10_000
+    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
 
 
 def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
@@ -164,13 +172,15 @@ def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
 
 
 def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
-    """Schema 2 added each round's time to the first answer text (reasoning models); a store written
-    before it keeps its sessions, whose rounds read None there."""
+    """Schema 2 added each round's time to the first answer text (reasoning models), schema 3 whether a
+    session was cut short by a stop; a store written before them keeps its sessions, whose rounds read
+    None there and which were not interrupted."""
     path = tmp_path / "kvwatch.db"
     with Store(path) as store:
         old = store.add_session(session())
     db = sqlite3.connect(path)  # what kvwatch with schema 1 left behind
     db.execute("ALTER TABLE rounds DROP COLUMN first_content_seconds")
+    db.execute("ALTER TABLE sessions DROP COLUMN interrupted")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -183,6 +193,7 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
         assert store.session(store.add_session(thinking)) == thinking
     with Store(path, readonly=True) as reader:
         assert [r["first_content_seconds"] for r in reader.rounds("reasoning")] == [0.9, None]
+        assert [s["interrupted"] for s in reader.sessions()] == [False, False]
 
 
 def test_readonly_store_cannot_write(tmp_path):
@@ -406,6 +417,114 @@ def test_threads_share_one_store(store):
     assert sorted(ids) == list(range(1, 201))
     assert sum(future.result() for future in alerts) == 2
     assert len(store.rounds(target="t")) == 600
+
+
+# --- the writer thread -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_busy_timeout(monkeypatch):
+    """SQLite's own wait for a lock, shortened so that the writer's retries take over within the test."""
+    monkeypatch.setattr("collectors.store.BUSY_TIMEOUT_SECONDS", 0.05)
+
+
+def write_locked(path: Path) -> sqlite3.Connection:
+    """The store's write lock, held by another connection as another process would hold it."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    return holder
+
+
+RETRIES = "kvwatch_store_write_retries_total"
+
+
+def metric(writer: StoreWriter, name: str, **labels) -> float | None:
+    registry = CollectorRegistry()
+    registry.register(writer)
+    return registry.get_sample_value(name, labels)
+
+
+def wait_for_a_retry(writer: StoreWriter) -> None:
+    """Until the writer tries a write again: the one it holds has failed."""
+    before, deadline = metric(writer, RETRIES), time.monotonic() + 5
+    while metric(writer, RETRIES) == before:
+        assert time.monotonic() < deadline, "the writer never retried"
+        time.sleep(0.01)
+
+
+def test_the_writer_retries_through_a_lock_and_a_full_disk(tmp_path, short_busy_timeout):
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        writer = StoreWriter()
+        holder = write_locked(path)
+        locked = writer.submit(store.add_session, session())
+        wait_for_a_retry(writer)
+        holder.execute("COMMIT")
+        assert locked.result(timeout=5) == 1
+
+        with store._lock:  # the file may not grow: SQLITE_FULL, as on a full disk
+            pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+            store._db.execute(f"PRAGMA max_page_count = {pages}")
+        long_answer = session("b", 2000.0, round_result(1, error_detail="word " * 4000))
+        full = writer.submit(store.add_session, long_answer)
+        wait_for_a_retry(writer)
+        with store._lock:  # space freed
+            store._db.execute("PRAGMA max_page_count = 4294967294")
+        assert full.result(timeout=5) == 2
+        writer.close()
+        assert store.session(2) == long_answer
+        assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 0
+
+
+def test_a_full_queue_drops_the_newest_write_and_close_writes_the_queued_ones(
+    tmp_path, short_busy_timeout, caplog
+):
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        writer = StoreWriter(capacity=1)
+        holder = write_locked(path)
+        first = writer.submit(store.add_session, session("first", 1.0))
+        wait_for_a_retry(writer)  # taken off the queue, waiting for the lock
+        queued = writer.submit(store.add_session, session("queued", 2.0))
+        newest = writer.submit(store.add_session, session("newest", 3.0))
+        with pytest.raises(WriteDropped, match="1 writes are waiting already"):
+            newest.result(timeout=0)
+        assert metric(writer, "kvwatch_store_writes_dropped_total", reason="queue_full") == 1
+        assert metric(writer, "kvwatch_store_writes_queued") == 1
+        assert "store write add_session dropped" in caplog.text
+        holder.execute("COMMIT")
+        writer.close()
+        assert (first.result(timeout=0), queued.result(timeout=0)) == (1, 2)
+        assert [s["target"] for s in store.sessions()] == ["queued", "first"]
+
+
+def test_a_write_locked_for_good_is_dropped_when_its_retries_run_out_or_at_close(
+    tmp_path, short_busy_timeout
+):
+    path = tmp_path / "kvwatch.db"
+    with Store(path) as store:
+        writer = StoreWriter(retry_seconds=0.2)
+        holder = write_locked(path)
+        with pytest.raises(WriteDropped, match="database is locked"):
+            writer.submit(store.add_session, session()).result(timeout=5)
+        writer.retry_seconds = 60.0
+        queued = writer.submit(store.add_session, session())
+        started = time.monotonic()
+        writer.close(timeout=0.2)
+        assert time.monotonic() - started < 1.5
+        with pytest.raises(WriteDropped, match="database is locked"):
+            queued.result(timeout=0)
+        assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 2
+        holder.execute("COMMIT")
+        assert store.sessions() == []
+
+
+def test_a_write_the_store_refuses_goes_back_to_its_caller_uncounted(store):
+    writer = StoreWriter()
+    with pytest.raises(ValueError, match="version must be"):
+        writer.submit(store.add_alerts, {"alerts": []}).result(timeout=5)
+    writer.close()
+    assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 0
 
 
 # --- secrets ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ names do, from a bounded set per route.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import json
 import logging
@@ -24,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from collectors.config import STICKY_ROUTE_MODES
 from collectors.records import ERROR_KINDS, SessionResult
+from collectors.store import WriteDropped
 
 log = logging.getLogger("kvwatch.exporter")
 
@@ -294,15 +296,18 @@ async def _alerts(request: web.Request) -> web.Response:
     """Alertmanager's webhook: store the alerts so the dashboard can show them next to the data."""
     try:
         payload = json.loads(await request.read())
-        stored = request.app[ALERT_SINK_KEY](payload)
+        stored = await asyncio.to_thread(request.app[ALERT_SINK_KEY], payload)  # it waits for the store
     except (ValueError, TypeError) as error:
         log.warning("rejected webhook payload: %s", error)
         return web.json_response({"error": f"bad Alertmanager webhook payload: {error}"}, status=400)
+    except WriteDropped as error:  # Alertmanager sends the notification again after a 5xx
+        return web.json_response({"error": f"cannot store the alerts now: {error}"}, status=503)
     return web.json_response({"stored": stored})
 
 
 def make_app(registry: CollectorRegistry, alert_sink) -> web.Application:
-    """/metrics, /-/healthy and POST /alerts (Alertmanager webhook; `alert_sink(payload) -> int`)."""
+    """/metrics, /-/healthy and POST /alerts (Alertmanager webhook; `alert_sink(payload) -> int`, called
+    in a thread: it may wait for the store)."""
     app = web.Application(client_max_size=MAX_WEBHOOK_BYTES)
     app[REGISTRY_KEY] = registry
     app[ALERT_SINK_KEY] = alert_sink

@@ -203,6 +203,10 @@ class Service:
             if removed:
                 log.info("pruned %d old sessions and alerts", removed)
 
+    def store_alerts(self, payload: object) -> int:
+        """The webhook's alerts, stamped with the time they arrived, once the writer thread has them."""
+        return self.writer.submit(self.store.add_alerts, payload, time.time()).result()
+
     def _start_jobs(self, stop: asyncio.Event) -> list[asyncio.Task]:
         """The probe of each target, jittered by a tenth of its interval (5 s at most), the gateway-log
         poll (in a thread: it reads files) and the store's pruning, each on its own schedule."""
@@ -227,7 +231,7 @@ class Service:
         self._client = httpx.AsyncClient(
             timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS)
         )
-        runner = web.AppRunner(make_app(self.registry, self.store.add_alerts), access_log=None)
+        runner = web.AppRunner(make_app(self.registry, self.store_alerts), access_log=None)
         await runner.setup()
         listen = self.config.exporter
         jobs: list[asyncio.Task] = []

@@ -205,6 +205,13 @@ class StallingEngine:
         self._server.server_close()
 
 
+NOTIFICATION = {
+    "version": "4",
+    "alerts": [{"status": "firing", "labels": {"alertname": "KVWatchProbeFailing"}, "annotations": {},
+                "startsAt": "2026-12-01T12:00:00Z", "fingerprint": "f00d"}],
+}  # fmt: skip
+
+
 def exported_sessions(url: str) -> float:
     found = samples(url)
     route = {"target": "direct", "route_mode": "affinity"}
@@ -215,8 +222,8 @@ def exported_sessions(url: str) -> float:
 
 def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
     """Another process holds the store's write lock past SQLite's busy timeout: /metrics answers at once
-    all along and every session is stored once the lock goes. Then SIGTERM while a session waits for
-    its round 2: its finished round 1 is stored, marked interrupted."""
+    all along, and every session and a webhook post meanwhile are stored once the lock goes. Then SIGTERM
+    while a session waits for its round 2: its finished round 1 is stored, marked interrupted."""
     engine = StallingEngine()
     target = {"name": "direct", "base_url": engine.url, "model": "m", "interval_seconds": 1,
               "sessions_per_run": 1, "rounds": 2, "block_size": 16,
@@ -227,6 +234,11 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
             before = exported_sessions(url)
             locker = sqlite3.connect(tmp_path / "kvwatch.db", isolation_level=None, timeout=10)
             locker.execute("BEGIN IMMEDIATE")
+            posted = []
+            poster = threading.Thread(
+                target=lambda: posted.append(httpx.post(f"{url}/alerts", json=NOTIFICATION, timeout=10))
+            )
+            poster.start()
             slowest, unlock_at = 0.0, time.monotonic() + 1.3  # a run each second: one writes meanwhile
             while time.monotonic() < unlock_at:
                 asked = time.monotonic()
@@ -235,6 +247,8 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
                 time.sleep(0.05)
             locker.execute("COMMIT")
             locker.close()
+            poster.join()
+            assert posted[0].status_code == 200 and posted[0].json()["stored"] == 1
             assert during > before and slowest < 1, log.read_text()  # a blocked loop: not before COMMIT
 
             engine.stall()
@@ -257,6 +271,7 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
         assert [(r["round"], r["error_kind"]) for r in store.rounds() if r["session"] == cut["id"]] == [
             (1, None)
         ]
+        assert [a["alertname"] for a in store.alerts()] == ["KVWatchProbeFailing"]
 
 
 def step_wall_clock(monkeypatch, seconds: float) -> None:

@@ -107,6 +107,17 @@ def _show(number: float) -> str:
     return f"{number:g}" if isinstance(number, float) else str(number)
 
 
+def _secret_source(env: str | None, file: Path | None, env_key: str, file_key: str, secret: str) -> None:
+    """A secret comes from an environment variable or a file, named in the config; the secret itself may
+    have been pasted as the variable's name: say so without repeating it."""
+    _check(
+        env is None or _ENV_VAR.fullmatch(env),
+        env_key,
+        f"must be the name of an environment variable (letters, digits and _), not the {secret} itself",
+    )
+    _check(not (env and file), "", f"set {env_key} or {file_key}, not both")
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     """How a probe session carries its id, which the gateway hashes on."""
@@ -172,13 +183,7 @@ class Target:
         _url(self.base_url, "base_url")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
-        # The key itself may have been pasted here: say so without repeating it.
-        _check(
-            self.api_key_env is None or _ENV_VAR.fullmatch(self.api_key_env),
-            "api_key_env",
-            "must be the name of an environment variable (letters, digits and _), not the key itself",
-        )
-        _check(not (self.api_key_env and self.api_key_file), "", "set api_key_env or api_key_file, not both")
+        _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
         known = ", ".join(sorted(identity.ROUTERS))
         _check(
             self.router is None or self.router in identity.ROUTERS,
@@ -218,11 +223,15 @@ class GatewayLog:
 
 @dataclass(frozen=True)
 class ExporterSettings:
-    """Where /metrics and the Alertmanager webhook listen."""
+    """Where /metrics and the Alertmanager webhook listen, and the bearer token the webhook requires."""
 
     listen: str = "127.0.0.1:9464"
+    webhook_token_env: str | None = None  # None (and no file): POST /alerts takes alerts from anyone
+    webhook_token_file: Path | None = None
 
     def __post_init__(self):
+        token_env, token_file = _SECRET_SOURCES[ExporterSettings]
+        _secret_source(self.webhook_token_env, self.webhook_token_file, token_env, token_file, "token")
         host, _, port = self.listen.rpartition(":")
         _check(
             port.isdecimal() and 1 <= int(port) <= 65535,
@@ -244,6 +253,10 @@ class ExporterSettings:
     @property
     def port(self) -> int:
         return int(self.listen.rpartition(":")[2])
+
+
+# Where each section takes its secret from, for the message when one is pasted into the file.
+_SECRET_SOURCES = {ExporterSettings: ("webhook_token_env", "webhook_token_file")}
 
 
 def _is_host(host: str) -> bool:
@@ -403,10 +416,11 @@ def _build(cls: type, data: object, path: str):
         if key in known:
             continue
         if key in _SECRET_KEYS:
+            env, file = _SECRET_SOURCES.get(cls, ("api_key_env", "api_key_file"))
             raise _Invalid(
                 _join(path, key),
-                "API keys do not belong in the config file; name an environment variable (api_key_env) "
-                "or a file (api_key_file) that holds the key",
+                f"secrets do not belong in the config file; name an environment variable ({env}) "
+                f"or a file ({file}) that holds it",
             )
         raise _Invalid(_join(path, key), f"unknown key; known: {', '.join(sorted(known))}")
     hints = get_type_hints(cls)
@@ -472,30 +486,39 @@ def resolve_api_key(target: Target) -> str | None:
 
     Read at use rather than at load, so a rotated key is picked up; messages never contain the key.
     """
-    if target.api_key_env:
-        key = os.environ.get(target.api_key_env)
-        if key is None:
-            raise ConfigError(f"target {target.name}: environment variable {target.api_key_env} is not set")
-        return _one_key(key, target, f"environment variable {target.api_key_env}")
-    if target.api_key_file:
-        source = f"API key file {target.api_key_file}"
+    return _read_secret(target.api_key_env, target.api_key_file, f"target {target.name}", "API key")
+
+
+def resolve_webhook_token(exporter: ExporterSettings) -> str | None:
+    """The bearer token POST /alerts requires, from its environment variable or file; None when unset."""
+    return _read_secret(exporter.webhook_token_env, exporter.webhook_token_file, "exporter", "webhook token")
+
+
+def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) -> str | None:
+    if env:
+        value = os.environ.get(env)
+        if value is None:
+            raise ConfigError(f"{owner}: environment variable {env} is not set")
+        return _one_secret(value, owner, f"environment variable {env}", secret)
+    if file:
+        source = f"{secret} file {file}"
         try:
-            key = target.api_key_file.read_text(encoding="utf-8")
+            value = file.read_text(encoding="utf-8")
         except OSError as error:
-            raise ConfigError(f"target {target.name}: cannot read {source}: {error.strerror}") from None
-        except UnicodeDecodeError:  # its message would quote bytes of the key
-            raise ConfigError(f"target {target.name}: {source} is not UTF-8 text") from None
-        return _one_key(key, target, source)
+            raise ConfigError(f"{owner}: cannot read {source}: {error.strerror}") from None
+        except UnicodeDecodeError:  # its message would quote bytes of the secret
+            raise ConfigError(f"{owner}: {source} is not UTF-8 text") from None
+        return _one_secret(value, owner, source, secret)
     return None
 
 
-def _one_key(text: str, target: Target, source: str) -> str:
-    key = text.strip()  # a key file usually ends with a newline
-    if not key:
-        raise ConfigError(f"target {target.name}: {source} is empty")
-    if any(c.isspace() for c in key):
-        raise ConfigError(f"target {target.name}: {source} must hold one key, without spaces or line breaks")
-    return key
+def _one_secret(text: str, owner: str, source: str, secret: str) -> str:
+    value = text.strip()  # a secret file usually ends with a newline
+    if not value:
+        raise ConfigError(f"{owner}: {source} is empty")
+    if any(c.isspace() for c in value):
+        raise ConfigError(f"{owner}: {source} must hold one {secret}, without spaces or line breaks")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

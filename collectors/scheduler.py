@@ -28,11 +28,18 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from collectors import blocksize, workload
-from collectors.config import Config, ConfigError, Target, load_config, resolve_api_key
-from collectors.exporter import ProbeCollector, ProbeResults, make_app
+from collectors.config import (
+    Config,
+    ConfigError,
+    Target,
+    load_config,
+    resolve_api_key,
+    resolve_webhook_token,
+)
+from collectors.exporter import ProbeCollector, ProbeResults, make_app, open_webhook_warning
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
-from collectors.store import Store, StoreError, StoreWriter, WriteDropped
+from collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -151,6 +158,7 @@ class Service:
             self.results.declare((target.name, target.route_mode))
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
         self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
+        self.webhook_token = resolve_webhook_token(config.exporter)
         self.conversations = {t.name: Conversations(t) for t in config.targets}
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in config.targets}
         self._gate: asyncio.Semaphore | None = None
@@ -203,7 +211,7 @@ class Service:
             if removed:
                 log.info("pruned %d old sessions and alerts", removed)
 
-    def store_alerts(self, payload: object) -> int:
+    def store_alerts(self, payload: object) -> AlertsAdded:
         """The webhook's alerts, stamped with the time they arrived, once the writer thread has them."""
         return self.writer.submit(self.store.add_alerts, payload, time.time()).result()
 
@@ -231,7 +239,8 @@ class Service:
         self._client = httpx.AsyncClient(
             timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS)
         )
-        runner = web.AppRunner(make_app(self.registry, self.store_alerts), access_log=None)
+        app = make_app(self.registry, self.store_alerts, self.webhook_token)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         listen = self.config.exporter
         jobs: list[asyncio.Task] = []
@@ -240,6 +249,8 @@ class Service:
             log.info(
                 "exporter and webhook on http://%s:%d (/metrics, POST /alerts)", listen.host, listen.port
             )
+            if warning := open_webhook_warning(listen, self.webhook_token):
+                log.warning("%s", warning)
             jobs = self._start_jobs(stop)
             await stop.wait()
             _, late = await asyncio.wait(jobs, timeout=RUNS_FINISH_SECONDS)

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
@@ -33,6 +33,16 @@ log = logging.getLogger("kvwatch.store")
 SCHEMA_VERSION = 3
 BUSY_TIMEOUT_SECONDS = 1.0  # SQLite's own wait for a lock; StoreWriter retries past it
 ALERT_STATUSES = ("firing", "resolved")
+MAX_QUOTED_CHARS = 64  # of a rejected value in its message: a warning line stays a line
+
+
+@dataclass(frozen=True)
+class AlertsAdded:
+    """What a webhook notification added: `stored` new alerts, and why each malformed one was skipped."""
+
+    stored: int
+    rejected: tuple[str, ...] = ()  # e.g. "alerts[1].status: must be firing or resolved, got 'pending'"
+
 
 _SCHEMA = (
     """CREATE TABLE sessions (
@@ -277,19 +287,24 @@ class Store:
 
     # --- alerts ------------------------------------------------------------------------------------
 
-    def add_alerts(self, payload: object, received_at: float | None = None) -> int:
-        """Store the alerts of an Alertmanager webhook notification (version 4); returns how many were new.
+    def add_alerts(self, payload: object, received_at: float | None = None) -> AlertsAdded:
+        """Store the well-formed alerts of an Alertmanager webhook notification (version 4) and skip the
+        malformed ones: Alertmanager does not resend a refused notification, so refusing it whole would
+        lose its good alerts too.
 
-        A malformed payload raises ValueError naming what is wrong, and nothing of it is stored.
+        A payload that is not a notification at all raises ValueError naming what is wrong.
         """
         received_at = time.time() if received_at is None else received_at
-        rows = [
-            (received_at, *_alert_row(alert, f"alerts[{i}]")) for i, alert in enumerate(_alerts_of(payload))
-        ]
+        rows, rejected = [], []
+        for i, alert in enumerate(_alerts_of(payload)):
+            try:
+                rows.append((received_at, *_alert_row(alert, f"alerts[{i}]")))
+            except ValueError as error:
+                rejected.append(str(error))
         with self._transaction(write=True) as db:
             before = db.total_changes
             db.executemany(_insert("alerts", _ALERT_COLUMNS, "INSERT OR IGNORE"), rows)
-            return db.total_changes - before
+            return AlertsAdded(db.total_changes - before, tuple(rejected))
 
     def alerts(self, since: float | None = None, status: str | None = None) -> list[dict]:
         """Received alerts, newest first; `labels` and `annotations` are dicts, times unix seconds."""
@@ -453,7 +468,7 @@ def _alerts_of(payload: object) -> list:
         raise ValueError(f"the payload must be a JSON object, got {type(payload).__name__}")
     if payload.get("version") != "4":
         raise ValueError(
-            f'version must be "4" (Alertmanager\'s webhook format), got {payload.get("version")!r}'
+            f'version must be "4" (Alertmanager\'s webhook format), got {_quoted(payload.get("version"))}'
         )
     alerts = payload.get("alerts")
     if not isinstance(alerts, list):
@@ -466,7 +481,7 @@ def _alert_row(alert: object, where: str) -> tuple:
         raise ValueError(f"{where}: must be an object")
     status = alert.get("status")
     if status not in ALERT_STATUSES:
-        raise ValueError(f"{where}.status: must be firing or resolved, got {status!r}")
+        raise ValueError(f"{where}.status: must be firing or resolved, got {_quoted(status)}")
     labels = _strings(alert.get("labels"), f"{where}.labels")
     annotations = _strings(alert.get("annotations", {}), f"{where}.annotations")
     if "alertname" not in labels:
@@ -501,11 +516,16 @@ def _time(value: object, where: str, optional: bool = False) -> float | None:
     try:
         parsed = datetime.fromisoformat(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: must be an RFC 3339 time, got {value!r}") from None
+        raise ValueError(f"{where}: must be an RFC 3339 time, got {_quoted(value)}") from None
     if parsed.tzinfo is None:
-        raise ValueError(f"{where}: must be an RFC 3339 time with a zone, got {value!r}")
+        raise ValueError(f"{where}: must be an RFC 3339 time with a zone, got {_quoted(value)}")
     if parsed.year == 1:
         if not optional:
-            raise ValueError(f"{where}: must be set, got the zero time {value!r}")
+            raise ValueError(f"{where}: must be set, got the zero time {_quoted(value)}")
         return None
     return parsed.timestamp()
+
+
+def _quoted(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= MAX_QUOTED_CHARS else shown[: MAX_QUOTED_CHARS - 3] + "..."

@@ -1,4 +1,5 @@
-"""Generated configuration of the lab's nginx and Prometheus, from the templates and the lab state."""
+"""Generated configuration of the lab's nginx, Prometheus, Alertmanager and `kvwatch serve`, from the
+templates and the lab state."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import string
 from pathlib import Path
 
@@ -23,6 +25,7 @@ RULE_PATTERNS = ("prometheus/rules/*.yml", "alerts/*.rules.yml")
 ALERTMANAGER_TIMERS = ("group_wait", "group_interval", "repeat_interval", "resolve_timeout")
 _DURATION = re.compile(r"(?<![\w.])(\d+)(ms|s|m|h|d)\b")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+WEBHOOK_TOKEN_FILE = "webhook-token"
 
 # How the affinity listener picks a replica, for each gateway fault.
 BALANCERS = {
@@ -87,12 +90,28 @@ def rule_files(state: LabState) -> dict[str, str]:
     return {path.name: scale_durations(path.read_text(), state.rule_time_scale) for path in found}
 
 
+def write_webhook_token(state: LabState) -> None:
+    """A fresh random bearer token for kvwatch's webhook, in a file only the lab's user can read:
+    Alertmanager sends it and `kvwatch serve` requires it, both naming the file, as an operator sets up."""
+    path = state.directory / WEBHOOK_TOKEN_FILE
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # the file of an earlier lab may have been made wider
+        out.write(secrets.token_urlsafe(32) + "\n")
+
+
 def render_alertmanager(state: LabState) -> str:
-    """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter, timers time-scaled."""
+    """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter and with the lab's webhook
+    token, timers time-scaled."""
     config = yaml.safe_load((REPO / "alerts" / "alertmanager.yml").read_text())
     for receiver in config["receivers"]:
         for webhook in receiver.get("webhook_configs", []):
             webhook["url"] = f"http://127.0.0.1:{state.ports.exporter}/alerts"
+            webhook["http_config"] = {
+                "authorization": {
+                    "type": "Bearer",
+                    "credentials_file": str(state.directory / WEBHOOK_TOKEN_FILE),
+                }
+            }
 
     def scale(node: dict) -> None:
         for key in ALERTMANAGER_TIMERS:
@@ -157,6 +176,7 @@ def render_kvwatch_config(state: LabState) -> str:
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
     config["exporter"]["listen"] = f"127.0.0.1:{ports.exporter}"
+    config["exporter"]["webhook_token_file"] = str(directory / WEBHOOK_TOKEN_FILE)
     config["store"]["path"] = str(directory / "kvwatch.db")
     config["prometheus"]["url"] = f"http://127.0.0.1:{ports.prometheus}"
     config["alertmanager"]["url"] = f"http://127.0.0.1:{ports.alertmanager}"

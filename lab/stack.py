@@ -32,6 +32,7 @@ from lab.configs import (
     render_nginx,
     render_prometheus,
     rule_files,
+    write_webhook_token,
 )
 from lab.process import LabError, Process
 from lab.process import kvwatch_command as _kvwatch
@@ -461,6 +462,7 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
     }
     ports.update({f"replica {r.id}": r.port for r in state.replicas})
     _check_ports_free(ports)
+    write_webhook_token(state)
     _write_configs(state)
     try:
         KINDS[state.engine].prepare(state)

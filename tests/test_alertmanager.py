@@ -15,7 +15,7 @@ import yaml
 
 from collectors import queries
 from conftest import REPO, free_port, stop, wait_http
-from lab.configs import render_alertmanager, rule_files, scale_durations
+from lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
 from lab.state import LabState
 
 CONFIG = REPO / "alerts" / "alertmanager.yml"
@@ -106,14 +106,18 @@ def test_prefix_caching_disabled_mutes_warm_rounds_without_gain(alertmanager):
     }
 
 
-def test_the_lab_rendering_points_at_its_exporter_and_scales_timers(tmp_path: Path):
+def test_the_lab_rendering_points_at_its_exporter_with_its_token_and_scales_timers(tmp_path: Path):
     state = LabState(tmp_path, 21000, rule_time_scale=0.1)
     rendered = render_alertmanager(state)
     path = tmp_path / "alertmanager.yml"
     path.write_text(rendered)
     assert amtool("check-config", str(path)).returncode == 0
     config = yaml.safe_load(rendered)
-    assert config["receivers"][0]["webhook_configs"][0]["url"] == "http://127.0.0.1:21004/alerts"
+    webhook = config["receivers"][0]["webhook_configs"][0]
+    assert webhook["url"] == "http://127.0.0.1:21004/alerts"
+    token_file = str(tmp_path / "webhook-token")
+    assert webhook["http_config"] == {"authorization": {"type": "Bearer", "credentials_file": token_file}}
+    assert yaml.safe_load(render_kvwatch_config(state))["exporter"]["webhook_token_file"] == token_file
     assert config["route"]["group_interval"] == "6s"
 
 

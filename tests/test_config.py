@@ -24,6 +24,7 @@ from collectors.config import (
     Workload,
     load_config,
     resolve_api_key,
+    resolve_webhook_token,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,8 +46,8 @@ INVALID = [
     ),
     (
         "api-key-in-file",
-        "targets[0].api_key: API keys do not belong in the config file; "
-        "name an environment variable (api_key_env) or a file (api_key_file) that holds the key",
+        "targets[0].api_key: secrets do not belong in the config file; "
+        "name an environment variable (api_key_env) or a file (api_key_file) that holds it",
     ),
     ("backend-header", 'targets[0].backend.headers[1]: must be an HTTP header name, got "X-Worker-Id:"'),
     (
@@ -159,6 +160,17 @@ INVALID = [
         "unknown-top-level-key",
         "thresholds: unknown key; known: "
         "alertmanager, dashboard, exporter, gateway_logs, prometheus, store, targets",
+    ),
+    ("webhook-token-env-and-file", "exporter: set webhook_token_env or webhook_token_file, not both"),
+    (
+        "webhook-token-env-holds-a-token",
+        "exporter.webhook_token_env: "
+        "must be the name of an environment variable (letters, digits and _), not the token itself",
+    ),
+    (
+        "webhook-token-in-file",
+        "exporter.token: secrets do not belong in the config file; "
+        "name an environment variable (webhook_token_env) or a file (webhook_token_file) that holds it",
     ),
     ("workload-max-tokens", "targets[0].workload.max_tokens: must be >= 1 and <= 50000, got 0"),
     ("workload-max-tokens-too-many", "targets[0].workload.max_tokens: must be >= 1 and <= 50000, got 50001"),
@@ -452,7 +464,7 @@ def test_no_api_key_configured():
         (
             f"{KEY} {KEY}",
             "target chat: "
-            "environment variable KVWATCH_TEST_KEY must hold one key, without spaces or line breaks",
+            "environment variable KVWATCH_TEST_KEY must hold one API key, without spaces or line breaks",
         ),
     ],
 )
@@ -471,7 +483,10 @@ def test_api_key_environment_errors(monkeypatch, env, message):
         (None, "cannot read API key file {path}: No such file or directory"),
         ("directory", "cannot read API key file {path}: Is a directory"),
         (b"", "API key file {path} is empty"),
-        (f"{KEY}\n{KEY}\n".encode(), "API key file {path} must hold one key, without spaces or line breaks"),
+        (
+            f"{KEY}\n{KEY}\n".encode(),
+            "API key file {path} must hold one API key, without spaces or line breaks",
+        ),
         (KEY.encode() + b"\xff", "API key file {path} is not UTF-8 text"),
     ],
 )
@@ -485,6 +500,34 @@ def test_api_key_file_errors(tmp_path, content, problem):
         resolve_api_key(target(api_key_file=path))
     assert str(error.value) == "target chat: " + problem.format(path=path)
     assert KEY not in str(error.value)
+
+
+def test_webhook_token_from_environment_or_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVWATCH_TEST_TOKEN", f"{KEY}\n")
+    assert resolve_webhook_token(ExporterSettings(webhook_token_env="KVWATCH_TEST_TOKEN")) == KEY
+    (tmp_path / "token").write_text(f"{KEY}\n")
+    assert resolve_webhook_token(ExporterSettings(webhook_token_file=tmp_path / "token")) == KEY
+    assert resolve_webhook_token(ExporterSettings()) is None
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"webhook_token_env": "KVWATCH_UNSET_TOKEN"}, "environment variable KVWATCH_UNSET_TOKEN is not set"),
+        ({"webhook_token_file": "token"}, "webhook token file {path} is empty"),
+        (
+            {"webhook_token_file": "missing"},
+            "cannot read webhook token file {path}: No such file or directory",
+        ),
+    ],
+)
+def test_webhook_token_errors(tmp_path, source, message):
+    (tmp_path / "token").write_text("\n")
+    if "webhook_token_file" in source:
+        source = {"webhook_token_file": tmp_path / source["webhook_token_file"]}
+    with pytest.raises(ConfigError) as error:
+        resolve_webhook_token(ExporterSettings(**source))
+    assert str(error.value) == "exporter: " + message.format(path=source.get("webhook_token_file"))
 
 
 def readme_configuration_section() -> str:

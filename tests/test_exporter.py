@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+import asyncio
+import copy
+import logging
 
-from collectors.exporter import MAX_BACKENDS_PER_ROUTE, OTHER_BACKEND, ProbeCollector, ProbeResults
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, generate_latest
+from test_store import webhook
+
+from collectors.config import ExporterSettings
+from collectors.exporter import (
+    MAX_BACKENDS_PER_ROUTE,
+    OTHER_BACKEND,
+    ProbeCollector,
+    ProbeResults,
+    make_app,
+    open_webhook_warning,
+)
 from collectors.records import RoundResult, SessionResult
+from collectors.store import Store
 
 ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
 
@@ -136,3 +151,82 @@ def test_route_info_says_which_routes_must_be_sticky():
     assert info("sglang", "manual", "true") == 1
     assert info("lab-round-robin", "round_robin", "false") == 1
     assert info("lab-round-robin", "round_robin", "true") is None
+
+
+# --- the webhook -----------------------------------------------------------------------------------
+
+TOKEN = "kvw-webhook-0123456789abcdef"  # must never be echoed
+
+
+def exchange(store: Store, requests: list[tuple[str, str, dict]], token: str | None = TOKEN) -> list:
+    """Send (method, path, aiohttp keyword arguments) to a real exporter on 127.0.0.1; (status, body)
+    of each answer, and the /metrics text at the end."""
+
+    async def run() -> list:
+        registry = CollectorRegistry()
+        async with TestClient(
+            TestServer(make_app(registry, store.add_alerts, token), host="127.0.0.1")
+        ) as client:
+            answers = []
+            for method, path, options in requests:
+                answer = await client.request(method, path, **options)
+                answers.append((answer.status, await answer.text()))
+            metrics = await client.get("/metrics")
+            return [*answers, await metrics.text()]
+
+    return asyncio.run(run())
+
+
+def bearer(token: str) -> dict:
+    return {"headers": {"Authorization": f"Bearer {token}"}}
+
+
+def test_with_a_token_the_webhook_takes_only_posts_that_carry_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with Store(tmp_path / "kvwatch.db") as store:
+        refused = [
+            {"json": webhook()},
+            {"json": webhook(), **bearer(TOKEN[:-1])},
+            {"json": webhook(), **bearer(TOKEN + "0")},
+            {"json": webhook(), "headers": {"Authorization": f"Basic {TOKEN}"}},
+            {"json": webhook(), "headers": {"Authorization": TOKEN}},
+        ]
+        *answers, healthy, metrics_text = exchange(
+            store,
+            [*(("POST", "/alerts", options) for options in refused), ("GET", "/-/healthy", {})],
+        )
+        assert [status for status, _ in answers] == [401] * len(refused)
+        assert healthy == (200, "OK\n") and "kvwatch_webhook_alerts_rejected_total 0.0" in metrics_text
+        assert store.alerts() == []
+        stored, _ = exchange(store, [("POST", "/alerts", {"json": webhook(), **bearer(TOKEN)})])
+        assert stored == (200, '{"stored": 2, "rejected": 0}') and len(store.alerts()) == 2
+    said = [caplog.text, metrics_text, *(body for _, body in answers), (tmp_path / "kvwatch.db").read_bytes()]
+    assert not any(TOKEN in str(text) for text in said)
+
+
+def test_one_bad_alert_is_skipped_counted_and_named_and_the_good_one_stored(tmp_path, caplog):
+    payload = copy.deepcopy(webhook())
+    payload["alerts"][0]["status"] = "pending"
+    with Store(tmp_path / "kvwatch.db") as store:
+        answer, not_json, not_an_object, metrics_text = exchange(
+            store,
+            [("POST", "/alerts", {"json": payload, **bearer(TOKEN)}),
+             ("POST", "/alerts", {"data": b"{not json", **bearer(TOKEN)}),
+             ("POST", "/alerts", {"json": [payload], **bearer(TOKEN)})],
+        )  # fmt: skip
+        assert answer == (200, '{"stored": 1, "rejected": 1}')
+        assert [a["alertname"] for a in store.alerts()] == ["Watchdog"]
+    assert not_json[0] == 400 and "bad Alertmanager webhook payload" in not_json[1]
+    assert not_an_object[0] == 400 and "must be a JSON object" in not_an_object[1]
+    assert "kvwatch_webhook_alerts_rejected_total 1.0" in metrics_text
+    assert "alerts[0].status: must be firing or resolved, got 'pending'" in caplog.text
+
+
+def test_serve_warns_when_anyone_beyond_this_machine_may_post_alerts():
+    everyone = ExporterSettings(listen="0.0.0.0:9464")
+    warning = open_webhook_warning(everyone, None)
+    assert warning and "0.0.0.0:9464" in warning and "webhook_token_file" in warning
+    assert open_webhook_warning(ExporterSettings(listen="kvwatch.example.com:9464"), None)
+    assert open_webhook_warning(everyone, TOKEN) is None
+    for loopback in ("127.0.0.1:9464", "[::1]:9464", "localhost:9464"):
+        assert open_webhook_warning(ExporterSettings(listen=loopback), None) is None

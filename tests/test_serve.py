@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -85,8 +86,12 @@ def test_lab_probes_are_exported_and_stored(start_lab):
         assert len(store.rounds(target="lab-affinity")) == 6 * len(stored)
 
 
-def test_the_webhook_stores_alerts_and_rejects_garbage(start_lab):
+def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(start_lab):
     lab = start_lab("--replicas", "1", "--users", "0", "--time-scale", "0.1")
+    token_file = lab.state_dir / "webhook-token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    authorized = {"Authorization": f"Bearer {token}"}
     payload = {
         "version": "4", "status": "firing", "receiver": "kvwatch", "groupKey": "{}:{}",
         "alerts": [{
@@ -97,12 +102,16 @@ def test_the_webhook_stores_alerts_and_rejects_garbage(start_lab):
             "endsAt": "0001-01-01T00:00:00Z", "fingerprint": "abc123",
         }],
     }  # fmt: skip
-    answer = httpx.post(f"{lab.status['exporter']}/alerts", json=payload, timeout=5)
-    assert answer.status_code == 200 and answer.json() == {"stored": 1}
-    garbage = httpx.post(f"{lab.status['exporter']}/alerts", content=b"{not json", timeout=5)
+    url = f"{lab.status['exporter']}/alerts"
+    assert httpx.post(url, json=payload, timeout=5).status_code == 401
+    answer = httpx.post(url, json=payload, headers=authorized, timeout=5)
+    assert answer.status_code == 200 and answer.json() == {"stored": 1, "rejected": 0}
+    garbage = httpx.post(url, content=b"{not json", headers=authorized, timeout=5)
     assert garbage.status_code == 400 and "bad Alertmanager webhook payload" in garbage.json()["error"]
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
-        assert [a["alertname"] for a in store.alerts()] == ["KVWatchSessionAffinityBroken"]
+        posted = [a["alertname"] for a in store.alerts() if a["alertname"] != "Watchdog"]  # the lab's own
+    assert posted == ["KVWatchSessionAffinityBroken"]
+    assert token not in (lab.state_dir / "logs" / "serve.log").read_text()
 
 
 def start_serve(tmp_path: Path, target: dict) -> tuple[subprocess.Popen, str, Path]:

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from collectors.records import RoundResult, SessionResult
-from collectors.store import SCHEMA_VERSION, Store, StoreError, StoreWriter, WriteDropped
+from collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -252,7 +252,7 @@ def webhook(status: str = "firing") -> dict:
 
 
 def test_webhook_alerts_are_stored(store):
-    assert store.add_alerts(webhook(), received_at=5000.0) == 2
+    assert store.add_alerts(webhook(), received_at=5000.0) == AlertsAdded(stored=2)
     watchdog, broken = store.alerts()  # received together: the later row first
     assert broken | {"id": None} == {
         "id": None,
@@ -273,8 +273,8 @@ def test_webhook_alerts_are_stored(store):
 
 def test_repeated_notifications_keep_the_first_receipt(store):
     store.add_alerts(webhook(), received_at=5000.0)
-    assert store.add_alerts(webhook(), received_at=5060.0) == 0
-    assert store.add_alerts(webhook("resolved"), received_at=5600.0) == 2
+    assert store.add_alerts(webhook(), received_at=5060.0).stored == 0
+    assert store.add_alerts(webhook("resolved"), received_at=5600.0).stored == 2
     assert [(a["status"], a["received_at"]) for a in store.alerts(status="firing")] == [
         ("firing", 5000.0)
     ] * 2
@@ -302,7 +302,22 @@ def changed(index: int, **values) -> dict:
         ({"alerts": []}, 'version must be "4" (Alertmanager\'s webhook format), got None'),
         ({**webhook(), "version": "3"}, "version must be \"4\" (Alertmanager's webhook format), got '3'"),
         ({**webhook(), "alerts": None}, "alerts: must be a list"),
-        ({**webhook(), "alerts": ["KVWatchProbeFailing"]}, "alerts[0]: must be an object"),
+    ],
+)
+def test_a_payload_that_is_no_notification_is_rejected_whole(store, payload, message):
+    with pytest.raises(ValueError) as error:
+        store.add_alerts(copy.deepcopy(payload))
+    assert str(error.value) == message
+    assert store.alerts() == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (
+            {**webhook(), "alerts": ["KVWatchProbeFailing", webhook()["alerts"][1]]},
+            "alerts[0]: must be an object",
+        ),
         (changed(1, status="pending"), "alerts[1].status: must be firing or resolved, got 'pending'"),
         (without("labels", 1), "alerts[1].labels: must be an object of strings"),
         (changed(0, labels={"alertname": "X", "round": 2}), "alerts[0].labels: must be an object of strings"),
@@ -320,13 +335,16 @@ def changed(index: int, **values) -> dict:
         ),
         (changed(1, endsAt=17), "alerts[1].endsAt: must be an RFC 3339 time, got 17"),
         (without("fingerprint", 1), "alerts[1].fingerprint: must be a non-empty string"),
+        (
+            changed(1, status="x" * 4_000_000),
+            "alerts[1].status: must be firing or resolved, got '" + "x" * 60 + "...",  # a line, not 4 MB
+        ),
     ],
 )
-def test_malformed_payload_is_rejected_whole(store, payload, message):
-    with pytest.raises(ValueError) as error:
-        store.add_alerts(copy.deepcopy(payload))
-    assert str(error.value) == message
-    assert store.alerts() == []  # not even the well-formed alerts before the bad one
+def test_a_malformed_alert_is_skipped_and_the_others_stored(store, payload, message):
+    """Alertmanager does not resend a refused notification: refusing it whole would lose its good alerts."""
+    assert store.add_alerts(copy.deepcopy(payload)) == AlertsAdded(stored=1, rejected=(message,))
+    assert len(store.alerts()) == 1
 
 
 # --- retention -------------------------------------------------------------------------------------
@@ -415,7 +433,7 @@ def test_threads_share_one_store(store):
         ids = list(pool.map(lambda i: store.add_session(session("t", float(i))), range(200)))
         alerts = [pool.submit(store.add_alerts, webhook()) for _ in range(8)]
     assert sorted(ids) == list(range(1, 201))
-    assert sum(future.result() for future in alerts) == 2
+    assert sum(future.result().stored for future in alerts) == 2
     assert len(store.rounds(target="t")) == 600
 
 

@@ -171,6 +171,9 @@ HEALTHY = {
     queries.LISTENER_SPREAD.state: states(affinity=queries.OK),
     queries.CLUSTER_HIT_RATIO_DROP.state: cluster_state(queries.OK),
     queries.LOAD_IMBALANCE.state: cluster_state(queries.PENDING),
+    queries.INSTANCE_HIT_RATIO_DROP.state: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [queries.OK, queries.OK]}
+    ),
 }
 INSTANT = {
     **HEALTHY,
@@ -506,6 +509,17 @@ def test_replicas_show_share_imbalance_and_engines(fake):
     assert engines.loc["127.0.0.1:18010", "prefix caching"] == "off"
     assert engines.loc["127.0.0.1:18011", "engine"] == "SGLang"
     assert engines.loc["127.0.0.1:18011", "prefix caching"] == "not exported"
+
+
+def test_replicas_judge_each_instance_as_its_hit_ratio_alert_does(fake):
+    said = texts(open_page("replicas"))
+    assert "`127.0.0.1:18010`: :green[Its hit ratio holds against its own past.]" in said
+    fake.values[queries.INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [queries.OK, queries.FIRING]}
+    )
+    said = texts(open_page("replicas"))
+    assert "`127.0.0.1:18010`: :green[Its hit ratio holds against its own past.]" in said
+    assert f"`127.0.0.1:18011`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
 
 
 def test_sessions_list_and_drill_into_one(fake):

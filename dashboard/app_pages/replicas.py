@@ -24,6 +24,17 @@ ENGINES = {
 PREFIX_CACHING = {"True": "on", "False": "off"}
 IMBALANCE_HELP = "Finished requests of the busiest instance over the mean of all instances."
 IMBALANCE_OK = "Requests are spread evenly enough over the replicas."
+HIT_RATIO_OK = "Its hit ratio holds against its own past."
+
+
+def instance_verdicts(over: data.Span) -> None:
+    """Each instance's verdict, from the instance-scope hit-ratio alert's own state."""
+    state = data.instant(queries.INSTANCE_HIT_RATIO_DROP.state, over)
+    if ui.failed(state) or state.value.empty:
+        return
+    for instance in sorted(state.value["instance"]):
+        verdict = ui.judge(queries.INSTANCE_HIT_RATIO_DROP, state.value, HIT_RATIO_OK, instance=instance)
+        st.markdown(f"`{instance}`: :{verdict.color}[{verdict.text}]")
 
 
 def ratio_chart(frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int) -> go.Figure:
@@ -82,6 +93,7 @@ def replicas(seconds: int) -> None:
         ui.empty(f"No engine served prompt tokens in this range (ratios over {queries.WINDOW} windows).")
     else:
         st.plotly_chart(ratio_chart(hit_ratios.value, marks, "hit ratio", 320), key="replicas_hit_ratio")
+        instance_verdicts(over)
 
     lookups, sources = st.columns(2)
     with lookups:

@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from collectors import queries
+from collectors.config import load_config
+from collectors.records import SessionResult
 from collectors.store import Store
 from conftest import REPO
 from dashboard import data
@@ -252,6 +254,34 @@ def test_overview_shows_what_prometheus_holds(lab, page):
             )
     assert shown.tiles[2] == Tile("Sessions on one replica", "100%", "Sessions stay on their replica.")
     assert "No kvwatch alert is firing." in shown.text
+
+
+def last_run(lab, target: str, at: float) -> list[SessionResult]:
+    """The sessions of the target's last probe run as Prometheus held it at `at`, from the store: the
+    newest of the run's size that finished by the time the run did. The pages' `at` is seconds ago
+    (data.now), long after the run handed its sessions to the store's writer."""
+    age = value_of(prometheus(lab, as_asked(queries.PROBE_LAST_RUN_AGE, at), at), target=target)
+    (settings,) = [t for t in load_config(lab.state_dir / "kvwatch.yaml").targets if t.name == target]
+    with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+        finished = at - age + 0.001  # the run's end, give or take the rounding of time() - end
+        done = [s for s in store.sessions(target=target) if s["finished_at"] <= finished]
+        return [store.session(s["id"]) for s in done[: settings.sessions_per_run]]
+
+
+def test_the_last_run_tiles_are_the_stores_last_run(lab):
+    """The tiles read the exporter's last-run gauges (the test above); these are the stored sessions'."""
+    at = data.now()
+    for labels in (AFFINITY, ROUND_ROBIN):
+        run = last_run(lab, labels["target"], at)
+        judged = [s.sticky for s in run if s.sticky is not None]
+        rounds = [r for s in run for r in s.rounds if r.ok and r.ttft_seconds is not None]
+        cold = statistics.median(r.ttft_seconds for r in rounds if r.round == 1)
+        warm = statistics.median(r.ttft_seconds for r in rounds if r.round > 1)
+        sticky = value_of(prometheus(lab, as_asked(queries.STICKY_RATIO, at), at), **labels)
+        warm_cold = value_of(prometheus(lab, as_asked(queries.WARM_COLD_RATIO, at), at), **labels)
+        assert judged and sticky == pytest.approx(sum(judged) / len(judged)), (labels, run)
+        assert warm_cold == pytest.approx(warm / cold), labels
+    assert sticky == 0  # round robin's: the comparison above is not all ones
 
 
 def refreshes(page, until, timeout: float = WAIT_S) -> list[Refresh]:

@@ -17,8 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from collectors import grafana, queries
+from collectors.scheduler import GATEWAY_POLL_SECONDS
 from conftest import REPO
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -252,6 +254,43 @@ def real_spread(prometheus: str) -> float:
     return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="false")
 
 
+def logged_sessions(lab, listener: str, until: float) -> tuple[int, int]:
+    """The gateway log's own sessions as of `until`: those with two or more requests, and those of them
+    served by more than one upstream. The lab is younger than the spread window, so every request
+    counts; this test fails no replica over."""
+    upstreams: dict[str, list[str]] = {}
+    for line in lab.access_log(listener):
+        if line["msec"] <= until and ":" in line["upstream_addr"]:  # served by an upstream
+            assert ", " not in line["upstream_addr"], line  # no failover
+            upstreams.setdefault(line["session_id"], []).append(line["upstream_addr"])
+    returning = [served for served in upstreams.values() if len(served) > 1]
+    return len(returning), sum(len(set(served)) > 1 for served in returning)
+
+
+def exported_poll(lab, log: str) -> tuple[float, int, int]:
+    """The exporter's latest poll of the gateway log, once a new one has been taken: its time, its
+    sessions with two or more requests, and those of them spread with no failover."""
+
+    def snapshot() -> tuple[float, int, int]:
+        found = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(httpx.get(f"{lab.status['exporter']}/metrics").text)
+            for s in family.samples
+        }
+        listener = {"log": log, "listener": log}
+        return (
+            found["kvwatch_gateway_log_last_poll_timestamp_seconds", (("log", log),)],
+            found["kvwatch_gateway_returning_sessions", tuple(sorted(listener.items()))],
+            found[
+                "kvwatch_gateway_session_spread_sessions",
+                tuple(sorted({**listener, "failover": "false"}.items())),
+            ],
+        )
+
+    first = snapshot()
+    return poll(snapshot, lambda now: now[0] > first[0], GATEWAY_POLL_SECONDS + 5)
+
+
 def cluster_hit_ratio(prometheus: str) -> float:
     found = instant(prometheus, queries.CLUSTER_HIT_RATIO)
     return float(found[0]["value"][1]) if found else math.nan
@@ -308,6 +347,12 @@ def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
         assert affinity_value(prometheus, queries.ROUTE_STICKY.state) == queries.FIRING  # the verdict panel
         value = poll(lambda: real_spread(prometheus), lambda v: v > 0, 30)
         assert value > 0, "real sessions through the affinity listener do not spread"
+        # The panel against the gateway log itself, at the exporter's last poll: Prometheus scrapes the
+        # exporter and records the share every second, well before the next poll.
+        taken_at, returning, spread = exported_poll(lab, AFFINITY_LISTENER["log"])
+        assert (returning, spread) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
+        time.sleep(3)
+        assert real_spread(prometheus) == pytest.approx(spread / returning)
         # Round robin still reuses the shared system prompt and the rule averages 2 minutes, so the hit
         # ratio sinks slowly: about 0.01 in 20 s in this lab.
         value = poll(lambda: cluster_hit_ratio(prometheus), lambda v: v < hit_ratio - 0.01, 45)

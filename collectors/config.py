@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from collectors import blocksize, identity
+from collectors import blocksize, gatewaylogs, identity
 from collectors.connections import url_problem
 from collectors.redaction import redact
 
@@ -215,10 +215,15 @@ class GatewayLog:
     session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
     max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
     expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
+    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.FORMATS
 
     def __post_init__(self):
         _name(self.name, "name")
         _check_ranges(self)
+        known = ", ".join(sorted(gatewaylogs.FORMATS))
+        _check(
+            self.format in gatewaylogs.FORMATS, "format", f'unknown format "{self.format}"; known: {known}'
+        )
 
 
 @dataclass(frozen=True)

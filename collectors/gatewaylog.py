@@ -1,39 +1,41 @@
 """Follow a gateway's JSON access log: load per upstream, requests without a session key, and sessions
 spread over more than one upstream (apart from those a failover moved), in bounded memory.
 
-A scheduler job calls `GatewayLogFollower.poll()`; it reads what nginx appended since the last call and
-publishes an immutable `GatewayLogSnapshot`. `GatewayLogCollector` turns the latest snapshots into
-`kvwatch_gateway_*` metrics on every scrape. Session ids stay inside the follower: only counts leave it.
+A scheduler job calls `GatewayLogFollower.poll()`; it reads what the gateway appended since the last call
+and publishes an immutable `GatewayLogSnapshot`. What a line means is up to the log's format
+(collectors/gatewaylogs/: nginx, Envoy); reading the file and counting are the same for all.
+`GatewayLogCollector` turns the latest snapshots into `kvwatch_gateway_*` metrics on every scrape.
+Session ids stay inside the follower: only counts leave it.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import math
 import os
 import re
 import stat
-import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from collectors import gatewaylogs
+from collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
+
 log = logging.getLogger("kvwatch.gatewaylog")
 
-MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
 # Why a poll could not read a log: a fixed list, so that a reason can be a label.
 UNREADABLE_REASONS = ("not_found", "permission_denied", "is_directory", "not_regular_file", "read_error")
-# nginx's request line limit (8 KiB by default) keeps real lines far shorter; a longer one is garbage
-# and must not grow memory.
+# A gateway's request line limit (nginx: 8 KiB by default) keeps real lines far shorter; a longer one is
+# garbage and must not grow memory.
 MAX_LINE_BYTES = 64 * 1024
 # About 0.7 s of parsing (README, "Gateway access log"), so that a huge or endless log keeps neither
 # the other logs nor a shutdown waiting; at one poll per 5 s it still follows ~3 MB/s per log.
@@ -41,71 +43,9 @@ MAX_BYTES_PER_POLL = 16 * 1024 * 1024
 # A file truncated in place (copytruncate) and written past the offset read up to by the next poll is
 # told only by its first bytes, which an appended file keeps: a line or more of them.
 HEAD_BYTES = 4096
-# The upstream of a request no server answered: nginx did not proxy it, or found no live server.
-NO_UPSTREAM = "none"
 
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_REQUIRED_FIELDS = {
-    "msec": (int, float),
-    "listener": str,
-    "status": int,
-    "upstream_addr": str,
-    "session_id": str,
-    "session_source": str,
-}
 _BOOLS = ("false", "true")  # label values, indexed by a bool
-# nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
-_UPSTREAM_SEPARATOR = re.compile(r", | : ")
-
-
-class _Malformed(ValueError):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class _Request(NamedTuple):
-    time: float
-    listener: str
-    upstream: str  # the last server tried, or NO_UPSTREAM
-    tried: int  # how many servers nginx tried
-    status: int
-    session_id: str
-    assigned: bool
-
-
-def _parse(line: bytes) -> _Request:
-    """One access log line as a request; raises _Malformed with the reason it cannot be one."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        raise _Malformed("invalid_json") from None
-    if not isinstance(record, dict):
-        raise _Malformed("invalid_json")
-    for field, types in _REQUIRED_FIELDS.items():
-        if field not in record:
-            raise _Malformed("missing_field")
-        if isinstance(record[field], bool) or not isinstance(record[field], types):
-            raise _Malformed("wrong_type")
-    if (
-        record["session_source"] not in ("client", "assigned")
-        or not record["session_id"]
-        or not 100 <= record["status"] <= 599
-    ):
-        raise _Malformed("bad_value")
-    tried = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
-    # An upstream group's name instead of an address means nginx found no live server.
-    upstream = tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM
-    # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
-    return _Request(
-        time=record["msec"],
-        listener=sys.intern(record["listener"]),
-        upstream=sys.intern(upstream),
-        tried=len(tried),
-        status=record["status"],
-        session_id=record["session_id"],
-        assigned=record["session_source"] == "assigned",
-    )
 
 
 class _NotARegularFile(OSError):
@@ -166,7 +106,7 @@ class _Session:
         self.upstreams[upstream] = at
         if at >= self.last:
             self.previous, self.last = self.last, at
-        else:  # nginx logs a request when it ends: a long one can come after a later one
+        else:  # a gateway logs a request when it ends: a long one can come after a later one
             self.previous = max(self.previous, at)
 
 
@@ -187,7 +127,7 @@ class GatewayLogSnapshot:
     malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
     requests: Mapping[tuple[str, str], int]  # (listener, last upstream tried or NO_UPSTREAM) -> requests
     responses: Mapping[tuple[str, str], int]  # (listener, status class such as "2xx") -> requests
-    failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream
+    failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream or saw one fail
     without_session_key: Mapping[str, int]  # listener -> requests whose session id the gateway assigned
     assigned_session_ids: Mapping[str, int]  # listener -> distinct session ids the gateway assigned
     # (listener, failover) -> sessions on more than one upstream in the window; failover is "true" when
@@ -208,16 +148,17 @@ class GatewayLogSnapshot:
 
 
 class GatewayLogFollower:
-    """Reads an nginx JSON access log incrementally and keeps its statistics in bounded memory.
+    """Reads a gateway's JSON access log incrementally and keeps its statistics in bounded memory.
 
     Owns no thread: one scheduler job at a time calls `poll()`; any thread may read `latest`, an
     immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does, and no
-    line nginx writes is lost to a rename rotation: the renamed file is read for as long as nginx may
+    line the gateway writes is lost to a rename rotation: the renamed file is read for as long as it may
     still write it (until the new file is there and a whole poll interval brought nothing new), then
     the new one from its start. A truncated file is read again from its start, and a missing file is
     not an error. Anything but a regular file is refused, and a poll reads at most
     `max_bytes_per_poll` of a log, so one log never stalls the others.
-    Event times come from the log's `msec`; `clock` gives "now" for the window and the TTL.
+    `log_format` names the format of gatewaylogs.FORMATS its lines are in. Event times come from the
+    log (nginx's `msec`); `clock` gives "now" for the window and the TTL.
     """
 
     def __init__(
@@ -230,12 +171,14 @@ class GatewayLogFollower:
         max_sessions: int = 100_000,
         expect_sticky: bool = True,
         max_bytes_per_poll: int = MAX_BYTES_PER_POLL,
+        log_format: str = "nginx",
         clock: Callable[[], float] = time.time,
     ):
         if not _LOG_NAME.fullmatch(name):
             raise ValueError(f"gateway log name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         self.path = Path(path)
         self.name = name
+        self._format = gatewaylogs.log_format(log_format)
         self.spread_window_seconds = spread_window_seconds
         self.session_ttl_seconds = session_ttl_seconds
         self.max_sessions = max_sessions
@@ -247,7 +190,7 @@ class GatewayLogFollower:
         self._head = b""  # the file's first bytes read, up to HEAD_BYTES: changed, it was truncated
         self._budget = 0  # bytes this poll may still read
         self._unread_bytes = 0
-        self._pending = b""  # the start of a line nginx has not finished writing yet
+        self._pending = b""  # the start of a line the gateway has not finished writing yet
         self._skipping_long_line = False
         self._problem: str | None = "not_polled"
         self._unreadable_polls: Counter[str] = Counter()
@@ -307,7 +250,7 @@ class GatewayLogFollower:
                 self._file.seek(0)
                 self._head = b""
             self._read()
-            # nginx writes the renamed file until it reopens its log, which can be after the new file
+            # The gateway writes the renamed file until it reopens its log, which can be after the new file
             # appeared (logrotate's `create`): the old one is done once a whole poll brought nothing.
             if replaced and self._successor_seen and self._budget == self.max_bytes_per_poll:
                 self._take_partial_line()
@@ -324,7 +267,7 @@ class GatewayLogFollower:
         self._unread_bytes = max(0, os.fstat(fd).st_size - self._file.tell())
 
     def _replaced(self) -> bool:
-        """Whether the path names another file; while it names none, nginx may still write ours."""
+        """Whether the path names another file; while it names none, the gateway may still write ours."""
         try:
             current = os.stat(self.path)
         except FileNotFoundError:
@@ -370,14 +313,13 @@ class GatewayLogFollower:
     def _take(self, line: bytes) -> None:
         self._lines += 1
         try:
-            request = _parse(line)
-        except _Malformed as malformed:
+            request = self._format.parse(json_object(line))
+        except Malformed as malformed:
             self._malformed[malformed.reason] += 1
             return
-        listener, upstream = request.listener, request.upstream
+        listener, upstream, failover = request.listener, request.upstream, request.failover
         self._requests[listener, upstream] += 1
         self._responses[listener, f"{request.status // 100}xx"] += 1
-        failover = request.tried > 1
         if failover:
             self._failovers[listener] += 1
         key = (listener, request.session_id)
@@ -456,7 +398,7 @@ _FAMILIES = (
     ("kvwatch_gateway_assigned_session_ids", CounterMetricFamily, "assigned_session_ids", ("listener",),
      "Distinct session ids the gateway assigned to requests without a session key."),
     ("kvwatch_gateway_failovers", CounterMetricFamily, "failovers", ("listener",),
-     "Requests the gateway sent to more than one upstream before one answered."),
+     "Requests the gateway sent to more than one upstream, or whose upstream failed (Envoy: UF, URX)."),
     ("kvwatch_gateway_session_spread_sessions", GaugeMetricFamily, "spread_sessions",
      ("listener", "failover"), "Sessions served by more than one upstream within the spread window, as of "
      "the last log poll; failover=\"true\": moved because an upstream failed."),

@@ -141,6 +141,7 @@ class Service:
                 session_ttl_seconds=g.session_ttl_seconds,
                 max_sessions=g.max_sessions,
                 expect_sticky=g.expect_sticky,
+                log_format=g.format,
             )
             for g in config.gateway_logs
         ]

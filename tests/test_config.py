@@ -83,6 +83,7 @@ INVALID = [
     ("empty", "the file is empty"),
     ("expect-sticky", 'targets[0].expect_sticky: expected true or false, got the string "yes"'),
     ("gateway-log-expect-sticky", "gateway_logs[0].expect_sticky: expected true or false, got the number 1"),
+    ("gateway-log-format", 'gateway_logs[0].format: unknown format "istio"; known: envoy, nginx'),
     ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 0"),
     (
         "gateway-log-max-sessions-too-many",
@@ -240,7 +241,7 @@ def test_minimal_file_takes_every_default():
 def test_gateway_log_defaults_match_the_follower():
     log = GatewayLog(name="chat", path=Path("access.jsonl"))
     assert (log.spread_window_seconds, log.session_ttl_seconds, log.max_sessions) == (600.0, 1800.0, 100_000)
-    assert log.expect_sticky
+    assert log.expect_sticky and log.format == "nginx"
 
 
 @pytest.mark.parametrize(
@@ -286,11 +287,12 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         gateway_logs=(
             GatewayLog(
                 name="chat",
-                path=Path("/var/log/nginx/kvwatch.jsonl"),
+                path=Path("/var/log/envoy/kvwatch.jsonl"),
                 spread_window_seconds=300.0,
                 session_ttl_seconds=900.0,
                 max_sessions=5000,
                 expect_sticky=False,
+                format="envoy",
             ),
         ),
         exporter=ExporterSettings(listen="[::1]:9100"),

@@ -1,0 +1,82 @@
+"""What every access-log format shares: the request one line stands for, and why a line stands for none."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
+# The upstream of a request no server answered: the gateway did not proxy it, or found no live server.
+NO_UPSTREAM = "none"
+
+
+class Malformed(ValueError):
+    """A line that is no request; `reason` is one of MALFORMED_REASONS, so that it can be a label."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Request(NamedTuple):
+    """One logged request, in the terms the follower counts whatever the gateway."""
+
+    time: float  # Unix time the request ended
+    listener: str
+    upstream: str  # the last server tried, or NO_UPSTREAM
+    failover: bool  # the gateway tried more than one server, or says the server failed
+    status: int
+    session_id: str
+    assigned: bool  # the client sent no session key: the id is one the gateway made
+
+
+@dataclass(frozen=True)
+class LogFormat:
+    """One gateway's access-log format: how a decoded JSON line becomes a request.
+
+    `parse` raises Malformed with the reason a line is no request.
+    """
+
+    name: str
+    parse: Callable[[Mapping[str, object]], Request]
+
+
+def json_object(line: bytes) -> Mapping[str, object]:
+    """One log line decoded; every format writes one JSON object per line."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        raise Malformed("invalid_json") from None
+    if not isinstance(record, dict):
+        raise Malformed("invalid_json")
+    return record
+
+
+def check_fields(record: Mapping[str, object], types: Mapping[str, type | tuple[type, ...]]) -> None:
+    """Every field present with one of its types; JSON's true and false are never numbers."""
+    for field, allowed in types.items():
+        if field not in record:
+            raise Malformed("missing_field")
+        if isinstance(record[field], bool) or not isinstance(record[field], allowed):
+            raise Malformed("wrong_type")
+
+
+def request(
+    *, time: float, listener: str, upstream: str, failover: bool, status: int, session_id: str, assigned: bool
+) -> Request:
+    """The request of a checked line, refused when it has no session id or an impossible status."""
+    if not session_id or not 100 <= status <= 599:
+        raise Malformed("bad_value")
+    # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
+    return Request(
+        time=time,
+        listener=sys.intern(listener),
+        upstream=sys.intern(upstream),
+        failover=failover,
+        status=status,
+        session_id=session_id,
+        assigned=assigned,
+    )

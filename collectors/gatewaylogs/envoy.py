@@ -1,0 +1,58 @@
+"""Envoy's JSON access log (Istio, Envoy Gateway, kgateway) with the `json_format` kvwatch documents:
+examples/envoy-access-log.yaml (README, "Gateway access log").
+
+Envoy renders a value it does not have as null: no session header, no upstream host. It has no field for
+where the session id came from, so a gateway that assigns ids gives a request without one its own
+x-request-id: a session id equal to the request id, or none at all, is the gateway's. A retry shows in
+the attempt count, a failed upstream in the response flags.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import datetime
+
+from collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, check_fields, request
+
+_OPTIONAL_TEXT = (str, type(None))
+FIELDS = {
+    "start_time": str,  # %START_TIME%: ISO 8601 with milliseconds, in UTC
+    "duration": (int, float),  # %DURATION%: milliseconds to the last byte sent
+    "listener": str,
+    "response_code": int,
+    "response_flags": str,  # "-" without any, else e.g. "UF,URX"
+    "upstream_host": _OPTIONAL_TEXT,
+    "upstream_request_attempt_count": int,
+    "session_id": _OPTIONAL_TEXT,
+    "request_id": _OPTIONAL_TEXT,
+}
+# UF: the connection to the upstream failed; URX: the retries ran out on failing upstreams.
+FAILOVER_FLAGS = frozenset({"UF", "URX"})
+# Envoy logs 0 when it sent no response because the client went away first: nginx's 499 for the same.
+_NO_RESPONSE, _CLIENT_CLOSED = 0, 499
+
+
+def parse(record: Mapping[str, object]) -> Request:
+    check_fields(record, FIELDS)
+    try:
+        started = datetime.fromisoformat(record["start_time"])
+    except ValueError:
+        raise Malformed("bad_value") from None
+    attempts, duration_ms = record["upstream_request_attempt_count"], record["duration"]
+    if started.tzinfo is None or attempts < 0 or not 0 <= duration_ms < math.inf:
+        raise Malformed("bad_value")
+    session_id, request_id = record["session_id"], record["request_id"]
+    status = record["response_code"]
+    return request(
+        time=started.timestamp() + duration_ms / 1000,
+        listener=record["listener"],
+        upstream=record["upstream_host"] or NO_UPSTREAM,
+        failover=attempts > 1 or not FAILOVER_FLAGS.isdisjoint(record["response_flags"].split(",")),
+        status=_CLIENT_CLOSED if status == _NO_RESPONSE else status,
+        session_id=session_id or request_id or "",
+        assigned=not session_id or session_id == request_id,
+    )
+
+
+FORMAT = LogFormat(name="envoy", parse=parse)

@@ -1,0 +1,44 @@
+"""nginx's JSON access log: the `kvwatch_json` log_format of README, "Gateway access log" (the lab's too).
+
+nginx names the session's source itself (`session_source`), and lists every server it tried in
+`upstream_addr`: more than one is a failover.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, check_fields, request
+
+FIELDS = {
+    "msec": (int, float),
+    "listener": str,
+    "status": int,
+    "upstream_addr": str,
+    "session_id": str,
+    "session_source": str,
+}
+# nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
+_UPSTREAM_SEPARATOR = re.compile(r", | : ")
+
+
+def parse(record: Mapping[str, object]) -> Request:
+    check_fields(record, FIELDS)
+    if record["session_source"] not in ("client", "assigned"):
+        raise Malformed("bad_value")
+    tried = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
+    # An upstream group's name instead of an address means nginx found no live server.
+    upstream = tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM
+    return request(
+        time=record["msec"],
+        listener=record["listener"],
+        upstream=upstream,
+        failover=len(tried) > 1,
+        status=record["status"],
+        session_id=record["session_id"],
+        assigned=record["session_source"] == "assigned",
+    )
+
+
+FORMAT = LogFormat(name="nginx", parse=parse)

@@ -1,0 +1,194 @@
+"""The access-log formats: each reads its gateway's real lines as the requests the follower counts."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings
+from collectors.gatewaylog import MALFORMED_REASONS, GatewayLogFollower
+from collectors.gatewaylogs import (
+    FORMATS,
+    NO_UPSTREAM,
+    Malformed,
+    Request,
+    envoy,
+    json_object,
+    log_format,
+    nginx,
+)
+from collectors.scheduler import Service
+from conftest import REPO, free_port
+
+R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"
+
+# As the lab's nginx writes its `kvwatch_json` log_format: a failover from R1 to R2.
+NGINX_LINE = (
+    '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"listener":"affinity",'
+    '"request":"POST /v1/chat/completions","status":200,"upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
+    '"upstream_status":"502, 200","session_id":"chat-42","session_source":"client",'
+    '"request_time":0.412,"upstream_response_time":"0.001, 0.411"}\n'
+)
+# Written from Envoy 1.40's documented output of examples/envoy-access-log.yaml (no Envoy binary here):
+# keys sorted, no spaces, numbers for the numeric operators, "-" for no response flags.
+ENVOY_LINE = (
+    '{"duration":412,"listener":"affinity","request_id":"2b8f2c7e-4d1a-4a5e-9f0b-6c3d1e7a9b10",'
+    '"response_code":200,"response_flags":"-","session_id":"chat-42",'
+    '"start_time":"2026-12-01T13:20:31.123Z","upstream_host":"10.0.0.1:8000",'
+    '"upstream_request_attempt_count":1}\n'
+)
+STARTED = datetime.fromisoformat("2026-12-01T13:20:31.123+00:00").timestamp()
+REQUEST_ID = "2b8f2c7e-4d1a-4a5e-9f0b-6c3d1e7a9b10"
+
+
+def envoy_line(**changes: object) -> str:
+    """ENVOY_LINE with some fields changed, as Envoy orders and spaces them."""
+    record = {**json.loads(ENVOY_LINE), **changes}
+    return json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def parse(format_name: str, line: str) -> Request:
+    return FORMATS[format_name].parse(json_object(line.encode()))
+
+
+def test_every_format_is_registered_under_its_name():
+    assert FORMATS == {"nginx": nginx.FORMAT, "envoy": envoy.FORMAT}
+    with pytest.raises(ValueError, match='unknown gateway log format "istio"; known: envoy, nginx'):
+        log_format("istio")
+    with pytest.raises(ValueError, match="unknown gateway log format"):
+        GatewayLogFollower("access.jsonl", "lab", log_format="haproxy")
+
+
+def test_an_nginx_line_names_the_server_that_answered_after_a_failover():
+    assert parse("nginx", NGINX_LINE) == Request(
+        time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
+        session_id="chat-42", assigned=False,
+    )  # fmt: skip
+
+
+def test_an_envoy_line_is_a_request_that_ended_when_its_last_byte_went_out():
+    assert parse("envoy", ENVOY_LINE) == Request(
+        time=STARTED + 0.412, listener="affinity", upstream=R1, failover=False, status=200,
+        session_id="chat-42", assigned=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"session_id": None},  # the client sent no X-Session-Id and the gateway assigned none
+        {"session_id": ""},
+        {"session_id": REQUEST_ID},  # the gateway gave the request its own id
+    ],
+)
+def test_an_envoy_request_without_a_client_session_key_takes_the_request_id(changes):
+    request = parse("envoy", envoy_line(**changes))
+    assert (request.session_id, request.assigned) == (REQUEST_ID, True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "failover"),
+    [
+        ({"upstream_request_attempt_count": 2, "upstream_host": R2}, True),  # retried on another host
+        ({"response_flags": "UF", "response_code": 503}, True),
+        ({"response_flags": "UF,URX", "response_code": 503, "upstream_request_attempt_count": 3}, True),
+        ({"response_flags": "UT", "response_code": 504}, False),  # slow, not failed
+        ({"response_flags": "-"}, False),
+    ],
+)
+def test_envoy_retries_and_upstream_failures_are_failovers(changes, failover):
+    assert parse("envoy", envoy_line(**changes)).failover is failover
+
+
+def test_envoy_without_an_upstream_or_a_response():
+    no_host = parse("envoy", envoy_line(upstream_host=None, response_flags="UH", response_code=503))
+    assert (no_host.upstream, no_host.status, no_host.failover) == (NO_UPSTREAM, 503, False)
+    # The client went away before any response: Envoy's 0 is nginx's 499, a 4xx for both gateways.
+    assert parse("envoy", envoy_line(response_code=0, response_flags="DC")).status == 499
+
+
+def test_the_documented_envoy_json_format_is_what_the_envoy_format_reads():
+    snippet = yaml.safe_load((REPO / "examples" / "envoy-access-log.yaml").read_text())
+    config = snippet["access_log"][0]["typed_config"]
+    assert config["@type"] == "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+    fields = config["log_format"]["json_format"]
+    assert sorted(fields) == sorted(envoy.FIELDS)
+    assert fields["session_id"] == "%REQ(X-SESSION-ID)%" and fields["request_id"] == "%REQ(X-REQUEST-ID)%"
+    # The line of these tests has exactly the documented fields.
+    assert sorted(json.loads(ENVOY_LINE)) == sorted(fields)
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ('{"duration":412,"listener":"affinity"\n', "invalid_json"),
+        (envoy_line(session_id=None, request_id=None), "bad_value"),
+        # Envoy's v2 json_format wrote every value as a string.
+        (envoy_line(response_code="200"), "wrong_type"),
+        (envoy_line(upstream_request_attempt_count=True), "wrong_type"),
+        (envoy_line(upstream_host=["10.0.0.1:8000"]), "wrong_type"),
+        (ENVOY_LINE.replace('"response_flags":"-",', ""), "missing_field"),
+        (envoy_line(start_time="[2026-12-01T13:20:31.123Z]"), "bad_value"),
+        (envoy_line(start_time="2026-12-01T13:20:31.123"), "bad_value"),  # no time zone
+        (envoy_line(duration=-1), "bad_value"),
+        (ENVOY_LINE.replace('"duration":412', '"duration":NaN'), "bad_value"),
+        (envoy_line(response_code=1000), "bad_value"),
+    ],
+)
+def test_malformed_envoy_lines_are_counted_by_reason_and_reading_goes_on(tmp_path, line, reason):
+    log = tmp_path / "envoy.jsonl"
+    log.write_text(ENVOY_LINE + line + ENVOY_LINE)
+    with GatewayLogFollower(log, "envoy", log_format="envoy", clock=lambda: STARTED + 60) as follower:
+        snapshot = follower.poll()
+    assert snapshot.lines == 3
+    assert snapshot.malformed == {**dict.fromkeys(MALFORMED_REASONS, 0), reason: 1}
+    assert snapshot.requests == {("affinity", R1): 2}
+
+
+def test_malformed_is_a_value_error_with_its_reason():
+    with pytest.raises(Malformed) as raised:
+        parse("nginx", ENVOY_LINE)
+    assert raised.value.reason == "missing_field"
+
+
+def test_the_service_follows_an_envoy_log_with_the_same_metrics(tmp_path: Path):
+    log = tmp_path / "envoy.jsonl"
+    # The service's clock is the real one: lines of now, within its spread window.
+    now = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    log.write_text(
+        envoy_line(start_time=now, session_id="s1")
+        + envoy_line(start_time=now, session_id="s1", upstream_host=R2, upstream_request_attempt_count=2)
+        + envoy_line(start_time=now, session_id=None)
+        + envoy_line(
+            start_time=now, session_id="s2", upstream_host=None, response_flags="UH", response_code=503
+        )
+    )
+    config = Config(
+        gateway_logs=(GatewayLog(name="envoy", path=log, format="envoy"),),
+        exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),
+        store=StoreSettings(tmp_path / "kvwatch.db"),
+    )
+    service = Service(config)
+    try:
+        service.poll_gateway_logs()
+    finally:
+        service.followers[0].close()
+        service.store.close()
+
+    def value(name: str, **labels: str) -> float | None:
+        return service.registry.get_sample_value(f"kvwatch_gateway_{name}", {"log": "envoy", **labels})
+
+    listener = {"listener": "affinity"}
+    assert value("lines_total") == 4 and value("malformed_lines_total", reason="missing_field") == 0
+    assert value("requests_total", **listener, upstream=R1) == 2
+    assert value("requests_total", **listener, upstream=R2) == 1
+    assert value("requests_total", **listener, upstream="none") == 1
+    assert value("responses_total", **listener, status_class="5xx") == 1
+    assert value("failovers_total", **listener) == 1
+    assert value("requests_without_session_key_total", **listener) == 1
+    assert value("session_spread_sessions", **listener, failover="true") == 1
+    assert value("session_spread_sessions", **listener, failover="false") == 0

@@ -46,6 +46,7 @@ ROUTE_LEGEND = "{{target}} ({{route_mode}})"
 NO_ENGINE_DATA = "No engine traffic, or no cache metrics"
 NO_PROBE_DATA = "No probe run in this window"
 NO_GATEWAY_DATA = "No gateway requests"
+NO_ROUTER_DATA = "No router exports what it predicted"
 
 
 # --- panels ---------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def verdict_stat(title: str, what: str, verdict: queries.Verdict, legend: str) -
         if alert.for_ != "0m"
         else "It fires in the evaluation its condition holds"
     )
-    reads_a_rule = any(rule.record in verdict.state for rule in queries.RECORDING_RULES)
+    reads_a_rule = any(rule.record in verdict.state for rule in queries.WINDOWED_RULES)
     panel = stat(
         title,
         f"{what}: the state of {alert.name}, computed from the alert's own expression, windows and "
@@ -482,14 +483,87 @@ VERDICT_PANELS = (
      "{{instance}}"),
     ("Load balance", "Whether requests are spread evenly over the replicas", queries.LOAD_IMBALANCE,
      "cluster"),
+    ("Router predictions", "Whether the engines deliver the prefix reuse each router predicts",
+     queries.ROUTER_PREDICTION_MISS, "{{job}} / {{instance}}"),
 )  # fmt: skip
+
+
+def router_row(layout: Layout) -> None:
+    """What the routers predicted they would reuse, against what the engines delivered."""
+    miss = queries.ROUTER_PREDICTION_MISS.alert.name
+    layout.row("Router: predicted vs delivered")
+    layout.add(
+        timeseries(
+            "Predicted by the router, delivered by the engines",
+            "What each router predicted it would find cached when it chose a replica (the mean of its "
+            "per-request predicted hit ratios), beside what the engines delivered: each instance's and "
+            "the cluster's prompt tokens served from cached KV. llm-d's EPP exports its prefix indexer's "
+            "prediction (llm_d_epp_prefix_indexer_hit_ratio, and the deprecated inference_extension_ "
+            "name), Dynamo's KV router dynamo_component_router_kv_hit_rate (KV mode only). vllm-router "
+            "and AIBrix count their prefix predictions by outcome rather than as a share of the prompt "
+            "(kvwatch scrape shows them), and SMG counts its sticky decisions (Sticky decisions kept): "
+            "they draw no line here. A router is named by its scrape job and instance; the job and "
+            "instance filters apply to the engines only.\n\n"
+            "Good: the delivered lines near the router's. Bad: the router's line high while the engines' "
+            "stay low: it sends requests where its index believes their prefix cached, and the engines "
+            "compute it all again (the index drifted from the engines' caches, or caching is off on a "
+            "replica)." + FIXED_WINDOW,
+            [
+                target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
+                target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
+                target(queries.CLUSTER_HIT_RATIO, "delivered by the cluster"),
+            ],
+            unit="percentunit",
+            max_value=1,
+            no_value=NO_ROUTER_DATA,
+            alert=miss,
+        ),
+        10,
+    )
+    layout.add(
+        timeseries(
+            "Delivered per predicted",
+            "The cluster's delivered hit ratio over each router's predicted one: what "
+            f"{miss} judges (it fires below {THRESHOLDS.delivered_per_predicted_below:.0%} while the router "
+            f"predicts above {THRESHOLDS.router_predicted_above:.0%}, for "
+            f"{queries.ROUTER_PREDICTION_MISS.alert.for_}). Only llm-d's EPP and Dynamo's KV router "
+            "predict a hit ratio to compare.\n\n"
+            "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
+            "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
+            "says hit while the engines prefill everything." + FIXED_WINDOW,
+            [target(queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, "{{job}} / {{instance}}")],
+            unit="percentunit",
+            no_value=NO_ROUTER_DATA,
+            alert=miss,
+        ),
+        7,
+    )
+    layout.add(
+        timeseries(
+            "Sticky decisions kept (SMG)",
+            "SMG's manual (routing-key) policy: of the requests whose routing key was already pinned to a "
+            'worker, the share that reached it (smg_manual_policy_branch_total{branch="occupied_hit"}) '
+            "rather than another (occupied_miss: the pinned worker was gone or overloaded). The router's "
+            "own stickiness, beside the probes' (Sticky probe sessions); kvwatch reads it from SMG "
+            "only.\n\n"
+            "Good: near 100 %. Bad: falling: routing keys respill to other workers, and their sessions' "
+            "history is prefilled again." + FIXED_WINDOW,
+            [target(queries.INSTANCE_ROUTER_PIN_KEPT, "{{job}} / {{instance}}")],
+            unit="percentunit",
+            max_value=1,
+            no_value="No SMG router with the manual policy",
+        ),
+        7,
+    )
 
 
 def overview() -> JSON:
     layout = Layout()
     layout.row("What the alerts say")
-    for title, what, verdict, legend in VERDICT_PANELS:
-        layout.add(verdict_stat(title, what, verdict, legend), GRID_WIDTH // len(VERDICT_PANELS), 4)
+    count = len(VERDICT_PANELS)
+    for i, (title, what, verdict, legend) in enumerate(VERDICT_PANELS):
+        width = GRID_WIDTH * (i + 1) // count - GRID_WIDTH * i // count  # one line, the whole width
+        layout.add(verdict_stat(title, what, verdict, legend), width, 4)
     layout.row("Is the KV cache reused?")
     layout.add(
         stat(
@@ -642,6 +716,8 @@ def overview() -> JSON:
         8,
     )
     layout.add(request_share_by_instance(), 8)
+
+    router_row(layout)
 
     layout.row("Load, probe errors and alerts")
     layout.add(

@@ -288,6 +288,8 @@ ROUTER_RULES: tuple[Rule, ...] = (
         f"{CLUSTER_HIT_RATIO}\n  / on() group_right() ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
     ),
 )
+# The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
+WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES)
 
 
 # --- Alerts ---------------------------------------------------------------------------------------
@@ -610,6 +612,9 @@ INSTANCE_HIT_RATIO_DROP = Verdict(
     _alert("KVWatchPrefixCacheHitRateDrop", scope="instance"), INSTANCE_HIT_RATIO, INSTANCE
 )
 LOAD_IMBALANCE = Verdict(_alert("KVWatchReplicaLoadImbalance"), CLUSTER_LOAD_IMBALANCE, "")
+ROUTER_PREDICTION_MISS = Verdict(
+    _alert("KVWatchRouterPredictionMiss"), INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, INSTANCE
+)
 VERDICTS = (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
@@ -617,6 +622,7 @@ VERDICTS = (
     CLUSTER_HIT_RATIO_DROP,
     INSTANCE_HIT_RATIO_DROP,
     LOAD_IMBALANCE,
+    ROUTER_PREDICTION_MISS,
 )
 
 

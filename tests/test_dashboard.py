@@ -522,6 +522,61 @@ def test_replicas_judge_each_instance_as_its_hit_ratio_alert_does(fake):
     assert f"`127.0.0.1:18011`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
 
 
+NO_ROUTER = "No router in this Prometheus exports what it predicted: llm-d's EPP and Dynamo's KV router"
+EPP = {"job": "epp", "instance": "10.0.0.5:9090"}  # predicts a hit ratio
+SMG = {"job": "smg", "instance": "10.0.0.6:29000"}  # counts its sticky decisions
+
+
+def routers(fake: Fake, miss: int) -> None:
+    """llm-d's EPP predicting 80 % while the engines deliver 8 % of that, and SMG keeping 6 of 7 pins."""
+    fake.ranges[queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO] = lambda over: points(over, [0.8, 0.8], **EPP)
+    fake.values |= {
+        queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: pd.DataFrame([{**EPP, "value": 0.8}]),
+        queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: pd.DataFrame([{**EPP, "value": 0.08}]),
+        queries.INSTANCE_ROUTER_PIN_KEPT: pd.DataFrame([{**SMG, "value": 6 / 7}]),
+        queries.ROUTER_PREDICTION_MISS.state: pd.DataFrame([{**EPP, "value": miss}]),
+    }
+
+
+def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered(fake):
+    routers(fake, queries.FIRING)
+    at = open_page("replicas")
+    assert not at.exception
+    charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
+    assert [line["name"] for line in charts["replicas_routers"]] == [
+        "predicted by epp / 10.0.0.5:9090",
+        "delivered by 127.0.0.1:18010",
+        "delivered by 127.0.0.1:18011",
+        "delivered by the cluster",
+    ]
+    figures = at.dataframe[1].value.set_index("job")
+    assert figures.loc["epp", "predicted hit ratio"] == 0.8
+    assert figures.loc["epp", "delivered per predicted"] == 0.08
+    assert figures.loc["smg", "sticky decisions kept"] == pytest.approx(6 / 7)
+    assert figures.loc["smg"].isna().sum() == 2  # SMG predicts no hit ratio
+    said = texts(at)
+    assert f"`epp / 10.0.0.5:9090`: {fires(queries.ROUTER_PREDICTION_MISS)}" in said
+    assert "`smg / 10.0.0.6:29000`: :gray[Not judged: KVWatchRouterPredictionMiss has nothing" in said
+    assert NO_ROUTER not in said
+
+
+@pytest.mark.parametrize("miss", [queries.OK, queries.PENDING])
+def test_replicas_judge_each_router_as_the_prediction_miss_alert_does(fake, miss):
+    routers(fake, miss)
+    said = texts(open_page("replicas"))
+    ok = ":green[The engines deliver the reuse it predicts.]"
+    expected = ok if miss == queries.OK else pending(queries.ROUTER_PREDICTION_MISS)
+    assert f"`epp / 10.0.0.5:9090`: {expected}" in said
+    assert fires(queries.ROUTER_PREDICTION_MISS) not in said
+
+
+def test_replicas_say_when_no_router_exports_predictions(fake):
+    at = open_page("replicas")
+    assert NO_ROUTER in texts(at)
+    assert "replicas_routers" not in {c.proto.id.rsplit("-", 1)[-1] for c in at.get("plotly_chart")}
+    assert len(at.dataframe) == 1  # the engines only
+
+
 def test_sessions_list_and_drill_into_one(fake):
     at = open_page("sessions")
     assert not at.exception

@@ -1,6 +1,7 @@
-"""Predicted against delivered reuse with real processes: a router's recorded exposition replayed over
+"""Predicted against delivered reuse with real processes: routers' recorded expositions replayed over
 HTTP, a lab replica with prefix caching off, and a real Prometheus running kvwatch's generated rules,
-until KVWatchRouterPredictionMiss fires."""
+until KVWatchRouterPredictionMiss fires; then the overview board's router panels show what those series
+imply."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import httpx
 import pytest
 import yaml
 
-from collectors import queries
+from collectors import grafana, queries
 from collectors.engines.base import COUNT_SUFFIXES
 from conftest import free_base_port, free_port, stop, wait_http
 from lab.configs import rule_files
 from lab.stack import prometheus_process
 from lab.state import LabState
 
-ROUTER_EXPOSITION = Path(__file__).parent / "testdata" / "routers" / "llm-d-epp-0.10.prom"
+ROUTERS = Path(__file__).parent / "testdata" / "routers"
+# Served at these paths by one replay server: llm-d's EPP predicts, SMG counts its sticky decisions.
+ROUTER_EXPOSITIONS = {"/metrics": ROUTERS / "llm-d-epp-0.10.prom", "/smg/metrics": ROUTERS / "smg-1.13.prom"}
 RULE_TIME_SCALE = 0.05  # 2m rate windows take 6 s, the alert's 5m `for` 15 s
 FIRING_TIMEOUT_S = 90.0
 GROWING = (*COUNT_SUFFIXES, "_sum")  # counts, and the sums of histograms of non-negative values
@@ -51,12 +54,12 @@ def replayed(text: str, seconds: float) -> str:
 
 @pytest.fixture
 def router_replay() -> Iterator[str]:
-    """The hand-written llm-d EPP exposition served over loopback, its counters growing with time."""
-    text, started = ROUTER_EXPOSITION.read_text(), time.monotonic()
+    """The hand-written router expositions served over loopback, their counters growing with time."""
+    texts, started = {path: file.read_text() for path, file in ROUTER_EXPOSITIONS.items()}, time.monotonic()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = replayed(text, time.monotonic() - started).encode()
+            body = replayed(texts[self.path], time.monotonic() - started).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -95,6 +98,23 @@ def value(prometheus: str, expr: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def router_panel_queries() -> set[str]:
+    """The queries of the overview's router row and of its router verdict panel."""
+    layout = grafana.Layout()
+    grafana.router_row(layout)
+    row = {t["expr"] for panel in layout.panels for t in panel.get("targets", [])}
+    return row | {queries.ROUTER_PREDICTION_MISS.state}
+
+
+def panel_values(prometheus: str, expr: str) -> dict[str, float]:
+    """A panel query's values now, with the board's variables matching everything, by job."""
+    expr = queries.fill_variables(expr, window="30s", time_range="5m")
+    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
+        "result"
+    ]
+    return {r["metric"].get("job", "cluster"): float(r["value"][1]) for r in result}
+
+
 @pytest.mark.integration
 def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_miss(
     start_replica, router_replay, tmp_path: Path
@@ -113,6 +133,11 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         "rule_files": [str(tmp_path / "rules" / "*.yml")],
         "scrape_configs": [
             {"job_name": "router", "static_configs": [{"targets": [router_replay]}]},
+            {
+                "job_name": "smg",
+                "metrics_path": "/smg/metrics",
+                "static_configs": [{"targets": [router_replay]}],
+            },
             {"job_name": "replicas", "static_configs": [{"targets": [f"127.0.0.1:{replica.port}"]}]},
         ],
     }
@@ -143,5 +168,17 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         assert value(url, queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO) == pytest.approx(0.8)
         assert value(url, queries.CLUSTER_HIT_RATIO) == 0
         assert value(url, queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED) == 0
+        # The board's router panels and verdict, as Grafana would ask, per job (one instance each).
+        expected = {
+            queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: {"router": 0.8},
+            queries.HIT_RATIO_BY_INSTANCE: {"replicas": 0},
+            queries.CLUSTER_HIT_RATIO: {"cluster": 0},
+            queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0},
+            queries.INSTANCE_ROUTER_PIN_KEPT: {"smg": 6 / 7},  # 6 kept their worker, 1 moved
+            queries.ROUTER_PREDICTION_MISS.state: {"router": queries.FIRING},
+        }
+        assert set(expected) == router_panel_queries()
+        for expr, by_job in expected.items():
+            assert panel_values(url, expr) == pytest.approx(by_job), expr
     finally:
         stop(prometheus)

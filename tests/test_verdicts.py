@@ -21,6 +21,8 @@ EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
 ENGINE = 'job="replicas", instance="127.0.0.1:18010"'
 CHAT = f'{EXPORTER}, target="chat", route_mode="affinity"'  # a sticky route
 RR = f'{EXPORTER}, target="rr", route_mode="round_robin"'  # and one that is not
+ROUTER = 'job="epp", instance="127.0.0.1:9090"'
+MODEST_ROUTER = 'job="epp", instance="127.0.0.1:9091"'
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,23 @@ SCENARIOS = {
         range(76, 98),
         {80: OK, 82: PENDING, 88: FIRING, 97: OK},
         "",
+    ),
+    "router prediction": Scenario(
+        queries.ROUTER_PREDICTION_MISS,
+        {
+            f"{queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED}{{{ROUTER}}}": "1 1 0.1x7 1x6",
+            f"{queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO}{{{ROUTER}}}": "0.8x15",
+            f"{queries.INSTANCE_ROUTER_PREDICTIONS}{{{ROUTER}}}": "5x15",
+            # predicts little reuse: its shortfall is no miss, never more than OK
+            f"{queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED}{{{MODEST_ROUTER}}}": "0.1x15",
+            f"{queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO}{{{MODEST_ROUTER}}}": "0.2x15",
+            f"{queries.INSTANCE_ROUTER_PREDICTIONS}{{{MODEST_ROUTER}}}": "5x15",
+            f"{queries.INSTANCE_PROMPT_TOKENS}{{{ENGINE}}}": "100x15",
+        },
+        range(16),
+        {1: OK, 2: PENDING, 6: PENDING, 7: FIRING, 9: FIRING, 10: OK},
+        ROUTER,
+        ['kvwatch_verdict{instance="127.0.0.1:9091"} != 0'],
     ),
     "load imbalance": Scenario(
         queries.LOAD_IMBALANCE,

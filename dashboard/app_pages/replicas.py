@@ -1,7 +1,7 @@
 """Cache & replicas: each replica's hit ratio over time (the share of its prompt tokens served from
 cached KV, and beside it its local prefix cache's lookups), where its cached KV came from, how requests
-are spread over the replicas (consistent hashing trades balance for reuse), their TTFT, and what each
-engine is."""
+are spread over the replicas (consistent hashing trades balance for reuse), their TTFT, what each
+engine is, and what the routers predicted they would reuse against what the engines delivered."""
 
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ PREFIX_CACHING = {"True": "on", "False": "off"}
 IMBALANCE_HELP = "Finished requests of the busiest instance over the mean of all instances."
 IMBALANCE_OK = "Requests are spread evenly enough over the replicas."
 HIT_RATIO_OK = "Its hit ratio holds against its own past."
+PREDICTION_OK = "The engines deliver the reuse it predicts."
+NO_ROUTER = (
+    "No router in this Prometheus exports what it predicted: llm-d's EPP and Dynamo's KV router export "
+    "their predicted hit ratio, SMG its sticky decisions (vllm-router and AIBrix count their predictions "
+    "by outcome instead: `kvwatch scrape` shows those)."
+)
+# What a router exports of its own routing, each figure a ratio per router (job, instance).
+ROUTER_FIGURES = {
+    "predicted hit ratio": queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+    "delivered per predicted": queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    "sticky decisions kept": queries.INSTANCE_ROUTER_PIN_KEPT,
+}
 
 
 def instance_verdicts(over: data.Span) -> None:
@@ -37,9 +49,11 @@ def instance_verdicts(over: data.Span) -> None:
         st.markdown(f"`{instance}`: :{verdict.color}[{verdict.text}]")
 
 
-def ratio_chart(frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int) -> go.Figure:
-    """Ratios per instance over time, with the faults and alerts marked."""
-    figure = px.line(frame, x="time", y="value", color="instance", labels={"value": label, "time": ""})
+def ratio_chart(
+    frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int, color: str = "instance"
+) -> go.Figure:
+    """Ratios per instance (or per `color`) over time, with the faults and alerts marked."""
+    figure = px.line(frame, x="time", y="value", color=color, labels={"value": label, "time": ""})
     figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=height)
     return ui.mark(figure, marks)
 
@@ -71,6 +85,55 @@ def engines(series: pd.DataFrame, config: pd.DataFrame) -> pd.DataFrame:
         }
         for instance, names in exported.items()
     )
+
+
+def router_figures(found: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per router (job, instance), a column per figure it exports, from instant answers."""
+    columns = [frame.set_index(["job", "instance"])["value"].rename(name) for name, frame in found.items()]
+    return pd.concat(columns, axis=1).reset_index()
+
+
+def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> None:
+    """Each router's predicted hit ratio against the engines' delivered one, as the overview board's
+    router row shows them, with the prediction-miss alert's verdict on each router that predicts."""
+    st.subheader("Router: predicted vs delivered")
+    st.caption(
+        "What a cache-aware router predicted it would find cached when it chose a replica, against what "
+        "the engines delivered: a router whose index says hit while the engines prefill everything "
+        "routes on a stale index. Delivered per predicted is the cluster's delivered hit ratio over the "
+        "router's prediction, what KVWatchRouterPredictionMiss judges; sticky decisions kept is the share "
+        "of SMG's pinned routing keys that reached their worker."
+    )
+    predicted, cluster = (
+        data.series(q, over) for q in (queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, queries.CLUSTER_HIT_RATIO)
+    )
+    latest = {name: data.instant(q, over) for name, q in ROUTER_FIGURES.items()}
+    state = data.instant(queries.ROUTER_PREDICTION_MISS.state, over)
+    if any(ui.failed(result) for result in (predicted, cluster, state, *latest.values())):
+        return
+    exported = {name: result.value for name, result in latest.items() if not result.value.empty}
+    if not exported:
+        ui.empty(NO_ROUTER)
+        return
+    if not predicted.value.empty:
+        router = predicted.value
+        lines = pd.concat(
+            [
+                router.assign(line="predicted by " + router["job"] + " / " + router["instance"]),
+                # no instance column while no engine serves
+                hit_ratios.assign(line="delivered by " + hit_ratios.get("instance", "")),
+                cluster.value.assign(line="delivered by the cluster"),
+            ]
+        )
+        st.plotly_chart(ratio_chart(lines, marks, "hit ratio", 300, color="line"), key="replicas_routers")
+    figures = router_figures(exported)
+    percent = {name: st.column_config.NumberColumn(name, format="percent") for name in exported}
+    st.dataframe(figures, hide_index=True, column_config=percent)
+    for job, instance in figures[["job", "instance"]].itertuples(index=False):
+        verdict = ui.judge(
+            queries.ROUTER_PREDICTION_MISS, state.value, PREDICTION_OK, job=job, instance=instance
+        )
+        st.markdown(f"`{job} / {instance}`: :{verdict.color}[{verdict.text}]")
 
 
 @st.fragment(run_every=data.REFRESH_SECONDS)
@@ -152,6 +215,8 @@ def replicas(seconds: int) -> None:
             ui.empty("No instance exports prefix-cache series yet: is Prometheus scraping the engines?")
         else:
             st.dataframe(engines(series.value, config.value), hide_index=True)
+
+    routers(over, hit_ratios.value, marks)
 
 
 st.title("Cache & replicas")

@@ -180,7 +180,10 @@ class Service:
                 return await run_session(self._client, settings, conversation, stop=self._stop)
 
         try:
-            sessions = await asyncio.gather(*map(one, self.conversations[target.name].next_run()))
+            # Building a large workload's text takes seconds: in a thread, the exporter, the webhook and
+            # a stop are served meanwhile.
+            conversations = await asyncio.to_thread(self.conversations[target.name].next_run)
+            sessions = await asyncio.gather(*map(one, conversations))
             sessions = [s for s in sessions if s.rounds]  # stopped before its first answer: nothing measured
             block = await blocksize.learn(self.block_sources[target.name], sessions)
             sessions = with_block_size(sessions, block.tokens)

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.config import Config, ExporterSettings, StoreSettings, Target
+from collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
 from collectors.scheduler import Service
 from collectors.store import Store
 from conftest import REPO, free_port, stop, wait_http
@@ -326,3 +326,43 @@ def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_
 
     asyncio.run(scenario())
     assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step
+
+
+def test_building_a_large_workload_leaves_the_event_loop_serving(tmp_path, monkeypatch):
+    workload = Workload(system_tokens=100_000, turn_tokens=1000)  # about half a second of text to build
+    target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=60, workload=workload)
+    config = Config(
+        targets=(target,),
+        exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),
+        store=StoreSettings(tmp_path / "kvwatch.db"),
+    )
+    service, building, beats = Service(config), [], []
+    conversations = service.conversations["direct"]
+    build = conversations.next_run
+
+    def timed_build():
+        building.append(time.monotonic())
+        try:
+            return build()
+        finally:
+            building.append(time.monotonic())
+
+    monkeypatch.setattr(conversations, "next_run", timed_build)
+
+    async def scenario():
+        stop = asyncio.Event()
+
+        async def heartbeat():
+            for _ in range(3000):  # 30 s at most
+                beats.append(time.monotonic())
+                if len(building) == 2:
+                    stop.set()
+                    return
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(asyncio.gather(service.run(stop), heartbeat()), timeout=40)
+
+    asyncio.run(scenario())
+    started, ended = building
+    during = [beat for beat in beats if started < beat < ended]
+    assert len(during) >= 3, f"the event loop ran {len(during)} times in {ended - started:.2f} s of building"

@@ -18,14 +18,13 @@ raises: a source that fails or does not answer in time is just not available.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from collectors.connections import url_problem
+from collectors.connections import request, url_problem
 from collectors.engines import Exposition
 from collectors.engines.base import Reader
 from collectors.records import SessionResult
@@ -108,14 +107,14 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
 
 async def _from_prometheus(client: httpx.AsyncClient, url: str) -> BlockSize | None:
     try:
-        async with asyncio.timeout(TIMEOUT_S):
-            response = await client.get(f"{url.rstrip('/')}/api/v1/query", params={"query": PROMETHEUS_QUERY})
+        query = f"{url.rstrip('/')}/api/v1/query"
+        response = await request(client, "GET", query, TIMEOUT_S, params={"query": PROMETHEUS_QUERY})
         response.raise_for_status()
         series = response.json()["data"]["result"]
         return _smallest(
             (s["metric"].get("block_size", "") for s in series), f"in Prometheus at {redact(url)}"
         )
-    except (TimeoutError, httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

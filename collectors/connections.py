@@ -1,8 +1,10 @@
 """Why a URL cannot be requested, or why a connection failed, in one line: what the probe and the
-scrape say where the HTTP client would raise a traceback or give a generic or misleading reason."""
+scrape say where the HTTP client would raise a traceback or give a generic or misleading reason. And
+one HTTP exchange bounded as a whole, for every kvwatch request that is no probe round nor scrape."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 
@@ -35,3 +37,26 @@ def connect_reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.errno:
         return os.strerror(error.errno) if error.errno > 0 else str(error.strerror)
     return str(error)
+
+
+async def request(
+    client: httpx.AsyncClient, method: str, url: str, deadline_s: float, **options
+) -> httpx.Response:
+    """`client.request` ended after `deadline_s` in all, the body included: httpx's timeouts bound each
+    read, so a server that sends a byte now and then would hold it open forever. Raises
+    httpx.TimeoutException, as for a read timeout, so that callers need no other handler."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await client.request(method, url, **options)
+    except TimeoutError:
+        raise httpx.TimeoutException(f"no complete answer within {deadline_s:g} s") from None
+
+
+def request_sync(method: str, url: str, deadline_s: float, **options) -> httpx.Response:
+    """`request` for code that runs no event loop (the dashboard, the lab, the README picture)."""
+
+    async def exchange() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=deadline_s) as client:
+            return await request(client, method, url, deadline_s, **options)
+
+    return asyncio.run(exchange())

@@ -29,6 +29,7 @@ import httpx
 
 from collectors import blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
+from collectors.connections import request
 from collectors.probe import (
     HINTS,
     ProbeSettings,
@@ -196,7 +197,9 @@ async def _models(client: httpx.AsyncClient, probe: ProbeSettings) -> list[str] 
     """The model ids GET <base URL>/models lists; None when it lists none (no such route, an error)."""
     headers = {"Authorization": f"Bearer {probe.api_key}"} if probe.api_key else {}
     try:
-        response = await client.get(api_url(probe.base_url, "models"), headers=headers)
+        response = await request(
+            client, "GET", api_url(probe.base_url, "models"), probe.timeout_seconds, headers=headers
+        )
         listed = response.json().get("data") if response.status_code == 200 else None
         return [str(model["id"]) for model in listed] if isinstance(listed, list) else None
     except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
@@ -398,9 +401,8 @@ async def _caching_off_in_prometheus(client: httpx.AsyncClient, url: str) -> lis
     """Instances Prometheus sees without prefix caching; raises httpx.HTTPError or ValueError."""
     found = []
     for alert in CACHING_OFF_ALERTS:
-        response = await client.get(
-            f"{url.rstrip('/')}/api/v1/query", params={"query": alert.expr}, timeout=PROMETHEUS_TIMEOUT_S
-        )
+        query = f"{url.rstrip('/')}/api/v1/query"
+        response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": alert.expr})
         response.raise_for_status()
         answer = response.json()
         if answer.get("status") != "success":

@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from collectors import queries
+from collectors.connections import request_sync
 from collectors.queries import THRESHOLDS
 
 JSON = dict[str, Any]
@@ -36,6 +35,7 @@ SCHEMA_VERSION = 39
 MIN_GRAFANA = "10.4.0"  # schemaVersion 39
 # A probe runs every interval_seconds (60 s by default): a narrower rate window often holds no run.
 PROBE_MIN_INTERVAL = "2m"
+PROMETHEUS_TIMEOUT_S = 30.0  # per query of the README picture, the whole answer included
 RUNBOOKS = {alert.name: alert.runbook_url for alert in queries.ALERTS}
 FIXED_WINDOW = (
     f"\n\nRead from a recording rule with a fixed {queries.WINDOW} rate window, so the time range does not "
@@ -916,7 +916,7 @@ def evaluate(
     else:
         params = {"query": expr, "start": start, "end": end, "step": max(1.0, (end - start) / 240)}
     api = "query" if query["instant"] else "query_range"
-    answer = httpx.get(f"{prometheus}/api/v1/{api}", params=params, timeout=30).json()
+    answer = request_sync("GET", f"{prometheus}/api/v1/{api}", PROMETHEUS_TIMEOUT_S, params=params).json()
     if answer["status"] != "success":
         raise RuntimeError(f"{expr}: {answer.get('error')}")
     return [

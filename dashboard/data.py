@@ -10,7 +10,6 @@ that every panel of a refresh, and every viewer, hits the same cache entries.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import re
 import sqlite3
@@ -18,19 +17,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
 import pandas as pd
-import requests
 import streamlit as st
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
-from urllib3.util.retry import Retry
 
 from collectors import blocksize, doctor, experiment, queries
 from collectors.config import ConfigError, Target, load_config, resolve_api_key
+from collectors.connections import connect_reason, request_sync
 from collectors.redaction import redact
 from collectors.scheduler import probe_settings
 from collectors.store import Store, StoreError
@@ -112,12 +108,6 @@ def _service_url(name: str) -> Result:
 # --- Prometheus --------------------------------------------------------------------------------------
 
 
-@st.cache_resource(show_spinner=False)
-def _prometheus(url: str) -> PrometheusConnect:
-    # No retries: a panel that waits for backoffs is worse than one that says Prometheus is down.
-    return PrometheusConnect(url, timeout=TIMEOUT_SECONDS, retry=Retry(total=0))
-
-
 def filled(query: str, over: Span) -> str:
     """A query of collectors.queries with Grafana's variables set for `over`: every label matches, the
     rate window is at least MIN_RATE_WINDOW_SECONDS and at least one step, `$__range` is the span."""
@@ -129,32 +119,38 @@ def filled(query: str, over: Span) -> str:
 def instant(query: str, over: Span) -> Result:
     """The query's value at the end of `over`: one row per series, a column per label, and `value`."""
     expr = filled(query, over)
-    return _ask_prometheus(lambda client: client.custom_query(expr, params={"time": over.end}))
+    return _ask_prometheus("query", {"query": expr, "time": over.end})
 
 
 @_cached
 def series(query: str, over: Span) -> Result:
     """The query over a span: one row per point, a column per label, `time` (UTC) and `value`."""
     expr = filled(query, over)
-    start, end = (datetime.fromtimestamp(t, UTC) for t in over[:2])
-    return _ask_prometheus(lambda client: client.custom_query_range(expr, start, end, f"{over.step:g}s"))
+    return _ask_prometheus(
+        "query_range", {"query": expr, "start": over.start, "end": over.end, "step": over.step}
+    )
 
 
-def _ask_prometheus(ask: Callable[[PrometheusConnect], list]) -> Result:
+def _ask_prometheus(api: str, params: dict) -> Result:
+    """One query to Prometheus' HTTP API, within TIMEOUT_SECONDS in all; no retries: a panel that waits
+    for backoffs is worse than one that says Prometheus is down."""
     url = _service_url("prometheus")
     if url.error:
         return url
     where = f"Prometheus at {url.value}"
     try:
-        return Result(_frame(ask(_prometheus(url.value))))
-    except requests.Timeout:
+        response = request_sync("GET", f"{url.value}/api/v1/{api}", TIMEOUT_SECONDS, params=params)
+        answer = response.json()
+        if answer.get("status") != "success":
+            said = answer.get("error", f"HTTP {response.status_code}")
+            return Result(error=f"{where} refused the query: {said}")
+        return Result(_frame(answer["data"]["result"]))
+    except httpx.TimeoutException:
         return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
-    except requests.ConnectionError as error:
-        return Result(error=f"Cannot reach {where}: {_reason(error)}. Is it running?")
-    except PrometheusApiClientException as error:
-        return Result(error=f"{where} refused the query: {_prometheus_error(error)}")
-    except (requests.RequestException, ValueError, KeyError, TypeError) as error:
-        return Result(error=f"{where} did not answer like the Prometheus API: {_reason(error)}")
+    except httpx.HTTPError as error:
+        return Result(error=f"Cannot reach {where}: {connect_reason(error)}. Is it running?")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return Result(error=f"{where} did not answer like the Prometheus API: {error}")
 
 
 def _frame(result: list[dict]) -> pd.DataFrame:
@@ -166,21 +162,6 @@ def _frame(result: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame(rows) if rows else pd.DataFrame(columns=["time", "value"])
     frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
     return frame
-
-
-def _reason(error: Exception) -> str:
-    """The useful end of a requests error, e.g. "Connection refused" from urllib3's nested message."""
-    found = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
-    return found[-1] if found else str(error) or type(error).__name__
-
-
-def _prometheus_error(error: PrometheusApiClientException) -> str:
-    """Prometheus' own `error` text, from the client's message "HTTP Status Code 400 (b'{...}')"."""
-    try:
-        body = ast.literal_eval(str(error).split(" (", 1)[1].removesuffix(")"))
-        return json.loads(body)["error"]
-    except (IndexError, ValueError, SyntaxError, TypeError, KeyError):
-        return str(error)
 
 
 # --- the SQLite store --------------------------------------------------------------------------------
@@ -295,7 +276,7 @@ def alerts() -> Result:
         return base
     url = f"{base.value}/api/v2/alerts"
     try:
-        response = httpx.get(url, timeout=TIMEOUT_SECONDS)
+        response = request_sync("GET", url, TIMEOUT_SECONDS)
         response.raise_for_status()
         held = response.json()
         return Result(
@@ -314,7 +295,7 @@ def alerts() -> Result:
     except httpx.HTTPStatusError as error:
         return Result(error=f"Alertmanager at {url} answered HTTP {error.response.status_code}.")
     except httpx.HTTPError as error:
-        return Result(error=f"Cannot reach Alertmanager at {url}: {_reason(error)}. Is it running?")
+        return Result(error=f"Cannot reach Alertmanager at {url}: {connect_reason(error)}. Is it running?")
     except (ValueError, KeyError, TypeError):
         return Result(error=f"{url} did not answer like Alertmanager's v2 API.")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from collectors.connections import request_sync
 from lab.configs import (
     REPO,
     nginx_generation,
@@ -43,6 +44,9 @@ STOP_TIMEOUT_S = 10.0
 # Old nginx workers finish their in-flight requests before a reload is done: a real engine's take seconds.
 NGINX_RELOAD_TIMEOUT_S = 30.0
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
+# Each poll of a waiting loop, the whole answer included: a server that trickles must not outlast the loop.
+READY_POLL_TIMEOUT_S = 1.0
+PROMETHEUS_STATUS_TIMEOUT_S = 5.0
 # How long a command waits for another one changing the same lab: a real-vLLM restart takes minutes.
 LOCK_TIMEOUT_S = 600.0
 GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
@@ -215,7 +219,7 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
                     del waiting[key]
                 continue
             try:
-                if httpx.get(process.ready_url, timeout=1.0).status_code == 200:
+                if request_sync("GET", process.ready_url, READY_POLL_TIMEOUT_S).status_code == 200:
                     del waiting[key]
                     continue
             except httpx.HTTPError:
@@ -381,7 +385,8 @@ def _reload_prometheus(state: LabState) -> None:
     deadline = time.monotonic() + PROMETHEUS_RELOAD_TIMEOUT_S
     while True:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            loaded = httpx.get(f"{url}/api/v1/status/config", timeout=5).json()["data"]["yaml"]
+            status = request_sync("GET", f"{url}/api/v1/status/config", PROMETHEUS_STATUS_TIMEOUT_S)
+            loaded = status.json()["data"]["yaml"]
             if _scrape_targets(yaml.safe_load(loaded)) == expected:
                 return
         if time.monotonic() > deadline:

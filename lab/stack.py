@@ -325,7 +325,7 @@ def _listener_generations(state: LabState) -> dict[str, str]:
     answers = {}
     for listener, port in (("affinity", state.ports.affinity), ("round_robin", state.ports.round_robin)):
         try:
-            answers[listener] = httpx.get(f"http://127.0.0.1:{port}/-/lab-config", timeout=2).text.strip()
+            answers[listener] = request_sync("GET", f"http://127.0.0.1:{port}/-/lab-config", 2).text.strip()
         except httpx.HTTPError as error:
             answers[listener] = f"no answer ({type(error).__name__})"
     return answers
@@ -553,7 +553,7 @@ def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool)
 
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
     try:
-        response = httpx.post(f"http://127.0.0.1:{replica.port}/lab/faults", json=faults, timeout=10)
+        response = request_sync("POST", f"http://127.0.0.1:{replica.port}/lab/faults", 10, json=faults)
     except httpx.HTTPError as error:
         raise LabError(f"replica {replica.id} did not answer its admin API: {error!r}") from None
     if response.status_code != 200:

@@ -406,6 +406,11 @@ def test_a_sessions_rounds_are_what_the_replicas_served(frozen, page):
          if record.get("session_id") == session_id),
         key=lambda record: record["time"],
     )  # fmt: skip
+    if store.session(picked).interrupted:
+        # Cut by the fixture's SIGTERM: stored with its finished rounds, while the replica may still have
+        # served the one in flight.
+        assert len(truth) - len(stored) in (0, 1)
+        truth = truth[: len(stored)]
     address = {replica["id"]: replica["url"].removeprefix("http://") for replica in lab.status["replicas"]}
     assert [r["cached_tokens"] for r in truth] == [r.cached_tokens for r in stored]
     assert [address[r["replica"]] for r in truth] == [r.backend for r in stored]  # nginx's X-Upstream

@@ -82,7 +82,7 @@ SESSIONS = {
 def sessions_frame() -> pd.DataFrame:
     """SESSIONS as data.sessions() gives them: the store's columns, newest first, times in UTC."""
     columns = ("target", "route_mode", "session_id", "ok", "error_kind", "sticky", "backend_switches",
-               "session_id_echoed")  # fmt: skip
+               "session_id_echoed", "interrupted")  # fmt: skip
     rows = [
         {
             "id": i,
@@ -582,6 +582,7 @@ def test_sessions_list_and_drill_into_one(fake):
     assert not at.exception
     assert "2 sessions" in texts(at) and "100% stayed on one replica" in texts(at)
     assert list(at.dataframe[0].value["id"]) == [2, 1]
+    assert list(at.dataframe[0].value["interrupted"]) == [False, False]
     at.selectbox(key="sessions_target").set_value("lab-round-robin").run()
     assert "5 backend switches; 1 failed." in texts(at)  # session 4 failed in round 4: r2, r3, r4
     at.selectbox(key="sessions_pick").set_value(4).run()

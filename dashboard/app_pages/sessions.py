@@ -18,6 +18,7 @@ SESSION_COLUMNS = {
     "backend_switches": "backend switches",
     "session_id_echoed": "session id echoed",
     "error_kind": "error",
+    "interrupted": "cut by a stop",  # kvwatch serve stopped mid-run: only its finished rounds are stored
     "session_id": "session id",
 }
 SWITCH_COLOR = "#d62728"

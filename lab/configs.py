@@ -176,9 +176,9 @@ def render_kvwatch_config(state: LabState) -> str:
         config["targets"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
-        # The spread window is a detection window like the rules' own: scaled with them.
-        window = log.get("spread_window_seconds", GatewayLog.spread_window_seconds)
-        log["spread_window_seconds"] = window * state.rule_time_scale
+        if state.rule_time_scale != 1:  # a detection window like the rules' own: scaled with them
+            window = log.get("spread_window_seconds", GatewayLog.spread_window_seconds)
+            log["spread_window_seconds"] = window * state.rule_time_scale
     config["exporter"]["listen"] = f"127.0.0.1:{ports.exporter}"
     config["exporter"]["webhook_token_file"] = str(directory / WEBHOOK_TOKEN_FILE)
     config["store"]["path"] = str(directory / "kvwatch.db")

@@ -77,9 +77,11 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(start_lab):
     rr_ttft, aff_ttft = medians["round_robin"], medians["affinity"]
     # Round robin: every round recomputes the history the previous replica held, so TTFT climbs.
     assert all(later > earlier for earlier, later in zip(rr_ttft, rr_ttft[1:], strict=False)), rr_ttft
-    # Affinity: warm rounds beat round robin from round 2, and cost at most half of it from round 3.
+    # Affinity: warm rounds beat round robin from round 2 and stay flat while round robin climbs (each
+    # TTFT also holds the client's and nginx's fixed cost, which grows with the machine's load, so the
+    # climb is compared, not a ratio of TTFTs).
     assert all(a < r for a, r in zip(aff_ttft[1:], rr_ttft[1:], strict=True)), (aff_ttft, rr_ttft)
-    assert all(a <= 0.5 * r for a, r in zip(aff_ttft[2:], rr_ttft[2:], strict=True)), (aff_ttft, rr_ttft)
+    assert max(aff_ttft[1:]) - min(aff_ttft[1:]) < 0.25 * (rr_ttft[-1] - rr_ttft[1]), (aff_ttft, rr_ttft)
     # The replicas' records agree with what the probe was told, token for token, and show the reuse.
     truth = replica_hit_ratios(replicas, experiment)
     for label, sessions in zip(experiment.labels, experiment.sessions, strict=True):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -145,6 +146,12 @@ def test_the_dashboard_says_in_one_line_that_prometheus_or_alertmanager_trickles
 def lab_process(tmp_path) -> Iterator[subprocess.Popen]:
     """A live process of a lab in tmp_path (its command line names the directory), stopped by PID."""
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", str(tmp_path)])
+    # Until it has exec'd, the child still shows pytest's command line: the lab would not know it.
+    cmdline = Path(f"/proc/{process.pid}/cmdline")
+    for _ in range(500):  # 5 s at most
+        if str(tmp_path).encode() in cmdline.read_bytes():
+            break
+        time.sleep(0.01)
     yield process
     process.kill()
     process.wait()

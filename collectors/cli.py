@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from collectors import config, doctor, experiment, probe, scheduler, scrape
 from dashboard import cli as dashboard_cli
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch whether a multi-replica LLM cluster keeps each conversation on the "
         "replica that holds its KV cache.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lab_cli.add_parser(commands)
     scrape.add_parser(commands)
@@ -26,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(commands)
     dashboard_cli.add_parser(commands)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version: what pip and a bug report name."""
+    try:
+        return metadata.version("kvwatch")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

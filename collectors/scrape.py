@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -85,7 +86,21 @@ async def scrape(
             except ScrapeError as error:
                 return Result(source, None, f"{source}: {error}")
 
-        return list(await asyncio.gather(*map(observe, sources)))
+        return list(await asyncio.gather(*(observe(metrics_url(source)) for source in sources)))
+
+
+def metrics_url(source: str) -> str:
+    """A bare host's URL (`http://host:8000`) with /metrics, Prometheus' default metrics path, as an
+    engine or router serves it; a URL with a path or a query, and a file, are read as given."""
+    if "://" not in source:
+        return source
+    try:
+        parts = urlsplit(source)
+    except ValueError:  # e.g. an unclosed IPv6 bracket: `fetch` names what is wrong with it
+        return source
+    if parts.path not in ("", "/") or parts.query:
+        return source
+    return urlunsplit(parts._replace(path="/metrics"))
 
 
 async def read_snapshot(
@@ -258,7 +273,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "requests per worker and the router's predicted hit ratio. One scrape "
         "gives lifetime figures; --interval scrapes twice and gives the figures of that window.",
     )
-    parser.add_argument("sources", nargs="+", metavar="SOURCE", help="a /metrics URL or a file")
+    parser.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a /metrics URL (a bare http://host:port gets /metrics) or a file",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per source")
     parser.add_argument(
         "--interval", type=_positive(float), metavar="S", help="scrape twice, S seconds apart"

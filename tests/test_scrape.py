@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from collectors.cli import build_parser, main
 from collectors.engines import FLAVOURS
-from collectors.scrape import scrape
+from collectors.scrape import metrics_url, scrape
 from conftest import free_port, kvwatch
 from lab.flavours import CacheConfig, Prefill, make_metrics
 
@@ -156,6 +156,21 @@ def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
         source, error = failed["source"], failed["error"]
         assert error.startswith(f"{source}: ") and reasons[source] in error, error
         assert failed["flavour"] is None and failed["hit_ratio"] is None
+
+
+def test_a_bare_host_url_is_read_at_metrics(server):
+    results = asyncio.run(scrape([server, f"{server}/"]))
+    assert [(r.source, r.error, r.record.flavour) for r in results] == [
+        (f"{server}/metrics", None, "vllm")
+    ] * 2
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["http://host:8000/stats", "http://host:8000/metrics", "http://host:8000/?format=text", "host.prom"],
+)
+def test_a_url_with_a_path_or_a_query_and_a_file_are_read_as_given(source):
+    assert metrics_url(source) == source
 
 
 def test_human_output_labels_lifetime_figures_and_errors(server):

@@ -284,6 +284,12 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         action="store_false",
         help="kvwatch serve runs without its scheduled probes (for measurements that want no extra traffic)",
     )
+    up.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not start the Streamlit dashboard (Prometheus, Alertmanager and kvwatch serve still run)",
+    )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
     up.set_defaults(handler=_run_up)
@@ -367,6 +373,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 think_seconds=args.think,
                 rule_time_scale=args.rule_time_scale,
                 probes=args.probes,
+                dashboard=args.dashboard,
                 engine=kind.name,
             )
     except stack.LabError as error:

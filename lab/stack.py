@@ -1,9 +1,9 @@
 """Start, inspect, break, heal and stop the lab: replicas behind nginx, Prometheus, Alertmanager and
 background users, all on 127.0.0.1 and every process tracked by PID in the lab state.
 
-A component is one entry in `planned_processes`: its command line and the URL that answers once it is
-ready. Adding one (the exporter, the dashboard) is adding an entry there and, if it has a port, a
-property in `lab.state.Ports`.
+A component is one entry in a group of `planned_processes`: its command line and the URL that answers
+once it is ready. Adding one (the exporter, the dashboard) is adding an entry there and, if it has a
+port, a property in `lab.state.Ports`.
 """
 
 from __future__ import annotations
@@ -139,20 +139,20 @@ def traffic_process(state: LabState) -> Process:
     return Process("traffic", argv, None)
 
 
-def planned_processes(state: LabState) -> list[Process]:
-    """Every process of the lab, in start order."""
-    processes = [replica_process(state, replica) for replica in state.replicas]
-    # Alertmanager before Prometheus, so the first alerts are not dropped for want of a receiver.
-    processes += [
-        nginx_process(state),
-        alertmanager_process(state),
-        prometheus_process(state),
-        serve_process(state),
-        dashboard_process(state),
-    ]
+def planned_processes(state: LabState) -> list[list[Process]]:
+    """Every process of the lab, in groups started one after the other; a group starts side by side.
+    The gateways and Alertmanager come before Prometheus, kvwatch serve and the users, so that the first
+    probes and the first alerts find them."""
+    last = [prometheus_process(state), serve_process(state)]
+    if state.dashboard:
+        last.append(dashboard_process(state))
     if state.users:
-        processes.append(traffic_process(state))
-    return processes
+        last.append(traffic_process(state))
+    return [
+        [replica_process(state, replica) for replica in state.replicas],
+        [nginx_process(state), alertmanager_process(state)],
+        last,
+    ]
 
 
 # --- processes ------------------------------------------------------------------------------------
@@ -471,11 +471,8 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
     _write_configs(state)
     try:
         KINDS[state.engine].prepare(state)
-        replicas = [replica_process(state, r) for r in state.replicas]
-        _start(state, *replicas)  # side by side: a real engine takes its time to start
-        for process in planned_processes(state):
-            if process not in replicas:
-                _start(state, process)
+        for group in planned_processes(state):
+            _start(state, *group)
     except BaseException:
         down(state)
         raise

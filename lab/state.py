@@ -65,6 +65,7 @@ class LabState:
     users: int = 4
     think_seconds: float = 1.0
     probes: bool = True  # kvwatch serve's scheduled probes through both gateways
+    dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
     engine: str = "sim"  # the kind of replica: lab.replicas.KINDS
     model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).

@@ -303,11 +303,13 @@ def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
 
 @pytest.fixture(scope="module")
 def start_lab(tmp_path_factory) -> Iterator[Callable[..., Lab]]:
-    """Start labs for a test module; each is stopped at the end of the module."""
+    """Start labs for a test module; each is stopped at the end of the module. Without the dashboard
+    unless the module asks for it: on two cores every Streamlit nobody opens slows the whole suite."""
     labs: list[Lab] = []
 
-    def start(*options: str) -> Lab:
-        lab = start_lab_in(tmp_path_factory.mktemp("lab") / "state", "--fast", *options)
+    def start(*options: str, dashboard: bool = False) -> Lab:
+        extra = () if dashboard else ("--no-dashboard",)
+        lab = start_lab_in(tmp_path_factory.mktemp("lab") / "state", "--fast", *extra, *options)
         labs.append(lab)
         return lab
 
@@ -336,7 +338,7 @@ def vllm_lab(tmp_path_factory) -> Iterator[Lab]:
     rule windows at a quarter of production. A module that breaks it (a fault) puts it right again."""
     lab = start_lab_in(
         tmp_path_factory.mktemp("vllm-lab") / "state",
-        "--engine", "vllm", "--replicas", "2", "--users", "0", "--no-probes", "--fast",
+        "--engine", "vllm", "--replicas", "2", "--users", "0", "--no-probes", "--no-dashboard", "--fast",
         "--rule-time-scale", str(VLLM_LAB_RULE_TIME_SCALE),
         timeout=VLLM_LAB_START_TIMEOUT_S,
     )  # fmt: skip

@@ -40,7 +40,7 @@ if not CHROMIUM.exists():
 def lab(start_lab):
     # Rules at a tenth of production: the affinity alert keeps firing 12 s after its condition clears.
     lab = start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
-                    "--time-scale", "0.2", "--rule-time-scale", "0.1")  # fmt: skip
+                    "--time-scale", "0.2", "--rule-time-scale", "0.1", dashboard=True)  # fmt: skip
     # The dashboard shows what Prometheus held a few seconds ago (dashboard.data.now): wait for data then.
     both = {queries.STICKY_RATIO: 2, queries.WARM_COLD_RATIO: 2, queries.GATEWAY_SPREAD: 2}
     wait_for_data(lab, both | {queries.CLUSTER_HIT_RATIO: 1})

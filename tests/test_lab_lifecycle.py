@@ -44,7 +44,9 @@ def scraped_replicas(prometheus: str) -> set[tuple[str, str]]:
 
 
 def test_status_json_lists_every_url(start_lab):
-    lab = start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "1", "--time-scale", "0.1")
+    lab = start_lab(
+        "--replicas", "3", "--flavours", "vllm,sglang", "--users", "1", "--time-scale", "0.1", dashboard=True
+    )  # fmt: skip
     status = lab.status
     base = lab.base_port
     assert status["gateways"] == {
@@ -150,6 +152,7 @@ def test_a_second_up_on_a_running_lab_is_refused(start_lab):
         "lab", "up", "--detach", "--base-port", str(free_base_port()), "--state-dir", str(lab.state_dir)
     )
     assert again.returncode == 1 and "already running" in again.stderr
+    assert lab.status["dashboard"] is None  # started with --no-dashboard, as every test lab is by default
 
 
 @pytest.mark.parametrize("command", [["status"], ["down"], ["heal"], ["fault", "break-affinity"]])

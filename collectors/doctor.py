@@ -35,7 +35,10 @@ from collectors.probe import (
     ProbeSettings,
     add_api_key_arguments,
     add_identity_arguments,
+    add_model_argument,
     api_url,
+    chosen_model,
+    list_models,
     resolve_api_key,
     run_session,
     with_block_size,
@@ -195,14 +198,9 @@ async def _one_round(client: httpx.AsyncClient, probe: ProbeSettings) -> RoundRe
 
 async def _models(client: httpx.AsyncClient, probe: ProbeSettings) -> list[str] | None:
     """The model ids GET <base URL>/models lists; None when it lists none (no such route, an error)."""
-    headers = {"Authorization": f"Bearer {probe.api_key}"} if probe.api_key else {}
     try:
-        response = await request(
-            client, "GET", api_url(probe.base_url, "models"), probe.timeout_seconds, headers=headers
-        )
-        listed = response.json().get("data") if response.status_code == 200 else None
-        return [str(model["id"]) for model in listed] if isinstance(listed, list) else None
-    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+        return await list_models(client, probe.base_url, probe.api_key, probe.timeout_seconds)
+    except (httpx.HTTPError, ValueError):
         return None
 
 
@@ -627,7 +625,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "1 when one does, 2 on bad arguments.",
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
-    parser.add_argument("--model", required=True, help="model id, as GET <base URL>/models lists it")
+    add_model_argument(parser)
     add_api_key_arguments(parser)
     parser.add_argument(
         "--session-header",
@@ -655,10 +653,11 @@ def run_cli(args: argparse.Namespace) -> int:
         block_sources = blocksize.sources_from_args(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
+        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
         probe = ProbeSettings(
             base_url=args.base_url,
-            model=args.model,
-            api_key=resolve_api_key(args.api_key_env, args.api_key_file),
+            model=chosen_model(args.model, args.base_url, api_key, args.timeout, "doctor"),
+            api_key=api_key,
             session_header=args.session_header,
             backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
             router=args.router,

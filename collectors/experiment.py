@@ -37,7 +37,9 @@ from collectors.probe import (
     ProbeSettings,
     add_api_key_arguments,
     add_identity_arguments,
+    add_model_argument,
     api_url,
+    chosen_model,
     failure_hints,
     resolve_api_key,
     run_session,
@@ -507,7 +509,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--label-b", default="affinity", metavar="LABEL", help="route B's name (default %(default)s)"
     )
-    parser.add_argument("--model", default="lab-model", help="model id (default %(default)s)")
+    add_model_argument(parser)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for the results")
     add_api_key_arguments(parser)
     workload = Workload()
@@ -543,10 +545,16 @@ def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch experiment`: 0 when it ran, 1 when every session failed, 2 on bad arguments."""
     try:
         api_key = resolve_api_key(args.api_key_env, args.api_key_file)
+        workload = Workload(
+            args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
+        )
+        sources = blocksize.sources_from_args(args, [args.a, args.b])
+        # Both routes reach the same engines, so route A's listing speaks for both.
+        model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
         a, b = (
             ProbeSettings(
                 base_url=url,
-                model=args.model,
+                model=model,
                 api_key=api_key,
                 target=label,
                 route_mode=label,
@@ -558,10 +566,6 @@ def run_cli(args: argparse.Namespace) -> int:
             )
             for url, label in ((args.a, args.label_a), (args.b, args.label_b))
         )
-        workload = Workload(
-            args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
-        )
-        sources = blocksize.sources_from_args(args, [args.a, args.b])
         # It checks its arguments before it runs.
         experiment, markdown = run_into(a, b, workload, args.out, args.concurrency, sources)
     except (ValueError, OSError) as error:

@@ -30,7 +30,7 @@ import httpx
 from collectors import blocksize, identity
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
-from collectors.connections import connect_reason, url_problem
+from collectors.connections import connect_reason, request, url_problem
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -186,18 +186,33 @@ async def run_session(
     render_system_prompt: Callable[[str], str] | None = None,
     on_request: Callable[[list[dict]], None] | None = None,
     stop: asyncio.Event | None = None,
+    on_round: Callable[[SessionResult], None] | None = None,
 ) -> SessionResult:
     """One conversation through the route, round after round, until its turns run out or a round fails.
 
     `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
     that templates the current time into it does (the lab's dynamic-prefix fault). `stop`, once set,
     abandons the round in flight: the session ends with its finished rounds, marked interrupted.
+    `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
+    stores it, so that no finished round depends on the process living to the session's end).
     """
     # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
     session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
     messages = [{"role": "system", "content": conversation.system_prompt}]
     rounds: list[RoundResult] = []
     started_at, interrupted = time.time(), False
+
+    def so_far() -> SessionResult:
+        return SessionResult(
+            target=settings.target,
+            route_mode=settings.route_mode,
+            session_id=session_id,
+            started_at=started_at,
+            finished_at=time.time(),
+            rounds=tuple(rounds),
+            interrupted=interrupted,
+        )
+
     for number, turn in enumerate(conversation.user_turns, start=1):
         if number > 1 and think_seconds > 0:
             await asyncio.sleep(think_seconds)
@@ -220,15 +235,9 @@ async def run_session(
         messages.append({"role": "assistant", "content": answer})
         if settings.session_mode == "server" and result.session_id_returned:
             session_id = result.session_id_returned
-    return SessionResult(
-        target=settings.target,
-        route_mode=settings.route_mode,
-        session_id=session_id,
-        started_at=started_at,
-        finished_at=time.time(),
-        rounds=tuple(rounds),
-        interrupted=interrupted,
-    )
+        if on_round is not None:
+            on_round(so_far())
+    return so_far()
 
 
 async def _unless_stopped(
@@ -614,6 +623,56 @@ def failure_hints(sessions: list[SessionResult]) -> list[str]:
     return [f"{kind} ({r.error_detail}): {HINTS[kind]}" for kind, r in seen.items()]
 
 
+# The model.
+
+
+async def list_models(
+    client: httpx.AsyncClient, base_url: str, api_key: str | None, deadline_s: float
+) -> list[str]:
+    """The model ids GET <base URL>/models lists. Raises httpx.HTTPError (an error status too) or
+    ValueError when the answer is no model list."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = await request(client, "GET", api_url(base_url, "models"), deadline_s, headers=headers)
+    response.raise_for_status()
+    answer = response.json()
+    listed = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(listed, list) or not all(isinstance(m, dict) and "id" in m for m in listed):
+        raise ValueError("the answer is no model list: no `data` of objects with an `id`")
+    return [str(model["id"]) for model in listed]
+
+
+def chosen_model(
+    model: str | None, base_url: str, api_key: str | None, deadline_s: float, command: str
+) -> str:
+    """`model`, or when it is not given the one model the route serves, said on stderr: a default name
+    would be a 404 on every real cluster. ValueError, naming the ids, when the route serves several."""
+    if model:
+        return model
+    if problem := url_problem(base_url):
+        raise ValueError(f"base URL {redact(base_url)} is not a valid URL: {problem}")
+    url = redact(api_url(base_url, "models"))
+
+    async def listing() -> list[str]:
+        async with httpx.AsyncClient(timeout=deadline_s) as client:
+            return await list_models(client, base_url, api_key, deadline_s)
+
+    try:
+        models = asyncio.run(listing())
+    except httpx.HTTPStatusError as error:
+        reason = f"answered HTTP {error.response.status_code}"
+    except (httpx.TimeoutException, ValueError) as error:
+        reason = f"failed: {error}"
+    except httpx.HTTPError as error:
+        reason = f"failed: {connect_reason(error)}"
+    else:
+        if len(models) == 1:
+            print(f"kvwatch {command}: model {models[0]}, the one {url} lists", file=sys.stderr)
+            return models[0]
+        listed = f"lists {len(models)} models ({', '.join(models)})" if models else "lists no model"
+        raise ValueError(f"{url} {listed}: name the one to use with --model")
+    raise ValueError(f"no --model given, and GET {url} {reason}: name the model with --model")
+
+
 # The command line.
 
 
@@ -633,6 +692,12 @@ def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
     key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
     key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="model id, as GET <base URL>/models lists it (default: the one model it lists)"
+    )
 
 
 def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
@@ -664,7 +729,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "every session succeeded, 1 when one failed, 2 on bad arguments.",
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
-    parser.add_argument("--model", required=True, help="model id, as GET <base URL>/models lists it")
+    add_model_argument(parser)
     add_api_key_arguments(parser)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
@@ -721,17 +786,7 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
             raise ValueError("; ".join(problems))
-        settings = ProbeSettings(
-            base_url=args.base_url,
-            model=args.model,
-            api_key=resolve_api_key(args.api_key_env, args.api_key_file),
-            session_mode=args.session_mode,
-            session_header=args.session_header,
-            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
-            router=args.router,
-            max_tokens=args.max_tokens,
-            timeout_seconds=args.timeout,
-        )
+        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
         sources = blocksize.sources_from_args(args, [args.base_url])
         if args.sharegpt:
             conversations = [
@@ -742,6 +797,17 @@ def run_cli(args: argparse.Namespace) -> int:
             conversations = synthetic(
                 args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions
             )
+        settings = ProbeSettings(  # last: the model may have to be asked for
+            base_url=args.base_url,
+            model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
+            api_key=api_key,
+            session_mode=args.session_mode,
+            session_header=args.session_header,
+            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+            router=args.router,
+            max_tokens=args.max_tokens,
+            timeout_seconds=args.timeout,
+        )
     except ValueError as error:
         print(f"kvwatch probe: {error}", file=sys.stderr)
         return 2

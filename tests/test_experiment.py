@@ -195,6 +195,8 @@ def test_bad_arguments_exit_2(flags, message, tmp_path, capsys, monkeypatch):
             "http://127.0.0.1:2",
             "--out",
             str(tmp_path),
+            "--model",
+            "m",
             *flags,
         ]
     )
@@ -213,7 +215,7 @@ def test_an_api_key_on_the_command_line_is_refused_unrepeated(tmp_path, capsys):
 def test_every_session_failing_exits_1_with_the_error_kinds_and_hints(tmp_path, capsys):
     closed = f"http://127.0.0.1:{free_port()}"
     code = main(["experiment", "--a", closed, "--b", closed + "/v1", "--out", str(tmp_path / "out"),
-                 "--sessions", "2", "--rounds", "2"])  # fmt: skip
+                 "--model", "m", "--sessions", "2", "--rounds", "2"])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 1 and captured.out == ""
     first, hint = captured.err.splitlines()

@@ -9,9 +9,11 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import asynccontextmanager, suppress
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -30,6 +32,7 @@ from collectors.probe import (
     MAX_TOKEN_COUNT,
     ProbeSettings,
     api_url,
+    chosen_model,
     probe_once,
     resolve_api_key,
     run_session,
@@ -917,6 +920,102 @@ def test_argparse_errors_exit_2_and_a_key_on_argv_is_refused_unrepeated(flags, m
         main(["probe", "--base-url", "http://127.0.0.1:1", "--model", MODEL, *flags])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and message in err and KEY not in err
+
+
+# The model, when --model is not given.
+
+LISTINGS = {
+    "/one/v1/models": (200, {"object": "list", "data": [{"id": "m1"}]}),
+    "/two/v1/models": (200, {"object": "list", "data": [{"id": "m1"}, {"id": "m2"}]}),
+    "/none/v1/models": (200, {"object": "list", "data": []}),
+    "/broken/v1/models": (500, {"error": "boom"}),
+    "/other/v1/models": (200, {"models": ["m1"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def listings() -> Iterator[str]:
+    """A loopback server with a model listing under each path of LISTINGS, and one that never answers."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+            if self.path == "/silent/v1/models":
+                release.wait(timeout=30)
+                return
+            status, answer = LISTINGS.get(self.path, (404, {}))
+            body = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    release.set()
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+def test_the_one_model_served_is_chosen_and_said(listings, capsys):
+    assert chosen_model(None, f"{listings}/one", None, 5, "probe") == "m1"
+    assert capsys.readouterr().err == f"kvwatch probe: model m1, the one {listings}/one/v1/models lists\n"
+    assert chosen_model("given", "http://127.0.0.1:1", None, 5, "probe") == "given"  # asks nothing
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("two", "/two/v1/models lists 2 models (m1, m2): name the one to use with --model"),
+        ("none", "/none/v1/models lists no model: name the one to use with --model"),
+        ("broken", "/broken/v1/models answered HTTP 500: name the model with --model"),
+        ("other", "/other/v1/models failed: the answer is no model list: no `data` of objects with an `id`"),
+        ("silent", "/silent/v1/models failed: no complete answer within 0.5 s: name the model with --model"),
+    ],
+)
+def test_no_model_chosen_when_the_route_serves_several_or_none_or_its_listing_fails(listings, path, message):
+    started = time.monotonic()
+    with pytest.raises(ValueError) as raised:
+        chosen_model(None, f"{listings}/{path}", None, 0.5, "probe")
+    assert message in str(raised.value) and time.monotonic() - started < 5
+
+
+def test_a_refused_listing_says_so():
+    with pytest.raises(ValueError) as raised:
+        chosen_model(None, f"http://127.0.0.1:{free_port()}", None, 5, "probe")
+    assert str(raised.value).endswith("/v1/models failed: Connection refused: name the model with --model")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["probe", "--base-url"],
+        ["doctor", "--base-url"],
+        ["experiment", "--out", "{tmp}", "--b", "{url}", "--a"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_every_command_without_a_model_asks_for_one_among_those_served(listings, command, tmp_path, capsys):
+    args = [arg.format(tmp=tmp_path, url=f"{listings}/two") for arg in command]
+    assert main([*args, f"{listings}/two"]) == 2
+    listed = f"{listings}/two/v1/models lists 2 models (m1, m2)"
+    assert capsys.readouterr().err == f"kvwatch {command[0]}: {listed}: name the one to use with --model\n"
+
+
+def test_the_cli_takes_the_model_the_lab_serves(replica, capsys):
+    assert (
+        main(["probe", "--base-url", replica, "--sessions", "1", "--rounds", "2", "--max-tokens", "8"]) == 0
+    )
+    captured = capsys.readouterr()
+    assert captured.err == f"kvwatch probe: model {MODEL}, the one {replica}/v1/models lists\n"
+    assert f"model {MODEL}, session ids: client" in captured.out.splitlines()[0]
 
 
 def test_the_api_key_never_reaches_the_output(replica):

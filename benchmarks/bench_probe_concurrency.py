@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from collectors.connections import http_client
 from collectors.probe import ProbeSettings, run_session
 from collectors.workload import synthetic
 
@@ -28,7 +29,7 @@ LEVELS = (1, 4, 16, 32, 64)
 async def _run(url: str, sessions: int, seed: int) -> list:
     settings = ProbeSettings(base_url=url, model="lab-model", max_tokens=16, timeout_seconds=60)
     limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with http_client(limits=limits) as client:
         conversations = synthetic(rounds=4, system_tokens=300, turn_tokens=100, seed=seed, sessions=sessions)
         return await asyncio.gather(*(run_session(client, settings, c) for c in conversations))
 

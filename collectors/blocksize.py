@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from collectors.connections import request, url_problem
+from collectors.connections import http_client, request, url_problem
 from collectors.engines import Exposition
 from collectors.engines.base import Reader
 from collectors.records import SessionResult
@@ -96,7 +96,7 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
     """The block size from the first source that knows it (see the module's docstring); never raises."""
     if sources.override is not None:
         return sources.override
-    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+    async with http_client(timeout=TIMEOUT_S) as client:
         if sources.prometheus_url and (found := await _from_prometheus(client, sources.prometheus_url)):
             return found
         for url in sources.metrics_urls:

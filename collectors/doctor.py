@@ -29,7 +29,7 @@ import httpx
 
 from collectors import blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
-from collectors.connections import request
+from collectors.connections import http_client, request
 from collectors.probe import (
     HINTS,
     ProbeSettings,
@@ -168,7 +168,7 @@ async def examine(
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
     block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
     checks: list[Check] = []
-    async with httpx.AsyncClient(timeout=probe.timeout_seconds) as client:
+    async with http_client(timeout=probe.timeout_seconds) as client:
         route = _Route(client, probe, block_sources)
         blocker = None
         for name, check in ROUTE_CHECKS:

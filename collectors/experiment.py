@@ -32,6 +32,7 @@ import httpx
 
 from collectors import blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
+from collectors.connections import http_client
 from collectors.probe import (
     SESSION_MODES,
     ProbeSettings,
@@ -161,8 +162,8 @@ def run_experiment(
         # One pool per route, so that alternating routes does not close the other's kept-alive connection.
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with (
-            httpx.AsyncClient(timeout=a.timeout_seconds, limits=limits) as client_a,
-            httpx.AsyncClient(timeout=b.timeout_seconds, limits=limits) as client_b,
+            http_client(timeout=a.timeout_seconds, limits=limits) as client_a,
+            http_client(timeout=b.timeout_seconds, limits=limits) as client_b,
         ):
             clients, plan = (client_a, client_b), iter(interleave(len(conversations)))
 

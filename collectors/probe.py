@@ -30,7 +30,7 @@ import httpx
 from collectors import blocksize, identity
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
-from collectors.connections import connect_reason, request, url_problem
+from collectors.connections import connect_reason, http_client, request, url_problem
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -264,7 +264,7 @@ async def run_sessions(
         raise ValueError("concurrency must be positive")
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=settings.timeout_seconds, limits=limits) as client:
+    async with http_client(timeout=settings.timeout_seconds, limits=limits) as client:
 
         async def one(conversation: Conversation) -> SessionResult:
             async with gate:
@@ -653,7 +653,7 @@ def chosen_model(
     url = redact(api_url(base_url, "models"))
 
     async def listing() -> list[str]:
-        async with httpx.AsyncClient(timeout=deadline_s) as client:
+        async with http_client(timeout=deadline_s) as client:
             return await list_models(client, base_url, api_key, deadline_s)
 
     try:

@@ -36,6 +36,7 @@ from collectors.config import (
     resolve_api_key,
     resolve_webhook_token,
 )
+from collectors.connections import http_client
 from collectors.exporter import ProbeCollector, ProbeResults, make_app, open_webhook_warning
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
@@ -240,9 +241,7 @@ class Service:
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's
         # deadline over the whole exchange (ProbeSettings.timeout_seconds).
-        self._client = httpx.AsyncClient(
-            timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS)
-        )
+        self._client = http_client(timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS))
         app = make_app(self.registry, self.store_alerts, self.webhook_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from collectors.connections import connect_reason, url_problem
+from collectors.connections import connect_reason, http_client, url_problem
 from collectors.engines import (
     FLAVOURS,
     Exposition,
@@ -71,9 +71,7 @@ async def scrape(
 
     The flavour is detected from each source's first exposition unless given.
     """
-    async with httpx.AsyncClient(
-        timeout=timeout, headers={"Accept": ACCEPT}, follow_redirects=True
-    ) as client:
+    async with http_client(timeout=timeout, headers={"Accept": ACCEPT}, follow_redirects=True) as client:
 
         async def observe(source: str) -> Result:
             try:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from collectors.connections import http_client
 from collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
 from collectors.probe import ProbeSettings, api_url, run_session
 from collectors.workload import Conversation, system_prompt, user_turns
@@ -130,7 +131,7 @@ async def run_users(settings: TrafficSettings, stop: asyncio.Event) -> None:
     control = _Control(settings.control_path)
     limits = httpx.Limits(max_connections=settings.users, max_keepalive_connections=settings.users)
     async with (
-        httpx.AsyncClient(timeout=settings.timeout_seconds, limits=limits) as client,
+        http_client(timeout=settings.timeout_seconds, limits=limits) as client,
         asyncio.TaskGroup() as group,
     ):
         users = [

@@ -22,6 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
 
+# One TLS context for the suite's own requests: httpx builds one per call otherwise, loading the CA
+# bundle each time (about 50 ms of CPU), and the suite polls labs and Prometheus many times a second.
+TLS = httpx.create_ssl_context()
+
+
+def http_get(url: str, **options) -> httpx.Response:
+    return httpx.get(url, verify=TLS, **options)
+
+
+def http_post(url: str, **options) -> httpx.Response:
+    return httpx.post(url, verify=TLS, **options)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -37,7 +50,7 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 2
                 f"process exited with {process.returncode} before {url} was up:\n{log.read_text()}"
             )
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if http_get(url, timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -66,10 +79,10 @@ class Replica:
         self.url = f"http://127.0.0.1:{port}"
 
     def ground_truth(self) -> list[dict]:
-        return httpx.get(f"{self.url}/lab/ground-truth", timeout=5).json()["records"]
+        return http_get(f"{self.url}/lab/ground-truth", timeout=5).json()["records"]
 
     def set_faults(self, **faults) -> httpx.Response:
-        return httpx.post(f"{self.url}/lab/faults", json=faults, timeout=5)
+        return http_post(f"{self.url}/lab/faults", json=faults, timeout=5)
 
 
 @pytest.fixture
@@ -178,7 +191,7 @@ def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30
         if router.process.poll() is not None:
             raise RuntimeError(f"router exited with {router.process.returncode}:\n{router.log.read_text()}")
         try:
-            last = httpx.get(f"{router.url}/readiness", timeout=1.0).json()
+            last = http_get(f"{router.url}/readiness", timeout=1.0).json()
         except (httpx.HTTPError, ValueError):
             pass
         else:

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
 import pytest
 
 from collectors import queries
 from collectors.config import load_config
 from collectors.records import SessionResult
 from collectors.store import Store
-from conftest import REPO
+from conftest import REPO, http_get
 from dashboard import data
 
 pytestmark = pytest.mark.integration
@@ -89,12 +88,12 @@ def page(browser):
 
 def prometheus(lab, query: str, at: float | None = None) -> list[dict]:
     params = {"query": query} | ({"time": at} if at is not None else {})
-    answer = httpx.get(f"{lab.status['prometheus']}/api/v1/query", params=params, timeout=10)
+    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params=params, timeout=10)
     return answer.json()["data"]["result"]
 
 
 def held_alerts(lab) -> set[str]:
-    held = httpx.get(f"{lab.status['alertmanager']}/api/v2/alerts", timeout=10).json()
+    held = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", timeout=10).json()
     return {alert["labels"]["alertname"] for alert in held}
 
 
@@ -300,7 +299,7 @@ def refreshes(page, until, timeout: float = WAIT_S) -> list[Refresh]:
 
 def alert_now(lab, verdict: queries.Verdict, **labels: str) -> dict:
     """The alert as Prometheus holds it now (/api/v1/alerts): its state and activeAt."""
-    held = httpx.get(f"{lab.status['prometheus']}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    held = http_get(f"{lab.status['prometheus']}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
     (found,) = [a for a in held if a["labels"]["alertname"] == verdict.alert.name
                 and labels.items() <= a["labels"].items()]  # fmt: skip
     return found
@@ -402,7 +401,7 @@ def test_a_sessions_rounds_are_what_the_replicas_served(frozen, page):
     session_id = store.session(picked).session_id
     truth = sorted(
         (record for replica in lab.status["replicas"]
-         for record in httpx.get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
+         for record in http_get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
          if record.get("session_id") == session_id),
         key=lambda record: record["time"],
     )  # fmt: skip

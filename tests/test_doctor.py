@@ -20,7 +20,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from aiohttp import web
 
@@ -37,7 +36,7 @@ from collectors.doctor import (
 )
 from collectors.probe import ProbeSettings, api_url
 from collectors.workload import system_prompt, user_turns
-from conftest import REPO, free_port, stop
+from conftest import REPO, free_port, http_get, stop
 from lab import stack
 from lab.state import LabState
 
@@ -301,7 +300,7 @@ def test_a_healthy_route_passes_every_check(lab, capsys):
     # The block size comes from Prometheus once it has scraped every engine's cache config.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        found = httpx.get(f"{prometheus}/api/v1/query", params={"query": "vllm:cache_config_info"}, timeout=5)
+        found = http_get(f"{prometheus}/api/v1/query", params={"query": "vllm:cache_config_info"}, timeout=5)
         if len(found.json()["data"]["result"]) == len(lab.status["replicas"]):
             break
         time.sleep(0.5)
@@ -353,7 +352,7 @@ def test_the_cli_prints_each_check_with_its_fix_and_exits_1_on_a_failure(lab, fa
 
 
 def prometheus_sees_caching_off(lab, replica: str) -> bool:
-    answer = httpx.get(
+    answer = http_get(
         f"{lab.status['prometheus']}/api/v1/query",
         params={"query": 'vllm:cache_config_info{enable_prefix_caching="False"}'},
         timeout=5,

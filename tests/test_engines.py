@@ -28,7 +28,7 @@ from collectors.engines import (
     histogram_quantile,
     normalise,
 )
-from conftest import REPO, SHARED, Replica, free_port, stop
+from conftest import REPO, SHARED, Replica, free_port, http_get, stop
 
 SAMPLES = SHARED / "reference" / "samples"
 TESTDATA = Path(__file__).parent / "testdata"
@@ -54,7 +54,7 @@ def sample(name: str) -> Snapshot:
 
 
 def scrape_live(metrics_url: str) -> Snapshot:
-    return read(httpx.get(metrics_url, timeout=5).text, time.monotonic())
+    return read(http_get(metrics_url, timeout=5).text, time.monotonic())
 
 
 def eventually(probe: Callable[[], object], timeout: float = 10.0) -> object:
@@ -607,7 +607,7 @@ def start_router(tmp_path: Path) -> Iterator[Callable[[str, list[Replica]], tupl
             if process.poll() is not None:
                 raise RuntimeError(f"{flavour} exited with {process.returncode}:\n{log.read_text()}")
             try:
-                state = httpx.get(f"{url}/readiness", timeout=1).json()
+                state = http_get(f"{url}/readiness", timeout=1).json()
             except (httpx.HTTPError, ValueError):
                 return False
             return state.get("healthy_workers") == len(replicas)

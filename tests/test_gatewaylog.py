@@ -29,7 +29,7 @@ from collectors.gatewaylog import (
     GatewayLogSnapshot,
     unreadable_reason,
 )
-from conftest import REPO, free_port, stop, wait_http
+from conftest import REPO, free_port, http_get, stop, wait_http
 
 T0 = 1_800_000_000.0
 R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -540,7 +540,7 @@ def test_serve_counts_a_normal_log_beside_a_fifo_and_stops_on_sigterm(tmp_path):
         found = {}
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            exposition = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            exposition = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
             found = {
                 (s.name, s.labels.get("log")): s.value
                 for family in text_string_to_metric_families(exposition)

@@ -14,14 +14,13 @@ import time
 from operator import not_
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from collectors import grafana, queries
 from collectors.scheduler import GATEWAY_POLL_SECONDS
-from conftest import REPO
+from conftest import REPO, http_get
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 IMPORTED = sorted((REPO / "grafana" / "import").glob("*.json"))
@@ -240,7 +239,7 @@ ROUTER_ONLY = {
 
 def instant(prometheus: str, expr: str) -> list[dict]:
     expr = queries.fill_variables(expr, window=WINDOW, time_range="5m")
-    answer = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10).json()
+    answer = http_get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10).json()
     assert answer["status"] == "success", (expr, answer)
     return answer["data"]["result"]
 
@@ -281,7 +280,7 @@ def exported_poll(lab, log: str) -> tuple[float, int, int]:
     def snapshot() -> tuple[float, int, int]:
         found = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(httpx.get(f"{lab.status['exporter']}/metrics").text)
+            for family in text_string_to_metric_families(http_get(f"{lab.status['exporter']}/metrics").text)
             for s in family.samples
         }
         listener = {"log": log, "listener": log}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import httpx
 import pytest
 
 from collectors.experiment import (
@@ -22,7 +21,7 @@ from collectors.experiment import (
     write_outputs,
 )
 from collectors.probe import ProbeSettings
-from conftest import REPO
+from conftest import REPO, http_get, http_post
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +41,7 @@ def replica_hit_ratios(replica_urls: list[str], experiment: Experiment) -> dict[
     route_of = {s.session_id: s.target for s in experiment.all_sessions}
     cached, prompt = Counter(), Counter()
     for url in replica_urls:
-        for record in httpx.get(f"{url}/lab/ground-truth", timeout=5).json()["records"]:
+        for record in http_get(f"{url}/lab/ground-truth", timeout=5).json()["records"]:
             if route := route_of.get(record["session_id"]):
                 cached[route] += record["cached_tokens"]
                 prompt[route] += record["prompt_tokens"]
@@ -55,7 +54,7 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(start_lab):
     )
     replicas = [r["url"] for r in lab.status["replicas"]]
     for replica in replicas:
-        httpx.post(f"{replica}/lab/reset-cache", timeout=5).raise_for_status()
+        http_post(f"{replica}/lab/reset-cache", timeout=5).raise_for_status()
     rr, affinity = (
         ProbeSettings(url, "lab-model", target=label, route_mode=label, session_mode="server", max_tokens=8)
         for url, label in ((lab.round_robin, "round_robin"), (lab.affinity, "affinity"))

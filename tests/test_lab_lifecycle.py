@@ -9,10 +9,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
-from conftest import REPO, free_base_port, kvwatch, processes_mentioning
+from conftest import REPO, free_base_port, http_get, kvwatch, processes_mentioning
 from lab import stack
 from lab.process import LabError
 
@@ -32,7 +31,7 @@ def scraped_replicas(prometheus: str) -> set[tuple[str, str]]:
     """(replica, flavour) of the replica targets Prometheus scrapes, once it has discovered them."""
     deadline = time.monotonic() + 20
     while True:
-        targets = httpx.get(f"{prometheus}/api/v1/targets").json()["data"]["activeTargets"]
+        targets = http_get(f"{prometheus}/api/v1/targets").json()["data"]["activeTargets"]
         found = {
             (t["labels"]["replica"], t["labels"]["flavour"])
             for t in targets
@@ -62,8 +61,8 @@ def test_status_json_lists_every_url(start_lab):
         {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang", "prefix_caching": True},
         {"id": "r3", "url": f"http://127.0.0.1:{base + 12}", "flavour": "vllm", "prefix_caching": True},
     ]
-    assert httpx.get(f"{status['prometheus']}/-/ready").status_code == 200
-    assert httpx.get(f"{status['alertmanager']}/-/ready").status_code == 200
+    assert http_get(f"{status['prometheus']}/-/ready").status_code == 200
+    assert http_get(f"{status['alertmanager']}/-/ready").status_code == 200
     assert scraped_replicas(status["prometheus"]) == {("r1", "vllm"), ("r2", "sglang"), ("r3", "vllm")}
     text = lab.cli("status").stdout
     assert f"http://127.0.0.1:{base}" in text and "sglang" in text

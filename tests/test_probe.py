@@ -41,7 +41,7 @@ from collectors.probe import (
 from collectors.records import ERROR_KINDS, SessionResult
 from collectors.store import Store
 from collectors.workload import Conversation, synthetic
-from conftest import REPO, free_port
+from conftest import REPO, free_port, http_get, http_post
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def replica(lab) -> str:
     """One lab replica, addressed directly; its faults are cleared afterwards."""
     url = lab.status["replicas"][0]["url"]
     yield url
-    httpx.post(f"{url}/lab/faults", json=HEALTHY, timeout=5).raise_for_status()
+    http_post(f"{url}/lab/faults", json=HEALTHY, timeout=5).raise_for_status()
 
 
 def conversations(
@@ -192,7 +192,7 @@ def ground_truth(replica_urls: list[str], sessions: set[str], expected: int) -> 
         records = [
             record
             for url in replica_urls
-            for record in httpx.get(f"{url}/lab/ground-truth", timeout=5).json()["records"]
+            for record in http_get(f"{url}/lab/ground-truth", timeout=5).json()["records"]
             if record.get("session_id") in sessions
         ]
         if len(records) >= expected or time.monotonic() > deadline:
@@ -283,7 +283,7 @@ WITH_KEY = {"api_key": KEY}
 def test_each_error_kind_from_a_replica_fault_or_a_wrong_setting(
     replica, faults, path, settings, kind, detail
 ):
-    httpx.post(f"{replica}/lab/faults", json=faults, timeout=5).raise_for_status()
+    http_post(f"{replica}/lab/faults", json=faults, timeout=5).raise_for_status()
     started = time.monotonic()
     (session,) = probe(replica + path, conversations(seed=8, sessions=1), **settings)
 
@@ -1020,7 +1020,7 @@ def test_the_cli_takes_the_model_the_lab_serves(replica, capsys):
 
 def test_the_api_key_never_reaches_the_output(replica):
     """`kvwatch probe` with a distinctive key, succeeding and against a server echoing the key."""
-    httpx.post(f"{replica}/lab/faults", json={"api_keys": {KEY: [MODEL]}}, timeout=5).raise_for_status()
+    http_post(f"{replica}/lab/faults", json={"api_keys": {KEY: [MODEL]}}, timeout=5).raise_for_status()
 
     async def run(url: str, *flags: str) -> tuple[int | None, str]:
         args = ["probe", "--base-url", url, *SMALL, "--rounds", "2", "--sessions", "1", *flags]

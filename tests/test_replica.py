@@ -15,7 +15,7 @@ from test_flavours import EXPECTED
 
 from collectors.probe import ProbeSettings, probe_once
 from collectors.workload import synthetic
-from conftest import REPO, free_port
+from conftest import REPO, free_port, http_get, http_post
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def stream(url: str, messages=USER, headers=None, **extra) -> tuple[list[dict], 
 
 
 def metric_families(url: str) -> dict:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = http_get(f"{url}/metrics", timeout=5).text
     return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
 
 
@@ -194,7 +194,7 @@ def test_conversation_rounds_reuse_the_history(start_replica):
 )
 def test_bad_requests_get_openai_error_objects(start_replica, body, status, fragment):
     replica = start_replica("r1", "vllm", *FAST)
-    response = httpx.post(f"{replica.url}/v1/chat/completions", content=body, timeout=10)
+    response = http_post(f"{replica.url}/v1/chat/completions", content=body, timeout=10)
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"]
@@ -212,14 +212,14 @@ def test_metrics_parse_and_use_the_engine_names(start_replica, flavour):
 
 def test_models_health_and_render_for_routers(start_replica):
     replica = start_replica("r1", "vllm", *FAST)
-    assert httpx.get(f"{replica.url}/health").status_code == 200
-    models = httpx.get(f"{replica.url}/v1/models").json()["data"]
+    assert http_get(f"{replica.url}/health").status_code == 200
+    models = http_get(f"{replica.url}/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["lab-model"]
     assert not {"root", "model_path", "tokenizer_path"} & set(models[0])
-    render = httpx.post(f"{replica.url}/v1/chat/completions/render", json={"messages": USER}).json()
+    render = http_post(f"{replica.url}/v1/chat/completions/render", json={"messages": USER}).json()
     reply = chat(replica.url).json()
     assert len(render["token_ids"]) == reply["usage"]["prompt_tokens"]
-    assert httpx.post(f"{replica.url}/tokenize", json={"prompt": "a b c"}).json()["count"] == 3
+    assert http_post(f"{replica.url}/tokenize", json={"prompt": "a b c"}).json()["count"] == 3
 
 
 def test_identity_header_can_be_switched_off(start_replica):
@@ -281,7 +281,7 @@ def test_faults_prefix_caching_off_then_reset(start_replica):
     assert [s.labels["enable_prefix_caching"] for s in info] == ["False"]
     replica.set_faults(prefix_caching=True)
     assert chat(replica.url, long_prompt(100)).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert httpx.post(f"{replica.url}/lab/reset-cache").status_code == 200
+    assert http_post(f"{replica.url}/lab/reset-cache").status_code == 200
     assert chat(replica.url, long_prompt(100)).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
@@ -312,7 +312,7 @@ def test_faults_api_keys_give_401_and_403(start_replica):
     assert status("Bearer sk-other") == (403, "model_not_allowed")
     assert status("Bearer sk-old") == (403, "token_expired")
     assert status("Bearer sk-good") == (200, None)
-    state = httpx.get(f"{replica.url}/lab/state").json()
+    state = http_get(f"{replica.url}/lab/state").json()
     assert "sk-good" not in json.dumps(state) and "sk-good" not in replica.log.read_text()
 
 

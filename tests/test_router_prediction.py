@@ -19,7 +19,7 @@ import yaml
 
 from collectors import grafana, queries
 from collectors.engines.base import COUNT_SUFFIXES
-from conftest import free_base_port, free_port, stop, wait_http
+from conftest import free_base_port, free_port, http_get, stop, wait_http
 from lab.configs import rule_files
 from lab.stack import prometheus_process
 from lab.state import LabState
@@ -87,12 +87,12 @@ def test_replayed_counters_grow_at_their_recorded_rate():
 
 
 def firing(prometheus: str, alertname: str) -> list[dict]:
-    answer = httpx.get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    answer = http_get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
     return [a for a in answer if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
 
 
 def value(prometheus: str, expr: str) -> float | None:
-    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
+    result = http_get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
         "result"
     ]
     return float(result[0]["value"][1]) if result else None
@@ -109,7 +109,7 @@ def router_panel_queries() -> set[str]:
 def panel_values(prometheus: str, expr: str) -> dict[str, float]:
     """A panel query's values now, with the board's variables matching everything, by job."""
     expr = queries.fill_variables(expr, window="30s", time_range="5m")
-    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
+    result = http_get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
         "result"
     ]
     return {r["metric"].get("job", "cluster"): float(r["value"][1]) for r in result}

@@ -10,10 +10,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
 from collectors import queries
+from conftest import http_get
 from lab.configs import scale_durations
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ class Window:
     def query(self, expr: str) -> list[dict]:
         expr = queries.fill_variables(expr, window=f"{WINDOW_S}s", time_range=f"{WINDOW_S}s")
         params = {"query": expr, "time": self.at}
-        answer = httpx.get(f"{self.prometheus}/api/v1/query", params=params, timeout=10).json()
+        answer = http_get(f"{self.prometheus}/api/v1/query", params=params, timeout=10).json()
         return answer["data"]["result"]
 
     def by_instance(self, expr: str, **labels: str) -> dict[str, float]:
@@ -109,7 +109,7 @@ def window(start_lab) -> Window:
     served = [
         Served(record, replica["url"].removeprefix("http://"), replica["flavour"])
         for replica in lab.status["replicas"]
-        for record in httpx.get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
+        for record in http_get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
     ]
     return Window(prometheus, float(evaluated["value"][1]), served)
 

@@ -17,7 +17,6 @@ from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
 from collectors.scheduler import Service
 from collectors.store import Store
-from conftest import REPO, free_port, stop, wait_http
+from conftest import REPO, free_port, http_get, http_post, stop, wait_http
 from lab.configs import render_kvwatch_config
 from lab.state import DEFAULT_DIRECTORY, LabState
 
@@ -33,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 
 def samples(url: str) -> dict[tuple, float]:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = http_get(f"{url}/metrics", timeout=5).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -74,7 +73,7 @@ def test_lab_probes_are_exported_and_stored(start_lab):
     query = {"query": 'kvwatch_probe_sticky_ratio{target="lab-affinity"}'}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        result = httpx.get(f"{lab.status['prometheus']}/api/v1/query", params=query).json()["data"]["result"]
+        result = http_get(f"{lab.status['prometheus']}/api/v1/query", params=query).json()["data"]["result"]
         if result:
             break
         time.sleep(0.5)
@@ -103,10 +102,10 @@ def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(start_
         }],
     }  # fmt: skip
     url = f"{lab.status['exporter']}/alerts"
-    assert httpx.post(url, json=payload, timeout=5).status_code == 401
-    answer = httpx.post(url, json=payload, headers=authorized, timeout=5)
+    assert http_post(url, json=payload, timeout=5).status_code == 401
+    answer = http_post(url, json=payload, headers=authorized, timeout=5)
     assert answer.status_code == 200 and answer.json() == {"stored": 1, "rejected": 0}
-    garbage = httpx.post(url, content=b"{not json", headers=authorized, timeout=5)
+    garbage = http_post(url, content=b"{not json", headers=authorized, timeout=5)
     assert garbage.status_code == 400 and "bad Alertmanager webhook payload" in garbage.json()["error"]
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         posted = [a["alertname"] for a in store.alerts() if a["alertname"] != "Watchdog"]  # the lab's own
@@ -245,7 +244,7 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
             locker.execute("BEGIN IMMEDIATE")
             posted = []
             poster = threading.Thread(
-                target=lambda: posted.append(httpx.post(f"{url}/alerts", json=NOTIFICATION, timeout=10))
+                target=lambda: posted.append(http_post(f"{url}/alerts", json=NOTIFICATION, timeout=10))
             )
             poster.start()
             slowest, unlock_at = 0.0, time.monotonic() + 1.3  # a run each second: one writes meanwhile

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Replica, Router
+from conftest import Replica, Router, http_get
 
 pytestmark = pytest.mark.integration
 
@@ -183,7 +183,7 @@ def test_manual_policy_pins_sessions_to_their_cache(start_router, replicas):
 def test_router_metrics_show_every_worker_healthy(start_router, replicas):
     """The router's own Prometheus endpoint is what kvwatch scrapes for the routing side."""
     router = start_router("round_robin", replicas)
-    response = httpx.get(router.metrics_url, timeout=TIMEOUT)
+    response = http_get(router.metrics_url, timeout=TIMEOUT)
     assert response.status_code == 200
     health = {
         sample.labels["worker"]: sample.value

@@ -14,11 +14,10 @@ import sys
 import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 
 from collectors.cli import main
-from conftest import REPO, free_port, stop
+from conftest import REPO, free_port, http_post, stop
 from lab.traffic import TrafficSettings, run_users
 
 pytestmark = pytest.mark.integration
@@ -83,7 +82,7 @@ def test_dynamic_prefix_in_the_control_file_defeats_system_prompt_reuse(start_re
     cached = sorted(t["cached_tokens"] for t in healthy)
     assert all(c >= SYSTEM_TOKENS - 16 for c in cached[1:]), cached
 
-    httpx.post(f"{replica.url}/lab/reset-cache", timeout=5)
+    http_post(f"{replica.url}/lab/reset-cache", timeout=5)
     since = time.time()  # the first users are gone: everything that arrives later reads the control file
     control.write_text('{"dynamic_prefix": true}')
     finished = len(conversations(caplog))

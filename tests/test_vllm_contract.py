@@ -26,7 +26,7 @@ from contract import (
 )
 from prometheus_client import generate_latest
 
-from conftest import REPO
+from conftest import REPO, http_get, http_post
 from lab.engine import ReplicaSettings
 from lab.flavours import CacheConfig, Finished, Prefill, make_metrics
 
@@ -253,7 +253,7 @@ class Server:
 
     def chat(self, messages: list[dict], **options) -> httpx.Response:
         body = {"model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-        response = httpx.post(f"{self.url}/v1/chat/completions", json=body | options, timeout=120)
+        response = http_post(f"{self.url}/v1/chat/completions", json=body | options, timeout=120)
         assert response.status_code == 200, response.text
         return response
 
@@ -266,7 +266,7 @@ class Server:
         return [json.loads(event) for event in events[:-1]]
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+        return http_get(f"{self.url}/metrics", timeout=10).text
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ import json
 import math
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from collectors import queries
-from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, kvwatch
+from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch
 from lab.configs import scale_durations
 
 pytestmark = pytest.mark.integration
@@ -31,7 +30,7 @@ WINDOW_S = int(scale_durations(queries.WINDOW, VLLM_LAB_RULE_TIME_SCALE).removes
 def counters(url: str) -> dict[str, float]:
     """An engine's own counters, summed over their label sets: {"vllm:prompt_tokens_total": ...}, and
     per source where they have one: {'vllm:prompt_tokens_cached_by_source_total{source="device"}': ...}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = http_get(f"{url}/metrics", timeout=10).text
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -47,7 +46,7 @@ def counters(url: str) -> dict[str, float]:
 
 
 def cache_config(url: str) -> dict[str, str]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = http_get(f"{url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         if family.name == "vllm:cache_config_info":
             return dict(family.samples[0].labels)
@@ -61,7 +60,7 @@ def probe(url: str, *options: str) -> dict:
 
 
 def prometheus_query(lab: Lab, expr: str, at: float) -> list[dict]:
-    response = httpx.get(
+    response = http_get(
         f"{lab.status['prometheus']}/api/v1/query", params={"query": expr, "time": at}, timeout=10
     )
     response.raise_for_status()
@@ -86,10 +85,10 @@ def test_lab_serves_real_vllm(vllm_lab: Lab):
     status = vllm_lab.status
     assert status["engine"] == "vllm" and status["model"] == "lab-model"
     for url in replica_urls(vllm_lab).values():
-        assert httpx.get(f"{url}/version", timeout=5).json()["version"] == "0.32.0"
+        assert http_get(f"{url}/version", timeout=5).json()["version"] == "0.32.0"
         assert cache_config(url)["block_size"] == str(BLOCK)
         assert cache_config(url)["enable_prefix_caching"] == "True"
-    models = httpx.get(f"{vllm_lab.affinity}/v1/models", timeout=5).json()
+    models = http_get(f"{vllm_lab.affinity}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["lab-model"]
 
 
@@ -314,7 +313,7 @@ def test_prefix_caching_disabled_alert_fires_for_that_engine_only(vllm_lab: Lab)
 
     def active() -> list[dict]:
         params = {"active": "true", "silenced": "false", "inhibited": "false"}
-        return httpx.get(url, params=params, timeout=5).json()
+        return http_get(url, params=params, timeout=5).json()
 
     found = wait_for(
         lambda: [a for a in active() if a["labels"]["alertname"] == "KVWatchPrefixCachingDisabled"],

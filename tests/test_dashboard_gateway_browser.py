@@ -39,7 +39,7 @@ LISTENER = {"log": "affinity", "listener": "affinity"}  # the lab's background u
 @pytest.fixture(scope="module")
 def lab(start_lab):
     lab = start_lab("--replicas", "3", "--users", "4", "--think", "0.2", "--time-scale", "0.2",
-                    "--rule-time-scale", "0.1", "--no-probes", dashboard=True)  # fmt: skip
+                    "--rule-time-scale", "0.05", "--no-probes", dashboard=True)  # fmt: skip
     wait_for_data(lab, {queries.GATEWAY_SPREAD: 1})
     return lab
 

@@ -4,7 +4,8 @@ One asyncio process: a job per target (with jitter, one run at a time, missed ru
 polls the gateway logs and one that prunes the store, each timed by the monotonic clock (`every`);
 aiohttp serves /metrics and the webhook; one thread writes the store (StoreWriter). Probes never raise;
 a job that fails anyway is logged and the next run goes on. On SIGTERM the runs in flight store what
-they have: the sessions' finished rounds, marked interrupted.
+they have: the sessions' finished rounds, marked interrupted. Each session is stored as each of its
+rounds finishes, so that even a SIGKILL loses no finished round.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from collectors.connections import http_client
 from collectors.exporter import ProbeCollector, ProbeResults, make_app, open_webhook_warning
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
+from collectors.records import SessionResult
 from collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
@@ -157,7 +160,7 @@ class Service:
         self.registry.register(GatewayLogCollector(self.followers))
         self.registry.register(self.writer)
         for target in config.targets:
-            self.results.declare((target.name, target.route_mode))
+            self.results.declare((target.name, target.route_mode), target.rounds)
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
         self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
         self.webhook_token = resolve_webhook_token(config.exporter)
@@ -171,29 +174,38 @@ class Service:
         """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported.
 
         The engine's block size is learned anew each run, so an engine redeployed with another is followed.
-        A stop cuts the sessions short; those with a finished round are stored, marked interrupted.
+        A stop cuts the sessions short; those with a finished round are stored, marked interrupted. Each
+        session is stored in flight after each round, and once more as it ended.
         """
         started = time.time()
         settings = self.probes[target.name]
 
-        async def one(conversation: workload.Conversation):
+        async def one(conversation: workload.Conversation) -> tuple[str, SessionResult]:
+            uid = uuid.uuid4().hex
+
+            def store_in_flight(so_far: SessionResult) -> None:
+                self.writer.submit(self.store.add_session, so_far, uid, True)
+
             async with self._gate:
-                return await run_session(self._client, settings, conversation, stop=self._stop)
+                return uid, await run_session(
+                    self._client, settings, conversation, stop=self._stop, on_round=store_in_flight
+                )
 
         try:
             # Building a large workload's text takes seconds: in a thread, the exporter, the webhook and
             # a stop are served meanwhile.
             conversations = await asyncio.to_thread(self.conversations[target.name].next_run)
-            sessions = await asyncio.gather(*map(one, conversations))
-            sessions = [s for s in sessions if s.rounds]  # stopped before its first answer: nothing measured
+            ran = await asyncio.gather(*map(one, conversations))
+            ran = [(uid, s) for uid, s in ran if s.rounds]  # stopped before round 1 ended: nothing measured
+            uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
             block = await blocksize.learn(self.block_sources[target.name], sessions)
             sessions = with_block_size(sessions, block.tokens)
         except Exception:  # a probe never raises; this guards the scheduler against a bug
             log.exception("probe run of %s failed", target.name)
             return
         self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
-        for session in sessions:
-            self.writer.submit(self.store.add_session, session)
+        for uid, session in zip(uids, sessions, strict=True):
+            self.writer.submit(self.store.add_session, session, uid)
         failed = [s.error_kind for s in sessions if not s.ok]
         interrupted = sum(s.interrupted for s in sessions)
         log.info(

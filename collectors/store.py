@@ -5,13 +5,20 @@ here. One process writes (`kvwatch serve`, through one StoreWriter thread, so th
 store never holds up its event loop), others read at the same time (the dashboard, with `readonly=True`):
 WAL mode lets readers see the last commit while a write is in progress, a busy timeout absorbs the short
 moments when SQLite must lock, and the writer retries what takes longer.
+
+A session is written as each of its rounds finishes, marked in flight until it ends, so that a killed
+writer loses no finished round. The writing process holds an exclusive lock on a file beside the store
+(`<store>-writer.lock`) for as long as it runs: a session still in flight when no process holds it was
+cut short by the writer's death, and reads as interrupted; the next writer marks it so in the file.
 Nothing here accepts an API key: the records carry none, and alerts carry only labels and annotations.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -30,7 +37,7 @@ from collectors.records import RoundResult, SessionResult
 
 log = logging.getLogger("kvwatch.store")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_SECONDS = 1.0  # SQLite's own wait for a lock; StoreWriter retries past it
 ALERT_STATUSES = ("firing", "resolved")
 MAX_QUOTED_CHARS = 64  # of a rejected value in its message: a warning line stays a line
@@ -57,10 +64,13 @@ _SCHEMA = (
         sticky INTEGER,
         backend_switches INTEGER,
         session_id_echoed INTEGER,
-        interrupted INTEGER NOT NULL DEFAULT 0
+        interrupted INTEGER NOT NULL DEFAULT 0,
+        uid TEXT,
+        in_flight INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX sessions_by_time ON sessions (started_at)",
     "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
+    "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
     """CREATE TABLE rounds (
         session INTEGER NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
         round INTEGER NOT NULL,
@@ -103,6 +113,11 @@ _SCHEMA = (
 _MIGRATIONS = {
     2: ("ALTER TABLE rounds ADD COLUMN first_content_seconds REAL",),  # reasoning models' second TTFT
     3: ("ALTER TABLE sessions ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0",),  # cut by a stop
+    4: (  # written round by round: the writer's id of a session, and whether it still runs
+        "ALTER TABLE sessions ADD COLUMN uid TEXT",
+        "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
+        "ALTER TABLE sessions ADD COLUMN in_flight INTEGER NOT NULL DEFAULT 0",
+    ),
 }
 # Fields and properties of SessionResult / RoundResult, stored under their own names.
 _SESSION_COLUMNS = (
@@ -132,11 +147,13 @@ _ALERT_COLUMNS = (
     "ends_at",
     "fingerprint",
 )
-_BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted")
+_BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted", "in_flight")
+WRITER_LOCK_SUFFIX = "-writer.lock"
 
 
 class StoreError(Exception):
-    """The store cannot be opened: missing (read-only), not a kvwatch store, or from a newer kvwatch."""
+    """The store cannot be opened: missing (read-only), not a kvwatch store, from a newer kvwatch, or
+    written by another process already."""
 
 
 class Store:
@@ -146,16 +163,59 @@ class Store:
         self.path = Path(path)
         self.retention_days = retention_days
         self._lock = threading.Lock()
+        self._writer_lock_path = self.path.with_name(self.path.name + WRITER_LOCK_SUFFIX)
         if readonly and not self.path.is_file():
             raise StoreError(f"no kvwatch store at {self.path}")
+        self._writer_lock = None if readonly else self._lock_writer()
         try:
             self._db = self._connect(readonly)
-        except sqlite3.Error as error:
-            raise StoreError(f"cannot open the kvwatch store {self.path}: {error}") from None
+        except BaseException as error:
+            self._unlock_writer()
+            if isinstance(error, sqlite3.Error):
+                raise StoreError(f"cannot open the kvwatch store {self.path}: {error}") from None
+            raise
+
+    def _lock_writer(self) -> int:
+        """The writer's lock, taken before the schema is checked, so that marking the sessions a dead
+        writer left in flight never touches those of a live one. A reader checking it holds it for an
+        instant: that is waited for, another writer is not."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lock
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(lock)
+                    raise StoreError(
+                        f"another process writes the kvwatch store {self.path} (one kvwatch serve per store)"
+                    ) from None
+                time.sleep(0.01)
+
+    def _unlock_writer(self) -> None:
+        if self._writer_lock is not None:
+            os.close(self._writer_lock)  # releases the lock
+            self._writer_lock = None
+
+    def _writer_gone(self) -> bool:
+        """No process writes the store: a session it left in flight was cut short."""
+        if self._writer_lock is not None:
+            return False
+        try:
+            lock = os.open(self._writer_lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(lock)
+        return True
 
     def _connect(self, readonly: bool) -> sqlite3.Connection:
-        if not readonly:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = self.path.resolve().as_uri() + ("?mode=ro" if readonly else "")
         # Autocommit (isolation_level=None): every transaction is explicit, see _transaction.
         db = sqlite3.connect(
@@ -193,6 +253,14 @@ class Store:
                 for statement in _SCHEMA if version == 0 else [s for n in steps for s in _MIGRATIONS[n]]:
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if not readonly:
+                cut = db.execute("UPDATE sessions SET in_flight = 0, interrupted = 1 WHERE in_flight = 1")
+                if cut.rowcount:
+                    log.warning(
+                        "%d sessions were in flight when the last writer of %s died: stored as interrupted",
+                        cut.rowcount,
+                        self.path,
+                    )
 
     @contextmanager
     def _transaction(
@@ -214,6 +282,7 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._unlock_writer()
 
     def __enter__(self) -> Store:
         return self
@@ -223,15 +292,22 @@ class Store:
 
     # --- probe sessions ----------------------------------------------------------------------------
 
-    def add_session(self, result: SessionResult) -> int:
-        """Store one probe session and its rounds; returns the session's id in the store."""
+    def add_session(self, result: SessionResult, uid: str | None = None, in_flight: bool = False) -> int:
+        """Store one probe session and its rounds; returns the session's id in the store.
+
+        A session written as its rounds finish passes the same `uid` each time, `in_flight` until its
+        last write: each write replaces the one before (rounds only ever grow, and the last write may
+        realign their ideal cached tokens to the block size learned at the end of the run).
+        """
+        columns = (*_SESSION_COLUMNS, "uid", "in_flight")
+        updates = ", ".join(f"{c} = excluded.{c}" for c in columns)
         with self._transaction(write=True) as db:
-            cursor = db.execute(
-                _insert("sessions", _SESSION_COLUMNS), [getattr(result, c) for c in _SESSION_COLUMNS]
-            )
-            session = cursor.lastrowid
+            (session,) = db.execute(
+                f"{_insert('sessions', columns)} ON CONFLICT (uid) DO UPDATE SET {updates} RETURNING id",
+                [*(getattr(result, c) for c in _SESSION_COLUMNS), uid, in_flight],
+            ).fetchone()
             db.executemany(
-                _insert("rounds", ("session", *_ROUND_COLUMNS)),
+                _insert("rounds", ("session", *_ROUND_COLUMNS), "INSERT OR REPLACE"),
                 [(session, *(getattr(r, c) for c in _ROUND_COLUMNS)) for r in result.rounds],
             )
         return session
@@ -241,15 +317,17 @@ class Store:
     ) -> list[dict]:
         """Sessions, newest first: one dict per session, the columns of the sessions table.
 
-        `since` (unix seconds) keeps sessions that started then or later; `ok`, `sticky` and
-        `session_id_echoed` are booleans (None when unknown).
+        `since` (unix seconds) keeps sessions that started then or later; `ok`, `sticky`,
+        `session_id_echoed`, `interrupted` and `in_flight` are booleans (None when unknown). A session
+        still `in_flight` when its writer is gone reads as interrupted.
         """
         where, params = _where({"target = ?": target, "started_at >= ?": since})
         sql = f"SELECT * FROM sessions {where} ORDER BY started_at DESC, id DESC"
         if limit is not None:
             sql, params = f"{sql} LIMIT ?", [*params, limit]
+        gone = self._writer_gone()
         with self._transaction(write=False) as db:
-            return [_session_row(row) for row in db.execute(sql, params)]
+            return [_session_row(row, gone) for row in db.execute(sql, params)]
 
     def rounds(self, target: str | None = None, since: float | None = None) -> list[dict]:
         """The rounds of the matching sessions, newest session first and each in round order.
@@ -268,6 +346,7 @@ class Store:
 
     def session(self, session: int) -> SessionResult | None:
         """The session with this store id, as the record that was stored; None when there is none."""
+        gone = self._writer_gone()
         with self._transaction(write=False) as db:
             row = db.execute("SELECT * FROM sessions WHERE id = ?", (session,)).fetchone()
             if row is None:
@@ -282,7 +361,7 @@ class Store:
             started_at=row["started_at"],
             finished_at=row["finished_at"],
             rounds=tuple(RoundResult(**r) for r in rounds),
-            interrupted=bool(row["interrupted"]),
+            interrupted=_session_row(row, gone)["interrupted"],
         )
 
     # --- alerts ------------------------------------------------------------------------------------
@@ -455,11 +534,13 @@ def _where(conditions: dict[str, object]) -> tuple[str, list]:
     return (f"WHERE {' AND '.join(given)}" if given else ""), list(given.values())
 
 
-def _session_row(row: sqlite3.Row) -> dict:
+def _session_row(row: sqlite3.Row, writer_gone: bool) -> dict:
     values = dict(row)
     for column in _BOOLEANS:
         if values[column] is not None:
             values[column] = bool(values[column])
+    if values["in_flight"] and writer_gone:
+        values.update(in_flight=False, interrupted=True)
     return values
 
 

@@ -89,6 +89,7 @@ def sessions_frame() -> pd.DataFrame:
             **{c: getattr(s, c) for c in columns},
             "started_at": s.started_at,
             "finished_at": s.finished_at,
+            "in_flight": False,
         }
         for i, s in reversed(SESSIONS.items())
     ]
@@ -583,6 +584,7 @@ def test_sessions_list_and_drill_into_one(fake):
     assert "2 sessions" in texts(at) and "100% stayed on one replica" in texts(at)
     assert list(at.dataframe[0].value["id"]) == [2, 1]
     assert list(at.dataframe[0].value["interrupted"]) == [False, False]
+    assert list(at.dataframe[0].value["in_flight"]) == [False, False]
     at.selectbox(key="sessions_target").set_value("lab-round-robin").run()
     assert "5 backend switches; 1 failed." in texts(at)  # session 4 failed in round 4: r2, r3, r4
     at.selectbox(key="sessions_pick").set_value(4).run()

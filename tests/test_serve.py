@@ -138,6 +138,12 @@ def start_serve(tmp_path: Path, target: dict) -> tuple[subprocess.Popen, str, Pa
     return process, f"http://127.0.0.1:{port}", log
 
 
+def terminate(process: subprocess.Popen, log: Path) -> None:
+    """SIGTERM, as Kubernetes stops a pod, and a clean exit after it."""
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=15) == 0, log.read_text()
+
+
 def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, start_replica):
     replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
     target = {"name": "direct", "base_url": replica.url, "model": "lab-model", "interval_seconds": 1,
@@ -151,8 +157,7 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
             if sample(samples(url), "kvwatch_probe_sessions_total", **direct):
                 break
             time.sleep(0.3)
-        os.kill(process.pid, signal.SIGTERM)
-        assert process.wait(timeout=15) == 0, log.read_text()
+        terminate(process, log)
     finally:
         stop(process)
     with Store(tmp_path / "kvwatch.db", readonly=True) as store:
@@ -228,16 +233,20 @@ def exported_sessions(url: str) -> float:
     )
 
 
+def stalling_target(engine: StallingEngine) -> dict:
+    """One session a run, each second, of two rounds: round 2 is the one a stalling engine holds."""
+    return {"name": "direct", "base_url": engine.url, "model": "m", "interval_seconds": 1,
+            "sessions_per_run": 1, "rounds": 2, "block_size": 16,
+            "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
+
+
 def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
     """Another process holds the store's write lock past SQLite's busy timeout: /metrics answers at once
     all along, and every session and a webhook post meanwhile are stored once the lock goes. Then SIGTERM
     while a session waits for its round 2: its finished round 1 is stored, marked interrupted."""
     engine = StallingEngine()
-    target = {"name": "direct", "base_url": engine.url, "model": "m", "interval_seconds": 1,
-              "sessions_per_run": 1, "rounds": 2, "block_size": 16,
-              "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
     try:
-        process, url, log = start_serve(tmp_path, target)
+        process, url, log = start_serve(tmp_path, stalling_target(engine))
         try:
             before = exported_sessions(url)
             locker = sqlite3.connect(tmp_path / "kvwatch.db", isolation_level=None, timeout=10)
@@ -265,8 +274,7 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
                 time.sleep(0.05)
             assert engine.stalled == 1, log.read_text()
             finished = exported_sessions(url)
-            os.kill(process.pid, signal.SIGTERM)
-            assert process.wait(timeout=15) == 0, log.read_text()
+            terminate(process, log)
         finally:
             stop(process)
     finally:
@@ -280,6 +288,53 @@ def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):
             (1, None)
         ]
         assert [a["alertname"] for a in store.alerts()] == ["KVWatchProbeFailing"]
+
+
+def stored_sessions(path: Path) -> list[tuple[bool, bool, list[int]]]:
+    """Each stored session, newest first, as a reader sees it: in flight, interrupted, its rounds."""
+    with Store(path, readonly=True) as store:
+        rounds = store.rounds()
+        return [
+            (s["in_flight"], s["interrupted"], [r["round"] for r in rounds if r["session"] == s["id"]])
+            for s in store.sessions()
+        ]
+
+
+def wait_for_sessions(path: Path, expected: list, log: Path) -> None:
+    deadline = time.monotonic() + 10
+    while (found := stored_sessions(path)) != expected:
+        assert time.monotonic() < deadline, f"stored {found}, not {expected}:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def test_a_sigkill_mid_session_keeps_its_finished_rounds_cut_short(tmp_path: Path):
+    """kvwatch serve is killed while a session waits for its round 2: round 1 was stored as it finished,
+    in flight; once the process is gone a reader sees the session interrupted, and the next serve marks
+    it so in the store while its own session is in flight; a SIGTERM then ends that one interrupted."""
+    engine = StallingEngine()
+    engine.stall()  # every session's round 2, from the first run on
+    path = tmp_path / "kvwatch.db"
+    in_flight, cut = (True, False, [1]), (False, True, [1])
+    try:
+        killed, _, log = start_serve(tmp_path, stalling_target(engine))
+        try:
+            wait_for_sessions(path, [in_flight], log)
+            os.kill(killed.pid, signal.SIGKILL)
+            killed.wait(timeout=10)
+        finally:
+            stop(killed)
+        assert stored_sessions(path) == [cut]
+
+        restarted, _, log = start_serve(tmp_path, stalling_target(engine))
+        try:
+            wait_for_sessions(path, [in_flight, cut], log)  # the old one read so only if marked in the file
+            terminate(restarted, log)
+        finally:
+            stop(restarted)
+    finally:
+        engine.close()
+    assert stored_sessions(path) == [cut, cut]
+    assert "1 sessions were in flight when the last writer" in log.read_text()
 
 
 def step_wall_clock(monkeypatch, seconds: float) -> None:

@@ -82,12 +82,14 @@ def test_session_round_trip_gives_back_the_record(store):
     assert rows[1] == {
         "id": ids[0], "target": "lab-affinity", "route_mode": "affinity", "session_id": "5f0c-session",
         "started_at": 1000.0, "finished_at": 1003.5, "ok": True, "error_kind": None, "sticky": True,
-        "backend_switches": 0, "session_id_echoed": True, "interrupted": False,
+        "backend_switches": 0, "session_id_echoed": True, "interrupted": False, "uid": None,
+        "in_flight": False,
     }  # fmt: skip
     assert rows[0] == {
         "id": ids[1], "target": "lab-round-robin", "route_mode": "round_robin", "session_id": "5f0c-session",
         "started_at": 2000.0, "finished_at": 2003.5, "ok": False, "error_kind": "unauthorized",
         "sticky": False, "backend_switches": 1, "session_id_echoed": False, "interrupted": False,
+        "uid": None, "in_flight": False,
     }  # fmt: skip
 
 
@@ -95,6 +97,46 @@ def test_an_interrupted_session_keeps_its_finished_rounds_and_says_so(store):
     cut = replace(session("t", 1000.0, round_result(1), round_result(2)), interrupted=True)
     assert store.session(store.add_session(cut)) == cut
     assert [row["interrupted"] for row in store.sessions()] == [True]
+
+
+def test_a_session_written_round_by_round_is_in_flight_until_its_last_write(store):
+    one, two = session("t", 1000.0, round_result(1)), session("t", 1000.0, round_result(1), round_result(2))
+    first = store.add_session(one, "uid-1", in_flight=True)
+    (row,) = store.sessions()
+    assert (row["id"], row["in_flight"], row["interrupted"]) == (first, True, False)
+    assert store.add_session(two, "uid-1", in_flight=True) == first
+    aligned = replace(two, rounds=(round_result(1), round_result(2, ideal_cached_tokens=1168)))
+    assert store.add_session(aligned, "uid-1") == first
+    assert store.session(first) == aligned
+    assert [(s["id"], s["in_flight"]) for s in store.sessions()] == [(first, False)]
+    assert [r["ideal_cached_tokens"] for r in store.rounds()] == [0, 1168]
+
+
+def test_a_session_left_in_flight_by_a_dead_writer_reads_as_interrupted(tmp_path):
+    """While its writer lives a reader sees the session in flight; once it is gone (here: closed, as the
+    kernel closes a killed process's files), as interrupted; the next writer marks it so in the file."""
+    path = tmp_path / "kvwatch.db"
+    left = session("t", 1000.0, round_result(1))
+    writer = Store(path)
+    stored = writer.add_session(left, "uid-1", in_flight=True)
+    with Store(path, readonly=True) as reader:
+        assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(True, False)]
+        assert reader.session(stored) == left
+        writer.close()
+        assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(False, True)]
+        assert reader.session(stored) == replace(left, interrupted=True)
+    with Store(path) as restarted:
+        assert restarted.session(stored) == replace(left, interrupted=True)
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT in_flight, interrupted FROM sessions").fetchall() == [(0, 1)]
+    db.close()
+
+
+def test_a_second_writer_of_a_store_is_refused(tmp_path):
+    path = tmp_path / "kvwatch.db"
+    with Store(path), pytest.raises(StoreError, match="another process writes the kvwatch store .*db"):
+        Store(path)
+    Store(path).close()  # the first one is gone
 
 
 def test_unknown_stickiness_is_null_not_false(store):
@@ -173,14 +215,18 @@ def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
 
 def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     """Schema 2 added each round's time to the first answer text (reasoning models), schema 3 whether a
-    session was cut short by a stop; a store written before them keeps its sessions, whose rounds read
-    None there and which were not interrupted."""
+    session was cut short by a stop, schema 4 its writer's id and whether it is in flight; a store
+    written before them keeps its sessions, whose rounds read None there and which were neither
+    interrupted nor in flight."""
     path = tmp_path / "kvwatch.db"
     with Store(path) as store:
         old = store.add_session(session())
     db = sqlite3.connect(path)  # what kvwatch with schema 1 left behind
     db.execute("ALTER TABLE rounds DROP COLUMN first_content_seconds")
     db.execute("ALTER TABLE sessions DROP COLUMN interrupted")
+    db.execute("DROP INDEX sessions_by_uid")
+    db.execute("ALTER TABLE sessions DROP COLUMN uid")
+    db.execute("ALTER TABLE sessions DROP COLUMN in_flight")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -193,7 +239,7 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
         assert store.session(store.add_session(thinking)) == thinking
     with Store(path, readonly=True) as reader:
         assert [r["first_content_seconds"] for r in reader.rounds("reasoning")] == [0.9, None]
-        assert [s["interrupted"] for s in reader.sessions()] == [False, False]
+        assert [(s["interrupted"], s["in_flight"]) for s in reader.sessions()] == [(False, False)] * 2
 
 
 def test_readonly_store_cannot_write(tmp_path):

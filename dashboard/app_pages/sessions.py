@@ -18,7 +18,8 @@ SESSION_COLUMNS = {
     "backend_switches": "backend switches",
     "session_id_echoed": "session id echoed",
     "error_kind": "error",
-    "interrupted": "cut by a stop",  # kvwatch serve stopped mid-run: only its finished rounds are stored
+    "interrupted": "cut short",  # kvwatch serve stopped or died mid-session: its finished rounds are stored
+    "in_flight": "running",  # stored round by round, not ended yet
     "session_id": "session id",
 }
 SWITCH_COLOR = "#d62728"

@@ -31,7 +31,6 @@ from collectors import blocksize, identity
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
 from collectors.connections import connect_reason, http_client, request, url_problem
-from collectors.progress import Progress
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -258,13 +257,9 @@ async def _unless_stopped(
 
 
 async def run_sessions(
-    settings: ProbeSettings,
-    conversations: Iterable[Conversation],
-    concurrency: int = 1,
-    on_session: Callable[[SessionResult], None] | None = None,
+    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
 ) -> list[SessionResult]:
-    """Every conversation once, `concurrency` at a time, over one connection pool; `on_session` is told
-    of each session as it ends (a progress line)."""
+    """Every conversation once, `concurrency` at a time, over one connection pool."""
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
     gate = asyncio.Semaphore(concurrency)
@@ -273,22 +268,16 @@ async def run_sessions(
 
         async def one(conversation: Conversation) -> SessionResult:
             async with gate:
-                session = await run_session(client, settings, conversation)
-            if on_session is not None:
-                on_session(session)
-            return session
+                return await run_session(client, settings, conversation)
 
         return list(await asyncio.gather(*map(one, conversations)))
 
 
 def probe_once(
-    settings: ProbeSettings,
-    conversations: Iterable[Conversation],
-    concurrency: int = 1,
-    on_session: Callable[[SessionResult], None] | None = None,
+    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
 ) -> list[SessionResult]:
     """run_sessions for synchronous callers (the CLI)."""
-    return asyncio.run(run_sessions(settings, conversations, concurrency, on_session))
+    return asyncio.run(run_sessions(settings, conversations, concurrency))
 
 
 async def _round(
@@ -822,9 +811,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvwatch probe: {error}", file=sys.stderr)
         return 2
-    with Progress.on_terminal("probe", "sessions", json=args.json) as progress:
-        progress.start(len(conversations))
-        sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
+    sessions = probe_once(settings, conversations, args.concurrency)
     block = asyncio.run(blocksize.learn(sources, sessions))
     sessions = with_block_size(sessions, block.tokens)
     if args.json:

@@ -19,9 +19,9 @@ run_pytest() {
 }
 # shellcheck disable=SC2086
 beside() {
-    $pin "$python" -m pytest -q -p no:cacheprovider --basetemp="${TMPDIR:-/tmp}/kvwatch-vllm-tests" $vllm_tests
+    $pin "$python" -m pytest -q -p no:cacheprovider --durations=10 --basetemp="${TMPDIR:-/tmp}/kvwatch-vllm-tests" $vllm_tests
     vllm=$?
-    run_pytest --basetemp="${TMPDIR:-/tmp}/kvwatch-alert-tests" $after_vllm
+    run_pytest --durations=10 --basetemp="${TMPDIR:-/tmp}/kvwatch-alert-tests" $after_vllm
     alerts=$?
     [ "$vllm" -eq 0 ] && [ "$alerts" -eq 0 ]
 }

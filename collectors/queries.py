@@ -540,6 +540,23 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             for_="5m",
         ),
         Alert(
+            "KVWatchStoreWritesDropped",
+            "sum by (job, instance, reason) (increase(kvwatch_store_writes_dropped_total[10m])) > 0",
+            "warning",
+            "Writes to the kvwatch store were dropped.",
+            "{{ $labels.instance }} dropped store writes in the last 10 minutes ({{ $labels.reason }}): "
+            "probe sessions or received alerts are missing from the history the dashboard shows.",
+        ),
+        Alert(
+            "KVWatchStoreWritesRetried",
+            "sum by (job, instance) (increase(kvwatch_store_write_retries_total[2m])) > 0",
+            "warning",
+            "The kvwatch store keeps refusing writes.",
+            "{{ $labels.instance }} has retried store writes for 5 minutes: the store is locked by another "
+            "process, or its disk is full or failing; a write is dropped once its retries run out.",
+            for_="5m",
+        ),
+        Alert(
             "Watchdog",
             "vector(1)",
             "none",

@@ -5,11 +5,13 @@ config."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import streamlit as st
@@ -906,5 +908,15 @@ def test_quantile_intervals_hold_the_quantile():
     values = pd.Series(range(1, 101), dtype=float).to_numpy()
     median, low, high = stats.quantile_interval(values, 0.5)
     assert median == 50.5 and low < median < high
-    assert (low, high) == (41.0, 61.0)  # ranks 50 -+ 1.96 * 5
+    assert (low, high) == (40.0, 61.0)  # 1.76 % of Binomial(100, 0.5) lies below 40, 1.76 % above 60
     assert stats.quantile_interval(values[:1], 0.9) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("n", [5, 20, 28, 30, 45, 100, 1000])
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_quantile_intervals_are_95_percent_or_the_widest_there_is(n, q):
+    """The samples ranked low and high hold the true quantile when B, the number of samples below it
+    (Binomial(n, q)), is at least low's rank and below high's."""
+    _, low, high = stats.quantile_interval(np.arange(1, n + 1, dtype=float), q)
+    held = sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(int(low), int(high)))
+    assert held >= min(0.95, 1 - q**n - (1 - q) ** n) - 1e-12  # [smallest, largest] when too few for 95 %

@@ -43,6 +43,7 @@ from collectors.probe import (
     run_session,
     with_block_size,
 )
+from collectors.progress import Progress
 from collectors.queries import ALERTS
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact
@@ -144,6 +145,7 @@ def diagnose(
     prometheus_url: str | None = None,
     requests_sample: str | Path | None = None,
     block_sources: BlockSizeSources | None = None,
+    on_check: Callable[[Check], None] | None = None,
 ) -> Diagnosis:
     """Examine one route and, optionally, its engines in Prometheus and a sample of real request payloads.
 
@@ -153,9 +155,10 @@ def diagnose(
     one {"messages": [...]} per line, to look for dynamic content at the front of the prompts.
     `block_sources` says where the engines' KV block size comes from (by default Prometheus, the base
     URL's origin + /metrics, then the sessions' cached tokens). Never raises for what it finds: a problem
-    is a failed check. Takes a few seconds, at most a few timeouts.
+    is a failed check. Takes a few seconds, at most a few timeouts. `on_check` is told of each check
+    (CHECKS of them) as it ends.
     """
-    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources))
+    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources, on_check))
 
 
 async def examine(
@@ -163,22 +166,29 @@ async def examine(
     prometheus_url: str | None = None,
     requests_sample: str | Path | None = None,
     block_sources: BlockSizeSources | None = None,
+    on_check: Callable[[Check], None] | None = None,
 ) -> Diagnosis:
     """`diagnose` for callers that run an event loop."""
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
     block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
     checks: list[Check] = []
+
+    def found(check: Check) -> None:
+        checks.append(check)
+        if on_check is not None:
+            on_check(check)
+
     async with http_client(timeout=probe.timeout_seconds) as client:
         route = _Route(client, probe, block_sources)
         blocker = None
         for name, check in ROUTE_CHECKS:
             if blocker:
-                checks.append(Check(name, "skipped", f"not meaningful while {blocker.name} fails"))
+                found(Check(name, "skipped", f"not meaningful while {blocker.name} fails"))
                 continue
-            checks.append(await check(route))
+            found(await check(route))
             blocker = checks[-1] if _blocks(checks[-1]) else None
-        checks.append(await prefix_caching(route, prometheus_url, blocker))
-    checks.append(prompt_prefix(requests_sample))
+        found(await prefix_caching(route, prometheus_url, blocker))
+    found(prompt_prefix(requests_sample))
     return Diagnosis(tuple(checks))
 
 
@@ -383,6 +393,7 @@ ROUTE_CHECKS: tuple[tuple[str, Callable[[_Route], Awaitable[Check]]], ...] = (
     ("session id propagation", session_propagation),
     ("hash key", hash_key),
 )
+CHECKS = len(ROUTE_CHECKS) + 2  # the route's, prefix caching and the prompts' prefix
 
 
 # --- the engines: prefix caching --------------------------------------------------------------------
@@ -666,7 +677,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvwatch doctor: {error}", file=sys.stderr)
         return 2
-    diagnosis = diagnose(probe, args.prometheus, args.requests_sample, block_sources)
+    with Progress.on_terminal("doctor", "checks", json=args.json) as progress:
+        progress.start(CHECKS)
+        diagnosis = diagnose(probe, args.prometheus, args.requests_sample, block_sources, progress.advance)
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:

@@ -24,7 +24,7 @@ import statistics
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +46,7 @@ from collectors.probe import (
     run_session,
     with_block_size,
 )
+from collectors.progress import Progress
 from collectors.records import SessionResult
 from collectors.redaction import redact
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -141,12 +142,13 @@ def run_experiment(
     concurrency: int = 1,
     run_id: str | None = None,
     block_sources: BlockSizeSources | None = None,
+    on_session: Callable[[SessionResult], None] | None = None,
 ) -> Experiment:
     """Every conversation through A and through B, interleaved, `concurrency` sessions at a time.
 
     Each route's `target` is its label. A session never raises (see the probe); failures are in the results.
     The KV block size is learned from `block_sources` (by default both routes' /metrics) and the sessions
-    of both routes.
+    of both routes. `on_session` is told of each session as it ends (a progress line).
     """
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
@@ -171,7 +173,10 @@ def run_experiment(
                 # Each worker takes the next session of the plan, so sessions start in exactly that order.
                 for conversation, route in plan:
                     tagged = tag(conversations[conversation], run_id, route)
-                    results[route][conversation] = await run_session(clients[route], routes[route], tagged)
+                    session = await run_session(clients[route], routes[route], tagged)
+                    results[route][conversation] = session
+                    if on_session is not None:
+                        on_session(session)
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, 2 * len(conversations)))))
         sources = block_sources or blocksize.sources_for([a.base_url, b.base_url])
@@ -468,15 +473,21 @@ def run_into(
     out: Path,
     concurrency: int = 1,
     block_sources: BlockSizeSources | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Experiment, str | None]:
     """The experiment and its report, written into `out` as `kvwatch experiment` and the dashboard run it.
 
     `out` is made first, so that a bad directory fails before anything is measured; the report is None,
-    and nothing is written, when every session failed.
+    and nothing is written, when every session failed. `progress` counts the sessions as they end.
     """
     conversations = workload.conversations()
     out.mkdir(parents=True, exist_ok=True)
-    experiment = run_experiment(a, b, conversations, concurrency, block_sources=block_sources)
+    if progress is not None:
+        progress.start(2 * len(conversations))
+    on_session = progress.advance if progress else None
+    experiment = run_experiment(
+        a, b, conversations, concurrency, block_sources=block_sources, on_session=on_session
+    )
     if not any(session.ok for session in experiment.all_sessions):
         return experiment, None
     return experiment, write_outputs(experiment, out, [workload.describe()])
@@ -568,7 +579,8 @@ def run_cli(args: argparse.Namespace) -> int:
             for url, label in ((args.a, args.label_a), (args.b, args.label_b))
         )
         # It checks its arguments before it runs.
-        experiment, markdown = run_into(a, b, workload, args.out, args.concurrency, sources)
+        with Progress.on_terminal("experiment", "sessions", json=False) as progress:
+            experiment, markdown = run_into(a, b, workload, args.out, args.concurrency, sources, progress)
     except (ValueError, OSError) as error:
         print(f"kvwatch experiment: {error}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ from collectors import blocksize, identity
 from collectors.blocksize import BlockSize
 from collectors.config import Target, Workload
 from collectors.connections import connect_reason, http_client, request, url_problem
+from collectors.progress import Progress
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact, redacted_name
 from collectors.workload import Conversation, load_sharegpt, synthetic
@@ -257,9 +258,13 @@ async def _unless_stopped(
 
 
 async def run_sessions(
-    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
+    settings: ProbeSettings,
+    conversations: Iterable[Conversation],
+    concurrency: int = 1,
+    on_session: Callable[[SessionResult], None] | None = None,
 ) -> list[SessionResult]:
-    """Every conversation once, `concurrency` at a time, over one connection pool."""
+    """Every conversation once, `concurrency` at a time, over one connection pool; `on_session` is told
+    of each session as it ends (a progress line)."""
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
     gate = asyncio.Semaphore(concurrency)
@@ -268,16 +273,22 @@ async def run_sessions(
 
         async def one(conversation: Conversation) -> SessionResult:
             async with gate:
-                return await run_session(client, settings, conversation)
+                session = await run_session(client, settings, conversation)
+            if on_session is not None:
+                on_session(session)
+            return session
 
         return list(await asyncio.gather(*map(one, conversations)))
 
 
 def probe_once(
-    settings: ProbeSettings, conversations: Iterable[Conversation], concurrency: int = 1
+    settings: ProbeSettings,
+    conversations: Iterable[Conversation],
+    concurrency: int = 1,
+    on_session: Callable[[SessionResult], None] | None = None,
 ) -> list[SessionResult]:
     """run_sessions for synchronous callers (the CLI)."""
-    return asyncio.run(run_sessions(settings, conversations, concurrency))
+    return asyncio.run(run_sessions(settings, conversations, concurrency, on_session))
 
 
 async def _round(
@@ -811,7 +822,9 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvwatch probe: {error}", file=sys.stderr)
         return 2
-    sessions = probe_once(settings, conversations, args.concurrency)
+    with Progress.on_terminal("probe", "sessions", json=args.json) as progress:
+        progress.start(len(conversations))
+        sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
     block = asyncio.run(blocksize.learn(sources, sessions))
     sessions = with_block_size(sessions, block.tokens)
     if args.json:

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import asynccontextmanager, suppress
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -21,6 +20,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import pytest
 from aiohttp import web
+from loopback import QuietHandler, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collectors.cli import main
@@ -938,30 +938,17 @@ def listings() -> Iterator[str]:
     """A loopback server with a model listing under each path of LISTINGS, and one that never answers."""
     release = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
             if self.path == "/silent/v1/models":
                 release.wait(timeout=30)
                 return
             status, answer = LISTINGS.get(self.path, (404, {}))
-            body = json.dumps(answer).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(status, json.dumps(answer).encode())
 
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with loopback_http(Handler) as url:
+        yield url
+        release.set()
 
 
 def test_the_one_model_served_is_chosen_and_said(listings, capsys):

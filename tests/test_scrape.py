@@ -11,10 +11,10 @@ import json
 import re
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
 
 from collectors.cli import build_parser, main
@@ -73,25 +73,19 @@ def server() -> Iterator[str]:
     lock = threading.Lock()
     release = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
             if self.path == "/metrics":
                 with lock:
                     metrics.prefill_done(REQUEST)
                     body = generate_latest(metrics.registry)
-                self._answer(200, body)
+                self.answer(200, body, "text/plain; version=0.0.4")
             elif self.path == "/endless":
                 self._endless()
             elif self.path == "/silent":
                 release.wait(timeout=30)
             else:
-                self._answer(404, b"not found\n")
-
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+                self.answer(404, b"not found\n", "text/plain")
 
         def _endless(self) -> None:
             """A /metrics that never ends: only a size cap enforced while reading stops it."""
@@ -104,18 +98,9 @@ def server() -> Iterator[str]:
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with loopback_http(Handler) as url:
+        yield url
+        release.set()
 
 
 def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):

@@ -79,11 +79,18 @@ class ProbeResults:
         self._backends: dict[Route, set[str]] = defaultdict(set)
         self._routes: set[Route] = set()
 
-    def declare(self, route: Route) -> None:
-        """Export a route's outcome counters at 0 before its first run, so that rate() and increase()
-        count that run too: a counter first seen at 2 shows no increase."""
+    def declare(self, route: Route, rounds: int = 0) -> None:
+        """Export a route's outcome counters, and its per-round counters and TTFT histograms of rounds
+        1..`rounds`, at 0 before its first run, so that rate() and increase() count that run too: a
+        counter first seen at 2 shows no increase, and a panel over a time range since kvwatch started
+        would leave the first run out."""
         with self._lock:
             self._start_at_zero(route)
+            for round_ in range(1, rounds + 1):
+                labels = (*route, str(round_))
+                for key in ("rounds", "prompt", "cached", "ideal"):
+                    self._totals[key, labels] += 0
+                self._ttft.setdefault(labels, _Histogram())
 
     def add_run(self, route: Route, sessions: Sequence[SessionResult], started_at: float, finished_at: float):
         with self._lock:

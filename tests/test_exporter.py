@@ -118,10 +118,19 @@ def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
 
 def test_declared_routes_export_zeros_before_their_first_run(exporter):
     results, registry = exporter
-    results.declare(("lab-affinity", "affinity"))
+    results.declare(("lab-affinity", "affinity"), rounds=3)
     assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 0
     assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="true") == 0
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") is None
+    # Each round's counters and TTFT histogram too, so that the first run counts in their rates.
+    assert value(registry, "kvwatch_probe_cached_tokens_total", round="3") == 0
+    assert value(registry, "kvwatch_probe_ideal_cached_tokens_total", round="2") == 0
+    assert value(registry, "kvwatch_probe_ttft_seconds_bucket", round="1", le="+Inf") == 0
+    assert value(registry, "kvwatch_probe_ttft_seconds_count", round="3") == 0
+    assert value(registry, "kvwatch_probe_rounds_total", round="4") is None
+    results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)
+    assert value(registry, "kvwatch_probe_ttft_seconds_count", round="2") == 1
+    assert value(registry, "kvwatch_probe_cached_tokens_total", round="2") == 90
 
 
 def test_outcome_counters_start_at_zero_so_increase_sees_the_first_failure(exporter):

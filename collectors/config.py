@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from collectors import blocksize, gatewaylogs, identity
+from collectors import blocksize, gatewaylogs, identity, store
 from collectors.connections import url_problem
 from collectors.redaction import redact
 
@@ -274,10 +274,15 @@ def _is_host(host: str) -> bool:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The SQLite history of probe sessions and received alerts."""
+    """The SQLite history of probe sessions and received alerts, and how hard `kvwatch serve` tries to
+    write it (collectors.store.StoreWriter)."""
 
     path: Path = Path(".kvwatch/kvwatch.db")
     retention_days: float = _bounded(14.0, 0, 3650, low_excluded=True)
+    # Writes waiting for the writer thread; one holds a session (up to ~25 KB with 50 rounds) or a post.
+    queue_capacity: int = _bounded(store.QUEUE_CAPACITY, 1, 10_000)
+    retry_seconds: float = _bounded(store.RETRY_SECONDS, 0, HOUR)  # per write; 0: never retried
+    flush_seconds: float = _bounded(store.FLUSH_SECONDS, 0, 300)  # at a stop, for the queued writes
 
     def __post_init__(self):
         _check_ranges(self)

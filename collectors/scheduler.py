@@ -135,7 +135,7 @@ class Service:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.store = Store(config.store.path, config.store.retention_days)
-        self.writer = StoreWriter()
+        self.writer = StoreWriter(config.store.queue_capacity, config.store.retry_seconds)
         self.results = ProbeResults()
         self.followers = [
             GatewayLogFollower(
@@ -248,7 +248,7 @@ class Service:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; then let the runs in flight store what they have, close the HTTP
-        side and write what is queued for the store (FLUSH_SECONDS at most)."""
+        side and write what is queued for the store (store.flush_seconds at most)."""
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's
@@ -280,7 +280,7 @@ class Service:
             await self._client.aclose()
             for follower in self.followers:
                 follower.close()
-            self.writer.close()
+            self.writer.close(self.config.store.flush_seconds)
             self.store.close()
 
 

@@ -179,8 +179,13 @@ class Store:
         """The writer's lock, taken before the schema is checked, so that marking the sessions a dead
         writer left in flight never touches those of a live one. A reader checking it holds it for an
         instant: that is waited for, another writer is not."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise StoreError(
+                f"cannot open the kvwatch store {self.path}: cannot create {error.filename}: {error.strerror}"
+            ) from None
         deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
         while True:
             try:
@@ -408,13 +413,12 @@ class Store:
 
 # --- the writer thread -------------------------------------------------------------------------------
 
-QUEUE_CAPACITY = 1000  # writes waiting: hours of sessions of a few targets
-RETRY_SECONDS = (
-    120.0  # how long one write is retried: past the longest lock or disk clean-up worth waiting for
-)
+# The defaults of the config's store.queue_capacity, retry_seconds and flush_seconds.
+QUEUE_CAPACITY = 1000  # writes waiting: a write per round and one at a session's end, an hour of a target
+RETRY_SECONDS = 120.0  # how long one write is retried: past the longest lock or disk clean-up worth it
+FLUSH_SECONDS = 10.0  # what a stop waits for the queued writes (Kubernetes gives 30 s in all)
 FIRST_RETRY_DELAY_SECONDS = 0.1
 MAX_RETRY_DELAY_SECONDS = 5.0
-FLUSH_SECONDS = 10.0  # what a stop waits for the queued writes (Kubernetes gives 30 s in all)
 # SQLite's result codes worth trying again: a lock held elsewhere, a full disk, a failed read or write.
 RETRIED = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR})
 DROP_REASONS = ("queue_full", "failed")

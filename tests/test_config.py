@@ -147,8 +147,14 @@ INVALID = [
     ("sessions-per-run-boolean", "targets[0].sessions_per_run: expected an integer, got the boolean true"),
     ("sessions-per-run", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 0"),
     ("sessions-per-run-too-many", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 1001"),
+    ("store-flush-seconds", "store.flush_seconds: must be >= 0 and <= 300, got -1"),
+    ("store-flush-seconds-too-long", "store.flush_seconds: must be >= 0 and <= 300, got 301"),
+    ("store-queue-capacity", "store.queue_capacity: must be >= 1 and <= 10000, got 0"),
+    ("store-queue-capacity-too-large", "store.queue_capacity: must be >= 1 and <= 10000, got 10001"),
     ("store-retention", "store.retention_days: must be > 0 and <= 3650, got 0"),
     ("store-retention-too-long", "store.retention_days: must be > 0 and <= 3650, got 3651"),
+    ("store-retry-seconds", "store.retry_seconds: must be >= 0 and <= 3600, got -1"),
+    ("store-retry-seconds-too-long", "store.retry_seconds: must be >= 0 and <= 3600, got inf"),
     ("target-name", 'targets[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "Chat Route"'),
     ("target-not-a-mapping", 'targets[0]: expected a mapping, got the string "chat"'),
     ("targets-not-a-list", "targets: expected a list, got a mapping"),
@@ -235,6 +241,8 @@ def test_minimal_file_takes_every_default():
     assert config.exporter.listen == "127.0.0.1:9464"
     assert (config.exporter.host, config.exporter.port) == ("127.0.0.1", 9464)
     assert config.store == StoreSettings(path=Path(".kvwatch/kvwatch.db"), retention_days=14.0)
+    store = config.store
+    assert (store.queue_capacity, store.retry_seconds, store.flush_seconds) == (1000, 120.0, 10.0)
     assert config.prometheus.url is None and config.alertmanager.url is None
 
 
@@ -296,7 +304,13 @@ def test_full_file_overrides_every_default_and_merges_anchors():
             ),
         ),
         exporter=ExporterSettings(listen="[::1]:9100"),
-        store=StoreSettings(path=Path("/var/lib/kvwatch/history.db"), retention_days=3.5),
+        store=StoreSettings(
+            path=Path("/var/lib/kvwatch/history.db"),
+            retention_days=3.5,
+            queue_capacity=5000,
+            retry_seconds=600.0,
+            flush_seconds=20.0,
+        ),
         prometheus=Service(url="http://prometheus:9090"),
         alertmanager=Service(url="http://alertmanager:9093"),
     )
@@ -399,7 +413,8 @@ def test_serve_says_in_one_line_that_it_cannot_open_the_store(tmp_path, capsys):
     path = with_store_path(tmp_path, Path("/proc/kvwatch.db"))
     assert cli.main(["serve", "--config", str(path)]) == 1
     assert capsys.readouterr().err == (
-        "kvwatch serve: cannot open the kvwatch store /proc/kvwatch.db: unable to open database file\n"
+        "kvwatch serve: cannot open the kvwatch store /proc/kvwatch.db: "
+        "cannot create /proc/kvwatch.db-writer.lock: No such file or directory\n"
     )
 
 

@@ -382,6 +382,20 @@ def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_
     assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step
 
 
+def test_the_store_settings_reach_the_writer(tmp_path, monkeypatch):
+    settings = StoreSettings(tmp_path / "kvwatch.db", queue_capacity=3, retry_seconds=7.0, flush_seconds=2.5)
+    target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=60)
+    config = Config(targets=(target,), exporter=ExporterSettings(f"127.0.0.1:{free_port()}"), store=settings)
+    service, flushed = Service(config), []
+    assert (service.writer.capacity, service.writer.retry_seconds) == (3, 7.0)
+    close = service.writer.close
+    monkeypatch.setattr(service.writer, "close", lambda timeout: flushed.append(timeout) or close(timeout))
+    stop = asyncio.Event()
+    stop.set()
+    asyncio.run(asyncio.wait_for(service.run(stop), timeout=10))
+    assert flushed == [2.5]
+
+
 def test_building_a_large_workload_leaves_the_event_loop_serving(tmp_path, monkeypatch):
     workload = Workload(system_tokens=100_000, turn_tokens=1000)  # about half a second of text to build
     target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=60, workload=workload)

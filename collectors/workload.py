@@ -8,7 +8,9 @@ engine the same workload has a somewhat longer prompt; the probe reads the true 
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,9 @@ _WORDS = (
 ).split()
 
 _USER_ROLES = {"human", "user"}
+# A ShareGPT file is parsed whole and its conversations kept for the process's life: 16 MiB holds a few
+# thousand conversations, more than a probe cycles through, in about 100 MB of memory once parsed.
+MAX_SHAREGPT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -85,17 +90,29 @@ def load_sharegpt(
     "role" / "content" keys (and "messages" for the list) are read too. Only the human turns are kept,
     in order: the probe sends the answers it really gets. Short conversations are dropped, as the
     source article advises, so that every session has warm rounds to measure. A seeded shuffle picks
-    `limit` of them. Raises ValueError naming the file and the problem.
+    `limit` of them. Raises ValueError naming the file and the problem, a file over MAX_SHAREGPT_BYTES
+    or that is no regular file (a FIFO, /dev/zero) included.
     """
     path = Path(path)
     try:
-        items = json.loads(path.read_bytes())
+        data = _read_bounded(path)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
     except OSError as error:
         raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
+    if data is None:
+        raise ValueError(f"{path}: not a regular file")
+    if len(data) > MAX_SHAREGPT_BYTES:
+        raise ValueError(
+            f"{path}: larger than {MAX_SHAREGPT_BYTES >> 20} MiB; a probe needs a few thousand conversations "
+            "at most: keep a part of the file, e.g. with `jq '.[:2000]'`"
+        )
+    try:
+        items = json.loads(data)
     except ValueError as error:  # bad JSON, or bytes that are no Unicode text at all
         raise ValueError(f"{path}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(items, list):
         raise ValueError(
             f"{path}: expected a JSON list of conversations, found a JSON {type(items).__name__}"
@@ -108,6 +125,16 @@ def load_sharegpt(
         )
     random.Random(seed).shuffle(kept)
     return kept[:limit]
+
+
+def _read_bounded(path: Path) -> bytes | None:
+    """The file's bytes, one more than MAX_SHAREGPT_BYTES at most; None when it is no regular file. Opened
+    without blocking, so that a FIFO at the path is refused rather than waited on."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        return file.read(MAX_SHAREGPT_BYTES + 1)
 
 
 def _conversation(item: object) -> Conversation | None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import time
 from pathlib import Path
 
 import pytest
 
+from collectors import workload
 from collectors.workload import (
     DEFAULT_SYSTEM_PROMPT,
     Conversation,
@@ -109,6 +113,40 @@ def test_sharegpt_errors_name_the_file_and_the_problem(tmp_path, content, messag
     with pytest.raises(ValueError) as raised:
         load_sharegpt(path)
     assert str(raised.value).startswith(f"{path}: {message}")
+
+
+def test_a_sharegpt_file_over_the_limit_is_refused_unparsed(tmp_path, monkeypatch):
+    monkeypatch.setattr(workload, "MAX_SHAREGPT_BYTES", 2 << 20)  # a small limit: the test stays fast
+    conversation = {"conversations": [{"from": "human", "value": "word " * 100}] * 4}
+    entries = (2 << 20) // len(json.dumps(conversation)) - 1
+    text = json.dumps([conversation] * entries)
+    at_the_limit, over = tmp_path / "at-the-limit.json", tmp_path / "over.json"
+    at_the_limit.write_text(text + " " * ((2 << 20) - len(text)))
+    over.write_text(text + " " * ((2 << 20) + 1 - len(text)))
+    assert len(load_sharegpt(at_the_limit)) == entries
+    with pytest.raises(ValueError) as raised:
+        load_sharegpt(over)
+    assert str(raised.value) == (
+        f"{over}: larger than 2 MiB; a probe needs a few thousand conversations at most: "
+        "keep a part of the file, e.g. with `jq '.[:2000]'`"
+    )
+
+
+def test_a_sharegpt_path_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "conversations.json"
+    os.mkfifo(fifo)  # no writer: reading it would wait forever
+    started = time.monotonic()
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ValueError, match=f"^{path}: not a regular file$"):
+            load_sharegpt(path)
+    assert time.monotonic() - started < 1
+
+
+def test_sharegpt_nested_too_deeply_is_one_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep\.json: not valid JSON \(nested too deeply\)$"):
+        load_sharegpt(deep)
 
 
 def test_sharegpt_without_long_enough_conversations_says_so():

@@ -15,6 +15,8 @@ from pathlib import Path
 from lab import stack
 from lab.engine import ANSWER_STYLES, ReplicaSettings
 from lab.flavours import FLAVOURS
+from lab.gateways import GATEWAYS
+from lab.gateways.envoy import LOAD_BALANCERS
 from lab.replicas import KINDS
 from lab.stack import FAULTS
 from lab.state import DEFAULT_DIRECTORY, LabState
@@ -228,19 +230,31 @@ def _state_dir_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, default: str) -> None:
+    """A choice of one member of a family (a registry of kinds), each member's help in the option's."""
+    parser.add_argument(
+        flag,
+        choices=sorted(family),
+        default=default,
+        help="; ".join(f"{name}: {member.help}" for name, member in sorted(family.items()))
+        + " (default %(default)s)",
+    )
+
+
 def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
     up = commands.add_parser(
         "up",
-        help="start the whole lab: replicas, nginx, Prometheus, Alertmanager, background users",
+        help="start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users",
         description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
         "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
     )
+    _family_argument(up, "--engine", KINDS, "sim")
+    _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(
-        "--engine",
-        choices=sorted(KINDS),
-        default="sim",
-        help="; ".join(f"{name}: {kind.help}" for name, kind in sorted(KINDS.items()))
-        + " (default %(default)s)",
+        "--envoy-lb",
+        choices=sorted(LOAD_BALANCERS),
+        help="the consistent hash of Envoy's affinity cluster: ring-hash (RING_HASH, Istio's default) or "
+        "maglev (MAGLEV); with --gateway envoy (default ring-hash)",
     )
     up.add_argument(
         "--replicas",
@@ -324,6 +338,7 @@ def _fail(message: str) -> int:
 
 def _print_status(info: dict) -> None:
     print(f"engine               {info['engine']}, model {info['model']}")
+    print(f"gateway              {info['gateway']}")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
     for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
@@ -342,6 +357,8 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
         )
+    if args.envoy_lb and args.gateway != "envoy":
+        return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
     flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
     unknown = sorted(set(flavours) - set(FLAVOURS))
     if unknown or not flavours:
@@ -375,6 +392,8 @@ def _run_up(args: argparse.Namespace) -> int:
                 probes=args.probes,
                 dashboard=args.dashboard,
                 engine=kind.name,
+                gateway=args.gateway,
+                envoy_lb=args.envoy_lb or "ring-hash",
             )
     except stack.LabError as error:
         return _fail(str(error))

@@ -1,25 +1,21 @@
-"""Generated configuration of the lab's nginx, Prometheus, Alertmanager and `kvwatch serve`, from the
-templates and the lab state."""
+"""Generated configuration of the lab's Prometheus, Alertmanager and `kvwatch serve`, from the lab state
+(the gateway's own is its module's in lab/gateways/)."""
 
 from __future__ import annotations
 
-import getpass
-import hashlib
-import json
 import os
 import re
 import secrets
-import string
 from pathlib import Path
 
 import yaml
 
 from collectors.config import GatewayLog
+from lab.gateways import GATEWAYS
 from lab.replicas import KINDS
 from lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
-TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 MIN_SCALED_SECONDS = 3  # a scaled rate window must still hold a few 1 s scrapes
 RULE_PATTERNS = ("prometheus/rules/*.yml", "alerts/*.rules.yml")
@@ -27,48 +23,6 @@ ALERTMANAGER_TIMERS = ("group_wait", "group_interval", "repeat_interval", "resol
 _DURATION = re.compile(r"(?<![\w.])(\d+)(ms|s|m|h|d)\b")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 WEBHOOK_TOKEN_FILE = "webhook-token"
-
-# How the affinity listener picks a replica, for each gateway fault.
-BALANCERS = {
-    "session": "        hash $kvwatch_session_id consistent;",
-    "round_robin": "        # round robin (fault break-affinity)",
-    "request_id": "        hash $request_id consistent;  # fault hash-request-id",
-}
-
-
-class _NginxTemplate(string.Template):
-    delimiter = "@"  # nginx itself uses "$"
-
-
-def render_nginx(state: LabState) -> dict[str, str]:
-    """The gateway's config files for the current state (replicas, gateway faults), name -> text."""
-    return _nginx_files(state, nginx_generation(state))
-
-
-def nginx_generation(state: LabState) -> str:
-    """A digest of the gateway config for `state`, which both listeners answer at /-/lab-config: a
-    reload has taken when they answer the new one."""
-    unstamped = json.dumps(_nginx_files(state, generation=""), sort_keys=True)
-    return hashlib.sha256(unstamped.encode()).hexdigest()[:16]
-
-
-def _nginx_files(state: LabState, generation: str) -> dict[str, str]:
-    servers = "\n".join(
-        f"        server 127.0.0.1:{replica.port} max_fails=1 fail_timeout=10s;" for replica in state.replicas
-    )
-    user_line = f"user {getpass.getuser()};" if os.geteuid() == 0 else ""
-    conf = _NginxTemplate((TEMPLATES / "nginx.conf").read_text()).substitute(
-        user_line=user_line,
-        state=state.directory,
-        client_session_id='""' if "drop-session-header" in state.faults else "$http_x_session_id",
-        affinity_balancer=BALANCERS[state.balancer],
-        servers=servers,
-        affinity_port=state.ports.affinity,
-        round_robin_port=state.ports.round_robin,
-    )
-    listener = _NginxTemplate((TEMPLATES / "listener.conf").read_text()).substitute(generation=generation)
-    proxy = (TEMPLATES / "proxy.conf").read_text()
-    return {"nginx.conf": conf, "proxy.conf": proxy, "listener.conf": listener}
 
 
 def scale_durations(text: str, factor: float) -> str:
@@ -127,7 +81,8 @@ def render_alertmanager(state: LabState) -> str:
 
 
 def render_prometheus(state: LabState) -> str:
-    """prometheus.yml: scrape every replica (with replica and flavour labels) and the lab's services."""
+    """prometheus.yml: scrape every replica (with replica and flavour labels), the lab's services and the
+    gateway's admin API where it has one."""
     config = yaml.safe_load((REPO / "prometheus" / "prometheus.lab.yml").read_text())
     interval = "1s" if state.fast else "5s"
     config["global"]["scrape_interval"] = interval
@@ -154,13 +109,22 @@ def render_prometheus(state: LabState) -> str:
         },
         {"job_name": "kvwatch", "static_configs": [{"targets": [f"127.0.0.1:{state.ports.exporter}"]}]},
     ]
+    gateway = GATEWAYS[state.gateway]
+    if gateway.metrics_path:
+        config["scrape_configs"].append(
+            {
+                "job_name": gateway.name,
+                "metrics_path": gateway.metrics_path,
+                "static_configs": [{"targets": [f"127.0.0.1:{state.ports.gateway_admin}"]}],
+            }
+        )
     return yaml.safe_dump(config, sort_keys=False)
 
 
 def render_kvwatch_config(state: LabState) -> str:
     """The kvwatch config `kvwatch serve` runs in the lab: examples/kvwatch.lab.yaml with this lab's
-    ports, state directory and kind of replica (a short probe interval with --fast, no probes with
-    --no-probes)."""
+    ports, state directory, kind of replica and gateway log format (a short probe interval with --fast,
+    no probes with --no-probes)."""
     config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
     ports, directory = state.ports, state.directory
     gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
@@ -176,6 +140,7 @@ def render_kvwatch_config(state: LabState) -> str:
         config["targets"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
+        log["format"] = GATEWAYS[state.gateway].log_format
         if state.rule_time_scale != 1:  # a detection window like the rules' own: scaled with them
             window = log.get("spread_window_seconds", GatewayLog.spread_window_seconds)
             log["spread_window_seconds"] = window * state.rule_time_scale

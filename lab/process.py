@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lab.state import LabState
 
 READY_TIMEOUT_S = 30.0
 
@@ -24,3 +31,28 @@ def kvwatch_command(*args: str) -> list[str]:
 
 class LabError(RuntimeError):
     """Something the user can act on; the CLI prints it without a traceback."""
+
+
+def binary(name: str, fallback: str) -> str:
+    found = shutil.which(name) or (fallback if Path(fallback).exists() else None)
+    if not found:
+        raise LabError(f"{name} is not installed (run `make bootstrap`, or apt-get install it)")
+    return found
+
+
+def is_ours(state: LabState, pid: int) -> bool:
+    """True when `pid` is alive and still one of this lab's processes (not a recycled PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return status != "Z" and str(state.directory) in cmdline
+
+
+def log_tail(state: LabState, name: str, lines: int = 15) -> str:
+    """The end of logs/<name>.log."""
+    log = state.directory / "logs" / f"{name}.log"
+    with contextlib.suppress(FileNotFoundError):
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    return "(no log)"

@@ -1,5 +1,6 @@
-"""Start, inspect, break, heal and stop the lab: replicas behind nginx, Prometheus, Alertmanager and
-background users, all on 127.0.0.1 and every process tracked by PID in the lab state.
+"""Start, inspect, break, heal and stop the lab: replicas behind a gateway (nginx or Envoy: lab/gateways/),
+Prometheus, Alertmanager and background users, all on 127.0.0.1 and every process tracked by PID in the
+lab state.
 
 A component is one entry in a group of `planned_processes`: its command line and the URL that answers
 once it is ready. Adding one (the exporter, the dashboard) is adding an entry there and, if it has a
@@ -12,7 +13,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,22 +27,19 @@ import yaml
 from collectors.connections import request_sync
 from lab.configs import (
     REPO,
-    nginx_generation,
     render_alertmanager,
     render_kvwatch_config,
-    render_nginx,
     render_prometheus,
     rule_files,
     write_webhook_token,
 )
-from lab.process import LabError, Process
+from lab.gateways import GATEWAYS
+from lab.process import LabError, Process, binary, is_ours, log_tail
 from lab.process import kvwatch_command as _kvwatch
 from lab.replicas import KINDS
 from lab.state import LabState, ReplicaSpec
 
 STOP_TIMEOUT_S = 10.0
-# Old nginx workers finish their in-flight requests before a reload is done: a real engine's take seconds.
-NGINX_RELOAD_TIMEOUT_S = 30.0
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
 # Each poll of a waiting loop, the whole answer included: a server that trickles must not outlast the loop.
 READY_POLL_TIMEOUT_S = 1.0
@@ -54,31 +51,8 @@ REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
 FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
 
 
-def _binary(name: str, fallback: str) -> str:
-    found = shutil.which(name) or (fallback if Path(fallback).exists() else None)
-    if not found:
-        raise LabError(f"{name} is not installed (run `make bootstrap`, or apt-get install it)")
-    return found
-
-
 def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
     return KINDS[state.engine].process(state, replica)
-
-
-def nginx_process(state: LabState) -> Process:
-    d = state.directory
-    argv = [
-        _binary("nginx", "/usr/sbin/nginx"),
-        "-p",
-        f"{d}/nginx/",
-        "-c",
-        f"{d}/nginx/nginx.conf",
-        "-e",
-        f"{d}/logs/nginx-error.log",
-        "-g",
-        "daemon off;",
-    ]
-    return Process("nginx", argv, f"http://127.0.0.1:{state.ports.affinity}/-/lab-config")
 
 
 def prometheus_process(state: LabState) -> Process:
@@ -86,7 +60,7 @@ def prometheus_process(state: LabState) -> Process:
     with SIGHUP."""
     d, port = state.directory, state.ports.prometheus
     argv = [
-        _binary("prometheus", "/usr/bin/prometheus"),
+        binary("prometheus", "/usr/bin/prometheus"),
         f"--config.file={d}/prometheus.yml",
         f"--storage.tsdb.path={d}/prometheus-data",
         f"--web.listen-address=127.0.0.1:{port}",
@@ -101,7 +75,7 @@ def prometheus_process(state: LabState) -> Process:
 def alertmanager_process(state: LabState) -> Process:
     port = state.ports.alertmanager
     argv = [
-        _binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
+        binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
         f"--config.file={state.directory}/alertmanager.yml",
         f"--storage.path={state.directory}/alertmanager",
         f"--web.listen-address=127.0.0.1:{port}",
@@ -150,22 +124,12 @@ def planned_processes(state: LabState) -> list[list[Process]]:
         last.append(traffic_process(state))
     return [
         [replica_process(state, replica) for replica in state.replicas],
-        [nginx_process(state), alertmanager_process(state)],
+        [GATEWAYS[state.gateway].process(state), alertmanager_process(state)],
         last,
     ]
 
 
 # --- processes ------------------------------------------------------------------------------------
-
-
-def _is_ours(state: LabState, pid: int) -> bool:
-    """True when `pid` is alive and still one of this lab's processes (not a recycled PID)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return status != "Z" and str(state.directory) in cmdline
 
 
 def _reap() -> None:
@@ -175,14 +139,6 @@ def _reap() -> None:
             pass
     except ChildProcessError:
         pass
-
-
-def _log_tail(state: LabState, name: str, lines: int = 15) -> str:
-    """The end of logs/<name>.log."""
-    log = state.directory / "logs" / f"{name}.log"
-    with contextlib.suppress(FileNotFoundError):
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    return "(no log)"
 
 
 def _spawn(state: LabState, process: Process) -> subprocess.Popen:
@@ -212,7 +168,7 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
             if popen.poll() is not None:
                 raise LabError(
                     f"{process.name} exited with code {popen.returncode} while starting:\n"
-                    f"{_log_tail(state, process.name)}"
+                    f"{log_tail(state, process.name)}"
                 )
             if process.ready_url is None:
                 if time.monotonic() - began > 0.3:
@@ -227,7 +183,7 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
             if time.monotonic() - began > process.ready_timeout_s:
                 raise LabError(
                     f"{process.name} did not become ready at {process.ready_url} in "
-                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{_log_tail(state, process.name)}"
+                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{log_tail(state, process.name)}"
                 )
         time.sleep(0.1)
 
@@ -247,17 +203,17 @@ def _stop(state: LabState, names: list[str]) -> None:
     """SIGTERM each named process that still runs, wait, then SIGKILL what is left; forget their PIDs.
     Returns once they are gone."""
     pids = {name: state.processes[name] for name in names if name in state.processes}
-    running = [pid for pid in pids.values() if _is_ours(state, pid)]  # a dead one's PID may be reused
+    running = [pid for pid in pids.values() if is_ours(state, pid)]  # a dead one's PID may be reused
     for pid in running:
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(_is_ours(state, pid) for pid in running) and time.monotonic() < deadline:
+    while any(is_ours(state, pid) for pid in running) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
     for pid in running:
         _signal_group(pid, signal.SIGKILL)  # the leader's stragglers too; the group is still ours
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while (left := [pid for pid in running if _is_ours(state, pid)]) and time.monotonic() < deadline:
+    while (left := [pid for pid in running if is_ours(state, pid)]) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.05)
     if left:
@@ -286,15 +242,14 @@ def idle() -> None:
 
 
 def running_processes(state: LabState) -> dict[str, int]:
-    return {name: pid for name, pid in state.processes.items() if _is_ours(state, pid)}
+    return {name: pid for name, pid in state.processes.items() if is_ours(state, pid)}
 
 
 # --- configs --------------------------------------------------------------------------------------
 
 
 def _write_configs(state: LabState) -> None:
-    for name, text in render_nginx(state).items():
-        (state.directory / "nginx" / name).write_text(text)
+    GATEWAYS[state.gateway].write_configs(state)
     (state.directory / "prometheus.yml").write_text(render_prometheus(state))
     (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
     (state.directory / "alertmanager.yml").write_text(render_alertmanager(state))
@@ -306,60 +261,6 @@ def _write_configs(state: LabState) -> None:
     control = state.directory / "traffic.json"
     control.with_suffix(".tmp").write_text(json.dumps({"dynamic_prefix": "dynamic-prefix" in state.faults}))
     control.with_suffix(".tmp").replace(control)
-
-
-def _nginx_workers(master: int) -> set[int]:
-    workers = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == master:
-            workers.add(int(stat.parent.name))
-    return workers
-
-
-def _listener_generations(state: LabState) -> dict[str, str]:
-    """The config generation each listener's nginx worker answers at /-/lab-config."""
-    answers = {}
-    for listener, port in (("affinity", state.ports.affinity), ("round_robin", state.ports.round_robin)):
-        try:
-            answers[listener] = request_sync("GET", f"http://127.0.0.1:{port}/-/lab-config", 2).text.strip()
-        except httpx.HTTPError as error:
-            answers[listener] = f"no answer ({type(error).__name__})"
-    return answers
-
-
-def _reload_nginx(state: LabState) -> None:
-    """Gracefully reload nginx with the written config, without dropping connections; return once only
-    workers of that config serve, else raise LabError saying what was seen."""
-    check = subprocess.run(
-        [*nginx_process(state).argv, "-t", "-q"], capture_output=True, text=True, timeout=30
-    )
-    if check.returncode != 0:
-        raise LabError(f"generated nginx config is invalid:\n{check.stderr}")
-    master = state.processes.get("nginx")
-    if master is None or not _is_ours(state, master):
-        raise LabError("nginx is not running; start the lab with `kvwatch lab up`")
-    expected = nginx_generation(state)
-    before = _nginx_workers(master)
-    os.kill(master, signal.SIGHUP)
-    # Done when both listeners answer the new generation and the old workers, which finish their
-    # in-flight requests on the old config, have exited.
-    deadline = time.monotonic() + NGINX_RELOAD_TIMEOUT_S
-    while True:
-        old = _nginx_workers(master) & before
-        answers = _listener_generations(state)
-        if not old and set(answers.values()) == {expected}:
-            return
-        if time.monotonic() > deadline:
-            raise LabError(
-                f"nginx did not reload within {NGINX_RELOAD_TIMEOUT_S:.0f} s: the listeners answer config "
-                f"generation {answers}, not {expected}; workers from before the reload still running: "
-                f"{sorted(old) or 'none'}; logs/nginx-error.log ends:\n{_log_tail(state, 'nginx-error')}"
-            )
-        time.sleep(0.05)
 
 
 def _scrape_targets(config: dict) -> dict[str, list]:
@@ -375,7 +276,7 @@ def _reload_prometheus(state: LabState) -> None:
     targets just written, else raise LabError naming Prometheus."""
     url = f"http://127.0.0.1:{state.ports.prometheus}"
     pid = state.processes.get("prometheus")
-    if pid is None or not _is_ours(state, pid):
+    if pid is None or not is_ours(state, pid):
         raise LabError(
             f"Prometheus ({url}) is not running, so it does not scrape the new set of replicas (the rest "
             "is done and in faults.log); restart the lab with `kvwatch lab down` and `kvwatch lab up`"
@@ -392,17 +293,17 @@ def _reload_prometheus(state: LabState) -> None:
         if time.monotonic() > deadline:
             raise LabError(
                 f"Prometheus ({url}) did not load the new config within {PROMETHEUS_RELOAD_TIMEOUT_S:.0f} s; "
-                f"logs/prometheus.log ends:\n{_log_tail(state, 'prometheus')}"
+                f"logs/prometheus.log ends:\n{log_tail(state, 'prometheus')}"
             )
         time.sleep(0.1)
 
 
 def _reconfigure(state: LabState) -> None:
-    """Save the state, write its configs and reload nginx: the saved state always says what the configs
-    ask for, so that `kvwatch lab heal` undoes a change even when its reload failed."""
+    """Save the state, write its configs and make the gateway serve them: the saved state always says what
+    the configs ask for, so that `kvwatch lab heal` undoes a change even when it did not take."""
     state.save()
     _write_configs(state)
-    _reload_nginx(state)
+    GATEWAYS[state.gateway].apply(state)
 
 
 @contextlib.contextmanager
@@ -448,7 +349,7 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
         previous = LabState.load(directory)
         if running_processes(previous):
             raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
-    for sub in ("logs", "nginx/tmp", "ground-truth", "prometheus-data", "alertmanager"):
+    for sub in ("logs", "ground-truth", "prometheus-data", "alertmanager"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     state = LabState(directory, base_port, **options)
     flavours = [KINDS[state.engine].flavour] if KINDS[state.engine].flavour else flavours
@@ -465,6 +366,8 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
         "kvwatch exporter": state.ports.exporter,
         "dashboard": state.ports.dashboard,
     }
+    if GATEWAYS[state.gateway].metrics_path:
+        ports["gateway admin"] = state.ports.gateway_admin
     ports.update({f"replica {r.id}": r.port for r in state.replicas})
     _check_ports_free(ports)
     write_webhook_token(state)
@@ -495,9 +398,10 @@ def status(state: LabState) -> dict:
         "state_dir": str(state.directory),
         "engine": state.engine,
         "model": state.model,
+        "gateway": state.gateway,
         "gateways": {
-            "affinity": url("nginx", ports.affinity),
-            "round_robin": url("nginx", ports.round_robin),
+            "affinity": url(state.gateway, ports.affinity),
+            "round_robin": url(state.gateway, ports.round_robin),
         },
         "prometheus": url("prometheus", ports.prometheus),
         "alertmanager": url("alertmanager", ports.alertmanager),

@@ -44,6 +44,11 @@ class Ports:
     def dashboard(self) -> int:
         return self.base + 5
 
+    @property
+    def gateway_admin(self) -> int:
+        """A gateway's admin API and metrics (Envoy's); nginx has none."""
+        return self.base + 6
+
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
 
@@ -67,6 +72,8 @@ class LabState:
     probes: bool = True  # kvwatch serve's scheduled probes through both gateways
     dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
     engine: str = "sim"  # the kind of replica: lab.replicas.KINDS
+    gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
+    envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
     model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0

@@ -243,6 +243,35 @@ def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
     )  # fmt: skip
 
 
+# Kept-alive connections to the labs' gateways and replicas: both gateways apply a change to new requests
+# on old connections too (nginx closes them as its old workers exit, Envoy routes each request anew).
+LAB_CLIENT = httpx.Client(timeout=30)
+
+
+def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.Response:
+    """One short round through a lab gateway or to a replica, with the session header when given."""
+    headers = {"X-Session-Id": session} if session else {}
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    return LAB_CLIENT.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+
+
+def upstreams(url: str, sessions: list[str], rounds: int = 3) -> dict[str, list[str]]:
+    """The upstream that served each round of each session, all sessions a round (from X-Upstream)."""
+    seen: dict[str, list[str]] = {s: [] for s in sessions}
+    for _ in range(rounds):
+        for session in sessions:
+            response = chat(url, session)
+            assert response.status_code == 200, response.text
+            seen[session].append(response.headers["X-Upstream"])
+    return seen
+
+
+def fault(lab: Lab, *args: str) -> None:
+    """`kvwatch lab fault ...`, which must succeed."""
+    result = lab.cli("fault", *args)
+    assert result.returncode == 0, result.stderr
+
+
 class Lab:
     """A lab started with `kvwatch lab up --detach` in its own state directory."""
 

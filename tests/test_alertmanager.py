@@ -1,19 +1,29 @@
 """alerts/alertmanager.yml: valid for amtool, every kvwatch alert routed to kvwatch's webhook, its
-inhibitions applied by a real Alertmanager, and the lab's rendering of it (its own exporter port, timers
-time-scaled) valid too."""
+inhibitions applied by a real Alertmanager, a notification kvwatch cannot store yet sent again until it
+is stored, and the lab's rendering of it (its own exporter port, timers time-scaled) valid too."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
+import sqlite3
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from collectors import queries
+from collectors.config import Config, ExporterSettings, StoreSettings, Target
+from collectors.scheduler import Service
+from collectors.store import Store
 from conftest import REPO, free_port, stop, wait_http
 from lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
 from lab.state import LabState
@@ -51,13 +61,15 @@ def test_inhibitions_only_name_alerts_that_exist():
                 assert set(pattern.split("|")) <= names, matcher
 
 
-@pytest.fixture
-def alertmanager(tmp_path: Path) -> Iterator[str]:
-    """A real Alertmanager running alerts/alertmanager.yml, its webhook pointed at a closed port."""
+@contextlib.contextmanager
+def running_alertmanager(tmp_path: Path, webhook_url: str, token_file: Path) -> Iterator[str]:
+    """A real Alertmanager running alerts/alertmanager.yml, its webhook pointed at `webhook_url` with the
+    token in `token_file`; its URL."""
     config = yaml.safe_load(CONFIG.read_text())
     for receiver in config["receivers"]:
         for webhook in receiver.get("webhook_configs", []):
-            webhook["url"] = f"http://127.0.0.1:{free_port()}/alerts"
+            webhook["url"] = webhook_url
+            webhook["http_config"]["authorization"]["credentials_file"] = str(token_file)
     (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(config))
     url, log = f"http://127.0.0.1:{free_port()}", tmp_path / "alertmanager.log"
     with log.open("w") as out:
@@ -72,6 +84,13 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
         yield url
     finally:
         stop(process)
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[str]:
+    """A real Alertmanager whose webhook points at a closed port."""
+    with running_alertmanager(tmp_path, f"http://127.0.0.1:{free_port()}/alerts", tmp_path / "none") as url:
+        yield url
 
 
 def inhibited(alertmanager: str, *alerts: dict[str, str]) -> dict[str, bool]:
@@ -104,6 +123,68 @@ def test_prefix_caching_disabled_mutes_warm_rounds_without_gain(alertmanager):
         "KVWatchWarmRoundNoGain": True,
         "KVWatchSessionAffinityBroken": False,
     }
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` at `url`/metrics that carry `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def wait_until(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def test_a_notification_the_store_cannot_take_is_sent_again_until_stored(tmp_path: Path):
+    """kvwatch serve's store is locked by another process and its write queue (store.queue_capacity: 1)
+    full: the webhook answers 503, the real Alertmanager counts a failed notification and sends it again,
+    and once the lock goes the alert is stored. Alertmanager counts each post in
+    alertmanager_notification_requests_total and each refused one in ..._requests_failed_total."""
+    token_file, path = tmp_path / "webhook-token", tmp_path / "kvwatch.db"
+    token_file.write_text("kvw-webhook-token-for-the-test\n")
+    port = free_port()
+    config = Config(
+        targets=(Target("idle", "http://127.0.0.1:9", "m", interval_seconds=3600),),
+        exporter=ExporterSettings(f"127.0.0.1:{port}", webhook_token_file=token_file),
+        store=StoreSettings(path, queue_capacity=1),
+    )
+    service, loop, stopped = Service(config), asyncio.new_event_loop(), asyncio.Event()
+    serving = threading.Thread(target=loop.run_until_complete, args=(service.run(stopped),))
+    serving.start()
+    exporter, locker = f"http://127.0.0.1:{port}", sqlite3.connect(path, isolation_level=None)
+    try:
+        with running_alertmanager(tmp_path, f"{exporter}/alerts", token_file) as alertmanager:
+            with Store(path, readonly=True) as reader:  # the idle target's one run: a refused round
+                wait_until(lambda: reader.sessions(), "the idle target's run stored")
+            locker.execute("BEGIN IMMEDIATE")
+            service.writer.submit(service.store.prune)  # the writer waits for the lock with it
+            wait_until(lambda: metric_sum(exporter, "kvwatch_store_writes_queued") == 0, "the writer busy")
+            service.writer.submit(service.store.prune)  # and this one fills the queue
+            watchdog = [{"labels": {"alertname": "Watchdog", "severity": "none"}}]  # sent without group_wait
+            httpx.post(f"{alertmanager}/api/v2/alerts", json=watchdog, timeout=5).raise_for_status()
+            webhook = {"integration": "webhook"}
+            failed = "alertmanager_notification_requests_failed_total"
+            wait_until(lambda: metric_sum(alertmanager, failed, **webhook) >= 2, "two refused posts")
+            assert metric_sum(exporter, "kvwatch_store_writes_dropped_total", reason="queue_full") >= 2
+            locker.execute("COMMIT")
+            with Store(path, readonly=True) as reader:
+                wait_until(lambda: reader.alerts(), "the alert stored once the lock went")
+                assert [a["alertname"] for a in reader.alerts()] == ["Watchdog"]
+            sent = metric_sum(alertmanager, "alertmanager_notification_requests_total", **webhook)
+            assert sent > metric_sum(alertmanager, failed, **webhook)  # the last one went through
+    finally:
+        locker.close()
+        loop.call_soon_threadsafe(stopped.set)
+        serving.join(timeout=30)
+        loop.close()
 
 
 def test_the_lab_rendering_points_at_its_exporter_with_its_token_and_scales_timers(tmp_path: Path):

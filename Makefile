@@ -10,6 +10,10 @@ STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
 TEST_PACKAGES := chromium
 LAB_ARGS ?=
+# Where the generated alerts and boards link the runbook (default: this project's public repository),
+# e.g. `make generate RUNBOOK_URL=https://wiki.example.net/kvwatch-runbook`; the dashboard's is
+# dashboard.runbook_url in the config.
+RUNBOOK_URL ?=
 # Real vLLM (CPU build) for `kvwatch lab up --engine vllm` and the real-engine tests, in a virtualenv of
 # its own, cached across runs and clones; lab/replicas/vllm.py looks for it here by default.
 VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvwatch/vllm-0.32.0
@@ -48,7 +52,7 @@ bench: bootstrap
 	$(BIN)/python -m benchmarks
 
 generate: bootstrap
-	$(BIN)/python -m collectors.generate
+	$(BIN)/python -m collectors.generate $(if $(RUNBOOK_URL),--runbook-url $(RUNBOOK_URL))
 
 lint: bootstrap
 	$(BIN)/ruff check .

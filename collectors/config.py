@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from collectors import blocksize, gatewaylogs, identity, store
+from collectors import blocksize, gatewaylogs, identity, queries, store
 from collectors.connections import url_problem
 from collectors.redaction import redact
 
@@ -309,9 +309,16 @@ class Service:
 
 @dataclass(frozen=True)
 class DashboardSettings:
-    """What the dashboard may do for its viewers: it writes experiment reports only under this directory."""
+    """What the dashboard may do for its viewers (it writes experiment reports only under
+    report_directory), and where the runbook is published: the alerts that link into it get its
+    section shown in place."""
 
     report_directory: Path = Path(".kvwatch/experiment")
+    runbook_url: str = queries.RUNBOOK_URL  # as `make generate RUNBOOK_URL=...` links the alerts
+
+    def __post_init__(self):
+        _url(self.runbook_url, "runbook_url")
+        _check("#" not in self.runbook_url, "runbook_url", "must have no #fragment: each alert's is added")
 
 
 @dataclass(frozen=True)

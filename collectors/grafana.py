@@ -453,7 +453,7 @@ def dashboard(file_name: str, title: str, description: str, layout: Layout, *, m
                 "title": "kvwatch boards",
                 "type": "dashboards",
             },
-            {"targetBlank": True, "title": "kvwatch runbook", "type": "link", "url": queries.RUNBOOK},
+            {"targetBlank": True, "title": "kvwatch runbook", "type": "link", "url": queries.RUNBOOK_URL},
         ],
         "panels": layout.panels,
         "refresh": "30s",

@@ -318,7 +318,11 @@ class Thresholds:
 
 
 THRESHOLDS = Thresholds()
-RUNBOOK = "alerts/runbook.md"
+RUNBOOK = "alerts/runbook.md"  # in the repository
+# Where the alerts, the boards and the dashboard link the runbook: a page that opens from Slack, PagerDuty,
+# Alertmanager and Grafana, which a repository path does not. `make generate RUNBOOK_URL=...` and the
+# config's dashboard.runbook_url move it (to a wiki, an internal mirror).
+RUNBOOK_URL = f"https://github.com/kvwatch/kvwatch/blob/main/{RUNBOOK}"
 ROUTE = "target, route_mode"
 LISTENER = "log, listener"
 # Routes and gateway logs whose sessions must stay on one replica (the config's expect_sticky, exported
@@ -352,7 +356,7 @@ class Alert:
 
     @property
     def runbook_url(self) -> str:
-        return f"{RUNBOOK}#{self.name.lower()}"
+        return f"{RUNBOOK_URL}#{self.name.lower()}"
 
 
 def _alerts(t: Thresholds) -> tuple[Alert, ...]:

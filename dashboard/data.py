@@ -310,9 +310,15 @@ def _alert_frame(rows) -> pd.DataFrame:
 
 @_cached
 def runbook(url: str) -> Result:
-    """The Markdown section a relative runbook_url (`alerts/runbook.md#anchor`) points at in this repo."""
-    file, _, anchor = url.partition("#")
-    path = REPO / file
+    """The Markdown section of kvwatch's runbook an alert's runbook_url points at (the config's
+    dashboard.runbook_url, then #anchor), read from the copy kvwatch ships; None for another runbook."""
+    config = settings()
+    if config.error:
+        return config
+    page, _, anchor = url.partition("#")
+    if page != config.value.dashboard.runbook_url:
+        return Result(None)
+    path = REPO / queries.RUNBOOK
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from collectors import cli
+from collectors import cli, queries
 from collectors.config import (
     BackendIdentity,
     Config,
     ConfigError,
+    DashboardSettings,
     ExporterSettings,
     GatewayLog,
     Service,
@@ -118,6 +119,14 @@ INVALID = [
         "listen-without-host",
         "exporter.listen: "
         'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got ":9464"',
+    ),
+    (
+        "dashboard-runbook-url",
+        'dashboard.runbook_url: must be an http:// or https:// URL with a host, got "wiki.example.net/rb"',
+    ),
+    (
+        "dashboard-runbook-url-fragment",
+        "dashboard.runbook_url: must have no #fragment: each alert's is added",
     ),
     ("missing-model", "targets[0].model: required key is missing"),
     ("not-utf8", "not UTF-8 text"),
@@ -244,6 +253,7 @@ def test_minimal_file_takes_every_default():
     store = config.store
     assert (store.queue_capacity, store.retry_seconds, store.flush_seconds) == (1000, 120.0, 10.0)
     assert config.prometheus.url is None and config.alertmanager.url is None
+    assert config.dashboard.runbook_url == queries.RUNBOOK_URL  # where the generated alerts link
 
 
 def test_gateway_log_defaults_match_the_follower():
@@ -313,6 +323,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         ),
         prometheus=Service(url="http://prometheus:9090"),
         alertmanager=Service(url="http://alertmanager:9093"),
+        dashboard=DashboardSettings(runbook_url="https://wiki.example.net/sre/kvwatch-runbook"),
     )
     assert ExporterSettings(listen="[::1]:9100").host == "::1"
 

@@ -205,7 +205,7 @@ def alerts_frame(**extra) -> pd.DataFrame:
         [{"alertname": "KVWatchSessionAffinityBroken", "severity": "critical", "state": "active",
           "target": "lab-affinity", "instance": None, "starts_at": pd.Timestamp(T0, unit="s", tz="UTC"),
           "summary": "Probe sessions through an affinity route change replica between rounds.",
-          "runbook_url": "alerts/runbook.md#kvwatchsessionaffinitybroken", **extra}]
+          "runbook_url": f"{queries.RUNBOOK_URL}#kvwatchsessionaffinitybroken", **extra}]
     )  # fmt: skip
 
 
@@ -605,6 +605,8 @@ def test_alerts_from_alertmanager_and_the_webhook_with_runbooks(fake):
     assert list(received["state"]) == ["firing"]
     assert at.expander[0].label == "Runbook: KVWatchSessionAffinityBroken"
     assert "## KVWatchSessionAffinityBroken" in at.expander[0].markdown[0].value
+    (link,) = at.expander[0].get("link_button")
+    assert link.proto.url == f"{queries.RUNBOOK_URL}#kvwatchsessionaffinitybroken"
 
 
 def test_experiment_shows_a_report_and_runs_one(fake):
@@ -899,9 +901,15 @@ def test_an_experiment_run_reads_each_targets_own_key_and_says_why_it_failed(con
     assert list(out.iterdir()) == []  # made before the run, and nothing written when every session failed
 
 
-def test_runbook_sections_come_from_the_repository():
-    assert data.runbook("alerts/runbook.md#kvwatchprobestale").value.startswith("## KVWatchProbeStale\n")
-    assert data.runbook("alerts/runbook.md#nothing").error.startswith("No section #nothing in the runbook")
+def test_runbook_sections_come_from_the_runbook_kvwatch_ships(fake):
+    section = data.runbook(f"{queries.RUNBOOK_URL}#kvwatchprobestale").value
+    assert section.startswith("## KVWatchProbeStale\n")
+    missing = data.runbook(f"{queries.RUNBOOK_URL}#nothing").error
+    assert missing.startswith("No section #nothing in the runbook")
+    assert data.runbook("https://wiki.example.net/other-runbook#kvwatchprobestale") == Result(None)
+    wiki = "https://wiki.example.net/sre/kvwatch-runbook"  # where `make generate RUNBOOK_URL=...` put it
+    fake.settings = Result(replace(CONFIG, dashboard=DashboardSettings(REPORTS, runbook_url=wiki)))
+    assert data.runbook(f"{wiki}#kvwatchprobestale").value == section
 
 
 def test_quantile_intervals_hold_the_quantile():

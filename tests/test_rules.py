@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -30,6 +31,47 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_generated_rule_files_are_up_to_date():
     for relative, text in generate.generated_files().items():
         assert (REPO / relative).read_text() == text, f"{relative} is stale: run `make generate`"
+
+
+def test_runbook_links_open_in_the_projects_repository_by_default():
+    assert queries.RUNBOOK_URL == "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
+    assert (REPO / queries.RUNBOOK).is_file()
+
+
+def test_one_setting_moves_every_runbook_link_of_the_alerts_and_the_boards():
+    wiki = "https://wiki.example.net/sre/kvwatch-runbook"
+    files = generate.generated_files(wiki)
+    assert all(queries.RUNBOOK_URL not in text for text in files.values())
+    annotations = [
+        rule["annotations"]["runbook_url"]
+        for group in yaml.safe_load(files["alerts/kvwatch.rules.yml"])["groups"]
+        for rule in group["rules"]
+    ]
+    assert annotations == [f"{wiki}#{alert.name.lower()}" for alert in queries.ALERTS]
+    for name in ("kvwatch-overview.json", "kvwatch-drilldown.json"):
+        board = json.loads(files[f"grafana/dashboards/{name}"])
+        links = [link["url"] for panel in board["panels"] for link in panel.get("links", [])]
+        assert links and all(link.startswith(f"{wiki}#kvwatch") for link in links), name
+        assert {"title": "kvwatch runbook", "url": wiki}.items() <= board["links"][1].items()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["wiki.example.net/rb", "https://wiki.example.net/rb#top", "https://wiki.example.net/r b", "https://w/'"],
+)
+def test_the_generator_refuses_a_runbook_url_that_is_no_plain_http_url(url, capsys):
+    with pytest.raises(SystemExit) as exited:
+        generate.main(["--check", "--runbook-url", url])
+    assert exited.value.code == 2 and "argument --runbook-url: must be an http:// or https:// URL" in (
+        capsys.readouterr().err
+    )
+
+
+def test_make_generate_passes_its_runbook_url_variable_to_the_generator():
+    wiki = "https://wiki.example.net/sre/kvwatch-runbook"
+    planned = subprocess.run(["make", "-n", "generate", f"RUNBOOK_URL={wiki}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    assert f"-m collectors.generate --runbook-url {wiki}\n" in planned
 
 
 @pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
@@ -73,8 +115,8 @@ def test_every_alert_follows_the_conventions(alert: queries.Alert):
     assert alert.severity in ("critical", "warning", "info", "none")
     assert alert.summary.endswith(".") and alert.summary[0].isupper()
     assert alert.description.endswith(".")
-    path, _, anchor = alert.runbook_url.partition("#")
-    assert path == queries.RUNBOOK and anchor in runbook_anchors(), alert.runbook_url
+    page, _, anchor = alert.runbook_url.partition("#")
+    assert page == queries.RUNBOOK_URL and anchor in runbook_anchors(), alert.runbook_url
 
 
 def test_every_alert_fires_and_stays_quiet_in_a_promtool_test():

@@ -26,15 +26,13 @@ def show(alerts: pd.DataFrame, key: str) -> None:
 
 
 def runbooks(alerts: pd.DataFrame) -> None:
-    """The runbook section of each alert shown, in place: a relative runbook_url is a file of this repo."""
+    """Each alert's runbook: a link that opens it, and kvwatch's own section in place."""
     for name, url in alerts[["alertname", "runbook_url"]].dropna().drop_duplicates("alertname").values:
         with st.expander(f"Runbook: {name}"):
-            if url.startswith(("http://", "https://")):
-                st.link_button("Open the runbook", url)
-            else:
-                section = data.runbook(url)
-                if not ui.failed(section):
-                    st.markdown(section.value)
+            st.link_button("Open the runbook", url)
+            section = data.runbook(url)
+            if not ui.failed(section) and section.value:
+                st.markdown(section.value)
 
 
 st.title("Alerts")

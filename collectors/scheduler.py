@@ -160,7 +160,7 @@ class Service:
         self.registry.register(GatewayLogCollector(self.followers))
         self.registry.register(self.writer)
         for target in config.targets:
-            self.results.declare((target.name, target.route_mode))
+            self.results.declare((target.name, target.route_mode), target.rounds)
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
         self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
         self.webhook_token = resolve_webhook_token(config.exporter)

@@ -632,8 +632,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
         "auth, the response's shape, whether the session id reaches the router and is its hash key, "
         "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-        "front of the prompts. Each check prints its evidence and fix. Exit code 0 when no check fails, "
-        "1 when one does, 2 on bad arguments.",
+        "front of the prompts. Each check prints its evidence and fix.",
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
     add_model_argument(parser)

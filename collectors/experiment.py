@@ -510,8 +510,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) "
         "and route B (e.g. session affinity), interleaved session by session. Report per round the median "
         "and p90 TTFT with bootstrap 95 % intervals and the cached ratio, and per route the stickiness: "
-        "CSVs, a Markdown report and a plot (PNG and interactive HTML) in DIR, and the report on stdout. "
-        "Exit code 0 when it ran, whatever it found; 1 when every session failed; 2 on bad arguments.",
+        "CSVs, a Markdown report and a plot (PNG and interactive HTML) in DIR, and the report on stdout.",
     )
     parser.add_argument("--a", required=True, metavar="URL", help="route A's API root, with or without /v1")
     parser.add_argument("--b", required=True, metavar="URL", help="route B's API root, with or without /v1")

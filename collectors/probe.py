@@ -736,8 +736,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
         description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
         "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
-        "ideal cached tokens and the backends seen, then each session's stickiness. Exit code 0 when "
-        "every session succeeded, 1 when one failed, 2 on bad arguments.",
+        "ideal cached tokens and the backends seen, then each session's stickiness.",
     )
     parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
     add_model_argument(parser)

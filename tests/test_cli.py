@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from collectors.cli import build_parser, main
+from collectors.cli import EXIT_CODES, build_parser, main, runnable_commands
 from conftest import REPO
 
 
@@ -38,3 +38,11 @@ def test_version_is_the_installed_distributions(capsys):
     assert exit_info.value.code == 0
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert capsys.readouterr().out == f"kvwatch {project['version']}\n"
+
+
+def test_every_command_says_what_its_exit_codes_mean():
+    commands = runnable_commands(build_parser())
+    assert sorted(commands) == sorted(EXIT_CODES)  # none left out, none that no longer exists
+    for path, command in commands.items():
+        shown = " ".join(command.format_help().split())
+        assert shown.endswith(f"Exit codes: {EXIT_CODES[path]}.") and " 0 " in shown, path

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib import metadata
 
 from collectors import config, doctor, experiment, probe, scheduler, scrape
 from dashboard import cli as dashboard_cli
@@ -57,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch whether a multi-replica LLM cluster keeps each conversation on the "
         "replica that holds its KV cache.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show kvwatch's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     lab_cli.add_parser(commands)
     scrape.add_parser(commands)
@@ -72,8 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked: importing importlib.metadata would cost every command."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
 def version() -> str:
     """The installed distribution's version: what pip and a bug report name."""
+    from importlib import metadata
+
     try:
         return metadata.version("kvwatch")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed

@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from collectors import blocksize, workload
@@ -39,7 +38,7 @@ from collectors.config import (
     resolve_webhook_token,
 )
 from collectors.connections import http_client
-from collectors.exporter import ProbeCollector, ProbeResults, make_app, open_webhook_warning
+from collectors.exporter import ProbeCollector, ProbeResults
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
 from collectors.records import SessionResult
@@ -249,6 +248,10 @@ class Service:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; then let the runs in flight store what they have, close the HTTP
         side and write what is queued for the store (store.flush_seconds at most)."""
+        from aiohttp import web  # here, not at the top: only this command pays for importing aiohttp
+
+        from collectors.endpoints import make_app, open_webhook_warning
+
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's

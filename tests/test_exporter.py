@@ -12,13 +12,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
 from collectors.config import ExporterSettings
+from collectors.endpoints import make_app, open_webhook_warning
 from collectors.exporter import (
     MAX_BACKENDS_PER_ROUTE,
     OTHER_BACKEND,
     ProbeCollector,
     ProbeResults,
-    make_app,
-    open_webhook_warning,
 )
 from collectors.records import RoundResult, SessionResult
 from collectors.store import Store

@@ -378,7 +378,7 @@ def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_
             raise RuntimeError("a bug in a run")
 
         monkeypatch.setattr(service, "probe", probe)
-        await asyncio.wait_for(service.run(stop), timeout=5)
+        await asyncio.wait_for(service.run(stop), timeout=30)  # a guard against a hang, not a timing
 
     asyncio.run(scenario())
     assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step
@@ -394,7 +394,7 @@ def test_the_store_settings_reach_the_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(service.writer, "close", lambda timeout: flushed.append(timeout) or close(timeout))
     stop = asyncio.Event()
     stop.set()
-    asyncio.run(asyncio.wait_for(service.run(stop), timeout=10))
+    asyncio.run(asyncio.wait_for(service.run(stop), timeout=30))
     assert flushed == [2.5]
 
 

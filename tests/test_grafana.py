@@ -5,22 +5,40 @@ turn to the alert's state, and real sessions spread."""
 
 from __future__ import annotations
 
+import base64
+import bisect
+import itertools
 import json
 import math
+import os
 import re
 import shutil
+import signal
+import statistics
 import subprocess
+import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from operator import not_
 from pathlib import Path
 
+import numpy as np
 import pytest
+import streamlit as st
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from streamlit.components.v2 import manifest_scanner
+from streamlit.testing.v1 import AppTest
 
 from collectors import grafana, queries
+from collectors.exporter import TTFT_BUCKETS
+from collectors.records import ERROR_KINDS
 from collectors.scheduler import GATEWAY_POLL_SECONDS
-from conftest import REPO, http_get
+from collectors.store import Store
+from conftest import REPO, http_get, processes_in_group
+from dashboard.stats import CONFIDENCE
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 IMPORTED = sorted((REPO / "grafana" / "import").glob("*.json"))
@@ -176,7 +194,7 @@ def test_runbook_links_point_at_runbook_sections():
     assert links
     for link in links:
         path, anchor = link["url"].split("#")
-        assert path == queries.RUNBOOK and anchor in anchors, link
+        assert path == queries.RUNBOOK_URL and anchor in anchors, link
 
 
 def test_the_import_variant_is_the_provisioned_board_plus_inputs():
@@ -237,9 +255,19 @@ ROUTER_ONLY = {
 }
 
 
-def instant(prometheus: str, expr: str) -> list[dict]:
-    expr = queries.fill_variables(expr, window=WINDOW, time_range="5m")
-    answer = http_get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10).json()
+def instant(
+    prometheus: str,
+    expr: str,
+    *,
+    window: str = WINDOW,
+    time_range: str = "5m",
+    at: float | None = None,
+    **variables: str,
+) -> list[dict]:
+    """The panel query's value now, or `at` a time, with its variables set."""
+    expr = queries.fill_variables(expr, window=window, time_range=time_range, **variables)
+    params = {"query": expr} | ({"time": at} if at is not None else {})
+    answer = http_get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
     assert answer["status"] == "success", (expr, answer)
     return answer["data"]["result"]
 
@@ -260,37 +288,47 @@ def real_spread(prometheus: str) -> float:
     return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="false")
 
 
-def logged_sessions(lab, listener: str, until: float) -> tuple[int, int]:
-    """The gateway log's own sessions as of `until`: those with two or more requests, and those of them
-    served by more than one upstream. The lab is younger than the spread window, so every request
-    counts; this test fails no replica over."""
-    upstreams: dict[str, list[str]] = {}
+def logged_sessions(lab, listener: str, until: float) -> tuple[int, int, int]:
+    """The gateway log's own sessions as of `until`: those with two or more requests, those of them
+    served by more than one upstream with no failover, and those a failover moved (nginx tried an
+    upstream before the one that served). The lab is younger than the spread window, so every request
+    counts."""
+    served: dict[str, list[str]] = {}
+    failed_over: set[str] = set()
     for line in lab.access_log(listener):
         if line["msec"] <= until and ":" in line["upstream_addr"]:  # served by an upstream
-            assert ", " not in line["upstream_addr"], line  # no failover
-            upstreams.setdefault(line["session_id"], []).append(line["upstream_addr"])
-    returning = [served for served in upstreams.values() if len(served) > 1]
-    return len(returning), sum(len(set(served)) > 1 for served in returning)
+            *before, upstream = line["upstream_addr"].split(", ")
+            served.setdefault(line["session_id"], []).append(upstream)
+            if before:
+                failed_over.add(line["session_id"])
+    returning = {session for session, upstreams in served.items() if len(upstreams) > 1}
+    spread = {session for session in returning if len(set(served[session])) > 1}
+    return len(returning), len(spread - failed_over), len(spread & failed_over)
 
 
-def exported_poll(lab, log: str) -> tuple[float, int, int]:
+def exported_poll(lab, log: str) -> tuple[float, int, int, int]:
     """The exporter's latest poll of the gateway log, once a new one has been taken: its time, its
-    sessions with two or more requests, and those of them spread with no failover."""
+    sessions with two or more requests, and those of them spread with no failover and by one."""
 
-    def snapshot() -> tuple[float, int, int]:
+    def snapshot() -> tuple[float, int, int, int]:
         found = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(http_get(f"{lab.status['exporter']}/metrics").text)
             for s in family.samples
         }
         listener = {"log": log, "listener": log}
+
+        def spread(failover: str) -> int:
+            return found[
+                "kvwatch_gateway_session_spread_sessions",
+                tuple(sorted({**listener, "failover": failover}.items())),
+            ]
+
         return (
             found["kvwatch_gateway_log_last_poll_timestamp_seconds", (("log", log),)],
             found["kvwatch_gateway_returning_sessions", tuple(sorted(listener.items()))],
-            found[
-                "kvwatch_gateway_session_spread_sessions",
-                tuple(sorted({**listener, "failover": "false"}.items())),
-            ],
+            spread("false"),
+            spread("true"),
         )
 
     first = snapshot()
@@ -315,10 +353,14 @@ def settled(changes: list[float]) -> bool:
     return bool(changes) and abs(changes[0]) < 0.01
 
 
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab("--replicas", "4", "--flavours", "vllm,sglang", "--users", "4", "--think", "0.2",
+                     "--time-scale", "0.1")  # fmt: skip
+
+
 @pytest.mark.integration
-def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
-    lab = start_lab("--replicas", "4", "--flavours", "vllm,sglang", "--users", "4", "--think", "0.2",
-                    "--time-scale", "0.1")  # fmt: skip
+def test_panels_show_data_and_follow_a_broken_affinity(lab):
     prometheus = lab.status["prometheus"]
     # Healthy: every panel shows data, except the firing alerts, which are empty when all is well, and
     # the routers'.
@@ -357,8 +399,10 @@ def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
         assert value > 0, "real sessions through the affinity listener do not spread"
         # The panel against the gateway log itself, at the exporter's last poll: Prometheus scrapes the
         # exporter and records the share every second, well before the next poll.
-        taken_at, returning, spread = exported_poll(lab, AFFINITY_LISTENER["log"])
-        assert (returning, spread) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
+        taken_at, *sessions = exported_poll(lab, AFFINITY_LISTENER["log"])
+        assert tuple(sessions) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
+        returning, spread, moved = sessions
+        assert moved == 0, "no replica failed"
         time.sleep(3)
         assert real_spread(prometheus) == pytest.approx(spread / returning)
         # Round robin still reuses the shared system prompt and the rule averages 2 minutes, so the hit
@@ -367,3 +411,268 @@ def test_panels_show_data_and_follow_a_broken_affinity(start_lab):
         assert value < hit_ratio - 0.01, f"the cluster hit ratio stays near {hit_ratio:.3f}: {value:.3f}"
     finally:
         assert lab.cli("heal").returncode == 0
+
+
+# --- the probe panels against the sessions kvwatch stored ---------------------------------------------
+
+ROUTES = {"affinity": AFFINITY_TARGET, "round_robin": "lab-round-robin"}  # route_mode -> the lab's target
+BACKEND_ROUNDS = "kvwatch_probe_backend_rounds_total"  # a backend's series starts at its first rounds
+EXTRAPOLATED = 1e-4  # 1 ms beyond the first sample, relative to a life of 10 s or more
+FAILED_REPLICA = "r1"  # killed before kvwatch serve stops
+LAST_POLL = "kvwatch_gateway_log_last_poll_timestamp_seconds"
+
+
+def counted(expected):
+    """What a panel over an `Ended` window shows of a count per second, or of a ratio of counts."""
+    return pytest.approx(expected, rel=EXTRAPOLATED)
+
+
+def stop_serve(lab) -> None:
+    """Stop `kvwatch serve`, the lab's prober and exporter, so that neither the store nor the exported
+    series move any more; returns once it is gone and Prometheus has recorded a failed scrape of it."""
+    pid = lab.status["processes"]["serve"]
+    os.kill(pid, signal.SIGTERM)
+    left = poll(lambda: processes_in_group(pid), not_, 30)
+    assert not left, f"kvwatch serve ({pid}) still runs 30 s after SIGTERM"
+    time.sleep(2)  # a failed scrape since: no sample of it is still on its way
+
+
+def exporter_scrapes(prometheus: str) -> list[float]:
+    """When Prometheus scraped kvwatch serve's exporter successfully."""
+    found = instant(prometheus, 'up{job="kvwatch"}[1h]')
+    return [float(at) for series in found for at, up in series["values"] if up == "1"]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Prometheus at its last scrape of the stopped exporter."""
+
+    prometheus: str
+    born: float  # its first scrape: every exported series starts then or later
+    at: float
+
+    def seconds(self, since: float) -> float:
+        """A window from 1 ms before `since` to the last scrape: the sample at `since` is in it (whether
+        a range holds its start or not), and rate() extrapolates 1 ms at most beyond it (EXTRAPOLATED)."""
+        return round(self.at - since, 3) + 0.001
+
+    def query(self, expr: str, since: float | None = None, **variables: str) -> list[dict]:
+        """The panel's query at the last scrape, its window (rate interval and time range alike) from
+        `since` on, by default the whole life: counters exported from 0 then, rate() counts them
+        exactly."""
+        window = f"{round(self.seconds(since or self.born) * 1000)}ms"
+        return instant(self.prometheus, expr, window=window, time_range=window, at=self.at, **variables)
+
+    def by(self, label: str, expr: str, since: float | None = None, **variables: str) -> dict[str, float]:
+        return {r["metric"][label]: float(r["value"][1]) for r in self.query(expr, since, **variables)}
+
+    def counted_by(self, at: float, target: str) -> float:
+        """The end of the target's last run the exporter had counted at `at`; 0 before its first."""
+        found = instant(self.prometheus, queries.PROBE_LAST_RUN_AGE, at=at, target=target)
+        return at - float(found[0]["value"][1]) + 0.001 if found else 0  # give or take time()'s rounding
+
+    def births(self, counter: str, target: str) -> list[float]:
+        """When each of the target's series of a counter got its first sample."""
+        found = self.query(f'{counter}{{target="{target}"}}[{math.ceil(self.seconds(self.born))}s]')
+        return [float(r["values"][0][0]) for r in found]
+
+
+def counted_runs(
+    store: Store, ended: Ended, target: str, after: float | None = None
+) -> tuple[list[dict], list[dict]]:
+    """The target's stored sessions and rounds of the runs the exporter counted after the scrape at
+    `after` (the first by default: Prometheus may first scrape it after its first runs) and by the
+    last: a run's sessions start after the run before it ended, and a run the stop cut short may be
+    stored without ever being scraped."""
+    since = ended.counted_by(ended.born if after is None else after, target)
+    until = ended.counted_by(ended.at, target)
+    sessions = [s for s in store.sessions(target=target) if since < s["started_at"] <= until]
+    ids = {s["id"] for s in sessions}
+    return sessions, [r for r in store.rounds(target=target) if r["session"] in ids]
+
+
+def bucketed_median(ttfts: list[float]) -> float:
+    """What histogram_quantile(0.5) makes of these TTFTs in the exporter's buckets: the bucket holding
+    the middle one, interpolated linearly within it."""
+    rank = len(ttfts) / 2
+    for lower, upper in itertools.pairwise((0.0, *TTFT_BUCKETS)):
+        below = sum(t <= lower for t in ttfts)
+        within = sum(lower < t <= upper for t in ttfts)
+        if below + within >= rank:
+            return lower + (upper - lower) * (rank - below) / within
+    return TTFT_BUCKETS[-1]  # in the +Inf bucket: its lower bound
+
+
+def ttfts_by_round(rounds: list[dict]) -> dict[str, list[float]]:
+    grouped: dict[str, list[float]] = {}
+    for r in rounds:
+        grouped.setdefault(str(r["round"]), []).append(r["ttft_seconds"])
+    return grouped
+
+
+@pytest.fixture(scope="module")
+def ended(lab) -> Ended:
+    """The lab once its probes and exporter stopped (after the break and heal above, when they ran)."""
+    prometheus = lab.status["prometheus"]
+    born = poll(lambda: exporter_scrapes(prometheus), bool, 30)[0]
+
+    def counted_after_born() -> bool:
+        ages = instant(prometheus, queries.PROBE_LAST_RUN_AGE)
+        return len(ages) == len(ROUTES) and all(
+            at - float(age) > born for at, age in (a["value"] for a in ages)
+        )
+
+    # Standing alone, the tests wait for a run of each route that Prometheus saw counted.
+    assert poll(counted_after_born, bool, 60), "no probe run after Prometheus's first scrape of kvwatch serve"
+    # A replica fails: nginx moves the sessions it served to another one, some by a failover.
+    assert lab.cli("fault", "kill-replica", FAILED_REPLICA).returncode == 0
+    moved = poll(lambda: exported_poll(lab, AFFINITY_LISTENER["log"])[3], bool, 20)
+    assert moved, f"no session moved by a failover after {FAILED_REPLICA} was killed"
+    stop_serve(lab)
+    return Ended(prometheus, born, exporter_scrapes(prometheus)[-1])
+
+
+@pytest.fixture(scope="module")
+def store(lab, ended) -> Iterator[Store]:
+    """The stopped lab's store, whole."""
+    with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+        yield store
+
+
+@pytest.mark.integration
+def test_probe_panels_equal_the_stored_sessions(ended, store):
+    """Each probe panel over the lab's whole life against the probe sessions kvwatch stored, to the last
+    one the exporter counted."""
+    runs = {target: counted_runs(store, ended, target) for target in ROUTES.values()}
+    errors: Counter[str] = Counter()
+    per_round_medians = ended.query(queries.PROBE_TTFT_BY_ROUND)
+    for route_mode, target in ROUTES.items():
+        sessions, rounds = runs[target]
+        served = [r for r in rounds if r["error_kind"] is None]
+        errors.update(r["error_kind"] for r in rounds if r["error_kind"] is not None)
+        judged = [s["sticky"] for s in sessions if s["sticky"] is not None]
+        echoed = [s["session_id_echoed"] for s in sessions if s["session_id_echoed"] is not None]
+        warm = [r for r in served if r["round"] > 1]
+        assert judged and echoed and warm, target
+
+        def shown(expr: str) -> float:
+            return ended.by("target", expr)[target]  # noqa: B023 - used in this iteration only
+
+        assert shown(queries.PROBE_STICKY_SHARE) == counted(sum(judged) / len(judged)), target
+        switches = sum(s["backend_switches"] or 0 for s in sessions)
+        assert shown(queries.PROBE_BACKEND_SWITCHES_PER_SESSION) == counted(switches / len(sessions)), target
+        ideal = sum(r["ideal_cached_tokens"] for r in warm)
+        assert shown(queries.AFFINITY_EFFICIENCY) == counted(sum(r["cached_tokens"] for r in warm) / ideal)
+        not_echoed = echoed.count(False) / len(echoed)
+        assert shown(queries.SESSION_ID_NOT_ECHOED_SHARE) == counted(not_echoed), target
+        # The last counted run ended once it had learned the engine's block size: a loopback query after
+        # its last session finished.
+        since_last_session = ended.at - max(s["finished_at"] for s in sessions)
+        assert 0 <= since_last_session - shown(queries.PROBE_LAST_RUN_AGE) < 2, target
+
+        medians = {round_: bucketed_median(ttfts) for round_, ttfts in ttfts_by_round(served).items()}
+        overview = {r["metric"]["round"]: float(r["value"][1]) for r in per_round_medians
+                    if r["metric"]["route_mode"] == route_mode}  # fmt: skip
+        assert overview == counted(medians), target
+        drilldown = ended.by("round", queries.PROBE_TTFT_BY_ROUND_OVER_TIME, target=target)
+        assert drilldown == counted(medians), target
+
+        # rate() counts what a series gained after its first sample, and a backend's starts at the rounds
+        # of the run that first landed on it: from the last backend's first sample on, every one counts.
+        born = max(ended.births(BACKEND_ROUNDS, target))
+        _, since_born = counted_runs(store, ended, target, after=born)
+        served_since = Counter(r["backend"] for r in since_born if r["error_kind"] is None)
+        shown_rounds = ended.by("backend", queries.PROBE_ROUNDS_BY_BACKEND, born, target=target)
+        per_second = {backend: served_since[backend] / ended.seconds(born) for backend in shown_rounds}
+        assert shown_rounds == counted(per_second), target
+        assert set(Counter(r["backend"] for r in served)) == set(shown_rounds), target
+    shown_errors = ended.by("kind", queries.PROBE_ERRORS_BY_KIND)
+    assert set(shown_errors) == set(ERROR_KINDS)
+    assert shown_errors == counted({kind: errors[kind] / ended.seconds(ended.born) for kind in ERROR_KINDS})
+
+
+SESSIONS_CAPTION = (
+    r"(\d+) sessions since .+? UTC; (\d+)% stayed on one replica; (\d+) backend switches; (\d+) failed\."
+)
+# The Per-round page's lines: the quantile, and how to take it of samples (linear between ranks).
+PAGE_QUANTILES = {
+    "median": (0.5, statistics.median),
+    "p90": (0.9, lambda ordered: statistics.quantiles(ordered, n=10, method="inclusive")[-1]),
+}
+
+
+def plotted(values) -> list[float]:
+    """A plotly trace's x or y: a list, or the typed array plotly's JSON makes of it."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+    return list(values)
+
+
+def coverage(ordered: list[float], q: float, low: float, high: float) -> float:
+    """How likely the samples ranked as `low` and `high` hold the true q-quantile: B ~ Binomial(n, q) of
+    the samples below it lies from low's rank to just under high's."""
+    n = len(ordered)
+    first, last = bisect.bisect_left(ordered, low * 0.999999), bisect.bisect_right(ordered, high * 1.000001)
+    return sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(first + 1, last))
+
+
+@pytest.mark.integration
+def test_sessions_and_per_round_pages_equal_the_store(lab, store, monkeypatch):
+    """The Sessions page's counts and the Per-round page's medians, p90s and their bands, through the
+    dashboard's own data layer on the stopped lab's store."""
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(lab.state_dir / "kvwatch.yaml")])
+    monkeypatch.setattr(manifest_scanner, "scan_component_manifests", list)  # the dashboard uses none
+    st.cache_data.clear()
+    sessions, rounds = store.sessions(), store.rounds()
+    pages = REPO / "dashboard" / "app_pages"
+    page = AppTest.from_file(str(pages / "sessions.py"), default_timeout=30).run()
+    for target in ROUTES.values():
+        page.selectbox(key="sessions_target").set_value(target).run()
+        (caption,) = [c.value for c in page.caption if " sessions since " in c.value]
+        found = re.fullmatch(SESSIONS_CAPTION, caption)
+        assert found, caption
+        mine = [s for s in sessions if s["target"] == target]
+        judged = [s["sticky"] for s in mine if s["sticky"] is not None]
+        assert int(found[1]) == len(mine), caption
+        assert abs(int(found[2]) - 100 * sum(judged) / len(judged)) <= 0.5, caption
+        assert int(found[3]) == sum(s["backend_switches"] or 0 for s in mine), caption
+        assert int(found[4]) == sum(not s["ok"] for s in mine), caption
+
+    page = AppTest.from_file(str(pages / "per_round.py"), default_timeout=30).run()
+    (chart,) = page.get("plotly_chart")
+    traces = json.loads(chart.proto.spec)["data"]
+    for band, line in zip(traces[::2], traces[1::2], strict=True):  # each line after its band
+        target, quantile = line["name"].rsplit(" ", 1)
+        q, of = PAGE_QUANTILES[quantile]
+        numbers, shown = plotted(line["x"]), plotted(line["y"])
+        edges = plotted(band["y"])  # the highs by round, then the lows backwards
+        for i, number in enumerate(numbers):
+            of_round = (target, number, None)
+            ordered = sorted(
+                r["ttft_seconds"] for r in rounds if (r["target"], r["round"], r["error_kind"]) == of_round
+            )
+            assert shown[i] / 1000 == pytest.approx(of(ordered)), (target, quantile, number)
+            low, high = edges[-1 - i] / 1000, edges[i] / 1000
+            assert low <= shown[i] / 1000 <= high, (target, quantile, number)
+            # 95 %, or [smallest, largest] when there are too few samples for that.
+            widest = 1 - q ** len(ordered) - (1 - q) ** len(ordered)
+            assert coverage(ordered, q, low, high) >= min(CONFIDENCE, widest) - 1e-9, (
+                target,
+                quantile,
+                number,
+            )
+
+
+@pytest.mark.integration
+def test_real_sessions_moved_by_a_failover_are_the_logs(lab, ended):
+    """The real-sessions spread at the last scrape, moved by a failover and not, against the affinity
+    listener's access log up to the exporter's last poll, once a replica was killed. The recording
+    rule's own expression there: what its evaluation records from that scrape."""
+    (rule,) = [rule for rule in queries.GATEWAY_RULES if rule.record == queries.REAL_SESSIONS_SPREAD]
+    log = AFFINITY_LISTENER["log"]
+    (polled,) = ended.query(f'{LAST_POLL}{{log="{log}"}}')
+    returning, spread, moved = logged_sessions(lab, AFFINITY_LISTENER["listener"], float(polled["value"][1]))
+    assert moved > 0
+    shown = {r["metric"]["failover"]: float(r["value"][1]) for r in ended.query(rule.expr)
+             if r["metric"]["log"] == log}  # fmt: skip
+    assert shown == {"false": spread / returning, "true": moved / returning}

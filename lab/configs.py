@@ -140,7 +140,8 @@ def render_kvwatch_config(state: LabState) -> str:
         config["targets"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
-        log["format"] = GATEWAYS[state.gateway].log_format
+        if (log_format := GATEWAYS[state.gateway].log_format) != GatewayLog.format:  # as the example, else
+            log["format"] = log_format
         if state.rule_time_scale != 1:  # a detection window like the rules' own: scaled with them
             window = log.get("spread_window_seconds", GatewayLog.spread_window_seconds)
             log["spread_window_seconds"] = window * state.rule_time_scale

@@ -266,6 +266,24 @@ def upstreams(url: str, sessions: list[str], rounds: int = 3) -> dict[str, list[
     return seen
 
 
+# The replicas' admin API by every spelling of its path.
+ADMIN_REQUESTS = [
+    *(("GET", path) for path in ("/lab/state", "/lab/ground-truth", "//lab/state", "/%6Cab/state")),
+    ("GET", "/v1/../lab/state"),
+    *(("POST", path) for path in ("/lab/faults", "/lab/reset-cache")),
+]
+
+
+def assert_admin_api_unproxied(lab: Lab, listener: str) -> None:
+    """The lab gateway's `listener` proxies no spelling of the replicas' admin API: no fault took."""
+    url = getattr(lab, listener)
+    for method, path in ADMIN_REQUESTS:
+        response = LAB_CLIENT.request(method, url + path, json={"prefix_caching": False})
+        assert response.status_code == 404, (method, path, response.text)
+    for replica in lab.status["replicas"]:
+        assert LAB_CLIENT.get(f"{replica['url']}/lab/state").json()["faults"]["prefix_caching"] is True
+
+
 def fault(lab: Lab, *args: str) -> None:
     """`kvwatch lab fault ...`, which must succeed."""
     result = lab.cli("fault", *args)

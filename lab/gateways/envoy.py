@@ -66,6 +66,10 @@ def _listener(state: LabState, listener: str) -> dict:
     manager = {
         "@type": f"{_TYPES}.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": listener,
+        # Routes match the path as the replica will read it (/%6Cab/, //lab/ and /v1/../lab/ are /lab/),
+        # as Istio's default path normalization has it, so the replicas' admin API stays unproxied.
+        "normalize_path": True,
+        "merge_slashes": True,
         "rds": {
             "route_config_name": listener,
             "config_source": _file_source(directory / f"rds-{listener}.yaml"),

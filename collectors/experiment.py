@@ -24,13 +24,13 @@ import statistics
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from collectors import blocksize, identity
+from collectors import blocksize, experiment_plot, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.connections import http_client
 from collectors.probe import (
@@ -54,7 +54,6 @@ from collectors.workload import Conversation, load_sharegpt, synthetic
 RESAMPLES = 2000
 CONFIDENCE = 0.95
 GROUPS = ("A", "B")
-COLOURS = ("#d95f02", "#1b9e77")  # A orange, B teal: ColorBrewer Dark2, safe for colour blindness
 FILES = {
     "report": "report.md",
     "per_round": "per-round.csv",
@@ -360,11 +359,7 @@ def _ttft(row: dict) -> str:
     return f"{median} [{low}–{high}]"
 
 
-# The plots: the source article's key chart (median TTFT by round), and the cached ratio by round.
-
-TTFT_TITLE = "Median time to first token (shaded: bootstrap 95 % interval)"
-CACHED_TITLE = "Prefix-cache reuse"
-CACHED_AXIS = "cached / prompt tokens"
+# The plot (collectors.experiment_plot draws it).
 
 
 def _title(experiment: Experiment) -> str:
@@ -374,75 +369,10 @@ def _title(experiment: Experiment) -> str:
     )
 
 
-def _curves(experiment: Experiment, rows: list[dict]) -> Iterator[tuple[str, str, dict[str, list]]]:
-    """Per route: legend name, colour, curves (rounds; median TTFT and its interval in ms; cached ratio)."""
-    for group, label, colour in zip(GROUPS, experiment.labels, COLOURS, strict=True):
-        mine = [r for r in rows if r["route"] == label]
-        curves = {
-            "round": [r["round"] for r in mine],
-            "median": _column(mine, "ttft_median_seconds", 1000),
-            "low": _column(mine, "ttft_median_low_seconds", 1000),
-            "high": _column(mine, "ttft_median_high_seconds", 1000),
-            "cached": _column(mine, "cached_ratio"),
-        }
-        yield f"{group}: {label}", colour, curves
-
-
-def _column(rows: list[dict], key: str, scale: float = 1.0) -> list[float]:
-    """One figure of every row, scaled; NaN where it is unknown, so plots leave a gap."""
-    return [math.nan if r[key] is None else r[key] * scale for r in rows]
-
-
-def draw_png(experiment: Experiment, rows: list[dict], path: Path) -> None:
-    # Imported here: matplotlib is slow to import, and only this command draws.
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
-
-    figure = Figure(figsize=(12, 4.8), layout="constrained")
-    ttft, cached = figure.subplots(1, 2)
-    for name, colour, curve in _curves(experiment, rows):
-        ttft.fill_between(curve["round"], curve["low"], curve["high"], color=colour, alpha=0.2, linewidth=0)
-        ttft.plot(curve["round"], curve["median"], marker="o", color=colour, label=name)
-        cached.plot(curve["round"], curve["cached"], marker="o", color=colour, label=name)
-    ttft.set(title=TTFT_TITLE, ylabel="TTFT (ms)")
-    ttft.set_ylim(bottom=0)
-    cached.set(title=CACHED_TITLE, ylabel=CACHED_AXIS, ylim=(0, 1.05))
-    cached.yaxis.set_major_formatter(PercentFormatter(1.0))
-    for axes in (ttft, cached):
-        axes.set(xlabel="round", xticks=range(1, experiment.rounds + 1))
-        axes.grid(alpha=0.3)
-        axes.legend()
-    figure.suptitle(_title(experiment), fontsize="large", fontweight="bold")
-    figure.savefig(path, dpi=110)
-
-
-def draw_html(experiment: Experiment, rows: list[dict], path: Path) -> None:
-    # Imported here: only this command draws.
-    from plotly import graph_objects as go
-    from plotly.subplots import make_subplots
-
-    figure = make_subplots(rows=1, cols=2, subplot_titles=(TTFT_TITLE, CACHED_TITLE))
-    for name, colour, curve in _curves(experiment, rows):
-        line = {"x": curve["round"], "name": name, "legendgroup": name, "line_color": colour}
-        band = go.Scatter(
-            x=curve["round"] + curve["round"][::-1],
-            y=curve["high"] + curve["low"][::-1],
-            fill="toself",
-            fillcolor=colour,
-            opacity=0.2,
-            line_width=0,
-            legendgroup=name,
-            showlegend=False,
-            hoverinfo="skip",
-        )
-        median = go.Scatter(**line, y=curve["median"], hovertemplate="round %{x}: %{y:.0f} ms")
-        reuse = go.Scatter(**line, y=curve["cached"], showlegend=False, hovertemplate="round %{x}: %{y:.0%}")
-        figure.add_traces([band, median, reuse], rows=1, cols=[1, 1, 2])
-    figure.update_xaxes(title_text="round", dtick=1)
-    figure.update_yaxes(title_text="TTFT (ms)", rangemode="tozero", row=1, col=1)
-    figure.update_yaxes(title_text=CACHED_AXIS, range=[0, 1.05], tickformat=".0%", row=1, col=2)
-    figure.update_layout(title_text=_title(experiment), template="plotly_white")
-    figure.write_html(path, include_plotlyjs=True)  # the JS inside: it opens offline
+def plot_panels(experiment: Experiment, rows: list[dict]) -> tuple[experiment_plot.Panel, ...]:
+    """What the plot shows of `round_rows`: each route under its group's name."""
+    routes = [(f"{group}: {label}", label) for group, label in zip(GROUPS, experiment.labels, strict=True)]
+    return experiment_plot.panels(routes, rows)
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -461,8 +391,9 @@ def write_outputs(experiment: Experiment, out: Path, about: Sequence[str] = ()) 
     _write_csv(out / FILES["per_round"], rounds)
     _write_csv(out / FILES["routes"], routes)
     _write_csv(out / FILES["raw"], raw_rows(experiment))
-    draw_png(experiment, rounds, out / FILES["png"])
-    draw_html(experiment, rounds, out / FILES["html"])
+    experiment_plot.draw(
+        plot_panels(experiment, rounds), _title(experiment), out / FILES["png"], out / FILES["html"]
+    )
     return markdown
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import random
 import re
@@ -10,6 +12,7 @@ import statistics
 import pandas as pd
 import pytest
 
+from collectors import experiment_plot
 from collectors.blocksize import BlockSize
 from collectors.cli import main
 from collectors.experiment import (
@@ -17,6 +20,7 @@ from collectors.experiment import (
     Experiment,
     bootstrap_ci,
     interleave,
+    plot_panels,
     quantile,
     report,
     round_rows,
@@ -140,6 +144,86 @@ def test_the_report_names_the_block_size_and_its_source():
     run = experiment([sessions[0]], [sessions[1]])
     markdown = report(run, round_rows(run), route_rows(run))
     assert "\n- KV block: 16 tokens (--block-size), for the ideal cached tokens.\n" in markdown
+
+
+# The plot.
+
+PLOTTED = {  # a line's name after its route's, and the per-round.csv column it draws (ms for TTFT)
+    "median": ("ttft_median_seconds", 1000),
+    "p90": ("ttft_p90_seconds", 1000),
+    "cached ratio": ("cached_ratio", 1),
+    "cached / ideal": ("ideal_efficiency", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def plotted() -> tuple[Experiment, list[dict]]:
+    """Five sessions per route of three rounds, TTFTs spread so that each median, p90 and interval differ."""
+    a, b = [], []
+    for n in range(5):
+        warm = [round_(r, 0.05 * r + 0.01 * n, 1000 * r, cached=300 + 10 * n, ideal=900) for r in (2, 3)]
+        a.append(session("round_robin", round_(1, 0.05 + 0.002 * n), *warm))
+        kept = [round_(r, 0.04 + 0.003 * n, 1000 * r, cached=900 - 20 * n, ideal=900) for r in (2, 3)]
+        b.append(session("affinity", round_(1, 0.05 + 0.003 * n), *kept))
+    run = experiment(a, b)
+    return run, round_rows(run)
+
+
+def column(rows: list[dict], route: str, key: str, scale: float = 1) -> list[float | None]:
+    """A route's value by round, as a figure holds it (rounded), None where it is unknown."""
+    mine = sorted((r for r in rows if r["route"] == route), key=lambda r: r["round"])
+    return [None if r[key] is None else round(r[key] * scale, 9) for r in mine]
+
+
+def shown(values) -> list[float | None]:
+    """A figure's values, comparable with `column`: NaN, a gap in the line, is None."""
+    return [None if math.isnan(v) else round(float(v), 9) for v in values]
+
+
+def expected_lines(rows: list[dict]) -> dict[str, list[float | None]]:
+    """Every line the plot should draw, by name, from the per-round rows."""
+    return {
+        f"{group}: {route} {figure}": column(rows, route, key, scale)
+        for group, route in (("A", "round_robin"), ("B", "affinity"))
+        for figure, (key, scale) in PLOTTED.items()
+    }
+
+
+BANDS = list(itertools.product(["round_robin", "affinity"], ["median", "p90"]))  # in the order drawn
+
+
+def bounds(rows: list[dict], route: str, stat: str) -> tuple[list, list]:
+    """A TTFT line's interval by round in ms: its lows, its highs."""
+    return tuple(column(rows, route, f"ttft_{stat}_{bound}_seconds", 1000) for bound in ("low", "high"))
+
+
+def test_the_plot_shows_median_and_p90_with_intervals_and_cached_ratio_and_cached_over_ideal(plotted):
+    run, rows = plotted
+    png = experiment_plot.png_figure(plot_panels(run, rows), "title")
+    ttft, reuse = png.axes
+    drawn = {line.get_label(): shown(line.get_ydata()) for axes in png.axes for line in axes.lines}
+    assert drawn == expected_lines(rows)
+    assert [line.get_label() for line in reuse.lines] == [
+        "A: round_robin cached ratio", "A: round_robin cached / ideal",
+        "B: affinity cached ratio", "B: affinity cached / ideal",
+    ]  # fmt: skip
+    assert (ttft.get_ylabel(), reuse.get_ylim()) == ("TTFT (ms)", (0, 1.05))
+    # Each TTFT line's band spans its interval: at round n, from its low to its high.
+    assert len(ttft.collections) == len(BANDS)
+    for band, (route, stat) in zip(ttft.collections, BANDS, strict=True):
+        lows, highs = bounds(rows, route, stat)
+        corners = {(n, y) for n, pair in enumerate(zip(lows, highs, strict=True), start=1) for y in pair}
+        outline = {(x, round(y, 9)) for x, y in band.get_paths()[0].vertices}
+        assert corners <= outline, (route, stat)
+
+
+def test_the_interactive_plot_shows_what_the_png_does(plotted):
+    run, rows = plotted
+    html = experiment_plot.html_figure(plot_panels(run, rows), "title")
+    lines = [trace for trace in html.data if trace.showlegend is not False]
+    assert {t.name: shown(t.y) for t in lines} == expected_lines(rows)
+    bands = [shown(trace.y) for trace in html.data if trace.fill == "toself"]
+    assert bands == [high + low[::-1] for low, high in (bounds(rows, *band) for band in BANDS)]
 
 
 @pytest.mark.integration

@@ -375,7 +375,8 @@ def datasource_variable() -> JSON:
 
 
 def label_variable(name: str, label: str, series: str, *, many: bool = True) -> JSON:
-    """A variable listing a label's values on `series`; `many` allows several and All (`.*`)."""
+    """A variable listing a label's values on `series`; `many` allows several and All. All is `.+`, not
+    `.*`: "any value" still needs the label, so a series without it never slips into a filtered panel."""
     query = f"label_values({series}, {name})"
     variable = {
         "current": {},
@@ -394,18 +395,23 @@ def label_variable(name: str, label: str, series: str, *, many: bool = True) -> 
         "type": "query",
     }
     if many:
-        variable |= {"allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+        variable |= {
+            "allValue": queries.ALL_VALUES,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        }
     return variable
 
 
-def variables(*, many: bool) -> list[JSON]:
-    """Data source, then engines by job and instance (from the recorded cache series), then probe targets."""
+def variables(*, many_targets: bool) -> list[JSON]:
+    """Data source, then engines by job and instance (from the recorded cache series), then probe targets.
+    Jobs and instances are always several (so instances can be set side by side) with All, as Grafana's
+    dashboard-linter asks; a probe target is one where its rounds' medians must not mix routes."""
     engines = queries.INSTANCE_CACHE_SERIES
     return [
         datasource_variable(),
         label_variable("job", "Engine job", engines),
-        label_variable("instance", "Instance", f'{engines}{{job=~"$job"}}', many=many),
-        label_variable("target", "Probe target", "kvwatch_probe_sessions_total", many=many),
+        label_variable("instance", "Instance", f'{engines}{{job=~"$job"}}'),
+        label_variable("target", "Probe target", "kvwatch_probe_sessions_total", many=many_targets),
     ]
 
 
@@ -413,7 +419,7 @@ def uid(file_name: str) -> str:
     return hashlib.sha256(file_name.encode()).hexdigest()[:32]
 
 
-def dashboard(file_name: str, title: str, description: str, layout: Layout, *, many: bool) -> JSON:
+def dashboard(file_name: str, title: str, description: str, layout: Layout, *, many_targets: bool) -> JSON:
     return {
         "annotations": {
             "list": [
@@ -459,7 +465,7 @@ def dashboard(file_name: str, title: str, description: str, layout: Layout, *, m
         "refresh": "30s",
         "schemaVersion": SCHEMA_VERSION,
         "tags": [TAG],
-        "templating": {"list": variables(many=many)},
+        "templating": {"list": variables(many_targets=many_targets)},
         "time": {"from": "now-1h", "to": "now"},
         "timepicker": {},
         "timezone": "",
@@ -782,7 +788,7 @@ def overview() -> JSON:
         "Whether each conversation stays on the replica that holds its KV cache: hit ratios, per-round "
         "TTFT, probe stickiness, session keys and load.",
         layout,
-        many=True,
+        many_targets=True,
     )
 
 
@@ -832,16 +838,16 @@ def drilldown() -> JSON:
         ),
         5,
     )
-    layout.row("Instance $instance")
+    layout.row("Instances $instance")
     layout.add(hit_ratio_by_instance(), 8)
     layout.add(
         timeseries(
             "Engine TTFT quantiles",
-            "The instance's TTFT quantiles as its engine measures them (server side, without the "
+            "Each instance's TTFT quantiles as its engine measures them (server side, without the "
             "gateway).\n\n"
             "Good: the median near the cost of a cached prefill. Bad: the median rising towards a full "
             "prefill (its requests miss the cache), or p99 far above the median (queueing)." + FIXED_WINDOW,
-            [target(queries.TTFT_QUANTILES_BY_INSTANCE, "{{quantile}} quantile")],
+            [target(queries.TTFT_QUANTILES_BY_INSTANCE, "{{instance}} {{quantile}} quantile")],
             unit="s",
             no_value=NO_ENGINE_DATA,
         ),
@@ -852,10 +858,10 @@ def drilldown() -> JSON:
     layout.add(cached_share_by_source(), 12)
     return dashboard(
         DRILLDOWN,
-        "kvwatch: one probe target and one instance",
-        "One probe route's rounds and backends, and one engine instance's cache, TTFT and load.",
+        "kvwatch: one probe target and chosen instances",
+        "One probe route's rounds and backends, and the chosen engine instances' cache, TTFT and load.",
         layout,
-        many=False,
+        many_targets=False,
     )
 
 

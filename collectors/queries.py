@@ -657,12 +657,14 @@ RATE_WINDOW = "$__rate_interval"
 ENGINE_SELECTOR = 'job=~"$job", instance=~"$instance"'
 PROBE_SELECTOR = 'target=~"$target"'
 LABEL_VARIABLES = ("job", "instance", "target")
+# What a label variable set to All matches: any value, but the label must be there.
+ALL_VALUES = ".+"
 
 
 def fill_variables(expr: str, *, window: str, time_range: str, **labels: str) -> str:
     """A dashboard query with Grafana's variables set, to run it elsewhere (Streamlit, tests);
-    label variables that are not given match everything."""
-    values = {"__rate_interval": window, "__range": time_range, **dict.fromkeys(LABEL_VARIABLES, ".*")}
+    label variables that are not given are All."""
+    values = {"__rate_interval": window, "__range": time_range, **dict.fromkeys(LABEL_VARIABLES, ALL_VALUES)}
     for name, value in (values | labels).items():
         expr = expr.replace(f"${name}", value)
     return expr

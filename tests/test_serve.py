@@ -50,8 +50,12 @@ def test_the_lab_runs_the_shipped_example_config():
     assert rendered == yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
 
 
-def test_lab_probes_are_exported_and_stored(start_lab):
-    lab = start_lab("--replicas", "3", "--users", "1", "--think", "0.1", "--time-scale", "0.1")
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab("--replicas", "3", "--users", "1", "--think", "0.1", "--time-scale", "0.1")
+
+
+def test_lab_probes_are_exported_and_stored(lab):
     exporter = lab.status["exporter"]
     affinity = {"target": "lab-affinity", "route_mode": "affinity"}
     round_robin = {"target": "lab-round-robin", "route_mode": "round_robin"}
@@ -87,8 +91,7 @@ def test_lab_probes_are_exported_and_stored(start_lab):
         assert ended and len(rounds) == 6 * len(ended)
 
 
-def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(start_lab):
-    lab = start_lab("--replicas", "1", "--users", "0", "--time-scale", "0.1")
+def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(lab):
     token_file = lab.state_dir / "webhook-token"
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     token = token_file.read_text().strip()

@@ -201,12 +201,13 @@ def received_alerts(since: float) -> Result:
 
 
 @_cached
-def ttft_by_round(since: float) -> Result:
-    """Median and p90 TTFT per target and round of the probe sessions since `since` (dashboard.stats)."""
+def ttft_by_round(since: float, split: float | None = None) -> Result:
+    """Median and p90 TTFT per target and round of the probe sessions since `since`, before and after
+    `split` when it is given (dashboard.stats)."""
     found = rounds(since)
     if found.error or found.value.empty:
         return found
-    return Result(stats.ttft_by_round(found.value))
+    return Result(stats.ttft_by_round(found.value, split))
 
 
 @_cached

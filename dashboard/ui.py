@@ -118,14 +118,15 @@ NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind"
 EVENT_COLORS = {"fault": "#9467bd", "heal": "#2ca02c", "firing": "#d62728", "resolved": "#1f77b4"}
 
 
-def events(over: data.Span) -> pd.DataFrame:
+def events(over: data.Span, unread: str = "Not marked on the charts") -> pd.DataFrame:
     """What happened in the span, to mark on charts: the lab's faults and heals, and the kvwatch alerts
-    the webhook received, firing at their start and resolved at their end. Columns time, kind, text."""
+    the webhook received, firing at their start and resolved at their end. Columns time, kind, text.
+    A source that cannot be read is named after `unread`, and the rest is shown."""
     found = []
     faults, alerts = data.faults(over.start), data.received_alerts(over.start)
     for result in faults, alerts:
         if result.error:
-            st.caption(f"Not marked on the charts: {result.error}")
+            st.caption(f"{unread}: {result.error}")
     if not faults.error:
         fault = faults.value
         found.append(fault.assign(kind=fault["action"], text=fault["action"] + " " + fault["fault"]))

@@ -4,6 +4,8 @@ config."""
 
 from __future__ import annotations
 
+import base64
+import datetime
 import json
 import math
 import socket
@@ -23,7 +25,7 @@ from collectors.config import Config, DashboardSettings, GatewayLog, Service, St
 from collectors.records import RoundResult, SessionResult
 from collectors.store import Store
 from conftest import REPO, free_port
-from dashboard import data, stats
+from dashboard import data, stats, ui
 from dashboard.data import Result
 
 APP = REPO / "dashboard" / "app.py"
@@ -51,9 +53,16 @@ NOW = T0 + 86400 - T0 % data.REFRESH_SECONDS  # the pages' time, on the refresh 
 
 
 def session(
-    number: int, target: str, backends: list[str], ttfts: list[float], failed: int = 0
+    number: int,
+    target: str,
+    backends: list[str],
+    ttfts: list[float],
+    failed: int = 0,
+    at: float | None = None,
 ) -> SessionResult:
-    """A probe session as the probe records it: rounds of 1000 + 300 tokens each, ideal reuse when sticky."""
+    """A probe session as the probe records it: rounds of 1000 + 300 tokens each, ideal reuse when sticky;
+    it starts `at`, by default a minute after the one before, and each round a second after that."""
+    at = T0 + number * 60 if at is None else at
     rounds = []
     for index, (backend, ttft) in enumerate(zip(backends, ttfts, strict=True), start=1):
         ideal = 0 if index == 1 else 1000 + 300 * (index - 1)
@@ -61,16 +70,14 @@ def session(
         error = "timeout" if index == failed else None
         sid = f"sid-{number}"
         rounds.append(
-            RoundResult(index, T0 + number * 60 + index, None if error else 200, error, None,
+            RoundResult(index, at + index, None if error else 200, error, None,
                         None if error else ttft, ttft + 0.1, 1000 + 300 * index, ideal if stayed else 0,
                         ideal, 8, backend, sid, sid)
         )  # fmt: skip
         if error:
             break
     mode = "affinity" if target == "lab-affinity" else "round_robin"
-    return SessionResult(
-        target, mode, f"sid-{number}", T0 + number * 60, T0 + number * 60 + 10, tuple(rounds)
-    )
+    return SessionResult(target, mode, f"sid-{number}", at, at + 10, tuple(rounds))
 
 
 SESSIONS = {
@@ -100,10 +107,11 @@ def sessions_frame() -> pd.DataFrame:
     return frame
 
 
-def rounds_frame() -> pd.DataFrame:
+def rounds_frame(sessions: dict[int, SessionResult] = SESSIONS) -> pd.DataFrame:
+    """The sessions' rounds as data.rounds() gives them, newest session first, times in UTC."""
     rows = [
         {"session": i, "target": s.target, "route_mode": s.route_mode, **asdict(r)}
-        for i, s in reversed(SESSIONS.items())
+        for i, s in reversed(sessions.items())
         for r in s.rounds
     ]
     frame = pd.DataFrame(rows)
@@ -229,6 +237,7 @@ class Fake:
         self.ranges, self.values = dict(SERIES), dict(INSTANT)  # what range and instant queries return
         self.prometheus = self.store = self.alertmanager = None  # an error message, when set
         self.empty = False
+        self.history = rounds_frame()  # what data.rounds() reads from the store
         self.report = Result(None)
         self.reports_read: list[Path] = []
         self.doctor = Result(error="the doctor was not expected to run")
@@ -258,11 +267,11 @@ class Fake:
         return self._frame(self.store, sessions_frame())
 
     def _rounds(self, since: float) -> Result:
-        return self._frame(self.store, rounds_frame())
+        return self._frame(self.store, self.history)
 
-    def _ttft_by_round(self, since: float) -> Result:
+    def _ttft_by_round(self, since: float, split: float | None = None) -> Result:
         found = self._rounds(since)
-        return found if found.error or found.value.empty else Result(stats.ttft_by_round(found.value))
+        return found if found.error or found.value.empty else Result(stats.ttft_by_round(found.value, split))
 
     def _received_alerts(self, since: float) -> Result:
         received = pd.Timestamp(T0, unit="s", tz="UTC")
@@ -488,12 +497,128 @@ def test_per_round_compares_routes_round_by_round(fake):
     assert table.loc[3, "lab-round-robin"] == pytest.approx(605)
     assert table.loc[4, "lab-round-robin"] == pytest.approx(720)  # session 4 failed its round 4
     assert table.loc[2, "lab-affinity / lab-round-robin"] == pytest.approx(0.055 / 0.51)
+    sessions = at.table[1].value  # the whole range: no split
+    assert list(sessions.columns) == ["lab-affinity", "lab-round-robin"]
+    assert list(sessions["lab-affinity"]) == [2, 2, 2, 2] and list(sessions["lab-round-robin"]) == [
+        2,
+        2,
+        2,
+        1,
+    ]
 
 
 def test_per_round_shows_only_the_picked_targets(fake):
     at = open_page("per_round")
     at.multiselect(key="per_round_targets").set_value(["lab-round-robin"]).run()
     assert list(at.table[0].value.columns) == ["lab-round-robin"]
+
+
+SPAN_START = NOW - 3600  # the start of the pages' default range
+FAULT = SPAN_START + FAULT_AT
+# Probe sessions around the fault: affinity warm before it, cold after; round robin cold throughout.
+BROKEN = {
+    11: session(11, "lab-affinity", ["r1"] * 4, [0.40, 0.05, 0.05, 0.06], at=FAULT - 300),
+    12: session(12, "lab-affinity", ["r2"] * 4, [0.42, 0.06, 0.04, 0.05], at=FAULT - 200),
+    # Rounds 1 and 2 start before the fault, 3 and 4 after it.
+    13: session(13, "lab-affinity", ["r1", "r1", "r2", "r3"], [0.40, 0.05, 0.52, 0.60], at=FAULT - 2.5),
+    14: session(14, "lab-affinity", ["r3", "r4", "r1", "r2"], [0.41, 0.50, 0.61, 0.72], at=FAULT + 100),
+    15: session(15, "lab-affinity", ["r4", "r1", "r2", "r3"], [0.43, 0.52, 0.60, 0.70], at=FAULT + 200),
+    16: session(16, "lab-round-robin", ["r1", "r2", "r3", "r4"], [0.40, 0.50, 0.60, 0.70], at=FAULT - 100),
+    17: session(17, "lab-round-robin", ["r2", "r3", "r4", "r1"], [0.42, 0.52, 0.63, 0.74], at=FAULT + 300),
+}
+SPLIT_COLUMNS = [f"{t} {p}" for t in ("lab-affinity", "lab-round-robin") for p in ("before", "after")]
+
+
+def medians_and_counts(rounds: pd.DataFrame, split: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Median TTFT in ms and the number of rounds per round, target and period, straight from the rows."""
+    fault = pd.Timestamp(split, unit="s", tz="UTC")
+    rounds = rounds.assign(
+        column=rounds["target"] + np.where(rounds["started_at"] < fault, " before", " after")
+    )
+    grouped = rounds.groupby(["round", "column"])["ttft_seconds"]
+    return (grouped.median() * 1000).unstack()[SPLIT_COLUMNS], grouped.count().unstack()[SPLIT_COLUMNS]
+
+
+def test_per_round_splits_at_a_fault_and_shows_the_change_with_session_counts(fake):
+    fake.history = rounds_frame(BROKEN)
+    at = open_page("per_round")
+    choice = at.selectbox(key="per_round_moment")
+    assert choice.options == [
+        "No split: the whole range",
+        f"fault break-affinity, {ui.as_of(FAULT)}",
+        f"KVWatchSessionAffinityBroken firing, {ui.as_of(SPAN_START + ALERT_AT)}",
+        f"heal break-affinity, {ui.as_of(SPAN_START + HEAL_AT)}",
+        "A time I pick (UTC)",
+    ]
+    choice.set_value(choice.options[1]).run()
+    assert not at.exception
+    medians, sessions = at.table[0].value, at.table[1].value
+    expected_medians, expected_sessions = medians_and_counts(fake.history, FAULT)
+    pd.testing.assert_frame_equal(medians[SPLIT_COLUMNS], expected_medians, check_names=False)
+    pd.testing.assert_frame_equal(sessions, expected_sessions, check_names=False, check_dtype=False)
+    assert list(sessions["lab-affinity before"]) == [3, 3, 2, 2]  # session 13's rounds 3 and 4 came after
+    assert list(sessions["lab-affinity after"]) == [2, 2, 3, 3]
+    # The change: affinity's warm rounds climb after the fault, round 1 and round robin hardly move.
+    change = medians["lab-affinity after / before"]
+    # Round 1: 0.40, 0.42, 0.40 before, 0.41, 0.43 after; round 3: 0.05, 0.04 before, 0.52, 0.61, 0.60 after.
+    assert change[1] == pytest.approx(420 / 400) and change[3] == pytest.approx(600 / 45)
+    assert medians["lab-round-robin after / before"].between(1, 1.06).all()
+    assert "before 20" in texts(at) and "on the left and after it on the right" in texts(at)
+
+
+def per_round_chart(at: AppTest) -> dict:
+    """The per-round chart's plotly spec: data and layout."""
+    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith("per_round_chart")]
+    return json.loads(chart.proto.spec)
+
+
+def decoded(values: list | dict) -> list[float]:
+    """A trace's values: plotly writes a numpy array as base64 of its bytes and their dtype."""
+    if isinstance(values, list):
+        return values
+    return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+
+
+def chart_lines(at: AppTest) -> dict[tuple[str, str], list[float]]:
+    """(panel's x axis, line name): y of every line of the per-round chart (its bands left out)."""
+    lines = [t for t in per_round_chart(at)["data"] if t.get("fill") != "toself"]
+    return {(t.get("xaxis", "x"), t["name"]): decoded(t["y"]) for t in lines}
+
+
+def test_per_round_draws_before_and_after_side_by_side_with_their_bands(fake):
+    fake.history = rounds_frame(BROKEN)
+    at = open_page("per_round")
+    at.selectbox(key="per_round_moment").set_value(f"fault break-affinity, {ui.as_of(FAULT)}").run()
+    lines = chart_lines(at)
+    summary = stats.ttft_by_round(fake.history, FAULT).set_index(["target", "period", "round"])
+    for axis, period in (("x", "before"), ("x2", "after")):
+        for target in ("lab-affinity", "lab-round-robin"):
+            for quantile in ("median", "p90"):
+                drawn = lines[axis, f"{target} {quantile}"]
+                assert drawn == pytest.approx(list(summary.loc[(target, period), quantile] * 1000))
+    spec = per_round_chart(at)
+    assert [a["text"] for a in spec["layout"]["annotations"]] == [
+        f"before {ui.as_of(FAULT)}",
+        f"after {ui.as_of(FAULT)}",
+    ]
+    bands = [t for t in spec["data"] if t.get("fill") == "toself"]
+    assert len(bands) == 8  # a band for every line: 2 targets, median and p90, before and after
+    after = summary.loc[("lab-affinity", "after")]  # the first band of the after panel: its median's
+    drawn = decoded([t for t in bands if t.get("xaxis") == "x2"][0]["y"])
+    assert drawn == pytest.approx(list(after["median_high"] * 1000) + list(after["median_low"][::-1] * 1000))
+
+
+def test_per_round_splits_at_a_picked_time(fake):
+    fake.history = rounds_frame(BROKEN)
+    at = open_page("per_round")
+    at.selectbox(key="per_round_moment").set_value("A time I pick (UTC)").run()
+    picked = datetime.datetime.fromtimestamp(FAULT + 150, datetime.UTC).replace(tzinfo=None)
+    at.datetime_input(key="per_round_at").set_value(picked).run()
+    assert not at.exception
+    sessions = at.table[1].value
+    # Session 14 (at the fault + 100 s) is now before; 15 after.
+    assert list(sessions["lab-affinity after"]) == [1, 1, 1, 1]
+    assert list(sessions["lab-affinity before"]) == [4, 4, 4, 4]
 
 
 def test_replicas_show_share_imbalance_and_engines(fake):
@@ -872,6 +997,18 @@ def test_the_data_layer_reads_the_store(config_file):
     assert received["alertname"] == "Watchdog" and received["state"] == "firing"
     assert received["starts_at"] == pd.Timestamp("2026-11-29T18:00:00Z")
     assert received["received_at"] == pd.Timestamp(T0, unit="s", tz="UTC")
+
+
+def test_the_data_layer_splits_the_stores_rounds_at_a_moment(config_file):
+    with Store(config_file.parent / "kvwatch.db") as store:
+        for result in BROKEN.values():
+            store.add_session(result)
+    split = data.ttft_by_round(0, FAULT).value.set_index(["target", "period", "round"])
+    assert list(split.loc[("lab-affinity", "before"), "n"]) == [3, 3, 2, 2]  # session 13 straddles it
+    assert list(split.loc[("lab-affinity", "after"), "n"]) == [2, 2, 3, 3]
+    assert split.loc[("lab-affinity", "after", 3), "median"] == pytest.approx(0.60)  # 0.52, 0.60, 0.61
+    whole = data.ttft_by_round(0).value
+    assert set(whole["period"]) == {"all"} and list(whole["n"]) == [5] * 4 + [2] * 4
 
 
 def test_queries_get_a_rate_window_of_ten_minutes_or_one_step():

@@ -1,14 +1,15 @@
 # kvwatch: `make up` starts the lab and the dashboard, `make test` runs the whole suite.
 # Both bootstrap first: a virtualenv with kvwatch installed, and Debian's nginx, Prometheus and
 # Alertmanager when they are missing; `make test` also installs Debian's Chromium for the dashboard's
-# browser test and real vLLM for the real-engine tests (`make up` does only with LAB_ARGS="--engine vllm").
+# browser test, Node.js with Grafana's schema for the boards' schema test, and real vLLM for the
+# real-engine tests (`make up` does only with LAB_ARGS="--engine vllm").
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
-TEST_PACKAGES := chromium
+TEST_PACKAGES := chromium nodejs npm
 LAB_ARGS ?=
 # Where the generated alerts and boards link the runbook (default: this project's public repository),
 # e.g. `make generate RUNBOOK_URL=https://wiki.example.net/kvwatch-runbook`; the dashboard's is
@@ -18,9 +19,13 @@ RUNBOOK_URL ?=
 # its own, cached across runs and clones; lab/replicas/vllm.py looks for it here by default.
 VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvwatch/vllm-0.32.0
 export KVWATCH_VLLM_VENV := $(VLLM_VENV)
+# Grafana's own definitions of a board (@grafana/schema of Grafana 11.6 and 12.4) and TypeScript, pinned by
+# the lockfile there; npm's cache keeps them across clones.
+GRAFANA_SCHEMA := tools/grafana-schema
+GRAFANA_SCHEMA_STAMP := $(GRAFANA_SCHEMA)/node_modules/.kvwatch-installed
 LAB_WANTS_VLLM := $(or $(findstring --engine vllm,$(LAB_ARGS)),$(findstring --engine=vllm,$(LAB_ARGS)))
 
-.PHONY: bootstrap system-packages test-packages vllm up down test bench lint generate
+.PHONY: bootstrap system-packages test-packages vllm grafana-schema up down test bench lint generate
 
 bootstrap: system-packages $(STAMP)
 
@@ -32,6 +37,12 @@ test-packages:
 
 vllm:
 	@sh scripts/vllm-venv.sh $(VLLM_VENV)
+
+grafana-schema: test-packages $(GRAFANA_SCHEMA_STAMP)
+
+$(GRAFANA_SCHEMA_STAMP): $(GRAFANA_SCHEMA)/package-lock.json
+	cd $(GRAFANA_SCHEMA) && npm ci --prefer-offline --no-audit --no-fund --loglevel=error
+	@touch $@
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,7 +56,7 @@ up: bootstrap $(if $(LAB_WANTS_VLLM),vllm)
 down:
 	@test -x $(BIN)/kvwatch && $(BIN)/kvwatch lab down || true
 
-test: bootstrap test-packages vllm
+test: bootstrap test-packages vllm grafana-schema
 	@sh scripts/test.sh $(BIN)/python
 
 bench: bootstrap

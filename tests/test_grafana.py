@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import contextlib
 import itertools
 import json
 import math
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from operator import not_
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import streamlit as st
@@ -31,13 +33,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
+from test_gatewaylog import answered, chat
 
 from collectors import grafana, queries
 from collectors.exporter import TTFT_BUCKETS
 from collectors.records import ERROR_KINDS
 from collectors.scheduler import GATEWAY_POLL_SECONDS
 from collectors.store import Store
-from conftest import REPO, http_get, processes_in_group
+from conftest import REPO, TLS, http_get, processes_in_group
 from dashboard.stats import CONFIDENCE
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -417,14 +420,23 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
 
 ROUTES = {"affinity": AFFINITY_TARGET, "round_robin": "lab-round-robin"}  # route_mode -> the lab's target
 BACKEND_ROUNDS = "kvwatch_probe_backend_rounds_total"  # a backend's series starts at its first rounds
-EXTRAPOLATED = 1e-4  # 1 ms beyond the first sample, relative to a life of 10 s or more
-FAILED_REPLICA = "r1"  # killed before kvwatch serve stops
 LAST_POLL = "kvwatch_gateway_log_last_poll_timestamp_seconds"
+FAILED_OVER_SESSION = "kvwatch-board-test-failover"
+# A listener's request counters start at the first poll that read one of its requests.
+GATEWAY_REQUESTS = ("kvwatch_gateway_requests_total", "kvwatch_gateway_requests_without_session_key_total")
 
 
-def counted(expected):
-    """What a panel over an `Ended` window shows of a count per second, or of a ratio of counts."""
-    return pytest.approx(expected, rel=EXTRAPOLATED)
+@contextlib.contextmanager
+def paused(lab, *names: str) -> Iterator[None]:
+    """The lab's processes of these names stopped (SIGSTOP) while the block runs, then resumed."""
+    groups = [lab.status["processes"][name] for name in names]
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
 
 
 def stop_serve(lab) -> None:
@@ -453,8 +465,13 @@ class Ended:
 
     def seconds(self, since: float) -> float:
         """A window from 1 ms before `since` to the last scrape: the sample at `since` is in it (whether
-        a range holds its start or not), and rate() extrapolates 1 ms at most beyond it (EXTRAPOLATED)."""
+        a range holds its start or not), and rate() extrapolates 1 ms at most beyond it."""
         return round(self.at - since, 3) + 0.001
+
+    def counted(self, expected, since: float | None = None):
+        """What a panel over the window from `since` shows of counts per second, or of their ratios:
+        exact but for rate()'s 1 ms of extrapolation (twice that, for the rounding to milliseconds)."""
+        return pytest.approx(expected, rel=0.002 / self.seconds(since or self.born))
 
     def query(self, expr: str, since: float | None = None, **variables: str) -> list[dict]:
         """The panel's query at the last scrape, its window (rate interval and time range alike) from
@@ -471,10 +488,10 @@ class Ended:
         found = instant(self.prometheus, queries.PROBE_LAST_RUN_AGE, at=at, target=target)
         return at - float(found[0]["value"][1]) + 0.001 if found else 0  # give or take time()'s rounding
 
-    def births(self, counter: str, target: str) -> list[float]:
-        """When each of the target's series of a counter got its first sample."""
-        found = self.query(f'{counter}{{target="{target}"}}[{math.ceil(self.seconds(self.born))}s]')
-        return [float(r["values"][0][0]) for r in found]
+    def born_last(self, *selectors: str) -> float:
+        """When the last of these series got its first sample: a rate from then on counts all of them."""
+        life = math.ceil(self.seconds(self.born))
+        return max(float(r["values"][0][0]) for s in selectors for r in self.query(f"{s}[{life}s]"))
 
 
 def counted_runs(
@@ -524,10 +541,21 @@ def ended(lab) -> Ended:
 
     # Standing alone, the tests wait for a run of each route that Prometheus saw counted.
     assert poll(counted_after_born, bool, 60), "no probe run after Prometheus's first scrape of kvwatch serve"
-    # A replica fails: nginx moves the sessions it served to another one, some by a failover.
-    assert lab.cli("fault", "kill-replica", FAILED_REPLICA).returncode == 0
-    moved = poll(lambda: exported_poll(lab, AFFINITY_LISTENER["log"])[3], bool, 20)
-    assert moved, f"no session moved by a failover after {FAILED_REPLICA} was killed"
+    # A replica fails between two rounds of a session: nginx tries it, then serves the round elsewhere.
+    # The lab's users and probes wait meanwhile, so that none of them finds it dead first (nginx would
+    # then move the session without trying it: no failover in the log).
+    with httpx.Client(verify=TLS) as client:
+        served = answered(chat(client, lab.affinity, FAILED_OVER_SESSION))
+        (failed,) = [r["id"] for r in lab.status["replicas"] if r["url"] == f"http://{served}"]
+        with paused(lab, "traffic", "serve"):
+            assert lab.cli("fault", "kill-replica", failed).returncode == 0
+            moved_to = chat(client, lab.affinity, FAILED_OVER_SESSION)
+    assert moved_to.startswith(f"{served}, "), f"no failover from {failed}: {moved_to}"
+
+    def moved() -> float:
+        return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="true")
+
+    assert poll(moved, lambda share: share > 0, 20) > 0, "Prometheus shows no session moved by a failover"
     stop_serve(lab)
     return Ended(prometheus, born, exporter_scrapes(prometheus)[-1])
 
@@ -558,13 +586,17 @@ def test_probe_panels_equal_the_stored_sessions(ended, store):
         def shown(expr: str) -> float:
             return ended.by("target", expr)[target]  # noqa: B023 - used in this iteration only
 
-        assert shown(queries.PROBE_STICKY_SHARE) == counted(sum(judged) / len(judged)), target
+        assert shown(queries.PROBE_STICKY_SHARE) == ended.counted(sum(judged) / len(judged)), target
         switches = sum(s["backend_switches"] or 0 for s in sessions)
-        assert shown(queries.PROBE_BACKEND_SWITCHES_PER_SESSION) == counted(switches / len(sessions)), target
+        assert shown(queries.PROBE_BACKEND_SWITCHES_PER_SESSION) == ended.counted(switches / len(sessions)), (
+            target
+        )
         ideal = sum(r["ideal_cached_tokens"] for r in warm)
-        assert shown(queries.AFFINITY_EFFICIENCY) == counted(sum(r["cached_tokens"] for r in warm) / ideal)
+        assert shown(queries.AFFINITY_EFFICIENCY) == ended.counted(
+            sum(r["cached_tokens"] for r in warm) / ideal
+        )
         not_echoed = echoed.count(False) / len(echoed)
-        assert shown(queries.SESSION_ID_NOT_ECHOED_SHARE) == counted(not_echoed), target
+        assert shown(queries.SESSION_ID_NOT_ECHOED_SHARE) == ended.counted(not_echoed), target
         # The last counted run ended once it had learned the engine's block size: a loopback query after
         # its last session finished.
         since_last_session = ended.at - max(s["finished_at"] for s in sessions)
@@ -573,22 +605,24 @@ def test_probe_panels_equal_the_stored_sessions(ended, store):
         medians = {round_: bucketed_median(ttfts) for round_, ttfts in ttfts_by_round(served).items()}
         overview = {r["metric"]["round"]: float(r["value"][1]) for r in per_round_medians
                     if r["metric"]["route_mode"] == route_mode}  # fmt: skip
-        assert overview == counted(medians), target
+        assert overview == ended.counted(medians), target
         drilldown = ended.by("round", queries.PROBE_TTFT_BY_ROUND_OVER_TIME, target=target)
-        assert drilldown == counted(medians), target
+        assert drilldown == ended.counted(medians), target
 
         # rate() counts what a series gained after its first sample, and a backend's starts at the rounds
         # of the run that first landed on it: from the last backend's first sample on, every one counts.
-        born = max(ended.births(BACKEND_ROUNDS, target))
+        born = ended.born_last(f'{BACKEND_ROUNDS}{{target="{target}"}}')
         _, since_born = counted_runs(store, ended, target, after=born)
         served_since = Counter(r["backend"] for r in since_born if r["error_kind"] is None)
         shown_rounds = ended.by("backend", queries.PROBE_ROUNDS_BY_BACKEND, born, target=target)
         per_second = {backend: served_since[backend] / ended.seconds(born) for backend in shown_rounds}
-        assert shown_rounds == counted(per_second), target
+        assert shown_rounds == ended.counted(per_second, born), target
         assert set(Counter(r["backend"] for r in served)) == set(shown_rounds), target
     shown_errors = ended.by("kind", queries.PROBE_ERRORS_BY_KIND)
     assert set(shown_errors) == set(ERROR_KINDS)
-    assert shown_errors == counted({kind: errors[kind] / ended.seconds(ended.born) for kind in ERROR_KINDS})
+    assert shown_errors == ended.counted(
+        {kind: errors[kind] / ended.seconds(ended.born) for kind in ERROR_KINDS}
+    )
 
 
 SESSIONS_CAPTION = (
@@ -664,15 +698,30 @@ def test_sessions_and_per_round_pages_equal_the_store(lab, store, monkeypatch):
 
 
 @pytest.mark.integration
-def test_real_sessions_moved_by_a_failover_are_the_logs(lab, ended):
-    """The real-sessions spread at the last scrape, moved by a failover and not, against the affinity
-    listener's access log up to the exporter's last poll, once a replica was killed. The recording
-    rule's own expression there: what its evaluation records from that scrape."""
+def test_gateway_panels_are_the_access_logs(lab, ended):
+    """The real-sessions spread at the last scrape, moved by a failover and not, once a replica was
+    killed, and the share of requests without a session key, against the affinity listener's access
+    log up to the exporter's last poll. The spread's recording rule by its own expression there: what
+    its evaluation records from that scrape."""
     (rule,) = [rule for rule in queries.GATEWAY_RULES if rule.record == queries.REAL_SESSIONS_SPREAD]
-    log = AFFINITY_LISTENER["log"]
-    (polled,) = ended.query(f'{LAST_POLL}{{log="{log}"}}')
-    returning, spread, moved = logged_sessions(lab, AFFINITY_LISTENER["listener"], float(polled["value"][1]))
+    log, listener = AFFINITY_LISTENER["log"], AFFINITY_LISTENER["listener"]
+
+    def last_poll(at: float) -> float:
+        (polled,) = instant(ended.prometheus, f'{LAST_POLL}{{log="{log}"}}', at=at)
+        return float(polled["value"][1])
+
+    polled_at = last_poll(ended.at)
+    returning, spread, moved = logged_sessions(lab, listener, polled_at)
     assert moved > 0
     shown = {r["metric"]["failover"]: float(r["value"][1]) for r in ended.query(rule.expr)
              if r["metric"]["log"] == log}  # fmt: skip
     assert shown == {"false": spread / returning, "true": moved / returning}
+
+    born = ended.born_last(*(f'{counter}{{log="{log}"}}' for counter in GATEWAY_REQUESTS))
+    since = last_poll(born)
+    read = [line for line in lab.access_log(listener) if since < line["msec"] <= polled_at]
+    keyless = sum(line["session_source"] == "assigned" for line in read)
+    (share,) = [
+        r for r in ended.query(queries.REQUESTS_WITHOUT_SESSION_KEY_SHARE, born) if r["metric"]["log"] == log
+    ]
+    assert float(share["value"][1]) == ended.counted(keyless / len(read), born)

@@ -1,7 +1,8 @@
 """The Grafana boards: generated from collectors/queries.py and committed up to date, linted the way
 Grafana's dashboard-linter would (it cannot be installed here), and every panel's PromQL proven against
 the lab's real Prometheus, before and after the gateway's session affinity breaks: the verdict panels
-turn to the alert's state, and real sessions spread."""
+turn to the alert's state, and real sessions spread. Once kvwatch serve stops, the probe panels (and the
+Sessions and Per-round pages) equal the sessions it stored, and the gateway panels the access log."""
 
 from __future__ import annotations
 

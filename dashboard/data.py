@@ -31,9 +31,19 @@ from collectors.redaction import redact
 from collectors.scheduler import probe_settings
 from collectors.store import Store, StoreError
 from dashboard import stats
-from dashboard.cli import DEFAULT_CONFIG
+from dashboard.cli import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
-REFRESH_SECONDS = 15  # cache lifetime, time grid and auto-refresh interval
+
+def app_options(argv: list[str]) -> argparse.Namespace:
+    """What `kvwatch dashboard` passes the app after `--` (`streamlit run app.py -- --config FILE
+    --refresh-seconds S`); the defaults for anything else, such as a test's own command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--refresh-seconds", type=int, default=DEFAULT_REFRESH_SECONDS)
+    return parser.parse_known_args(argv)[0]
+
+
+REFRESH_SECONDS = app_options(sys.argv[1:]).refresh_seconds  # cache lifetime, time grid, auto-refresh
 SETTLE_SECONDS = 5  # samples scraped just before a time may still be on their way into Prometheus
 TIMEOUT_SECONDS = 5
 POINTS_PER_CHART = 240
@@ -80,10 +90,8 @@ def span(seconds: float) -> Span:
 
 
 def config_path() -> Path:
-    """The config `kvwatch dashboard` passes after `--` (`streamlit run app.py -- --config FILE`)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    return parser.parse_known_args(sys.argv[1:])[0].config
+    """The config `kvwatch dashboard` passes after `--`."""
+    return app_options(sys.argv[1:]).config
 
 
 @_cached

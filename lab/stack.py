@@ -94,6 +94,8 @@ def serve_process(state: LabState) -> Process:
 def dashboard_process(state: LabState) -> Process:
     port = state.ports.dashboard
     argv = _kvwatch("dashboard", "--config", str(state.directory / "kvwatch.yaml"), "--port", str(port))
+    if state.fast:  # as often as the probes run
+        argv += ["--refresh-seconds", str(round(KINDS[state.engine].fast_probe_interval_s))]
     return Process("dashboard", argv, f"http://127.0.0.1:{port}/_stcore/health")
 
 

@@ -21,6 +21,7 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from collectors import queries
+from collectors.cli import main
 from collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from collectors.records import RoundResult, SessionResult
 from collectors.store import Store
@@ -1065,3 +1066,22 @@ def test_quantile_intervals_are_95_percent_or_the_widest_there_is(n, q):
     _, low, high = stats.quantile_interval(np.arange(1, n + 1, dtype=float), q)
     held = sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(int(low), int(high)))
     assert held >= min(0.95, 1 - q**n - (1 - q) ** n) - 1e-12  # [smallest, largest] when too few for 95 %
+
+
+def test_the_app_takes_its_config_and_refresh_from_what_kvwatch_dashboard_passes(monkeypatch, tmp_path):
+    execs = []
+    monkeypatch.setattr("os.execv", lambda path, argv: execs.append(argv))
+    config = tmp_path / "kvwatch.yaml"
+    assert main(["dashboard", "--config", str(config), "--refresh-seconds", "5"]) is None
+    passed = execs[0][execs[0].index("--") + 1 :]  # what Streamlit hands the app as its sys.argv[1:]
+    assert (data.app_options(passed).config, data.app_options(passed).refresh_seconds) == (config, 5)
+    assert data.app_options(["-q", "tests"]).refresh_seconds == 15  # any other command line: defaults
+
+
+def test_a_refresh_out_of_range_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["dashboard", "--refresh-seconds", "0"])
+    assert (
+        exit_.value.code == 2
+        and capsys.readouterr().err == "kvwatch dashboard: --refresh-seconds must be 1 to 3600\n"
+    )

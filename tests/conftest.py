@@ -290,6 +290,23 @@ def fault(lab: Lab, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def assert_baseline(lab: Lab, sessions: list[str]) -> None:
+    """Affinity pins every session to one replica and echoes its id; every replica is up; no fault."""
+    seen = upstreams(lab.affinity, sessions)
+    assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
+    assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
+    status = lab.cli("status", "--json").json
+    assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
+    assert len(status["replicas"]) == len(lab.status["replicas"])
+
+
+def heal(lab: Lab, sessions: list[str]) -> None:
+    """`kvwatch lab heal`, which must succeed and leave the baseline."""
+    result = lab.cli("heal")
+    assert result.returncode == 0, result.stderr
+    assert_baseline(lab, sessions)
+
+
 class Lab:
     """A lab started with `kvwatch lab up --detach` in its own state directory."""
 

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from collectors.cli import main
 from collectors.gatewaylogs import log_format
 from conftest import LAB_CLIENT as CLIENT
-from conftest import assert_admin_api_unproxied, chat, fault, upstreams
+from conftest import assert_admin_api_unproxied, assert_baseline, chat, fault, heal, upstreams
 from lab import stack
 from lab.gateways import envoy
 from lab.process import LabError
@@ -64,28 +64,12 @@ def healthy_after(lab):
     """A test that fails before its heal leaves no fault for the next one."""
     yield
     if lab.cli("status", "--json").json["faults"]:
-        heal(lab)
+        heal(lab, SESSIONS)
 
 
 def parsed(entry: dict):
     """A logged line as kvwatch's gateway-log follower reads it (format envoy)."""
     return log_format("envoy").parse(entry)
-
-
-def assert_baseline(lab) -> None:
-    """Affinity pins every session to one replica and echoes its id; every replica is up; no fault."""
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
-    assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
-    status = lab.cli("status", "--json").json
-    assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
-    assert len(status["replicas"]) == REPLICAS
-
-
-def heal(lab) -> None:
-    result = lab.cli("heal")
-    assert result.returncode == 0, result.stderr
-    assert_baseline(lab)
 
 
 def exporter_samples(lab) -> dict[tuple, float]:
@@ -119,7 +103,7 @@ def gateway_metric(samples: dict[tuple, float], name: str, **labels: str) -> flo
 
 def test_affinity_keeps_sessions_round_robin_spreads_them_and_ids_are_assigned(lab):
     assert lab.status["gateway"] == "envoy" and lab.status["processes"]["envoy"]
-    assert_baseline(lab)
+    assert_baseline(lab, SESSIONS)
     seen = upstreams(lab.round_robin, ROUND_ROBIN_SESSIONS)
     assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
     for url in (lab.affinity, lab.round_robin):
@@ -202,7 +186,7 @@ def test_break_affinity_spreads_sessions_over_replicas(lab):
     first = ROUND_ROBIN_SESSIONS[0]
     entries = logged(lab, "affinity", lambda log: sum(e["session_id"] == first for e in log) >= 3)
     assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
@@ -215,7 +199,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the request that was assigned `assigned`
     entries = logged(lab, "affinity", lambda log: len(after(log, assigned)) >= sent)
     assert all(parsed(e).assigned for e in after(entries, assigned)[:sent])
-    heal(lab)
+    heal(lab, SESSIONS)
     assert not parsed(logged(lab, "affinity", lambda log: log[-1]["session_id"] == "echo-me")[-1]).assigned
 
 
@@ -228,7 +212,7 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
     entries = logged(lab, "affinity", lambda log: len(after(log, "kept")) >= sent)
     mine = [parsed(e) for e in after(entries, "kept")]
     assert {r.session_id for r in mine} == set(SESSIONS) and not any(r.assigned for r in mine)
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_kill_replica_fails_over_and_heal_restarts_it(lab):
@@ -246,7 +230,7 @@ def test_kill_replica_fails_over_and_heal_restarts_it(lab):
     assert retried["upstream_request_attempt_count"] == 2 and parsed(retried).failover
     seen = upstreams(lab.affinity, SESSIONS, rounds=1)
     assert r3 not in {rounds[0] for rounds in seen.values()}
-    heal(lab)
+    heal(lab, SESSIONS)
     assert chat(lab.affinity, pinned).headers["X-Upstream"] == r3
 
 
@@ -264,7 +248,7 @@ def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
     # sessions move between the old replicas too: about 37 in 100 move, 25 of them to the new replica.
     assert any(after[s] == address for s in moved)
     assert len(moved) <= 0.6 * len(sessions), len(moved)
-    heal(lab)
+    heal(lab, SESSIONS)
     assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
 
 
@@ -280,7 +264,7 @@ def test_a_config_envoy_does_not_take_fails_loudly(lab, monkeypatch):
         os.kill(pid, signal.SIGCONT)
     assert "logs/envoy.log ends:\n" in str(raised.value) and "cds:" in str(raised.value)
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_prometheus_scrapes_envoys_admin_stats(lab):

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LAB_CLIENT as CLIENT
-from conftest import REPO, assert_admin_api_unproxied, chat, fault, stop, upstreams
+from conftest import REPO, assert_admin_api_unproxied, assert_baseline, chat, fault, heal, stop, upstreams
 from lab import stack
 from lab.gateways import nginx as nginx_gateway
 from lab.process import LabError
@@ -53,22 +53,6 @@ def busy_lab(start_lab):
     )
 
 
-def assert_baseline(lab) -> None:
-    """Affinity pins every session to one replica and echoes its id; every replica is up."""
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
-    assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
-    status = lab.cli("status", "--json").json
-    assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
-    assert len(status["replicas"]) == len(lab.status["replicas"])
-
-
-def heal(lab) -> None:
-    result = lab.cli("heal")
-    assert result.returncode == 0, result.stderr
-    assert_baseline(lab)
-
-
 def faults_log(lab) -> list[dict]:
     return [json.loads(line) for line in (lab.state_dir / "faults.log").read_text().splitlines()]
 
@@ -86,7 +70,7 @@ def replica_counter(url: str, name: str) -> float:
 
 
 def test_baseline_is_sticky(lab):
-    assert_baseline(lab)
+    assert_baseline(lab, SESSIONS)
     assert lab.status["dashboard"] is None  # started with --no-dashboard, as every test lab is by default
 
 
@@ -97,7 +81,7 @@ def test_break_affinity_spreads_sessions_over_replicas(lab):
     logged = [e for e in lab.access_log("affinity") if e["session_id"] == ROUND_ROBIN_SESSIONS[0]]
     assert len({e["upstream_addr"] for e in logged}) == 3
     assert faults_log(lab)[-1]["fault"] == "break-affinity"
-    heal(lab)
+    heal(lab, SESSIONS)
     assert faults_log(lab)[-1]["action"] == "heal"
 
 
@@ -110,7 +94,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     # Every request after the fault carries a gateway-assigned id.
     recent = lab.access_log("affinity")[-len(SESSIONS) :]
     assert {e["session_source"] for e in recent} == {"assigned"}
-    heal(lab)
+    heal(lab, SESSIONS)
     assert lab.access_log("affinity")[-1]["session_source"] == "client"
 
 
@@ -121,7 +105,7 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
     mine = [e for e in lab.access_log("affinity") if e["session_id"] in SESSIONS]
     assert mine and {e["session_source"] for e in mine} == {"client"}
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_disable_prefix_cache_keeps_lookups_flat_on_one_replica(lab):
@@ -142,7 +126,7 @@ def test_disable_prefix_cache_keeps_lookups_flat_on_one_replica(lab):
         if s.name == "vllm:cache_config_info"
     ]
     assert info == ["False"]
-    heal(lab)
+    heal(lab, SESSIONS)
     chat(url, content=long_prompt)
     assert chat(url, content=long_prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -185,7 +169,7 @@ def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
     after = round_ones(lab, 0, lambda found: sum(r["prompt_tokens"] > static for r in found) >= 3)
     assert all(r["cached_tokens"] == 0 for r in after if r["prompt_tokens"] > static), after
     healed_at = time.time()
-    heal(lab)
+    heal(lab, SESSIONS)
     healed = round_ones(lab, healed_at, lambda found: sum(r["prompt_tokens"] == static for r in found) >= 3)
     assert all(warm(r) for r in healed if r["prompt_tokens"] == static), healed
 
@@ -214,7 +198,7 @@ def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     assert r3 not in {rounds[0] for rounds in seen.values()}
     fault(lab, "restart-replica", "r3")
     assert replica_counter(url, "vllm:request_success_total") < served_before
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
@@ -240,7 +224,7 @@ def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
         time.sleep(0.5)
     else:
         raise AssertionError("Prometheus never scraped the added replica")
-    heal(lab)
+    heal(lab, SESSIONS)
     assert address not in prometheus_config(lab)
     assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
 
@@ -271,7 +255,7 @@ def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
     assert len(faults_log(lab)) == entries  # a change that does not serve is not in faults.log
     # The saved state says what the written config asks for, so heal undoes it.
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def lab_command(lab, stderr: Path, *args: str) -> subprocess.Popen:
@@ -309,7 +293,7 @@ def test_commands_changing_one_lab_run_one_at_a_time(lab, tmp_path):
     status = lab.cli("status", "--json").json
     assert status["faults"] == ["break-affinity", "kill-replica:r2"]
     assert status["replicas"][1]["url"] is None
-    heal(lab)
+    heal(lab, SESSIONS)
 
 
 def test_prometheus_takes_no_lifecycle_requests(lab):

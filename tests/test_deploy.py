@@ -1,11 +1,17 @@
-"""deploy/k8s: the PrometheusRule carries exactly the rule files' groups, the kvwatch config in the
-Deployment's ConfigMap is a valid kvwatch config, and the pod exposes only the exporter port, whose
-webhook requires a token mounted from a Secret."""
+"""deploy/k8s: every manifest is valid to Kubernetes' own OpenAPI schemas (kubernetes-validate) and
+prometheus-operator's CRD schemas, unknown fields included; the PrometheusRule carries exactly the rule
+files' groups, the kvwatch config in the Deployment's ConfigMap is a valid kvwatch config, and the pod
+exposes only the exporter port, whose webhook requires a token mounted from a Secret."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate
+import pytest
 import yaml
 
 from collectors import queries
@@ -13,6 +19,102 @@ from collectors.config import Config, load_config
 from conftest import REPO
 
 K8S = REPO / "deploy" / "k8s"
+MANIFESTS = sorted(K8S.glob("*.yaml"))
+# The oldest Kubernetes the manifests are for: the StatefulSet's pod-index label is GA from 1.32.
+KUBERNETES = "1.32"
+# prometheus-operator's CRDs of PodMonitor and PrometheusRule, verbatim from its release v0.93.0.
+OPERATOR_CRDS = REPO / "tests" / "testdata" / "prometheus-operator-v0.93.0"
+
+
+def documents(text: str) -> list[dict]:
+    return [document for document in yaml.safe_load_all(text) if document]
+
+
+def strict(schema: object) -> object:
+    """A CRD schema that rejects unknown fields, as `kubectl apply --validate=strict` does, where the API
+    server would drop them silently (a misspelt key would then just not take effect)."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: strict(value) for key, value in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    return schema
+
+
+@functools.cache
+def operator_schemas() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
+    """Each served version of each CRD by (apiVersion, kind); OpenAPI v3 schemas are JSON Schema draft 4."""
+    schemas = {}
+    for path in OPERATOR_CRDS.glob("*.yaml"):
+        (crd,) = documents(path.read_text())
+        for version in crd["spec"]["versions"]:
+            api_version = f"{crd['spec']['group']}/{version['name']}"
+            schema = strict(version["schema"]["openAPIV3Schema"])
+            schemas[api_version, crd["spec"]["names"]["kind"]] = jsonschema.Draft4Validator(schema)
+    return schemas
+
+
+def schema_errors(document: dict) -> list[str]:
+    """What the schema of the document's kind finds wrong with it, each at its path; a kind with no
+    schema is an error too, so that no manifest goes unchecked."""
+    validator = operator_schemas().get((document["apiVersion"], document["kind"]))
+    if validator is not None:
+        return [f"{error.json_path}: {error.message}" for error in validator.iter_errors(document)]
+    try:
+        kubernetes_validate.validate(document, KUBERNETES, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        return [f"{error.json_path}: {error.message}"]
+    except kubernetes_validate.SchemaNotFoundError as error:
+        return [error.message]
+    return []
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda path: path.name)
+def test_every_manifest_is_valid_to_its_schema(path):
+    found = {
+        f"{document['kind']}/{document['metadata']['name']}": schema_errors(document)
+        for document in documents(path.read_text())
+    }
+    assert found and all(errors == [] for errors in found.values()), found
+
+
+@pytest.mark.parametrize(
+    "path, kind, mistake, error",
+    [
+        ("kvwatch.yaml", "Deployment", lambda d: d["spec"].update(replica=1), "'replica' was unexpected"),
+        (
+            "kvwatch.yaml",
+            "NetworkPolicy",
+            lambda d: d["spec"].update(policyTypes="Ingress"),
+            "$.spec.policyTypes: 'Ingress' is not of type 'array'",
+        ),
+        (
+            "podmonitors.yaml",
+            "PodMonitor",
+            lambda d: d["spec"]["podMetricsEndpoints"][0].update(intervall="15s"),
+            "$.spec.podMetricsEndpoints[0]: Additional properties are not allowed ('intervall'",
+        ),
+        (
+            "prometheusrule.yaml",
+            "PrometheusRule",
+            lambda d: d["spec"]["groups"][0]["rules"][0].update({"for": "5 minutes"}),
+            "$.spec.groups[0].rules[0].for: '5 minutes' does not match",
+        ),
+    ],
+)
+def test_a_broken_manifest_is_refused_at_its_mistake(path, kind, mistake, error):
+    document = next(d for d in documents((K8S / path).read_text()) if d["kind"] == kind)
+    broken = copy.deepcopy(document)
+    mistake(broken)
+    assert schema_errors(document) == []
+    assert any(error in found for found in schema_errors(broken)), schema_errors(broken)
+
+
+def test_a_kind_without_a_schema_is_refused():
+    (error,) = schema_errors({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitr"})
+    assert "Couldn't find schema for kind ServiceMonitr" in error
 
 
 def test_prometheus_rule_has_exactly_the_rule_files_groups():

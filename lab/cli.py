@@ -21,8 +21,12 @@ from lab.replicas import KINDS
 from lab.stack import FAULTS
 from lab.state import DEFAULT_DIRECTORY, LabState
 
-# Real vLLM on CPU: two replicas, one core each on a 2-core machine, and lighter background traffic.
-DEFAULT_REPLICAS = {"sim": 4, "vllm": 2}
+# Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
+# (interleaved) and six rounds, 5 replicas bring a session back to a replica holding its history only in
+# round 6, so round robin's warm rounds pay the prefill; 4 replicas gave every round from 3 on round
+# n - 2's cache, and round robin looked as warm as affinity. Real vLLM on CPU: two replicas, one core
+# each on a 2-core machine, and lighter background traffic.
+DEFAULT_REPLICAS = {"sim": 5, "vllm": 2}
 DEFAULT_USERS = {"sim": 4, "vllm": 2}
 
 

@@ -505,10 +505,11 @@ def router_row(layout: Layout) -> None:
             "per-request predicted hit ratios), beside what the engines delivered: each instance's and "
             "the cluster's prompt tokens served from cached KV. llm-d's EPP exports its prefix indexer's "
             "prediction (llm_d_epp_prefix_indexer_hit_ratio, and the deprecated inference_extension_ "
-            "name), Dynamo's KV router dynamo_component_router_kv_hit_rate (KV mode only). vllm-router "
-            "and AIBrix count their prefix predictions by outcome rather than as a share of the prompt "
-            "(kvwatch scrape shows them), and SMG counts its sticky decisions (Sticky decisions kept): "
-            "they draw no line here. A router is named by its scrape job and instance; the job and "
+            "name), Dynamo's KV router dynamo_component_router_kv_hit_rate (KV mode only), SMG's "
+            "cache_aware policy smg_cache_aware_match_ratio. vllm-router, sglang-router 0.2 and AIBrix "
+            "count their decisions by outcome rather than as a share of the prompt (Prefix-matched "
+            "decisions), and SMG's manual policy its sticky decisions (Sticky decisions kept): they "
+            "draw no line here. A router is named by its scrape job and instance; the job and "
             "instance filters apply to the engines only.\n\n"
             "Good: the delivered lines near the router's. Bad: the router's line high while the engines' "
             "stay low: it sends requests where its index believes their prefix cached, and the engines "
@@ -532,8 +533,8 @@ def router_row(layout: Layout) -> None:
             "The cluster's delivered hit ratio over each router's predicted one: what "
             f"{miss} judges (it fires below {THRESHOLDS.delivered_per_predicted_below:.0%} while the router "
             f"predicts above {THRESHOLDS.router_predicted_above:.0%}, for "
-            f"{queries.ROUTER_PREDICTION_MISS.alert.for_}). Only llm-d's EPP and Dynamo's KV router "
-            "predict a hit ratio to compare.\n\n"
+            f"{queries.ROUTER_PREDICTION_MISS.alert.for_}). Only llm-d's EPP, Dynamo's KV router and SMG's "
+            "cache_aware policy predict a hit ratio to compare.\n\n"
             "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
             "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
             "says hit while the engines prefill everything." + FIXED_WINDOW,
@@ -560,6 +561,27 @@ def router_row(layout: Layout) -> None:
             no_value="No SMG router with the manual policy",
         ),
         7,
+    )
+    layout.add(
+        timeseries(
+            "Prefix-matched decisions",
+            "Cache-aware routers: the share of their routing decisions that went where their own index "
+            "matched a cached prefix, as each counts them: SMG's cache_aware policy "
+            '(smg_cache_aware_policy_branch_total{branch="tree_match"}, not spill or a fallback), '
+            'vllm-router (vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}, else its '
+            "cache_hits_total / cache_misses_total, as sglang-router 0.2's sgl_router_ ones), AIBrix "
+            '(aibrix_prefix_cache_routing_decisions_total{match_percent_bucket!="0"}). The router\'s '
+            "guess from its index, not an engine hit: compare it with the engines' delivered hit ratio "
+            "(Predicted by the router, delivered by the engines).\n\n"
+            "Good: steady and high on multi-turn traffic. Bad: falling while the traffic is unchanged "
+            "(the index lost its prefixes: a router restart, workers replaced), or high while the engines "
+            "deliver little (the index drifted from the engines' caches)." + FIXED_WINDOW,
+            [target(queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS, "{{job}} / {{instance}}")],
+            unit="percentunit",
+            max_value=1,
+            no_value="No cache-aware router counting its prefix matches",
+        ),
+        GRID_WIDTH,
     )
 
 

@@ -262,21 +262,65 @@ ROUTER_PREDICTED_HIT_RATIOS = (
     "llm_d_epp_prefix_indexer_hit_ratio",
     "inference_extension_prefix_indexer_hit_ratio",
     "dynamo_component_router_kv_hit_rate",
+    "smg_cache_aware_match_ratio",  # SMG's cache_aware policy: its radix tree's best match per request
 )
 INSTANCE_ROUTER_PREDICTIONS = f"instance:kvwatch_router_predictions:rate{WINDOW}"
 INSTANCE_ROUTER_PREDICTED_HIT_RATIO = f"instance:kvwatch_router_predicted_hit_ratio:mean_rate{WINDOW}"
 INSTANCE_ROUTER_DELIVERED_PER_PREDICTED = (
     f"instance:kvwatch_router_delivered_per_predicted_hit_ratio:ratio_rate{WINDOW}"
 )
+
+
+def _share_of(part: str, rest: str) -> str:
+    """Per instance, the rate of `part` over that of `part` and `rest` together. Routers create a counter
+    on its first event, so a missing side counts 0; without traffic on either there is no sample."""
+    part_rate, rest_rate = _first_of(part), _first_of(rest)
+    part_or_0 = f"({part_rate}\n  or 0 * {rest_rate})"
+    return f"{part_or_0}\n  / ({part_or_0}\n  + ({rest_rate}\n  or 0 * {part_rate}) > 0)"
+
+
 # SMG's manual (routing-key) policy: of the requests whose key was already pinned to a worker, the share
 # that reached it (`occupied_hit`) rather than respilling to another (`occupied_miss`: the pinned worker
 # was gone or overloaded). The router's own stickiness, next to the probe's.
 SMG_BRANCHES = "smg_manual_policy_branch_total"
 INSTANCE_ROUTER_PIN_KEPT = f"instance:kvwatch_router_pin_kept_per_pinned_requests:ratio_rate{WINDOW}"
-_PINNED = _first_of(SMG_BRANCHES + '{branch=~"occupied_hit|occupied_miss"}')
-_PIN_KEPT = _first_of(SMG_BRANCHES + '{branch="occupied_hit"}')
+# Cache-aware routers: the share of their routing decisions that followed a cached prefix their own
+# index matched, as each flavour counts them (decisions that matched, the others). A guess from the
+# router's index, not an engine hit; falling while the traffic is unchanged: the index lost the prefixes.
+PREFIX_MATCH_DECISIONS = (
+    # SMG's cache_aware policy: sent where its radix tree matched, not by load (spill) or a fallback
+    (
+        'smg_cache_aware_policy_branch_total{branch="tree_match"}',
+        'smg_cache_aware_policy_branch_total{branch!="tree_match"}',
+    ),
+    # vllm-router's cache_aware policy, then its and sglang-router <= 0.2's cache hit / miss counters
+    (
+        'vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}',
+        'vllm_router_prefix_routing_decisions_total{outcome!="prefix_hit"}',
+    ),
+    ("vllm_router_cache_hits_total", "vllm_router_cache_misses_total"),
+    ("sgl_router_cache_hits_total", "sgl_router_cache_misses_total"),
+    # AIBrix's prefix-cache router: the chosen pod matched more than 0 % of the prompt
+    (
+        'aibrix_prefix_cache_routing_decisions_total{match_percent_bucket!="0"}',
+        'aibrix_prefix_cache_routing_decisions_total{match_percent_bucket="0"}',
+    ),
+)
+INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS = (
+    f"instance:kvwatch_router_prefix_match_decisions_per_decisions:ratio_rate{WINDOW}"
+)
 ROUTER_RULES: tuple[Rule, ...] = (
-    Rule(INSTANCE_ROUTER_PIN_KEPT, f"({_PIN_KEPT}\n  or 0 * {_PINNED})\n  / ({_PINNED} > 0)"),
+    Rule(
+        INSTANCE_ROUTER_PIN_KEPT,
+        _share_of(
+            f'{SMG_BRANCHES}{{branch="occupied_hit"}}',
+            f'{SMG_BRANCHES}{{branch="occupied_miss"}}',
+        ),
+    ),
+    Rule(
+        INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+        "\nor ".join(_share_of(*pair) for pair in PREFIX_MATCH_DECISIONS),
+    ),
     Rule(INSTANCE_ROUTER_PREDICTIONS, _first_of(*(f"{name}_count" for name in ROUTER_PREDICTED_HIT_RATIOS))),
     Rule(
         INSTANCE_ROUTER_PREDICTED_HIT_RATIO,

@@ -651,18 +651,21 @@ def test_replicas_judge_each_instance_as_its_hit_ratio_alert_does(fake):
     assert f"`127.0.0.1:18011`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
 
 
-NO_ROUTER = "No router in this Prometheus exports what it predicted: llm-d's EPP and Dynamo's KV router"
+NO_ROUTER = "No router in this Prometheus exports what it predicted: llm-d's EPP, Dynamo's KV router"
 EPP = {"job": "epp", "instance": "10.0.0.5:9090"}  # predicts a hit ratio
 SMG = {"job": "smg", "instance": "10.0.0.6:29000"}  # counts its sticky decisions
+VLLM_ROUTER = {"job": "vllm-router", "instance": "10.0.0.7:29001"}  # counts its prefix-matched decisions
 
 
 def routers(fake: Fake, miss: int) -> None:
-    """llm-d's EPP predicting 80 % while the engines deliver 8 % of that, and SMG keeping 6 of 7 pins."""
+    """llm-d's EPP predicting 80 % while the engines deliver 8 % of that, SMG keeping 6 of 7 pins and
+    vllm-router sending 3 of 4 requests where its tree matched."""
     fake.ranges[queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO] = lambda over: points(over, [0.8, 0.8], **EPP)
     fake.values |= {
         queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: pd.DataFrame([{**EPP, "value": 0.8}]),
         queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: pd.DataFrame([{**EPP, "value": 0.08}]),
         queries.INSTANCE_ROUTER_PIN_KEPT: pd.DataFrame([{**SMG, "value": 6 / 7}]),
+        queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS: pd.DataFrame([{**VLLM_ROUTER, "value": 0.75}]),
         queries.ROUTER_PREDICTION_MISS.state: pd.DataFrame([{**EPP, "value": miss}]),
     }
 
@@ -682,7 +685,8 @@ def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered
     assert figures.loc["epp", "predicted hit ratio"] == 0.8
     assert figures.loc["epp", "delivered per predicted"] == 0.08
     assert figures.loc["smg", "sticky decisions kept"] == pytest.approx(6 / 7)
-    assert figures.loc["smg"].isna().sum() == 2  # SMG predicts no hit ratio
+    assert figures.loc["smg"].isna().sum() == 3  # SMG's manual policy predicts no hit ratio
+    assert figures.loc["vllm-router", "prefix-matched decisions"] == 0.75
     said = texts(at)
     assert f"`epp / 10.0.0.5:9090`: {fires(queries.ROUTER_PREDICTION_MISS)}" in said
     assert "`smg / 10.0.0.6:29000`: :gray[Not judged: KVWatchRouterPredictionMiss has nothing" in said

@@ -434,6 +434,17 @@ def test_smg_counts_its_sticky_outcomes_and_where_routing_keys_came_from():
     assert (record.predicted_hit_ratio, record.hit_ratio, record.missing) == (None, None, ())
 
 
+def test_smg_cache_aware_counts_its_tree_matches_and_predicts_their_share():
+    """Captured from the real SMG: three conversations, each sent where the radix tree matched it once
+    the tree held its first round."""
+    record = normalise(router("smg-1.13-cache-aware.prom"))
+    assert record.flavour == "sglang-router"
+    assert record.router_cache_predictions == {"tree_match": 15, "expected_wait_fallback": 3}
+    assert record.predicted_hit_ratio == pytest.approx(15.012345679012352 / 18)
+    assert record.policy_decisions == {"cache_aware": 18} and record.sticky_outcomes == {}
+    assert sum(record.per_worker.values()) == 18 and len(record.per_worker) == 3
+
+
 @pytest.mark.parametrize(
     "keep",
     [lambda line: True, lambda line: "llm_d_epp_" not in line],

@@ -25,8 +25,14 @@ from lab.stack import prometheus_process
 from lab.state import LabState
 
 ROUTERS = Path(__file__).parent / "testdata" / "routers"
-# Served at these paths by one replay server: llm-d's EPP predicts, SMG counts its sticky decisions.
-ROUTER_EXPOSITIONS = {"/metrics": ROUTERS / "llm-d-epp-0.10.prom", "/smg/metrics": ROUTERS / "smg-1.13.prom"}
+# Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky
+# decisions, its cache_aware policy (captured from the real SMG) its tree matches, and predicts too.
+ROUTER_EXPOSITIONS = {
+    "/metrics": ROUTERS / "llm-d-epp-0.10.prom",
+    "/smg/metrics": ROUTERS / "smg-1.13.prom",
+    "/smg-cache-aware/metrics": ROUTERS / "smg-1.13-cache-aware.prom",
+}
+PREDICTING = {"router", "smg-cache-aware"}  # the jobs whose predictions the engine does not deliver
 RULE_TIME_SCALE = 0.05  # 2m rate windows take 6 s, the alert's 5m `for` 15 s
 FIRING_TIMEOUT_S = 90.0
 GROWING = (*COUNT_SUFFIXES, "_sum")  # counts, and the sums of histograms of non-negative values
@@ -133,11 +139,14 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         "rule_files": [str(tmp_path / "rules" / "*.yml")],
         "scrape_configs": [
             {"job_name": "router", "static_configs": [{"targets": [router_replay]}]},
-            {
-                "job_name": "smg",
-                "metrics_path": "/smg/metrics",
-                "static_configs": [{"targets": [router_replay]}],
-            },
+            *(
+                {
+                    "job_name": job,
+                    "metrics_path": f"/{job}/metrics",
+                    "static_configs": [{"targets": [router_replay]}],
+                }
+                for job in ("smg", "smg-cache-aware")
+            ),
             {"job_name": "replicas", "static_configs": [{"targets": [f"127.0.0.1:{replica.port}"]}]},
         ],
     }
@@ -155,27 +164,26 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         }
         deadline = time.monotonic() + FIRING_TIMEOUT_S
         with httpx.Client(base_url=replica.url, timeout=10) as client:
-            while not (alerts := firing(url, "KVWatchRouterPredictionMiss")):
+            while {a["labels"]["job"] for a in firing(url, "KVWatchRouterPredictionMiss")} != PREDICTING:
                 assert time.monotonic() < deadline, f"not firing within {FIRING_TIMEOUT_S} s: " + str(
                     {rule: value(url, rule) for rule in RECORDED}
                 )
                 for _ in range(3):  # the engine's traffic: well above the alert's prompt-token floor
                     client.post("/v1/chat/completions", json=body).raise_for_status()
                 time.sleep(0.2)
-        (alert,) = alerts
-        assert alert["labels"]["job"] == "router"
-        # The replayed indexer predicts 8 of every 10 lookups; the engine computed every prompt token.
-        assert value(url, queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO) == pytest.approx(0.8)
+        # The replayed indexer predicts 8 of every 10 lookups, SMG's tree matched 83 % of each prompt;
+        # the engine computed every prompt token.
+        smg_predicted = 15.012345679012352 / 18
         assert value(url, queries.CLUSTER_HIT_RATIO) == 0
-        assert value(url, queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED) == 0
         # The board's router panels and verdict, as Grafana would ask, per job (one instance each).
         expected = {
-            queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: {"router": 0.8},
+            queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: {"router": 0.8, "smg-cache-aware": smg_predicted},
             queries.HIT_RATIO_BY_INSTANCE: {"replicas": 0},
             queries.CLUSTER_HIT_RATIO: {"cluster": 0},
-            queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0},
+            queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0, "smg-cache-aware": 0},
             queries.INSTANCE_ROUTER_PIN_KEPT: {"smg": 6 / 7},  # 6 kept their worker, 1 moved
-            queries.ROUTER_PREDICTION_MISS.state: {"router": queries.FIRING},
+            queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS: {"smg-cache-aware": 15 / 18},  # 3 by wait
+            queries.ROUTER_PREDICTION_MISS.state: dict.fromkeys(PREDICTING, queries.FIRING),
         }
         assert set(expected) == router_panel_queries()
         for expr, by_job in expected.items():

@@ -6,7 +6,10 @@ SGLang Model Gateway (`smg_*`), `smg_worker_selection_total` has no worker label
 come from the circuit breaker's outcome counter (a retried request counts once per attempt). SMG's
 manual (routing-key) policy counts its sticky outcomes by branch (`occupied_hit`: the key's worker
 served it; `occupied_miss`, `vacant`, `cap_respill`: it moved or was placed anew), and where each
-routing key came from (`smg_routing_key_source_total{source}`).
+routing key came from (`smg_routing_key_source_total{source}`); its cache_aware policy counts its
+branches (`tree_match`: sent where its radix tree matched the prompt; `spill` and fallbacks: sent by
+load or health) and the share of each prompt its tree matched (`smg_cache_aware_match_ratio`, a
+histogram whose mean is the prediction): guesses from the router's tree, not engine hits.
 Counters appear only after their first event, so their absence is not reported as missing; the
 worker-health gauge names every worker from the start.
 """
@@ -14,6 +17,8 @@ worker-health gauge names every worker from the start.
 from __future__ import annotations
 
 from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+
+MATCH_RATIO = "smg_cache_aware_match_ratio"
 
 
 def detect(exposition: Exposition) -> int:
@@ -30,6 +35,11 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         per_worker=_requests_per_worker(reader, "smg_worker_health", "smg_worker_cb_outcomes_total"),
         requests_running=reader.total("smg_worker_requests_active", optional=True),
         policy_decisions=reader.by_label("smg_worker_selection_total", "policy", optional=True),
+        router_cache_predictions=reader.by_label(
+            "smg_cache_aware_policy_branch_total", "branch", optional=True
+        ),
+        predicted_ratio_sum=reader.total(f"{MATCH_RATIO}_sum", optional=True),
+        predictions=reader.total(f"{MATCH_RATIO}_count", optional=True),
         sticky_outcomes=reader.by_label("smg_manual_policy_branch_total", "branch", optional=True),
         routing_key_sources=reader.by_label("smg_routing_key_source_total", "source", optional=True),
         missing=tuple(reader.missing),

@@ -27,15 +27,16 @@ IMBALANCE_OK = "Requests are spread evenly enough over the replicas."
 HIT_RATIO_OK = "Its hit ratio holds against its own past."
 PREDICTION_OK = "The engines deliver the reuse it predicts."
 NO_ROUTER = (
-    "No router in this Prometheus exports what it predicted: llm-d's EPP and Dynamo's KV router export "
-    "their predicted hit ratio, SMG its sticky decisions (vllm-router and AIBrix count their predictions "
-    "by outcome instead: `kvwatch scrape` shows those)."
+    "No router in this Prometheus exports what it predicted: llm-d's EPP, Dynamo's KV router and SMG's "
+    "cache_aware policy export their predicted hit ratio, SMG's manual policy its sticky decisions, "
+    "cache-aware routers (SMG, vllm-router, sglang-router 0.2, AIBrix) their prefix-matched decisions."
 )
 # What a router exports of its own routing, each figure a ratio per router (job, instance).
 ROUTER_FIGURES = {
     "predicted hit ratio": queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     "delivered per predicted": queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
     "sticky decisions kept": queries.INSTANCE_ROUTER_PIN_KEPT,
+    "prefix-matched decisions": queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
 }
 
 

@@ -218,10 +218,13 @@ def ttft_by_round(since: float, split: float | None = None) -> Result:
     return Result(stats.ttft_by_round(found.value, split))
 
 
+FAULT_COLUMNS = ["unix", "action", "fault", "replica", "address"]
+
+
 @_cached
 def faults(since: float) -> Result:
-    """The faults and heals at `since` or later, oldest first (time, action, fault, replica), from the
-    faults.log the lab keeps beside its store; none for a store that is not the lab's."""
+    """The faults and heals at `since` or later, oldest first (time, action, fault, replica, address),
+    from the faults.log the lab keeps beside its store; none for a store that is not the lab's."""
     config = settings()
     if config.error:
         return config
@@ -230,10 +233,10 @@ def faults(since: float) -> Result:
         entries = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
         frame = pd.DataFrame(
             [entry for entry in entries if entry["unix"] >= since],
-            columns=["unix", "action", "fault", "replica"],
+            columns=FAULT_COLUMNS,
         )
     except FileNotFoundError:
-        frame = pd.DataFrame(columns=["unix", "action", "fault", "replica"])
+        frame = pd.DataFrame(columns=FAULT_COLUMNS)
     except OSError as error:
         return Result(error=f"Cannot read the lab's fault log {path}: {error.strerror}")
     except (ValueError, KeyError, TypeError):

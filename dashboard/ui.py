@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from collectors import queries
+from collectors.naming import replica_name
 from dashboard import data
 
 TIME_FORMAT = "YYYY-MM-DD HH:mm:ss"  # for st.column_config.DatetimeColumn; times are UTC
@@ -118,6 +119,13 @@ NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind"
 EVENT_COLORS = {"fault": "#9467bd", "heal": "#2ca02c", "firing": "#d62728", "resolved": "#1f77b4"}
 
 
+def fault_text(fault: pd.Series) -> str:
+    """`fault kill-replica r2 (127.0.0.1:20812)`: an entry of the lab's fault log, naming its replica as
+    the lab does (an entry logged before the lab logged addresses names the id alone)."""
+    replica, address = (None if pd.isna(fault.get(key)) else fault[key] for key in ("replica", "address"))
+    return " ".join(filter(None, (fault["action"], fault["fault"], replica_name(address, replica))))
+
+
 def events(over: data.Span, unread: str = "Not marked on the charts") -> pd.DataFrame:
     """What happened in the span, to mark on charts: the lab's faults and heals, and the kvwatch alerts
     the webhook received, firing at their start and resolved at their end. Columns time, kind, text.
@@ -129,7 +137,9 @@ def events(over: data.Span, unread: str = "Not marked on the charts") -> pd.Data
             st.caption(f"{unread}: {result.error}")
     if not faults.error:
         fault = faults.value
-        found.append(fault.assign(kind=fault["action"], text=fault["action"] + " " + fault["fault"]))
+        found.append(
+            fault.assign(kind=fault["action"], text=[fault_text(row) for _, row in fault.iterrows()])
+        )
     if not alerts.error and not alerts.value.empty:
         alert = alerts.value[alerts.value["alertname"].str.startswith("KVWatch")]
         found.append(

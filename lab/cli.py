@@ -349,9 +349,9 @@ def _print_status(info: dict) -> None:
         print(f"{name:<20} {info[name] or '-'}")
     for replica in info["replicas"]:
         caching = "" if replica["prefix_caching"] else ", prefix caching off"
-        print(f"replica {replica['id']:<12} {replica['url'] or 'down'} ({replica['flavour']}{caching})")
+        print(f"replica {replica['name']:<28} {replica['url'] or 'down'} ({replica['flavour']}{caching})")
     print(f"background users     {info['traffic_users']}")
-    print(f"faults               {', '.join(info['faults']) or 'none'}")
+    print(f"faults               {', '.join(info['faults_described']) or 'none'}")
     print(f"state and logs       {info['state_dir']}")
 
 

@@ -412,6 +412,7 @@ def status(state: LabState) -> dict:
         "replicas": [
             {
                 "id": r.id,
+                "name": r.name,
                 "url": url(f"replica-{r.id}", r.port),
                 "flavour": r.flavour,
                 "prefix_caching": r.prefix_caching,
@@ -420,19 +421,22 @@ def status(state: LabState) -> dict:
         ],
         "traffic_users": state.users if "traffic" in alive else 0,
         "faults": list(state.faults),
+        "faults_described": [describe_fault(state, entry) for entry in state.faults],
         "processes": alive,
     }
 
 
-def _log_fault(state: LabState, action: str, name: str, replica: str | None = None) -> None:
-    """Append to faults.log: the ground truth of when each fault started and ended."""
+def _log_fault(state: LabState, action: str, name: str, replica: ReplicaSpec | None = None) -> None:
+    """Append to faults.log: the ground truth of when each fault started and ended, and on which replica
+    (its id and its address, as the dashboard names it)."""
     now = time.time()
     entry = {
         "time": datetime.fromtimestamp(now, UTC).isoformat(),
         "unix": now,
         "action": action,
         "fault": name,
-        "replica": replica,
+        "replica": replica.id if replica else None,
+        "address": replica.address if replica else None,
     }
     with (state.directory / "faults.log").open("a") as out:
         out.write(json.dumps(entry) + "\n")
@@ -458,9 +462,9 @@ def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
     try:
         response = request_sync("POST", f"http://127.0.0.1:{replica.port}/lab/faults", 10, json=faults)
     except httpx.HTTPError as error:
-        raise LabError(f"replica {replica.id} did not answer its admin API: {error!r}") from None
+        raise LabError(f"replica {replica.name} did not answer its admin API: {error!r}") from None
     if response.status_code != 200:
-        raise LabError(f"replica {replica.id} refused the fault: {response.text}")
+        raise LabError(f"replica {replica.name} refused the fault: {response.text}")
 
 
 def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
@@ -470,7 +474,7 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
     replica = state.replica(replica_id) if replica_id else None
     if name in ("disable-prefix-cache", "kill-replica") and not _serves(state, replica):
         raise LabError(
-            f"replica {replica.id} is not running; start it with "
+            f"replica {replica.name} is not running; start it with "
             f"`kvwatch lab fault restart-replica {replica.id}`"
         )
     if name in GATEWAY_FAULTS:
@@ -480,7 +484,7 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
     elif name == "disable-prefix-cache":
         _switch_prefix_caching(state, replica, enabled=False)
         state.faults.append(f"{name}:{replica.id}")
-        done = f"prefix caching off on {replica.id}"
+        done = f"prefix caching off on {replica.name}"
         if not KINDS[state.engine].live_prefix_caching:
             done += " (restarted with --no-enable-prefix-caching; its counters start from zero)"
     elif name == "dynamic-prefix":
@@ -490,33 +494,41 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
     elif name == "kill-replica":
         _stop(state, [f"replica-{replica.id}"])
         state.faults.append(f"{name}:{replica.id}")
-        done = f"replica {replica.id} killed"
+        done = f"replica {replica.name} killed"
     elif name == "restart-replica":
         _stop(state, [f"replica-{replica.id}"])
         _start(state, replica_process(state, replica))
         state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
-        done = f"replica {replica.id} restarted (its counters start from zero)"
+        done = f"replica {replica.name} restarted (its counters start from zero)"
     elif name == "scale-out":
         index = len(state.replicas)
         replica = ReplicaSpec(f"r{index + 1}", state.ports.replica(index), state.replicas[0].flavour)
-        _check_ports_free({f"replica {replica.id}": replica.port})
+        _check_ports_free({f"replica {replica.name}": replica.port})
         state.replicas.append(replica)
         state.faults.append(f"{name}:{replica.id}")
         state.save()
         _start(state, replica_process(state, replica))
         _reconfigure(state)
-        done = f"replica {replica.id} added on port {replica.port}"
+        done = f"replica {replica.name} added"
     else:
         raise LabError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
     state.save()
-    _log_fault(state, "fault", name, replica.id if replica else None)
+    _log_fault(state, "fault", name, replica)
     if name == "scale-out":  # after the entry: the new replica serves, whether Prometheus scrapes it or not
         _reload_prometheus(state)
     return done
 
 
+def describe_fault(state: LabState, entry: str) -> str:
+    """A fault of the state's list (`kill-replica:r2`) as the lab's messages name it: `kill-replica on
+    r2 (127.0.0.1:20812)`."""
+    name, _, replica_id = entry.partition(":")
+    return f"{name} on {state.replica(replica_id).name}" if replica_id else name
+
+
 def heal(state: LabState) -> str:
     """Undo every fault: affinity back, caches on, killed replicas restarted, added ones removed."""
+    described = [describe_fault(state, entry) for entry in state.faults]  # before scale-out's replicas go
     extra = state.replicas[state.initial_replicas :]
     if extra:
         _stop(state, [f"replica-{r.id}" for r in extra])
@@ -532,4 +544,4 @@ def heal(state: LabState) -> str:
     _reconfigure(state)
     _log_fault(state, "heal", ",".join(healed) or "none")
     _reload_prometheus(state)  # after the entry: the gateways and replicas are healed either way
-    return f"healed: {', '.join(healed) or 'nothing was broken'}"
+    return f"healed: {', '.join(described) or 'nothing was broken'}"

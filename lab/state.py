@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from collectors.naming import replica_name
+
 DEFAULT_DIRECTORY = Path(".kvwatch/lab")
 REPLICA_PORT_OFFSET = 10
 
@@ -59,6 +61,15 @@ class ReplicaSpec:
     port: int
     flavour: str
     prefix_caching: bool = True  # what a real engine is started with; the simulator's is a runtime fault
+
+    @property
+    def address(self) -> str:
+        """As Prometheus' `instance` label and the gateway's upstream name it."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.address, self.id)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -61,15 +62,28 @@ def test_status_json_lists_every_url(lab):
     assert status["exporter"] == f"http://127.0.0.1:{base + 4}"
     assert status["dashboard"] == f"http://127.0.0.1:{base + 5}"
     assert status["replicas"] == [
-        {"id": "r1", "url": f"http://127.0.0.1:{base + 10}", "flavour": "vllm", "prefix_caching": True},
-        {"id": "r2", "url": f"http://127.0.0.1:{base + 11}", "flavour": "sglang", "prefix_caching": True},
-        {"id": "r3", "url": f"http://127.0.0.1:{base + 12}", "flavour": "vllm", "prefix_caching": True},
-    ]
+        {"id": f"r{n + 1}", "name": f"r{n + 1} (127.0.0.1:{base + 10 + n})",
+         "url": f"http://127.0.0.1:{base + 10 + n}", "flavour": flavour, "prefix_caching": True}
+        for n, flavour in enumerate(("vllm", "sglang", "vllm"))
+    ]  # fmt: skip
     assert http_get(f"{status['prometheus']}/-/ready").status_code == 200
     assert http_get(f"{status['alertmanager']}/-/ready").status_code == 200
     assert scraped_replicas(status["prometheus"]) == {("r1", "vllm"), ("r2", "sglang"), ("r3", "vllm")}
     text = lab.cli("status").stdout
     assert f"http://127.0.0.1:{base}" in text and "sglang" in text
+
+
+def test_a_replica_fault_and_its_heal_name_the_replica_by_id_and_address(lab):
+    r2 = f"r2 (127.0.0.1:{lab.base_port + 11})"
+    result = lab.cli("fault", "disable-prefix-cache", "r2")
+    assert result.stdout == f"prefix caching off on {r2}\n", result.stderr
+    assert f"faults               disable-prefix-cache on {r2}\n" in lab.cli("status").stdout
+    assert lab.cli("heal").stdout == f"healed: disable-prefix-cache on {r2}\n"
+    logged = [json.loads(line) for line in (lab.state_dir / "faults.log").read_text().splitlines()]
+    assert [(e["action"], e["replica"], e["address"]) for e in logged[-2:]] == [
+        ("fault", "r2", f"127.0.0.1:{lab.base_port + 11}"),
+        ("heal", None, None),
+    ]
 
 
 def test_down_leaves_no_process_and_no_listener(tmp_path):

@@ -737,6 +737,9 @@ CACHED_SHARE_BY_SOURCE = (
 )
 TTFT_QUANTILES_BY_INSTANCE = f"{INSTANCE_TTFT}{{{ENGINE_SELECTOR}}}"
 REQUEST_SHARE_BY_INSTANCE = f"{INSTANCE_REQUEST_SHARE}{{{ENGINE_SELECTOR}}}"
+# The replica id of each scraped instance, from a `replica` target label (the lab's scrape config sets one;
+# set one in yours): the pages name a replica by id and address together.
+REPLICA_IDS = 'group by (instance, replica) (up{replica!=""})'
 # Engine TTFT bucket rates for a heatmap, one query per engine family: their buckets differ.
 ENGINE_TTFT_BUCKET_RATES = {
     name.split(":")[0]: f"sum by (le) (rate({name}{{{ENGINE_SELECTOR}}}[{RATE_WINDOW}]))"

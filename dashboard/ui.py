@@ -119,6 +119,22 @@ NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind"
 EVENT_COLORS = {"fault": "#9467bd", "heal": "#2ca02c", "firing": "#d62728", "resolved": "#1f77b4"}
 
 
+def replica_namer(over: data.Span) -> Callable[[object], object]:
+    """What names a replica's address as the lab and the alerts do, `r2 (127.0.0.1:20812)`, where
+    Prometheus' target carries a `replica` label (the lab's do); any other value as it is."""
+    found = data.instant(queries.REPLICA_IDS, over)
+    known = found.value[["instance", "replica"]] if not (found.error or found.value.empty) else pd.DataFrame()
+    ids = dict(known.itertuples(index=False))
+    return lambda address: replica_name(address, ids[address]) if address in ids else address
+
+
+def named_replicas(frame: pd.DataFrame, over: data.Span) -> pd.DataFrame:
+    """`frame` with each instance named by `replica_namer`, for the charts and tables that show them."""
+    if "instance" not in frame:  # no instance column while no engine serves
+        return frame
+    return frame.assign(instance=frame["instance"].map(replica_namer(over)))
+
+
 def fault_text(fault: pd.Series) -> str:
     """`fault kill-replica r2 (127.0.0.1:20812)`: an entry of the lab's fault log, naming its replica as
     the lab does (an entry logged before the lab logged addresses names the id alone)."""

@@ -651,6 +651,32 @@ def test_replicas_judge_each_instance_as_its_hit_ratio_alert_does(fake):
     assert f"`127.0.0.1:18011`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
 
 
+REPLICA_IDS = pd.DataFrame({"instance": ["127.0.0.1:18011"], "replica": ["r2"], "value": [1.0]})
+
+
+def test_replicas_name_an_instance_with_a_replica_label_by_its_id_and_address(fake):
+    fake.values[queries.REPLICA_IDS] = REPLICA_IDS  # r2's target carries the label, r1's does not
+    at = open_page("replicas")
+    charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
+    names = ["127.0.0.1:18010", "r2 (127.0.0.1:18011)"]
+    assert [line["name"] for line in charts["replicas_hit_ratio"]] == names
+    assert list(at.dataframe[0].value["instance"]) == names
+    assert "`r2 (127.0.0.1:18011)`: :green[Its hit ratio holds against its own past.]" in texts(at)
+
+
+def test_sessions_name_each_backend_by_replica_id_and_address(fake):
+    fake.values[queries.REPLICA_IDS] = REPLICA_IDS
+    fake.history = rounds_frame(
+        {**SESSIONS, 4: session(4, "lab-round-robin", ["127.0.0.1:18011"] * 4, [0.4] * 4)}
+    )
+    at = open_page("sessions")
+    at.selectbox(key="sessions_target").set_value("lab-round-robin").run()
+    at.selectbox(key="sessions_pick").set_value(4).run()
+    assert list(at.table[0].value["backend"]) == ["r2 (127.0.0.1:18011)"] * 4
+    timeline = json.loads(at.get("plotly_chart")[0].proto.spec)["data"]
+    assert "r2 (127.0.0.1:18011)" in [cells["name"] for cells in timeline]
+
+
 NO_ROUTER = "No router in this Prometheus exports what it predicted: llm-d's EPP, Dynamo's KV router"
 EPP = {"job": "epp", "instance": "10.0.0.5:9090"}  # predicts a hit ratio
 SMG = {"job": "smg", "instance": "10.0.0.6:29000"}  # counts its sticky decisions

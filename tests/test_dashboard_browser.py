@@ -19,6 +19,7 @@ import pytest
 
 from collectors import queries
 from collectors.config import load_config
+from collectors.naming import replica_name
 from collectors.records import SessionResult
 from collectors.store import Store
 from conftest import REPO, http_get
@@ -393,7 +394,6 @@ def test_a_sessions_rounds_are_what_the_replicas_served(frozen, page):
     header, *rows = table(page)
     column = {name: index for index, name in enumerate(header)}
     assert [int(row[column["cached tokens"]]) for row in rows] == [r.cached_tokens for r in stored]
-    assert [row[column["backend"]] for row in rows] == [r.backend for r in stored]
     assert [float(row[column["TTFT (ms)"]]) for row in rows] == pytest.approx(
         [r.ttft_seconds * 1000 for r in stored], abs=0.051
     )
@@ -413,6 +413,10 @@ def test_a_sessions_rounds_are_what_the_replicas_served(frozen, page):
     address = {replica["id"]: replica["url"].removeprefix("http://") for replica in lab.status["replicas"]}
     assert [r["cached_tokens"] for r in truth] == [r.cached_tokens for r in stored]
     assert [address[r["replica"]] for r in truth] == [r.backend for r in stored]  # nginx's X-Upstream
+    # The page names each backend by the replica's id (its Prometheus target's label) and address.
+    assert [row[column["backend"]] for row in rows] == [
+        replica_name(address[r["replica"]], r["replica"]) for r in truth
+    ]
 
 
 def test_experiment_says_there_is_no_report_yet(lab, page):

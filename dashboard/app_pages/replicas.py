@@ -45,9 +45,10 @@ def instance_verdicts(over: data.Span) -> None:
     state = data.instant(queries.INSTANCE_HIT_RATIO_DROP.state, over)
     if ui.failed(state) or state.value.empty:
         return
+    name = ui.replica_namer(over)
     for instance in sorted(state.value["instance"]):
         verdict = ui.judge(queries.INSTANCE_HIT_RATIO_DROP, state.value, HIT_RATIO_OK, instance=instance)
-        st.markdown(f"`{instance}`: :{verdict.color}[{verdict.text}]")
+        st.markdown(f"`{name(instance)}`: :{verdict.color}[{verdict.text}]")
 
 
 def ratio_chart(
@@ -68,7 +69,7 @@ def shares(query: str, over: data.Span, empty: str, key: str, **bars) -> None:
         ui.empty(empty)
         return
     order = ["instance", bars["color"]] if "color" in bars else ["instance"]
-    figure = px.bar(found.value.sort_values(order), x="instance", y="value", **bars)
+    figure = px.bar(ui.named_replicas(found.value, over).sort_values(order), x="instance", y="value", **bars)
     figure.update_layout(yaxis={"tickformat": ".0%"}, margin={"t": 10}, height=280)
     st.plotly_chart(figure, key=key)
 
@@ -145,6 +146,7 @@ def replicas(seconds: int) -> None:
     )
     if ui.failed(hit_ratios) or ui.failed(local):
         return
+    hit_ratios, local = (ui.named_replicas(found.value, over) for found in (hit_ratios, local))
     st.caption(f"As of {ui.as_of(over.end)}.")
     st.subheader("Hit ratio per instance")
     st.caption(
@@ -153,10 +155,10 @@ def replicas(seconds: int) -> None:
         "KVWatchPrefixCacheHitRateDrop judges this ratio."
     )
     marks = ui.events(over)
-    if hit_ratios.value.empty:
+    if hit_ratios.empty:
         ui.empty(f"No engine served prompt tokens in this range (ratios over {queries.WINDOW} windows).")
     else:
-        st.plotly_chart(ratio_chart(hit_ratios.value, marks, "hit ratio", 320), key="replicas_hit_ratio")
+        st.plotly_chart(ratio_chart(hit_ratios, marks, "hit ratio", 320), key="replicas_hit_ratio")
         instance_verdicts(over)
 
     lookups, sources = st.columns(2)
@@ -166,10 +168,10 @@ def replicas(seconds: int) -> None:
             "Tokens found over tokens looked up in each engine's own prefix cache. vLLM stops looking up "
             "when caching is off, so such a replica drops out here instead of counting as 0 %."
         )
-        if local.value.empty:
+        if local.empty:
             ui.empty("No engine looked up its prefix cache in this range.")
         else:
-            st.plotly_chart(ratio_chart(local.value, marks, "lookup ratio", 280), key="replicas_local")
+            st.plotly_chart(ratio_chart(local, marks, "lookup ratio", 280), key="replicas_local")
     with sources:
         st.subheader("Cached KV by source")
         st.caption("Each source's share of the instance's prompt tokens, now: the hit ratio, split.")
@@ -192,7 +194,7 @@ def replicas(seconds: int) -> None:
         if not ui.failed(ttft) and ttft.value.empty:
             ui.empty("No first tokens in the last window.")
         elif not ttft.error:
-            frame = ttft.value.assign(
+            frame = ui.named_replicas(ttft.value, over).assign(
                 ms=ttft.value["value"] * 1000,
                 quantile=ttft.value["quantile"].map(lambda q: f"p{float(q) * 100:g}"),
             )
@@ -215,9 +217,9 @@ def replicas(seconds: int) -> None:
         if series.value.empty:
             ui.empty("No instance exports prefix-cache series yet: is Prometheus scraping the engines?")
         else:
-            st.dataframe(engines(series.value, config.value), hide_index=True)
+            st.dataframe(ui.named_replicas(engines(series.value, config.value), over), hide_index=True)
 
-    routers(over, hit_ratios.value, marks)
+    routers(over, hit_ratios, marks)
 
 
 st.title("Cache & replicas")

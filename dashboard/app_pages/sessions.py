@@ -102,9 +102,10 @@ def recent(target: str, seconds: int) -> None:
     if sessions.empty:
         ui.empty(f"No probe sessions through {target} in this range yet.")
         return
-    rounds = data.rounds(over.start)
-    if ui.failed(rounds):
+    stored = data.rounds(over.start)
+    if ui.failed(stored):
         return
+    rounds = stored.value.assign(backend=stored.value["backend"].map(ui.replica_namer(over)))
     judged = sessions["sticky"].dropna()
     st.caption(
         f"{len(sessions)} sessions since {ui.as_of(over.start)}; "
@@ -113,7 +114,7 @@ def recent(target: str, seconds: int) -> None:
         f"{int((~sessions['ok']).sum())} failed."
     )
     st.subheader("Backend per round")
-    st.plotly_chart(timeline(sessions.head(TIMELINE_SESSIONS), rounds.value), key="sessions_timeline")
+    st.plotly_chart(timeline(sessions.head(TIMELINE_SESSIONS), rounds), key="sessions_timeline")
 
     st.subheader("Recent sessions")
     st.dataframe(sessions[list(SESSION_COLUMNS)], hide_index=True, column_config=SESSION_COLUMNS)
@@ -121,7 +122,7 @@ def recent(target: str, seconds: int) -> None:
     st.subheader("One session")
     labels = {s["id"]: label(s) for _, s in sessions.iterrows()}
     picked = st.selectbox("Session", list(labels), format_func=labels.get, key="sessions_pick")
-    rows = detail(rounds.value[rounds.value["session"] == picked])
+    rows = detail(rounds[rounds["session"] == picked])
     st.table(rows.style.format({"TTFT (ms)": "{:.1f}"}, na_rep="–").hide())
 
 

@@ -386,6 +386,17 @@ STICKY_RATIO = _per_route("min", "kvwatch_probe_sticky_ratio")  # the last probe
 WARM_COLD_RATIO = _per_route("max", "kvwatch_probe_warm_cold_ttft_ratio")  # the last probe run's
 GATEWAY_SPREAD = f'max by ({LISTENER}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
 
+# The replica id of each scraped instance, from a `replica` target label (the lab's scrape config sets one;
+# set one in yours): the pages and the alerts name a replica by id and address together.
+REPLICA_IDS = 'group by (instance, replica) (up{replica!=""})'
+# An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
+# where REPLICA_IDS knows the instance's id (a template query at notification time), else its address.
+INSTANCE_NAME = (
+    "{{ $name := $labels.instance }}"
+    f"{{{{ range printf `{REPLICA_IDS} and on(instance) up{{instance=%q}}` $labels.instance | query }}}}"
+    '{{ $name = printf "%s (%s)" .Labels.replica $labels.instance }}{{ end }}{{ $name }}'
+)
+
 
 @dataclass(frozen=True)
 class Alert:
@@ -489,7 +500,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             f"and on({INSTANCE}) {INSTANCE_PROMPT_TOKENS} > {t.min_prompt_tokens_per_second}",
             "warning",
             "An instance's prefix-cache hit ratio dropped.",
-            "{{ $labels.instance }} serves only {{ $value | humanizePercentage }} of its prompt tokens from "
+            f"{INSTANCE_NAME} serves only {{{{ $value | humanizePercentage }}}} of its prompt tokens from "
             "cached KV, well below its own average of the previous hour or under the floor.",
             for_="5m",
             labels={"scope": "instance"},
@@ -508,7 +519,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             f"{prompt_rate} > 0\nand on({INSTANCE}) ({lookup_rate}) == 0",
             "warning",
             "An instance serves prompts without looking up its prefix cache.",
-            "{{ $labels.instance }} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
+            f"{INSTANCE_NAME} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
             "caching is off there.",
             for_="30s",
             keep_firing_for="5m",  # sparse traffic must not make it flap
@@ -519,7 +530,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             f'max by ({INSTANCE}) (vllm:cache_config_info{{enable_prefix_caching="False"}}) == 1',
             "warning",
             "An instance runs with prefix caching disabled.",
-            "{{ $labels.instance }} reports enable_prefix_caching=False: start it with prefix caching on.",
+            f"{INSTANCE_NAME} reports enable_prefix_caching=False: start it with prefix caching on.",
             labels={"evidence": "config"},
         ),
         Alert(
@@ -527,7 +538,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             f"group by ({INSTANCE}) ({engines})\nunless on({INSTANCE}) {INSTANCE_CACHE_SERIES}",
             "warning",
             "An engine exports none of the prefix-cache series kvwatch reads.",
-            "{{ $labels.instance }} ({{ $labels.job }}) is a vLLM or SGLang engine but exports none of the "
+            f"{INSTANCE_NAME} ({{{{ $labels.job }}}}) is a vLLM or SGLang engine but exports none of the "
             "prefix-cache series kvwatch reads: a renamed metric, or a pipeline that rewrote ':' to '_', "
             "would make the hit-ratio panels empty.",
             for_="10m",
@@ -562,7 +573,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "up == 0",
             "critical",
             "A scrape target is down.",
-            "{{ $labels.job }} / {{ $labels.instance }} has not answered Prometheus's scrapes.",
+            f"{{{{ $labels.job }}}} / {INSTANCE_NAME} has not answered Prometheus's scrapes.",
             for_="1m",
         ),
         Alert(
@@ -737,9 +748,6 @@ CACHED_SHARE_BY_SOURCE = (
 )
 TTFT_QUANTILES_BY_INSTANCE = f"{INSTANCE_TTFT}{{{ENGINE_SELECTOR}}}"
 REQUEST_SHARE_BY_INSTANCE = f"{INSTANCE_REQUEST_SHARE}{{{ENGINE_SELECTOR}}}"
-# The replica id of each scraped instance, from a `replica` target label (the lab's scrape config sets one;
-# set one in yours): the pages name a replica by id and address together.
-REPLICA_IDS = 'group by (instance, replica) (up{replica!=""})'
 # Engine TTFT bucket rates for a heatmap, one query per engine family: their buckets differ.
 ENGINE_TTFT_BUCKET_RATES = {
     name.split(":")[0]: f"sum by (le) (rate({name}{{{ENGINE_SELECTOR}}}[{RATE_WINDOW}]))"

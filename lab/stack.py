@@ -454,8 +454,15 @@ def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool)
     elif replica.prefix_caching != enabled:
         replica.prefix_caching = enabled
         state.save()
-        _stop(state, [f"replica-{replica.id}"])
+        _stop_replica(state, replica)
         _start(state, replica_process(state, replica))
+
+
+def _stop_replica(state: LabState, replica: ReplicaSpec) -> None:
+    """Stop a replica; return once the gateway has let go of it too, so the next request fails over."""
+    _stop(state, [f"replica-{replica.id}"])
+    if forget := GATEWAYS[state.gateway].forget_replica:
+        forget(state, replica.port)
 
 
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
@@ -492,11 +499,11 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         _write_configs(state)
         done = "background users now put a timestamp at the top of their system prompt"
     elif name == "kill-replica":
-        _stop(state, [f"replica-{replica.id}"])
+        _stop_replica(state, replica)
         state.faults.append(f"{name}:{replica.id}")
         done = f"replica {replica.name} killed"
     elif name == "restart-replica":
-        _stop(state, [f"replica-{replica.id}"])
+        _stop_replica(state, replica)
         _start(state, replica_process(state, replica))
         state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
         done = f"replica {replica.name} restarted (its counters start from zero)"

@@ -307,6 +307,12 @@ def heal(lab: Lab, sessions: list[str]) -> None:
     assert_baseline(lab, sessions)
 
 
+def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
+    """After a test of a shared lab: one that failed before its own heal leaves no fault for the next."""
+    if lab.cli("status", "--json").json["faults"]:
+        heal(lab, sessions)
+
+
 class Lab:
     """A lab started with `kvwatch lab up --detach` in its own state directory."""
 
@@ -334,9 +340,20 @@ class Lab:
         (replica,) = [r for r in self.cli("status", "--json").json["replicas"] if r["id"] == replica_id]
         return replica["url"]
 
-    def access_log(self, listener: str) -> list[dict]:
+    def access_log(
+        self, listener: str, until: Callable[[list[dict]], bool] | None = None, timeout: float = 10
+    ) -> list[dict]:
+        """The gateway's access log for `listener`; with `until`, once it holds what `until` waits for.
+        A gateway writes a request's line only after the answer's last byte (Envoy every 0.2 s), so the
+        line of the request just answered may not be there yet."""
         path = self.state_dir / "logs" / f"gateway-{listener}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        deadline = time.monotonic() + timeout
+        while True:
+            entries = [json.loads(line) for line in path.read_text().splitlines() if line]
+            if until is None or until(entries):
+                return entries
+            assert time.monotonic() < deadline, f"the access log never held it: {entries[-5:]}"
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self.cli("down")

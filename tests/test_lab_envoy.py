@@ -15,7 +15,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,7 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from collectors.cli import main
 from collectors.gatewaylogs import log_format
 from conftest import LAB_CLIENT as CLIENT
-from conftest import assert_admin_api_unproxied, assert_baseline, chat, fault, heal, upstreams
+from conftest import (
+    assert_admin_api_unproxied,
+    assert_baseline,
+    chat,
+    fault,
+    heal,
+    heal_if_faulted,
+    upstreams,
+)
 from lab import stack
 from lab.gateways import envoy
 from lab.process import LabError
@@ -44,15 +51,6 @@ def lab(start_lab):
     return start_lab("--gateway", "envoy", "--replicas", str(REPLICAS), *quiet)
 
 
-def logged(lab, listener: str, until: Callable[[list[dict]], bool], timeout: float = 10) -> list[dict]:
-    """Envoy's access log for `listener` once it holds what `until` waits for (it flushes every 0.2 s)."""
-    deadline = time.monotonic() + timeout
-    while not until(entries := lab.access_log(listener)):
-        assert time.monotonic() < deadline, f"the access log never held it: {entries[-5:]}"
-        time.sleep(0.1)
-    return entries
-
-
 def after(log: list[dict], session_id: str) -> list[dict]:
     """The entries logged after the last one of `session_id` (none while that one is not flushed)."""
     marks = [i for i, entry in enumerate(log) if entry["session_id"] == session_id]
@@ -61,10 +59,8 @@ def after(log: list[dict], session_id: str) -> list[dict]:
 
 @pytest.fixture(autouse=True)
 def healthy_after(lab):
-    """A test that fails before its heal leaves no fault for the next one."""
     yield
-    if lab.cli("status", "--json").json["faults"]:
-        heal(lab, SESSIONS)
+    heal_if_faulted(lab, SESSIONS)
 
 
 def parsed(entry: dict):
@@ -184,7 +180,7 @@ def test_break_affinity_spreads_sessions_over_replicas(lab):
     seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
     assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
     first = ROUND_ROBIN_SESSIONS[0]
-    entries = logged(lab, "affinity", lambda log: sum(e["session_id"] == first for e in log) >= 3)
+    entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == first for e in log) >= 3)
     assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
     heal(lab, SESSIONS)
 
@@ -197,10 +193,12 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     seen = upstreams(lab.affinity, SESSIONS)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the request that was assigned `assigned`
-    entries = logged(lab, "affinity", lambda log: len(after(log, assigned)) >= sent)
+    entries = lab.access_log("affinity", until=lambda log: len(after(log, assigned)) >= sent)
     assert all(parsed(e).assigned for e in after(entries, assigned)[:sent])
     heal(lab, SESSIONS)
-    assert not parsed(logged(lab, "affinity", lambda log: log[-1]["session_id"] == "echo-me")[-1]).assigned
+    assert not parsed(
+        lab.access_log("affinity", until=lambda log: log[-1]["session_id"] == "echo-me")[-1]
+    ).assigned
 
 
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
@@ -209,7 +207,7 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
     seen = upstreams(lab.affinity, SESSIONS)
     assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the "kept" request
-    entries = logged(lab, "affinity", lambda log: len(after(log, "kept")) >= sent)
+    entries = lab.access_log("affinity", until=lambda log: len(after(log, "kept")) >= sent)
     mine = [parsed(e) for e in after(entries, "kept")]
     assert {r.session_id for r in mine} == set(SESSIONS) and not any(r.assigned for r in mine)
     heal(lab, SESSIONS)
@@ -224,14 +222,24 @@ def test_kill_replica_fails_over_and_heal_restarts_it(lab):
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     # Envoy retries a request r3 refused on another replica, and logs the second attempt.
     failover = chat(lab.affinity, pinned)
-    assert failover.status_code == 200 and failover.headers["X-Upstream"] != r3
-    entries = logged(lab, "affinity", lambda log: sum(e["session_id"] == pinned for e in log) == 2)
+    entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == pinned for e in log) == 2)
+    assert failover.status_code == 200, (failover.text, entries[-1])
+    assert failover.headers["X-Upstream"] != r3
     retried = [e for e in entries if e["session_id"] == pinned][-1]
     assert retried["upstream_request_attempt_count"] == 2 and parsed(retried).failover
     seen = upstreams(lab.affinity, SESSIONS, rounds=1)
     assert r3 not in {rounds[0] for rounds in seen.values()}
     heal(lab, SESSIONS)
     assert chat(lab.affinity, pinned).headers["X-Upstream"] == r3
+
+
+def test_a_stopped_replica_is_forgotten_only_once_envoy_pools_no_connection_to_it(lab, monkeypatch):
+    """What kill-replica waits for: a live replica's connections stay pooled, so the wait fails loudly."""
+    monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 0.5)
+    state = LabState.load(lab.state_dir)
+    upstreams(lab.round_robin, ["pooled"], rounds=REPLICAS)  # every replica serves one request
+    with pytest.raises(LabError, match=r"did not let go .* still holds connections to 127\.0\.0\.1:"):
+        envoy.forget_replica(state, state.replica("r1").port)
 
 
 def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):

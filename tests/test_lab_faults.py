@@ -24,7 +24,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LAB_CLIENT as CLIENT
-from conftest import REPO, assert_admin_api_unproxied, assert_baseline, chat, fault, heal, stop, upstreams
+from conftest import (
+    REPO,
+    assert_admin_api_unproxied,
+    assert_baseline,
+    chat,
+    fault,
+    heal,
+    heal_if_faulted,
+    stop,
+    upstreams,
+)
 from lab import stack
 from lab.gateways import nginx as nginx_gateway
 from lab.process import LabError
@@ -51,6 +61,12 @@ def busy_lab(start_lab):
     return start_lab(
         "--replicas", "2", "--users", "2", "--think", "0.05", "--time-scale", "0.2", "--no-probes"
     )
+
+
+@pytest.fixture(autouse=True)
+def healthy_after(lab):
+    yield
+    heal_if_faulted(lab, SESSIONS)
 
 
 def faults_log(lab) -> list[dict]:
@@ -191,7 +207,8 @@ def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     # nginx fails over: r3's session is answered by the next replica, the gateway names both.
     failover = chat(lab.affinity, pinned)
     assert failover.status_code == 200 and failover.headers["X-Upstream"].startswith(f"{r3}, ")
-    logged = [e for e in lab.access_log("affinity") if e["session_id"] == pinned][-1]
+    entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == pinned for e in log) == 2)
+    logged = [e for e in entries if e["session_id"] == pinned][-1]
     assert logged["upstream_addr"].startswith(f"{r3}, ") and logged["status"] == 200
     # Every session still gets an answer, from one of the three live replicas.
     seen = upstreams(lab.affinity, SESSIONS, rounds=1)

@@ -39,6 +39,9 @@ class Gateway:
     apply: Callable[[LabState], None]
     # Where its admin port (lab.state.Ports.gateway_admin) serves Prometheus metrics; None: no admin port.
     metrics_path: str | None = None
+    # Returns once the gateway holds no connection to a stopped replica's port, else raises LabError;
+    # None: the gateway needs no wait (it passes a request a pooled connection fails on to another).
+    forget_replica: Callable[[LabState, int], None] | None = None
 
 
 def generation(files: Callable[[str], dict[str, str]]) -> str:

@@ -282,6 +282,28 @@ def apply(state: LabState) -> None:
         )
 
 
+def forget_replica(state: LabState, port: int) -> None:
+    """Envoy drops a pooled connection when the replica's end closes, but only once its worker runs: on
+    a loaded machine the next request can still be sent on one, reset, and answered 503 (a reset after
+    sending is not retried). Returns once no cluster holds a connection to the port."""
+    address = f"127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{state.ports.gateway_admin}/clusters"
+
+    def problem() -> str | None:
+        try:
+            stats = request_sync("GET", url, CONFIG_DUMP_TIMEOUT_S).text.splitlines()
+        except httpx.HTTPError as error:
+            return f"its admin API did not answer /clusters ({type(error).__name__})"
+        held = [line for line in stats if f"::{address}::cx_active::" in line and not line.endswith("::0")]
+        return f"it still holds connections to {address}: {held}" if held else None
+
+    if seen := wait_for(problem, RELOAD_TIMEOUT_S):
+        raise LabError(
+            f"Envoy did not let go of the stopped replica within {RELOAD_TIMEOUT_S:.0f} s: {seen}; "
+            f"logs/envoy.log ends:\n{log_tail(state, 'envoy')}"
+        )
+
+
 GATEWAY = Gateway(
     name="envoy",
     help="as Istio configures consistentHash: a route hash_policy on the session header over a "
@@ -291,4 +313,5 @@ GATEWAY = Gateway(
     write_configs=write_configs,
     apply=apply,
     metrics_path="/stats/prometheus",
+    forget_replica=forget_replica,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from collectors import config, doctor, experiment, probe, scheduler, scrape
+from collectors import completion, config, doctor, experiment, probe, scheduler, scrape
 from dashboard import cli as dashboard_cli
 from lab import cli as lab_cli
 
@@ -35,6 +35,7 @@ EXIT_CODES = {
     f"{BAD_ARGUMENTS}, {NO_MODEL}",
     "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
+    "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
 }
 
 
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_parser(commands)
     doctor.add_parser(commands)
     dashboard_cli.add_parser(commands)
+    completion.add_parser(commands, build_parser)
     for path, command in runnable_commands(parser).items():
         command.epilog = f"Exit codes: {EXIT_CODES[path]}."
     return parser

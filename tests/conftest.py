@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lab.state import LabState
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
@@ -309,7 +311,7 @@ def heal(lab: Lab, sessions: list[str]) -> None:
 
 def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
     """After a test of a shared lab: one that failed before its own heal leaves no fault for the next."""
-    if lab.cli("status", "--json").json["faults"]:
+    if LabState.load(lab.state_dir).faults:
         heal(lab, sessions)
 
 

@@ -765,6 +765,12 @@ def test_alerts_from_alertmanager_and_the_webhook_with_runbooks(fake):
     assert link.proto.url == f"{queries.RUNBOOK_URL}#kvwatchsessionaffinitybroken"
 
 
+def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake, monkeypatch):
+    fake.values[queries.REPLICA_IDS] = REPLICA_IDS
+    monkeypatch.setattr(data, "alerts", lambda: Result(alerts_frame(instance="127.0.0.1:18011")))
+    assert list(open_page("alerts").dataframe[0].value["instance"]) == ["r2 (127.0.0.1:18011)"]
+
+
 def test_experiment_shows_a_report_and_runs_one(fake):
     fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: a vs b\n\n| round |\n|---|\n", None))
     at = open_page("experiment")

@@ -21,8 +21,10 @@ COLUMNS = {
 
 
 def show(alerts: pd.DataFrame, key: str) -> None:
+    """The alerts, each instance named as the lab and the alert descriptions name a replica."""
     columns = [c for c in COLUMNS if c in alerts]
-    st.dataframe(alerts[columns], hide_index=True, column_config=COLUMNS, key=key)
+    named = ui.named_replicas(alerts[columns], data.span(0))
+    st.dataframe(named, hide_index=True, column_config=COLUMNS, key=key)
 
 
 def runbooks(alerts: pd.DataFrame) -> None:

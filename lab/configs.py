@@ -12,6 +12,7 @@ import yaml
 
 from collectors.config import GatewayLog
 from lab.gateways import GATEWAYS
+from lab.process import LabError
 from lab.replicas import KINDS
 from lab.state import LabState
 
@@ -41,7 +42,11 @@ def rule_files(state: LabState) -> dict[str, str]:
     """The rule files Prometheus loads: the repository's, with `--rule-time-scale` applied (name -> text).
 
     A scale of 0.1 makes what takes minutes in production take seconds in the lab and its tests."""
-    found = sorted(path for pattern in RULE_PATTERNS for path in REPO.glob(pattern))
+    found = []
+    for pattern in RULE_PATTERNS:
+        if not (matched := sorted(REPO.glob(pattern))):
+            raise LabError(f"no rule files match {REPO / pattern}: this kvwatch installation is incomplete")
+        found += matched
     return {path.name: scale_durations(path.read_text(), state.rule_time_scale) for path in found}
 
 

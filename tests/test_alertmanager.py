@@ -25,7 +25,9 @@ from collectors.config import Config, ExporterSettings, StoreSettings, Target
 from collectors.scheduler import Service
 from collectors.store import Store
 from conftest import REPO, free_port, stop, wait_http
+from lab import configs
 from lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
+from lab.process import LabError
 from lab.state import LabState
 
 CONFIG = REPO / "alerts" / "alertmanager.yml"
@@ -224,3 +226,12 @@ def test_fast_rules_are_valid_for_promtool(tmp_path: Path):
             [shutil.which("promtool"), "check", "rules", str(tmp_path / name)], capture_output=True, text=True
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_missing_rule_files_are_an_error_naming_the_pattern(tmp_path, monkeypatch):
+    """An installation without its rule files would start a Prometheus that alerts on nothing."""
+    (tmp_path / "alerts").mkdir()
+    (tmp_path / "alerts" / "kvwatch.rules.yml").write_text("groups: []\n")
+    monkeypatch.setattr(configs, "REPO", tmp_path)
+    with pytest.raises(LabError, match=r"no rule files match .*/prometheus/rules/\*\.yml: this kvwatch"):
+        rule_files(LabState(tmp_path, 21000))

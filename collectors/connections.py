@@ -54,16 +54,16 @@ async def request(
 
 
 @functools.cache
-def _tls() -> ssl.SSLContext:
+def tls_context() -> ssl.SSLContext:
     """One verifying TLS context for the whole process. httpx would build one per client, loading the
     CA bundle each time (about 50 ms of CPU), and a lab poll, a dashboard query or a probe run each
-    makes a client."""
+    makes a client (the probe's own, collectors.streaming, uses it too)."""
     return httpx.create_ssl_context()
 
 
 def http_client(**options) -> httpx.AsyncClient:
     """An httpx.AsyncClient (the options are its own) that shares the process's TLS context."""
-    return httpx.AsyncClient(verify=_tls(), **options)
+    return httpx.AsyncClient(verify=tls_context(), **options)
 
 
 def request_sync(method: str, url: str, deadline_s: float, **options) -> httpx.Response:

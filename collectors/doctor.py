@@ -47,6 +47,7 @@ from collectors.progress import Progress
 from collectors.queries import ALERTS
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact
+from collectors.streaming import StreamClient
 from collectors.workload import Conversation, synthetic
 from lab.tokenizer import TemplateError, message_text, split_words
 
@@ -132,7 +133,8 @@ class _Route:
     """What the route's checks share: the base URL may be corrected by reachability, then each check
     reads the first round or the sessions, their ideal cached tokens in the engine's KV blocks."""
 
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # for the model list and Prometheus
+    streams: StreamClient  # for the rounds
     probe: ProbeSettings
     block_sources: BlockSizeSources
     first: RoundResult | None = None
@@ -178,8 +180,8 @@ async def examine(
         if on_check is not None:
             on_check(check)
 
-    async with http_client(timeout=probe.timeout_seconds) as client:
-        route = _Route(client, probe, block_sources)
+    async with http_client(timeout=probe.timeout_seconds) as client, StreamClient() as streams:
+        route = _Route(client, streams, probe, block_sources)
         blocker = None
         for name, check in ROUTE_CHECKS:
             if blocker:
@@ -201,7 +203,7 @@ def _blocks(check: Check) -> bool:
     return check.status == "fail" and check.cause != "bad_base_url"
 
 
-async def _one_round(client: httpx.AsyncClient, probe: ProbeSettings) -> RoundResult:
+async def _one_round(client: StreamClient, probe: ProbeSettings) -> RoundResult:
     session = await run_session(client, probe, Conversation("You are brief.", ("Say hello.",)))
     return session.rounds[0]
 
@@ -236,7 +238,7 @@ def _base_url_variants(base_url: str) -> list[str]:
 async def reachability(route: _Route) -> Check:
     """Does anything answer at the base URL, and is it the API root? A 404 there tries the variants."""
     name, probe = "reachability", route.probe
-    route.first = first = await _one_round(route.client, probe)
+    route.first = first = await _one_round(route.streams, probe)
     url = redact(api_url(probe.base_url, "chat/completions"))
     if first.error_kind in UNREACHABLE:
         fix = f"{HINTS[first.error_kind]}; `curl -v {url}` shows which hop fails"
@@ -245,7 +247,7 @@ async def reachability(route: _Route) -> Check:
         return Check(name, "pass", f"HTTP {first.status} from {url}")
     for variant in _base_url_variants(probe.base_url):
         candidate = replace(probe, base_url=variant)
-        answer = await _one_round(route.client, candidate)
+        answer = await _one_round(route.streams, candidate)
         if answer.error_kind not in (*UNREACHABLE, "not_found") or await _models(route.client, candidate):
             route.probe, route.first = candidate, answer
             root = redact(api_url(variant, "").rstrip("/"))
@@ -325,7 +327,7 @@ async def session_propagation(route: _Route) -> Check:
     """
     name, header = "session id propagation", route.probe.session_header
     conversations = synthetic(ROUNDS, SYSTEM_TOKENS, TURN_TOKENS, random.randrange(2**32), SESSIONS)
-    sessions = [await run_session(route.client, route.probe, c) for c in conversations]
+    sessions = [await run_session(route.streams, route.probe, c) for c in conversations]
     route.block = await blocksize.learn(route.block_sources, sessions)
     route.sessions = with_block_size(sessions, route.block.tokens)
     answered = [r for s in route.sessions for r in s.rounds if r.status is not None]

@@ -28,11 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 from collectors import blocksize, experiment_plot, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
-from collectors.connections import http_client
 from collectors.probe import (
     SESSION_MODES,
     ProbeSettings,
@@ -49,6 +46,7 @@ from collectors.probe import (
 from collectors.progress import Progress
 from collectors.records import SessionResult
 from collectors.redaction import redact
+from collectors.streaming import StreamClient
 from collectors.workload import Conversation, load_sharegpt, synthetic
 
 RESAMPLES = 2000
@@ -161,11 +159,7 @@ def run_experiment(
 
     async def run() -> None:
         # One pool per route, so that alternating routes does not close the other's kept-alive connection.
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with (
-            http_client(timeout=a.timeout_seconds, limits=limits) as client_a,
-            http_client(timeout=b.timeout_seconds, limits=limits) as client_b,
-        ):
+        async with StreamClient() as client_a, StreamClient() as client_b:
             clients, plan = (client_a, client_b), iter(interleave(len(conversations)))
 
             async def worker() -> None:

@@ -34,6 +34,7 @@ from collectors.connections import connect_reason, http_client, request, url_pro
 from collectors.progress import Progress
 from collectors.records import RoundResult, SessionResult
 from collectors.redaction import redact, redacted_name
+from collectors.streaming import ConnectFailed, Response, StreamBroken, StreamClient
 from collectors.workload import Conversation, load_sharegpt, synthetic
 
 SESSION_MODES = ("client", "server", "none")
@@ -180,7 +181,7 @@ class _Reply:
 
 
 async def run_session(
-    client: httpx.AsyncClient,
+    client: StreamClient,
     settings: ProbeSettings,
     conversation: Conversation,
     think_seconds: float = 0.0,
@@ -268,8 +269,7 @@ async def run_sessions(
     if concurrency < 1:
         raise ValueError("concurrency must be positive")
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with http_client(timeout=settings.timeout_seconds, limits=limits) as client:
+    async with StreamClient() as client:
 
         async def one(conversation: Conversation) -> SessionResult:
             async with gate:
@@ -292,7 +292,7 @@ def probe_once(
 
 
 async def _round(
-    client: httpx.AsyncClient,
+    client: StreamClient,
     settings: ProbeSettings,
     number: int,
     messages: list[dict],
@@ -322,14 +322,12 @@ async def _round(
             await _stream(client, settings, content, headers, reply)
     except _Failure as failure:
         kind, detail = failure.kind, failure.detail
-    except (TimeoutError, httpx.TimeoutException):
+    except TimeoutError:
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
-    except (httpx.ConnectError, httpx.ProxyError) as error:
-        reason = connect_reason(error)
-        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {reason}"
-    except httpx.HTTPError as error:
-        kind = "stream_error" if reply.status == 200 else "http_error"
-        detail = f"{type(error).__name__}: {error}"
+    except ConnectFailed as error:
+        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
+    except StreamBroken as error:
+        kind, detail = "stream_error" if reply.status == 200 else "http_error", str(error)
     usage = reply.usage
     return (
         RoundResult(
@@ -357,36 +355,37 @@ async def _round(
 
 
 async def _stream(
-    client: httpx.AsyncClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
+    client: StreamClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
 ) -> None:
-    """Stream one answer into `reply`, timing its first generated token and its first answer text."""
-    start = time.perf_counter()
+    """Stream one answer into `reply`, timing its first generated token and its first answer text by
+    when their bytes arrived, from when the request was written."""
     url = api_url(settings.base_url, "chat/completions")
-    async with client.stream("POST", url, content=content, headers=headers) as response:
-        reply.status, reply.headers = response.status_code, response.headers
-        if response.status_code != 200:
-            raise _status_failure(response.status_code, await _body(response))
+    async with client.stream(url, content, headers) as response:
+        reply.status, reply.headers = response.status, response.headers
+        if response.status != 200:
+            raise _status_failure(response.status, await _body(response))
         if "text/event-stream" not in response.headers.get("Content-Type", ""):
             raise _answer_failure(await _body(response))
-        async for line in _lines(response):
+        async for line, arrived_at in _lines(response):
             if not line.startswith("data:"):
                 continue  # blank separators, comments (keep-alives), event: and id: fields
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
-                reply.total_seconds = time.perf_counter() - start
+                reply.total_seconds = arrived_at - response.sent_at
                 return
             try:
                 chunk = json.loads(data)
                 if isinstance(chunk, dict) and "error" in chunk:
                     raise _Failure("stream_error", f"error in the stream: {data}")
-                _read_chunk(chunk, settings, reply, start)
+                _read_chunk(chunk, settings, reply, arrived_at - response.sent_at)
             except (ValueError, TypeError, AttributeError) as error:
                 raise _Failure("stream_error", f"malformed chunk: {data}") from error
         raise _Failure("stream_error", "the stream ended before [DONE]")
 
 
-def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: float) -> None:
-    """Take the content, usage and backend from one streamed chunk; TypeError etc. when malformed.
+def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, elapsed: float) -> None:
+    """Take the content, usage and backend from one streamed chunk, which arrived `elapsed` seconds into
+    the round; TypeError etc. when malformed.
 
     The first generated token of any kind ends the TTFT: a reasoning model thinks, or calls a tool,
     before it answers, and the engine's prefill is over by then. The first answer text is kept apart.
@@ -396,15 +395,14 @@ def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, start: floa
         generated = [delta.get(name) for name in GENERATED_FIELDS]
         if not all(value is None or isinstance(value, str | list) for value in generated):
             raise TypeError("a delta field is neither text nor a list of tool calls")
-        now = time.perf_counter() - start  # one reading: an answer that starts with text has both equal
         if reply.ttft_seconds is None and any(generated):
-            reply.ttft_seconds = now
+            reply.ttft_seconds = elapsed
         content = delta.get("content")
         if content:
             if not isinstance(content, str):
                 raise TypeError("content is not a string")
             if reply.first_content_seconds is None:
-                reply.first_content_seconds = now
+                reply.first_content_seconds = elapsed
             reply.answer.append(content)
             reply.answer_bytes += len(content.encode())
             if reply.answer_bytes > MAX_ANSWER_BYTES:
@@ -443,27 +441,27 @@ def _shown(value: object) -> str:
     return f"{Decimal(value):.3g}" if type(value) is int else text[:20] + "…"
 
 
-async def _lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The body's lines, at most MAX_STREAM_LINES of at most MAX_LINE_BYTES each: an endless line would be
-    endless memory, an endless stream endless work."""
+async def _lines(response: Response) -> AsyncIterator[tuple[str, float]]:
+    """The body's lines, each with the time its end arrived, at most MAX_STREAM_LINES of at most
+    MAX_LINE_BYTES each: an endless line would be endless memory, an endless stream endless work."""
     buffer, count = b"", 0
-    async for chunk in response.aiter_bytes():
+    async for chunk, arrived_at in response.chunks():
         *lines, buffer = (buffer + chunk).split(b"\n")
         count += len(lines)
         if count > MAX_STREAM_LINES:
             raise _Failure("stream_error", f"more than {MAX_STREAM_LINES} lines: a stream that does not end")
         for line in lines:
-            yield line.rstrip(b"\r").decode(errors="replace")
+            yield line.rstrip(b"\r").decode(errors="replace"), arrived_at
         if len(buffer) > MAX_LINE_BYTES:
             raise _Failure("stream_error", f"a line of more than {MAX_LINE_BYTES} bytes: not an event stream")
     if buffer:
-        yield buffer.decode(errors="replace")
+        yield buffer.decode(errors="replace"), time.perf_counter()
 
 
-async def _body(response: httpx.Response) -> str:
+async def _body(response: Response) -> str:
     """The start of a non-streamed body, at most MAX_BODY_BYTES of it."""
     body = b""
-    async for chunk in response.aiter_bytes():
+    async for chunk, _ in response.chunks():
         body += chunk
         if len(body) >= MAX_BODY_BYTES:
             break

@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from collectors import blocksize, workload
@@ -37,12 +36,12 @@ from collectors.config import (
     resolve_api_key,
     resolve_webhook_token,
 )
-from collectors.connections import http_client
 from collectors.exporter import ProbeCollector, ProbeResults
 from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from collectors.probe import ProbeSettings, run_session, with_block_size
 from collectors.records import SessionResult
 from collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from collectors.streaming import StreamClient
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -166,7 +165,7 @@ class Service:
         self.conversations = {t.name: Conversations(t) for t in config.targets}
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in config.targets}
         self._gate: asyncio.Semaphore | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._client: StreamClient | None = None
         self._stop: asyncio.Event | None = None
 
     async def probe(self, target: Target) -> None:
@@ -254,9 +253,8 @@ class Service:
 
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
-        # No per-read timeout of the client's own (httpx's default is 5 s): each round has its target's
-        # deadline over the whole exchange (ProbeSettings.timeout_seconds).
-        self._client = http_client(timeout=None, limits=httpx.Limits(max_connections=MAX_CONCURRENT_SESSIONS))
+        # Each round has its target's deadline over the whole exchange (ProbeSettings.timeout_seconds).
+        self._client = StreamClient()
         app = make_app(self.registry, self.store_alerts, self.webhook_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

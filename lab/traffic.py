@@ -19,11 +19,9 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-import httpx
-
-from collectors.connections import http_client
 from collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
 from collectors.probe import ProbeSettings, api_url, run_session
+from collectors.streaming import StreamClient
 from collectors.workload import Conversation, system_prompt, user_turns
 from lab.engine import ReplicaSettings
 
@@ -101,7 +99,7 @@ def _sampler(settings: TrafficSettings):
 
 
 async def _user(
-    number: int, settings: TrafficSettings, client: httpx.AsyncClient, system: str, control: _Control
+    number: int, settings: TrafficSettings, client: StreamClient, system: str, control: _Control
 ) -> None:
     rng = random.Random(f"user-{settings.seed}-{number}")
     probe = settings.probe()
@@ -129,11 +127,7 @@ async def run_users(settings: TrafficSettings, stop: asyncio.Event) -> None:
     """Keep `users` users talking until `stop` is set; conversations in flight are abandoned."""
     system = system_prompt(settings.system_tokens, settings.seed)
     control = _Control(settings.control_path)
-    limits = httpx.Limits(max_connections=settings.users, max_keepalive_connections=settings.users)
-    async with (
-        http_client(timeout=settings.timeout_seconds, limits=limits) as client,
-        asyncio.TaskGroup() as group,
-    ):
+    async with StreamClient() as client, asyncio.TaskGroup() as group:
         users = [
             group.create_task(_user(number, settings, client, system, control))
             for number in range(1, settings.users + 1)

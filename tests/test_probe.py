@@ -17,7 +17,6 @@ from itertools import pairwise
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-import httpx
 import pytest
 from aiohttp import web
 from loopback import QuietHandler, loopback_http
@@ -40,6 +39,7 @@ from collectors.probe import (
 )
 from collectors.records import ERROR_KINDS, SessionResult
 from collectors.store import Store
+from collectors.streaming import StreamClient
 from collectors.workload import Conversation, synthetic
 from conftest import REPO, free_port, http_get, http_post
 
@@ -339,7 +339,7 @@ WORKLOAD = Conversation("Be brief.", ("first question", "second question", "thir
 
 def against(handler, scheme: str = "http", **settings) -> SessionResult:
     async def scenario():
-        async with fake_server(handler) as url, httpx.AsyncClient() as client:
+        async with fake_server(handler) as url, StreamClient() as client:
             base_url = url.replace("http", scheme, 1)
             return await run_session(
                 client, ProbeSettings(base_url=base_url, model=MODEL, **settings), WORKLOAD

@@ -1,0 +1,220 @@
+"""The probe's HTTP/1.1 client (collectors.streaming) against a loopback server that answers bytes as
+scripted: framing, kept-alive connections, arrival times and each way an answer can break."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import h11
+import pytest
+
+from collectors.streaming import ConnectFailed, StreamBroken, StreamClient, _Connection
+
+OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+EVENTS = [b"data: one\n\n", b"data: two\n\n"]
+CHUNKED = OK_HEAD + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
+
+
+class Scripted:
+    """What the server saw: each request's bytes, and how many connections were made."""
+
+    def __init__(self) -> None:
+        self.requests: list[bytes] = []
+        self.connections = 0
+
+
+@asynccontextmanager
+async def scripted(
+    *answers: bytes | Callable[[asyncio.StreamWriter], None],
+) -> AsyncIterator[tuple[str, Scripted]]:
+    """A 127.0.0.1 server answering the n-th request with answers[n] (the last from there on): bytes to
+    write, or a function given the writer (to close it, say)."""
+    seen = Scripted()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.connections += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                seen.requests.append(head + await reader.readexactly(length))
+                answer = answers[min(len(seen.requests), len(answers)) - 1]
+                if callable(answer):
+                    answer(writer)
+                else:
+                    writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+
+
+async def body_of(client: StreamClient, url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    async with client.stream(url, b'{"q": 1}', headers or {}) as response:
+        return response.status, b"".join([chunk async for chunk, _ in response.chunks()])
+
+
+def run(scenario):
+    return asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+def test_a_chunked_stream_is_read_whole_and_the_request_goes_out_as_prepared():
+    async def scenario():
+        async with scripted(CHUNKED) as (url, seen), StreamClient() as client:
+            answer = await body_of(client, f"{url}/v1/chat/completions?x=1", {"X-Session-Id": "s-1"})
+        return answer, seen.requests[0]
+
+    (status, body), request = run(scenario)
+    assert (status, body) == (200, b"".join(EVENTS))
+    head, _, sent = request.partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/chat/completions?x=1 HTTP/1.1\r\n")
+    for field in (b"host: 127.0.0.1:", b"x-session-id: s-1", b"content-length: 8", b"user-agent: kvwatch"):
+        assert field in head.lower(), head
+    assert sent == b'{"q": 1}'
+
+
+def test_chunks_carry_the_time_their_bytes_arrived_not_the_time_they_were_parsed():
+    async def scenario():
+        connection = _Connection()
+        connection.http.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+        connection.http.send(h11.EndOfMessage())
+        connection.data_received(CHUNKED)
+        fed = time.perf_counter()
+        time.sleep(0.001)  # the loop busy elsewhere before the stream is parsed
+        events = [await connection.next_event() for _ in range(4)]
+        return fed, events
+
+    fed, events = run(scenario)
+    assert [type(event).__name__ for event, _ in events] == ["Response", "Data", "Data", "EndOfMessage"]
+    assert all(arrived_at <= fed for _, arrived_at in events)
+
+
+def test_sequential_requests_share_one_kept_alive_connection():
+    async def scenario():
+        async with scripted(CHUNKED) as (url, seen), StreamClient() as client:
+            answers = [await body_of(client, url) for _ in range(3)]
+        return answers, seen.connections
+
+    answers, connections = run(scenario)
+    assert answers == [(200, b"".join(EVENTS))] * 3
+    assert connections == 1
+
+
+def close_after(answer: bytes) -> Callable[[asyncio.StreamWriter], None]:
+    def act(writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        writer.close()
+
+    return act
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(close_after(CHUNKED), id="closed-while-idle"),
+        pytest.param(
+            CHUNKED.replace(b"chunked\r\n", b"chunked\r\nConnection: close\r\n"), id="connection-close"
+        ),
+    ],
+)
+def test_a_connection_the_server_closes_is_not_reused(first):
+    async def scenario():
+        async with scripted(first, CHUNKED) as (url, seen), StreamClient() as client:
+            answers = [await body_of(client, url) for _ in range(2)]
+        return answers, seen.connections
+
+    answers, connections = run(scenario)
+    assert answers == [(200, b"".join(EVENTS))] * 2
+    assert connections == 2
+
+
+def test_an_answer_left_unread_closes_its_connection():
+    async def scenario():
+        async with scripted(CHUNKED) as (url, seen), StreamClient() as client:
+            async with client.stream(url, b"{}", {}) as response:
+                assert response.status == 200  # its body is not read
+            await body_of(client, url)
+        return seen.connections
+
+    assert run(scenario) == 2
+
+
+def test_a_body_delimited_by_the_close_is_complete():
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + b"".join(EVENTS)
+
+    async def scenario():
+        async with scripted(close_after(answer)) as (url, _), StreamClient() as client:
+            return await body_of(client, url)
+
+    assert run(scenario) == (200, b"".join(EVENTS))
+
+
+def test_informational_responses_are_skipped():
+    async def scenario():
+        async with scripted(b"HTTP/1.1 100 Continue\r\n\r\n" + CHUNKED) as (url, _), StreamClient() as client:
+            return await body_of(client, url)
+
+    assert run(scenario) == (200, b"".join(EVENTS))
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        pytest.param(close_after(CHUNKED[:-20]), "the server closed the connection", id="cut-mid-body"),
+        pytest.param(close_after(b""), "the server closed the connection", id="closed-unanswered"),
+        pytest.param(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not HTTP/1.1", id="no-http"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (80 << 10), "not HTTP/1.1", id="endless-head"),
+        pytest.param(OK_HEAD + b"zz\r\n", "not HTTP/1.1", id="bad-chunk-size"),
+    ],
+)
+def test_a_broken_answer_is_a_stream_broken_error(answer, message):
+    async def scenario():
+        async with scripted(answer) as (url, _), StreamClient() as client:
+            with pytest.raises(StreamBroken) as broken:
+                await body_of(client, url)
+        return str(broken.value)
+
+    assert message in run(scenario)
+
+
+def test_nothing_listening_is_a_connect_failure_with_the_systems_reason():
+    async def scenario():
+        async with scripted(CHUNKED) as (url, _):
+            pass  # the port is free again
+        async with StreamClient() as client:
+            with pytest.raises(ConnectFailed, match="Connection refused"):
+                await body_of(client, url)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "headers, sent",
+    [
+        pytest.param({}, b"authorization: basic " + base64.b64encode(b"kvw:p w").lower(), id="from-the-url"),
+        pytest.param({"Authorization": "Bearer k"}, b"authorization: bearer k", id="the-key-wins"),
+    ],
+)
+def test_a_user_and_password_in_the_url_are_sent_as_basic_auth_unless_a_key_is(headers, sent):
+    async def scenario():
+        async with scripted(CHUNKED) as (url, seen), StreamClient() as client:
+            await body_of(client, url.replace("//", "//kvw:p%20w@"), headers)
+        return seen.requests[0].lower()
+
+    request = run(scenario)
+    assert sent in request and request.count(b"authorization") == 1

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from collectors import blocksize, identity
+from collectors import affinity, blocksize, identity
 from collectors.blocksize import BlockSize, BlockSizeSources
 from collectors.connections import http_client, request
 from collectors.probe import (
@@ -140,6 +140,8 @@ class _Route:
     first: RoundResult | None = None
     sessions: list[SessionResult] = field(default_factory=list)
     block: BlockSize | None = None  # learned once the sessions ran
+    gateway: str | None = None  # the system in front of the replicas, as --gateway names it
+    systems: tuple[affinity.Affinity, ...] = ()  # whose settings the fixes name, learned on a failure
 
 
 def diagnose(
@@ -148,6 +150,7 @@ def diagnose(
     requests_sample: str | Path | None = None,
     block_sources: BlockSizeSources | None = None,
     on_check: Callable[[Check], None] | None = None,
+    gateway: str | None = None,
 ) -> Diagnosis:
     """Examine one route and, optionally, its engines in Prometheus and a sample of real request payloads.
 
@@ -158,9 +161,10 @@ def diagnose(
     `block_sources` says where the engines' KV block size comes from (by default Prometheus, the base
     URL's origin + /metrics, then the sessions' cached tokens). Never raises for what it finds: a problem
     is a failed check. Takes a few seconds, at most a few timeouts. `on_check` is told of each check
-    (CHECKS of them) as it ends.
+    (CHECKS of them) as it ends. `gateway` (one of affinity.SYSTEMS) is the gateway or router whose
+    settings the fixes name; by default the one an answer's headers show, else every one.
     """
-    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources, on_check))
+    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources, on_check, gateway))
 
 
 async def examine(
@@ -169,6 +173,7 @@ async def examine(
     requests_sample: str | Path | None = None,
     block_sources: BlockSizeSources | None = None,
     on_check: Callable[[Check], None] | None = None,
+    gateway: str | None = None,
 ) -> Diagnosis:
     """`diagnose` for callers that run an event loop."""
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
@@ -181,7 +186,7 @@ async def examine(
             on_check(check)
 
     async with http_client(timeout=probe.timeout_seconds) as client, StreamClient() as streams:
-        route = _Route(client, streams, probe, block_sources)
+        route = _Route(client, streams, probe, block_sources, gateway=gateway)
         blocker = None
         for name, check in ROUTE_CHECKS:
             if blocker:
@@ -316,8 +321,30 @@ def _path(session: SessionResult) -> str:
     return " > ".join(backends) or "unknown"
 
 
-def _nginx_variable(header: str) -> str:
-    return "$http_" + header.lower().replace("-", "_")
+async def _fixes(route: _Route, setting: str) -> str:
+    """One setting's fix in the words of the system in front of the replicas: the one --gateway names,
+    else the one whose marks an answer's headers carry, else every system's, each named."""
+    if not route.systems:
+        route.systems = tuple(affinity.SYSTEMS.values())
+        if route.gateway:
+            route.systems = (affinity.SYSTEMS[route.gateway],)
+        elif found := affinity.recognised(await _answer_headers(route)):
+            route.systems = (found,)
+    return "; ".join(system.fix(setting, route.probe.session_header) for system in route.systems)
+
+
+async def _answer_headers(route: _Route) -> httpx.Headers:
+    """The headers of one short answer through the route; none when it gives no answer."""
+    probe = route.probe
+    body = {"model": probe.model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {probe.api_key}"} if probe.api_key else {}
+    url = api_url(probe.base_url, "chat/completions")
+    try:
+        return (
+            await request(route.client, "POST", url, probe.timeout_seconds, json=body, headers=headers)
+        ).headers
+    except httpx.HTTPError:
+        return httpx.Headers()
 
 
 async def session_propagation(route: _Route) -> Check:
@@ -335,12 +362,6 @@ async def session_propagation(route: _Route) -> Check:
     errors = f" ({len(failed)} rounds failed: {', '.join(dict.fromkeys(failed))})" if failed else ""
     changed = [r for r in answered if r.session_id_returned not in (None, r.session_id_sent)]
     missing = [r for r in answered if r.session_id_returned is None]
-    forward = (
-        f"make every hop forward {header} unchanged (nginx: `proxy_set_header {header} "
-        f"{_nginx_variable(header)};`; API gateways that drop unknown headers); SMG (sglang-router) "
-        "forwards only its routing-key headers (--routing-key-headers, default x-smg-routing-key: "
-        "--session-header x-smg-routing-key)"
-    )
     if not answered:
         return Check(name, "warn", f"no round of {SESSIONS} sessions was answered{errors}")
     if changed:
@@ -350,20 +371,22 @@ async def session_propagation(route: _Route) -> Check:
             f"{example.session_id_sent}, got {example.session_id_returned}): the gateway did not see the "
             f"client's id and made its own{errors}"
         )
-        return Check(name, "fail", evidence, forward, "session_id_not_propagated")
+        fix = f"make every hop forward {header} unchanged: {await _fixes(route, 'forward')}"
+        return Check(name, "fail", evidence, fix, "session_id_not_propagated")
     if missing and all(s.sticky for s in route.sessions):
         evidence = (
             f"{header} is not echoed, but every session stayed on one backend: the id probably reaches "
             f"the router{errors}"
         )
-        fix = f"echo it (nginx: `add_header {header} {_nginx_variable(header)} always;`) so clients can check"
+        fix = f"echo it so that clients can check: {await _fixes(route, 'echo')}"
         return Check(name, "warn", evidence, fix)
     if missing:
         evidence = (
             f"{header} is not echoed on {len(missing)} of {len(answered)} rounds and sessions changed "
             f"backend: {'; '.join(map(_path, route.sessions))}{errors}"
         )
-        return Check(name, "fail", evidence, forward, "session_id_not_propagated")
+        fix = f"make every hop forward {header} unchanged: {await _fixes(route, 'forward')}"
+        return Check(name, "fail", evidence, fix, "session_id_not_propagated")
     return Check(name, "pass", f"{header} came back unchanged on all {len(answered)} rounds{errors}")
 
 
@@ -374,12 +397,7 @@ async def hash_key(route: _Route) -> Check:
     moved = sum(s.sticky is False for s in sessions)
     if moved:
         evidence = f"{moved} of {len(sessions)} sessions changed backend within {ROUNDS} rounds: {paths}"
-        fix = (
-            f"hash on the session id: nginx `hash {_nginx_variable(route.probe.session_header)} consistent;` "
-            "(not $request_id, not round robin); SMG --policy manual (or --routing-key-override) with "
-            "its routing-key header, x-smg-routing-key by default; "
-            "vllm-router --policy consistent_hash with X-Session-ID"
-        )
+        fix = f"hash on the session id: {await _fixes(route, 'hash_on')}"
         return Check(name, "fail", evidence, fix, "hash_key_not_session")
     if any(s.sticky is None for s in sessions):
         headers = ", ".join(route.probe.backend_headers)
@@ -646,6 +664,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="session id header, e.g. x-smg-routing-key for SMG (default %(default)s)",
     )
     add_identity_arguments(parser)
+    parser.add_argument(
+        "--gateway",
+        choices=list(affinity.SYSTEMS),
+        help="the gateway or router in front of the replicas, whose settings the fixes name "
+        "(envoy: Envoy and Istio); by default the one an answer's headers show, else every one",
+    )
     blocksize.add_arguments(parser)
     parser.add_argument(
         "--requests-sample",
@@ -680,7 +704,9 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     with Progress.on_terminal("doctor", "checks", json=args.json) as progress:
         progress.start(CHECKS)
-        diagnosis = diagnose(probe, args.prometheus, args.requests_sample, block_sources, progress.advance)
+        diagnosis = diagnose(
+            probe, args.prometheus, args.requests_sample, block_sources, progress.advance, args.gateway
+        )
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:

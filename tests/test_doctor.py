@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import itertools
 import json
 import random
 import subprocess
@@ -206,10 +207,10 @@ async def fake_server(chat):
         await runner.cleanup()
 
 
-def against(chat, **settings) -> Diagnosis:
+def against(chat, gateway: str | None = None, **settings) -> Diagnosis:
     async def scenario() -> Diagnosis:
         async with fake_server(chat) as url:
-            return await examine(ProbeSettings(base_url=url, model=MODEL, **settings))
+            return await examine(ProbeSettings(base_url=url, model=MODEL, **settings), gateway=gateway)
 
     return asyncio.run(scenario())
 
@@ -277,6 +278,89 @@ def test_an_api_key_on_the_command_line_is_refused_unrepeated(capsys):
 def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
     assert main(["doctor", "--base-url", "http://127.0.0.1:1", "--model", MODEL, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+# --- fixes in the words of the gateway or router in front -------------------------------------------
+
+NGINX_HASH = "nginx: `hash $http_x_session_id consistent;`"
+ENVOY_HASH = (
+    "Envoy / Istio: the Istio DestinationRule's "
+    "`trafficPolicy.loadBalancer.consistentHash.httpHeaderName: X-Session-Id`"
+)
+SMG_HASH = (
+    "SMG: `--policy manual` (or `--routing-key-override` to make any policy sticky) with "
+    "`--routing-key-headers x-session-id`"
+)
+VLLM_ROUTER_HASH = "vllm-router: `--policy consistent_hash` (or `sticky_least_loaded`), keyed by X-Session-ID"
+
+
+def route(marks: dict[str, str], session_id=lambda sent: sent, spread: bool = True):
+    """A route whose every answer carries a gateway's `marks` and the session id `session_id` makes of
+    the one sent (None: not echoed); with `spread`, each answer comes from the next of three replicas."""
+    served = itertools.count()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        headers = {**marks, "X-Upstream": f"r{next(served) % 3 + 1}" if spread else "r1"}
+        if echoed := session_id(request.headers.get("X-Session-Id")):
+            headers["X-Session-Id"] = echoed
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
+        answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        for chunk in (
+            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+            {"choices": [], "usage": usage},
+        ):
+            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await answer.write(b"data: [DONE]\n\n")
+        return answer
+
+    return chat
+
+
+@pytest.mark.parametrize(
+    "marks, gateway, named, unnamed",
+    [
+        ({"Server": "nginx/1.22.1"}, None, [NGINX_HASH], [ENVOY_HASH, SMG_HASH]),
+        ({"Server": "envoy", "x-envoy-upstream-service-time": "2"}, None, [ENVOY_HASH, "MAGLEV"], []),
+        ({"Server": "istio-envoy"}, None, [ENVOY_HASH], [NGINX_HASH, SMG_HASH]),
+        ({"x-smg-routed-worker-id": "http://10.0.0.1:8000"}, None, [SMG_HASH], [NGINX_HASH, ENVOY_HASH]),
+        ({}, "vllm-router", [VLLM_ROUTER_HASH], [NGINX_HASH, ENVOY_HASH, SMG_HASH]),
+        ({"Server": "nginx"}, "envoy", [ENVOY_HASH], [NGINX_HASH]),  # the user knows better
+        ({}, None, [NGINX_HASH, ENVOY_HASH, SMG_HASH, VLLM_ROUTER_HASH], []),  # no marks: every system
+    ],
+    ids=["nginx", "envoy", "istio", "smg", "named-vllm-router", "named-over-marks", "unknown"],
+)  # fmt: skip
+def test_the_hash_key_fix_names_the_setting_of_the_system_in_front(marks, gateway, named, unnamed):
+    diagnosis = against(route(marks), gateway=gateway, timeout_seconds=5)
+    found = check(diagnosis, "hash key")
+    assert (found.status, diagnosis.causes) == ("fail", ["hash_key_not_session"]), found
+    assert found.fix.startswith("hash on the session id: ")
+    assert all(text in found.fix for text in named), found.fix
+    assert not any(text in found.fix for text in unnamed), found.fix
+
+
+def test_a_replaced_session_id_is_fixed_where_envoy_drops_headers():
+    diagnosis = against(route({"Server": "envoy"}, session_id=lambda sent: "made-by-the-gateway"))
+    found = check(diagnosis, "session id propagation")
+    assert (found.status, found.cause) == ("fail", "session_id_not_propagated")
+    assert found.fix == (
+        "make every hop forward X-Session-Id unchanged: Envoy / Istio: it passes X-Session-Id on unless a "
+        "route's `request_headers_to_remove` drops it (Istio: a VirtualService's `headers.request.remove`)"
+    )
+
+
+def test_an_unechoed_id_on_a_sticky_smg_route_says_smg_names_the_worker_instead():
+    marks = {"x-smg-routed-worker-id": "http://10.0.0.1:8000"}
+    diagnosis = against(route(marks, session_id=lambda sent: None, spread=False))
+    found = check(diagnosis, "session id propagation")
+    assert found.status == "warn" and check(diagnosis, "hash key").status == "pass"
+    assert found.fix == (
+        "echo it so that clients can check: SMG: it returns no routing key but names the worker in "
+        "x-smg-routed-worker-id, which kvwatch reads"
+    )
 
 
 # --- the lab ----------------------------------------------------------------------------------------
@@ -347,7 +431,7 @@ def test_the_cli_prints_each_check_with_its_fix_and_exits_1_on_a_failure(lab, fa
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL     hash key: " in out and "sessions changed backend within 4 rounds:" in out
-    assert "fix: hash on the session id: nginx `hash $http_x_session_id consistent;`" in out
+    assert "fix: hash on the session id: nginx: `hash $http_x_session_id consistent;`" in out
     assert out.rstrip().endswith("causes: hash_key_not_session")
 
 

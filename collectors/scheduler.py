@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from collectors import blocksize, workload
+from collectors import blocksize, shard, workload
 from collectors.config import (
     Config,
     ConfigError,
@@ -128,10 +128,12 @@ class Conversations:
 
 
 class Service:
-    """Everything `kvwatch serve` runs, built from one config."""
+    """Everything `kvwatch serve` runs, built from one config: the probes of the targets in its shard."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, part: shard.Shard = shard.WHOLE) -> None:
         self.config = config
+        self.shard = part
+        self.targets = part.select(config.targets)
         self.store = Store(config.store.path, config.store.retention_days)
         self.writer = StoreWriter(config.store.queue_capacity, config.store.retry_seconds)
         self.results = ProbeResults()
@@ -151,19 +153,19 @@ class Service:
         self.registry.register(
             ProbeCollector(
                 self.results,
-                {t.name: t.interval_seconds for t in config.targets},
-                {t.name: t.expect_sticky for t in config.targets},
+                {t.name: t.interval_seconds for t in self.targets},
+                {t.name: t.expect_sticky for t in self.targets},
             )
         )
         self.registry.register(GatewayLogCollector(self.followers))
         self.registry.register(self.writer)
-        for target in config.targets:
+        for target in self.targets:
             self.results.declare((target.name, target.route_mode), target.rounds)
         # Keys are read once at start; a missing one is a ConfigError before anything runs.
-        self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in config.targets}
+        self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in self.targets}
         self.webhook_token = resolve_webhook_token(config.exporter)
-        self.conversations = {t.name: Conversations(t) for t in config.targets}
-        self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in config.targets}
+        self.conversations = {t.name: Conversations(t) for t in self.targets}
+        self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in self.targets}
         self._gate: asyncio.Semaphore | None = None
         self._client: StreamClient | None = None
         self._stop: asyncio.Event | None = None
@@ -236,7 +238,7 @@ class Service:
         jobs = [
             every(f"probe run of {t.name}", t.interval_seconds, functools.partial(self.probe, t), stop,
                   jitter=min(5.0, t.interval_seconds / 10))
-            for t in self.config.targets
+            for t in self.targets
         ]  # fmt: skip
         if self.followers:
             poll = functools.partial(asyncio.to_thread, self.poll_gateway_logs)
@@ -267,6 +269,15 @@ class Service:
             )
             if warning := open_webhook_warning(listen, self.webhook_token):
                 log.warning("%s", warning)
+            if self.shard != shard.WHOLE:
+                log.log(
+                    logging.INFO if self.targets else logging.WARNING,
+                    "shard %s: probing %d of %d targets%s",
+                    self.shard,
+                    len(self.targets),
+                    len(self.config.targets),
+                    f": {', '.join(t.name for t in self.targets)}" if self.targets else "",
+                )
             jobs = self._start_jobs(stop)
             await stop.wait()
             _, late = await asyncio.wait(jobs, timeout=RUNS_FINISH_SECONDS)
@@ -293,6 +304,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "history in SQLite, and serve /metrics and the Alertmanager webhook (POST /alerts).",
     )
     serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
+    serve.add_argument(
+        "--shard",
+        type=shard.parse,
+        default=shard.WHOLE,
+        metavar="I/N",
+        help="probe and export only the targets of shard I mod N of N, split by hashing their names as "
+        "Prometheus' hashmod does; instances I and I+N are replicas of one shard (default: every target)",
+    )
     serve.set_defaults(handler=_run_serve)
 
 
@@ -300,7 +319,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        service = Service(load_config(args.config))
+        service = Service(load_config(args.config), args.shard)
     except (ConfigError, StoreError, ValueError, OSError) as error:
         print(f"kvwatch serve: {error}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from collectors import shard
 from collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
 from collectors.scheduler import Service
 from collectors.store import Store
@@ -118,13 +120,16 @@ def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(lab):
     assert token not in (lab.state_dir / "logs" / "serve.log").read_text()
 
 
-def start_serve(tmp_path: Path, target: dict) -> tuple[subprocess.Popen, str, Path]:
-    """A real `kvwatch serve` of one target on a free loopback port: its process, its URL and its log."""
+def start_serve(
+    tmp_path: Path, target: dict | list[dict], *options: str
+) -> tuple[subprocess.Popen, str, Path]:
+    """A real `kvwatch serve` of a target or several on a free loopback port: its process, its URL and its
+    log."""
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(
         yaml.safe_dump({
-            "targets": [target],
+            "targets": target if isinstance(target, list) else [target],
             "exporter": {"listen": f"127.0.0.1:{port}"},
             "store": {"path": str(tmp_path / "kvwatch.db")},
         })
@@ -132,7 +137,7 @@ def start_serve(tmp_path: Path, target: dict) -> tuple[subprocess.Popen, str, Pa
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "collectors.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "collectors.cli", "serve", "--config", str(config), *options],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -185,17 +190,19 @@ ANSWER = [{"choices": [{"delta": {"role": "assistant", "content": "hi"}}]}, {"ch
 class StallingEngine:
     """An OpenAI-compatible server that answers every round at once until `stall()`; from then on no
     round 2 gets an answer (it hangs until the engine closes), so a run stays in flight with round 1
-    finished."""
+    finished. It counts the rounds asked of each path."""
 
     def __init__(self) -> None:
         self.stalling = False
         self.stalled = 0  # requests hanging now
+        self.asked: Counter[str] = Counter()
         self._closed = threading.Event()
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.asked[self.path] += 1
                 if engine.stalling and len(body["messages"]) > 2:  # system, user: round 1
                     engine.stalled += 1
                     engine._closed.wait(30)
@@ -243,6 +250,47 @@ def stalling_target(engine: StallingEngine) -> dict:
     return {"name": "direct", "base_url": engine.url, "model": "m", "interval_seconds": 1,
             "sessions_per_run": 1, "rounds": 2, "block_size": 16,
             "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
+
+
+def probed_targets(url: str, timeout: float = 15) -> set[str]:
+    """The targets an exporter exports, once each has a successful session."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sessions = [(dict(labels), n) for (name, labels), n in samples(url).items()
+                    if name == "kvwatch_probe_sessions_total"]  # fmt: skip
+        succeeded = {labels["target"]: n for labels, n in sessions if labels["outcome"] == "success"}
+        if (succeeded and all(succeeded.values())) or time.monotonic() > deadline:
+            return set(succeeded)
+        time.sleep(0.2)
+
+
+def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Path):
+    """Two `kvwatch serve --shard` processes of one config: each exports exactly its hashmod share, and
+    every round the engine answered for a target is one that target's shard stored."""
+    engine = StallingEngine()
+    names = [f"route-{i}" for i in range(6)]
+    targets = [
+        {**stalling_target(engine), "name": name, "base_url": f"{engine.url}/{name}"} for name in names
+    ]
+    shards: list[tuple[subprocess.Popen, str, Path]] = []
+    try:
+        for index in range(2):
+            (tmp_path / str(index)).mkdir()
+            shards.append(start_serve(tmp_path / str(index), targets, "--shard", f"{index}/2"))
+        exported = [probed_targets(url) for _, url, _ in shards]
+        for process, _, log in shards:
+            terminate(process, log)
+    finally:
+        for process, *_ in shards:
+            stop(process)
+        engine.close()
+    assert exported == [{n for n in names if shard.hashmod(n, 2) == i} for i in range(2)]
+    stored = Counter()
+    for index in range(2):
+        with Store(tmp_path / str(index) / "kvwatch.db", readonly=True) as store:
+            stored.update(f"/{r['target']}/v1/chat/completions" for r in store.rounds())
+    assert set(engine.asked) == {f"/{n}/v1/chat/completions" for n in names}
+    assert engine.asked == stored
 
 
 def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):

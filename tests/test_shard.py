@@ -7,7 +7,9 @@ import argparse
 import pytest
 
 from collectors import shard
-from collectors.config import Target
+from collectors.cli import build_parser
+from collectors.config import Config, StoreSettings, Target
+from collectors.scheduler import Service
 
 NAMES = [f"route-{i}" for i in range(60)]
 
@@ -47,3 +49,26 @@ def test_instance_i_and_i_plus_n_are_replicas_of_one_shard(text, parsed):
 def test_a_malformed_shard_is_refused_saying_what_it_must_be(text):
     with pytest.raises(argparse.ArgumentTypeError, match=f'must be I/N, .*got "{text}"'):
         shard.parse(text)
+
+
+def test_serve_probes_and_exports_only_its_share(tmp_path):
+    def config(store: str) -> Config:
+        return Config(targets=targets(NAMES[:6]), store=StoreSettings(path=tmp_path / store))
+
+    args = build_parser().parse_args(["serve", "--config", "kvwatch.yaml", "--shard", "3/2"])
+    share, others = Service(config("a.db"), args.shard), Service(config("b.db"), shard.Shard(0, 2))
+    try:
+        assert args.shard == shard.Shard(1, 2)
+        assert set(share.probes) == {name for name in NAMES[:6] if shard.hashmod(name, 2) == 1}
+        assert set(share.probes) | set(others.probes) == set(NAMES[:6])
+        assert not set(share.probes) & set(others.probes)
+        exported = {
+            s.labels["target"]
+            for family in share.registry.collect()
+            for s in family.samples
+            if "target" in s.labels
+        }
+        assert exported == set(share.probes)
+    finally:
+        share.store.close()
+        others.store.close()

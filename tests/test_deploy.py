@@ -1,12 +1,14 @@
 """deploy/k8s: every manifest is valid to Kubernetes' own OpenAPI schemas (kubernetes-validate) and
 prometheus-operator's CRD schemas, unknown fields included; the PrometheusRule carries exactly the rule
-files' groups, the kvwatch config in the Deployment's ConfigMap is a valid kvwatch config, and the pod
-exposes only the exporter port, whose webhook requires a token mounted from a Secret."""
+files' groups, the kvwatch config in the ConfigMap is a valid kvwatch config, the StatefulSet runs every
+shard of its targets twice as a non-root container on a read-only root filesystem, and the pod exposes
+only the exporter port, whose webhook requires a token mounted from a Secret."""
 
 from __future__ import annotations
 
 import copy
 import functools
+from collections import Counter
 from pathlib import Path
 
 import jsonschema
@@ -14,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from collectors import queries
+from collectors import queries, shard
 from collectors.config import Config, load_config
 from conftest import REPO
 
@@ -83,7 +85,7 @@ def test_every_manifest_is_valid_to_its_schema(path):
 @pytest.mark.parametrize(
     "path, kind, mistake, error",
     [
-        ("kvwatch.yaml", "Deployment", lambda d: d["spec"].update(replica=1), "'replica' was unexpected"),
+        ("kvwatch.yaml", "StatefulSet", lambda d: d["spec"].update(replica=1), "'replica' was unexpected"),
         (
             "kvwatch.yaml",
             "NetworkPolicy",
@@ -142,7 +144,7 @@ def deployed_config(tmp_path: Path) -> Config:
 
 
 def pod_spec() -> dict:
-    return manifest("Deployment")["spec"]["template"]["spec"]
+    return manifest("StatefulSet")["spec"]["template"]["spec"]
 
 
 def test_the_deployment_config_is_a_valid_kvwatch_config(tmp_path):
@@ -151,6 +153,33 @@ def test_the_deployment_config_is_a_valid_kvwatch_config(tmp_path):
     container = pod_spec()["containers"][0]
     assert container["args"][:1] == ["serve"] and container["env"][0]["name"] == "KVWATCH_API_KEY"
     assert all(d["kind"] == "PodMonitor" for d in yaml.safe_load_all((K8S / "podmonitors.yaml").read_text()))
+
+
+def test_the_statefulset_runs_each_shard_twice_and_every_shard_probes(tmp_path):
+    statefulset = manifest("StatefulSet")["spec"]
+    (container,) = pod_spec()["containers"]
+    shard_arg = container["args"][container["args"].index("--shard") + 1]
+    ordinal, _, count = shard_arg.partition("/")
+    assert ordinal == "$(KVWATCH_POD_INDEX)"
+    pod_index = next(e["valueFrom"]["fieldRef"] for e in container["env"] if e["name"] == "KVWATCH_POD_INDEX")
+    assert pod_index == {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    shards = [shard.parse(f"{pod}/{count}") for pod in range(statefulset["replicas"])]
+    assert sorted(Counter(shards).values()) == [2] * int(count)
+    targets = deployed_config(tmp_path).targets
+    assert all(part.select(targets) for part in shards)  # no shard is left without a target
+
+
+def test_kvwatch_runs_as_non_root_on_a_read_only_root_filesystem_and_keeps_its_store(tmp_path):
+    pod = pod_spec()
+    (container,) = pod["containers"]
+    context = container["securityContext"]
+    assert context["runAsNonRoot"] and context["readOnlyRootFilesystem"]
+    assert not context["allowPrivilegeEscalation"] and context["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["fsGroup"] == context["runAsUser"]  # it can write its data volume
+    (data,) = manifest("StatefulSet")["spec"]["volumeClaimTemplates"]
+    store = deployed_config(tmp_path).store.path
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == data["metadata"]["name"]]
+    assert store.is_relative_to(mount["mountPath"])  # on the pod's own volume, kept across restarts
 
 
 def test_the_webhook_requires_a_token_mounted_from_a_secret(tmp_path):

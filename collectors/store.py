@@ -134,6 +134,7 @@ _SESSION_COLUMNS = (
     "interrupted",
 )
 _ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
+ROUND_FIELDS = ("session", "target", "route_mode", *_ROUND_COLUMNS)  # what Store.rounds() can read
 _ALERT_COLUMNS = (
     "received_at",
     "status",
@@ -334,16 +335,22 @@ class Store:
         with self._transaction(write=False) as db:
             return [_session_row(row, gone) for row in db.execute(sql, params)]
 
-    def rounds(self, target: str | None = None, since: float | None = None) -> list[dict]:
+    def rounds(
+        self,
+        target: str | None = None,
+        since: float | None = None,
+        session: int | None = None,
+        columns: tuple[str, ...] = ROUND_FIELDS,
+    ) -> list[dict]:
         """The rounds of the matching sessions, newest session first and each in round order.
 
-        Each dict has the session's store id (`session`), `target` and `route_mode`, then the fields
-        of RoundResult.
+        Each dict has `columns` of ROUND_FIELDS: by default the session's store id (`session`),
+        `target` and `route_mode`, then the fields of RoundResult; fewer columns read a day faster.
         """
-        where, params = _where({"s.target = ?": target, "s.started_at >= ?": since})
+        where, params = _where({"s.target = ?": target, "s.started_at >= ?": since, "r.session = ?": session})
+        selected = ", ".join(("s." if c in ("target", "route_mode") else "r.") + c for c in columns)
         sql = (
-            f"SELECT r.session, s.target, s.route_mode, {', '.join('r.' + c for c in _ROUND_COLUMNS)} "
-            "FROM rounds r JOIN sessions s ON s.id = r.session "
+            f"SELECT {selected} FROM rounds r JOIN sessions s ON s.id = r.session "
             f"{where} ORDER BY s.started_at DESC, s.id DESC, r.round"
         )
         with self._transaction(write=False) as db:

@@ -267,8 +267,11 @@ class Fake:
     def _sessions(self, since: float) -> Result:
         return self._frame(self.store, sessions_frame())
 
-    def _rounds(self, since: float) -> Result:
-        return self._frame(self.store, self.history)
+    def _rounds(self, since: float, target: str | None = None, session: int | None = None) -> Result:
+        rounds = self.history
+        for column, value in (("target", target), ("session", session)):
+            rounds = rounds if value is None else rounds[rounds[column] == value]
+        return self._frame(self.store, rounds)
 
     def _ttft_by_round(self, since: float, split: float | None = None) -> Result:
         found = self._rounds(since)

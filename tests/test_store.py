@@ -159,6 +159,17 @@ def test_rounds_rows_carry_their_session_and_route(store):
     assert {row["session"] for row in store.rounds(since=1500.0)} == {second}
 
 
+def test_rounds_of_one_session_and_only_the_columns_asked_for(store):
+    first = store.add_session(session("lab-affinity", 1000.0))
+    store.add_session(session("lab-affinity", 2000.0))
+    assert [row["round"] for row in store.rounds(session=first)] == [1, 2, 3]
+    ttft = store.rounds(target="lab-affinity", since=1500.0, columns=("target", "round", "ttft_seconds"))
+    assert ttft == [
+        {"target": "lab-affinity", "round": n, "ttft_seconds": s}
+        for n, s in ((1, 0.412), (2, 0.031), (3, 0.031))
+    ]
+
+
 def test_sessions_filter_and_order(store):
     for started_at, target in [(100.0, "a"), (300.0, "b"), (200.0, "a"), (400.0, "a")]:
         store.add_session(session(target, started_at))

@@ -25,15 +25,22 @@ SESSION_COLUMNS = {
 SWITCH_COLOR = "#d62728"
 
 
-def label(session: pd.Series) -> str:
-    return f"{session['started_at']:%H:%M:%S} #{session['id']}"
+def labels(sessions: pd.DataFrame) -> dict[int, str]:
+    """Each session's name in the timeline and the picker, `18:00:00 #12`; at once for a day of them."""
+    return dict(
+        zip(
+            sessions["id"],
+            sessions["started_at"].dt.strftime("%H:%M:%S") + " #" + sessions["id"].astype(str),
+            strict=True,
+        )
+    )
 
 
 def timeline(sessions: pd.DataFrame, rounds: pd.DataFrame) -> go.Figure:
     """One row per session, one square per round coloured by backend, a red bar where the backend changed."""
-    labels = {s["id"]: label(s) for _, s in sessions.iterrows()}
-    shown = rounds[rounds["session"].isin(labels)].assign(
-        row=lambda r: r["session"].map(labels), backend=lambda r: r["backend"].fillna("unknown")
+    named = labels(sessions)
+    shown = rounds[rounds["session"].isin(named)].assign(
+        row=lambda r: r["session"].map(named), backend=lambda r: r["backend"].fillna("unknown")
     )
     served = shown[shown["error_kind"].isna()]
     previous = served.groupby("session")["backend"].shift()
@@ -66,8 +73,8 @@ def timeline(sessions: pd.DataFrame, rounds: pd.DataFrame) -> go.Figure:
     )
     figure.update_layout(
         xaxis={"title": "round", "dtick": 1},
-        yaxis={"title": "", "categoryorder": "array", "categoryarray": list(labels.values())[::-1]},
-        height=max(220, 24 * len(labels) + 120),
+        yaxis={"title": "", "categoryorder": "array", "categoryarray": list(named.values())[::-1]},
+        height=max(220, 24 * len(named) + 120),
         margin={"t": 10},
         legend={"orientation": "h", "y": -0.15},
     )
@@ -91,6 +98,17 @@ def detail(rounds: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def named_rounds(
+    over: data.Span, since: float, target: str, session: int | None = None
+) -> pd.DataFrame | None:
+    """The rounds of `target`'s sessions since `since` (or of the one session), each backend named as
+    the lab names its replica; None when the store failed, as the page then says."""
+    found = data.rounds(since, target, session)
+    if ui.failed(found):
+        return None
+    return found.value.assign(backend=found.value["backend"].map(ui.replica_namer(over)))
+
+
 @st.fragment(run_every=data.REFRESH_SECONDS)
 def recent(target: str, seconds: int) -> None:
     over = data.span(seconds)
@@ -102,10 +120,10 @@ def recent(target: str, seconds: int) -> None:
     if sessions.empty:
         ui.empty(f"No probe sessions through {target} in this range yet.")
         return
-    stored = data.rounds(over.start)
-    if ui.failed(stored):
+    shown = sessions.head(TIMELINE_SESSIONS)
+    rounds = named_rounds(over, shown["started_at"].min().timestamp(), target)  # not the whole range's
+    if rounds is None:
         return
-    rounds = stored.value.assign(backend=stored.value["backend"].map(ui.replica_namer(over)))
     judged = sessions["sticky"].dropna()
     st.caption(
         f"{len(sessions)} sessions since {ui.as_of(over.start)}; "
@@ -114,15 +132,18 @@ def recent(target: str, seconds: int) -> None:
         f"{int((~sessions['ok']).sum())} failed."
     )
     st.subheader("Backend per round")
-    st.plotly_chart(timeline(sessions.head(TIMELINE_SESSIONS), rounds), key="sessions_timeline")
+    st.plotly_chart(timeline(shown, rounds), key="sessions_timeline")
 
     st.subheader("Recent sessions")
     st.dataframe(sessions[list(SESSION_COLUMNS)], hide_index=True, column_config=SESSION_COLUMNS)
 
     st.subheader("One session")
-    labels = {s["id"]: label(s) for _, s in sessions.iterrows()}
-    picked = st.selectbox("Session", list(labels), format_func=labels.get, key="sessions_pick")
-    rows = detail(rounds[rounds["session"] == picked])
+    named = labels(sessions)
+    picked = st.selectbox("Session", list(named), format_func=named.get, key="sessions_pick")
+    rounds = named_rounds(over, over.start, target, picked)
+    if rounds is None:
+        return
+    rows = detail(rounds)
     st.table(rows.style.format({"TTFT (ms)": "{:.1f}"}, na_rep="–").hide())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import select
 import time
 from collections import deque
@@ -148,21 +149,12 @@ class StreamClient:
 
         The clock (Response.sent_at) starts when the prepared request is written, on a connection that
         is already open. Raises ConnectFailed or StreamBroken; a timeout is the caller's to set."""
-        parsed = httpx.URL(url)
-        origin = _Origin(parsed.scheme, parsed.raw_host.decode("ascii"), parsed.port or _PORTS[parsed.scheme])
-        fields = {
-            "Host": _host_header(origin),
-            "User-Agent": "kvwatch",
-            **headers,
-            "Content-Length": str(len(body)),
-        }
-        if parsed.username and "Authorization" not in headers:  # as httpx and curl take user:password@
-            credentials = f"{parsed.username}:{parsed.password}".encode()
-            fields["Authorization"] = "Basic " + base64.b64encode(credentials).decode("ascii")
+        origin, target, fields = _request_line(url)
+        fields = {**fields, **headers, "Content-Length": str(len(body))}  # an API key's beats the URL's
         connection = await self._connection(origin)
         try:
             request = connection.http.send(
-                h11.Request(method="POST", target=parsed.raw_path, headers=list(fields.items()))
+                h11.Request(method="POST", target=target, headers=list(fields.items()))
             )
             request += connection.http.send(h11.Data(data=body)) + connection.http.send(h11.EndOfMessage())
             sent_at = time.perf_counter()
@@ -209,6 +201,19 @@ class StreamClient:
 
 
 _PORTS = {"http": 80, "https": 443}
+
+
+@functools.lru_cache(maxsize=256)
+def _request_line(url: str) -> tuple[_Origin, bytes, dict[str, str]]:
+    """Where a request to `url` goes, its target and the header fields it implies, parsed once per URL
+    (a run requests the same few URLs over and over)."""
+    parsed = httpx.URL(url)
+    origin = _Origin(parsed.scheme, parsed.raw_host.decode("ascii"), parsed.port or _PORTS[parsed.scheme])
+    fields = {"Host": _host_header(origin), "User-Agent": "kvwatch"}
+    if parsed.username:  # user:password@ in the URL, taken as httpx and curl take it
+        credentials = f"{parsed.username}:{parsed.password}".encode()
+        fields["Authorization"] = "Basic " + base64.b64encode(credentials).decode("ascii")
+    return origin, parsed.raw_path, fields
 
 
 def _host_header(origin: _Origin) -> str:

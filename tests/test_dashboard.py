@@ -239,6 +239,7 @@ class Fake:
         self.prometheus = self.store = self.alertmanager = None  # an error message, when set
         self.empty = False
         self.history = rounds_frame()  # what data.rounds() reads from the store
+        self.rounds_read: list[tuple] = []  # data.rounds()'s arguments, call by call
         self.report = Result(None)
         self.reports_read: list[Path] = []
         self.doctor = Result(error="the doctor was not expected to run")
@@ -268,6 +269,7 @@ class Fake:
         return self._frame(self.store, sessions_frame())
 
     def _rounds(self, since: float, target: str | None = None, session: int | None = None) -> Result:
+        self.rounds_read.append((since, target, session))
         rounds = self.history
         for column, value in (("target", target), ("session", session)):
             rounds = rounds if value is None else rounds[rounds[column] == value]
@@ -754,6 +756,15 @@ def test_sessions_list_and_drill_into_one(fake):
     assert list(detail["cached tokens"]) == [0, 0, 0, 0]
     assert list(detail["ideal cached tokens"]) == [0, 1300, 1600, 1900]
     assert detail["error"].iloc[-1] == "timeout"
+
+
+def test_sessions_read_the_rounds_of_the_timeline_and_the_picked_session_only(fake):
+    at = open_page("sessions")
+    at.selectbox(key="sessions_target").set_value("lab-round-robin").run()
+    fake.rounds_read.clear()
+    at.selectbox(key="sessions_pick").set_value(4).run()
+    oldest_shown = sessions_frame().query("target == 'lab-round-robin'")["started_at"].min().timestamp()
+    assert fake.rounds_read == [(oldest_shown, "lab-round-robin", None), (SPAN_START, "lab-round-robin", 4)]
 
 
 def test_alerts_from_alertmanager_and_the_webhook_with_runbooks(fake):

@@ -12,6 +12,7 @@ history's end: once first (imports, cold caches), then again with its caches cle
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import statistics
 import subprocess
@@ -199,11 +200,14 @@ def run() -> str:
         try:
             with prometheus(directory, port):
                 rows = render_times(end)
+                load = os.getloadavg()[0]
         finally:
             sys.argv = argv
     lines = [
         f"{samples:,} samples scraped, backfilled with {passes} passes of recording rules in "
         f"{backfilled:.0f} s. {LEFT_EMPTY}",
+        "",
+        f"Load average over the last minute of renders: {load:.1f} on {os.cpu_count()} cores.",
         "",
         "| page | first render (s) | median, caches cleared (s) | median, warm (s) | errors shown |",
         "|---|---|---|---|---|",

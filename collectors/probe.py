@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -47,6 +48,8 @@ MAX_LINE_BYTES = 1 << 20  # a streamed chunk is a few hundred bytes; more is a b
 MAX_STREAM_LINES = 100_000  # two per token: answers of up to 50,000 tokens
 MAX_ANSWER_BYTES = 1 << 20  # of content: a probe's answer is a few dozen tokens
 MAX_BODY_BYTES = 64 << 10  # of a non-streamed answer: enough for any error object
+# How long the end of a response may follow its [DONE]: read, it lets the connection serve the next round.
+END_GRACE_SECONDS = 1.0
 # Usage counts are exact integers below this: a float (Prometheus) holds them exactly, SQLite stores them.
 MAX_TOKEN_COUNT = 1 << 53
 USAGE_FIELDS = {
@@ -372,6 +375,9 @@ async def _stream(
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
                 reply.total_seconds = arrived_at - response.sent_at
+                with contextlib.suppress(TimeoutError):  # a connection that cannot be reused is closed
+                    async with asyncio.timeout(END_GRACE_SECONDS):
+                        await response.finish()
                 return
             try:
                 chunk = json.loads(data)

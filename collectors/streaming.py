@@ -122,6 +122,11 @@ class Response:
             if isinstance(event, h11.Data):
                 yield bytes(event.data), arrived_at
 
+    async def finish(self) -> None:
+        """Read the rest of the body, unseen, so that the connection can take the next request."""
+        async for _ in self.chunks():
+            pass
+
 
 class StreamClient:
     """Kept-alive HTTP/1.1 connections per origin, shared by every session of a run; the callers bound

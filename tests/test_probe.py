@@ -468,6 +468,36 @@ def test_each_round_sends_the_system_prompt_the_history_and_the_answers_received
     assert all(0 < r.ttft_seconds <= r.total_seconds for r in session.rounds)
 
 
+def test_a_sessions_rounds_share_one_kept_alive_connection():
+    """The end of the stream (its last chunk, after [DONE]) is read, so that the connection goes back
+    to the pool instead of each round connecting anew."""
+    clients = []
+
+    async def gateway(request: web.Request) -> web.StreamResponse:
+        clients.append(request.transport.get_extra_info("peername"))
+        return await sse(request, ANSWER)
+
+    session = against(gateway)
+    assert session.ok and len(clients) == 3
+    assert len(set(clients)) == 1, clients
+
+
+def test_a_stream_held_open_after_done_still_answers_its_round(monkeypatch):
+    """[DONE] ends the round; a server that then keeps the response open costs the connection only."""
+    monkeypatch.setattr("collectors.probe.END_GRACE_SECONDS", 0.05)
+    clients = []
+
+    async def gateway(request: web.Request) -> web.StreamResponse:
+        clients.append(request.transport.get_extra_info("peername"))
+        response = await sse(request, ANSWER)
+        await asyncio.sleep(30)  # cancelled when the client goes
+        return response
+
+    session = against(gateway, timeout_seconds=20)
+    assert [r.error_kind for r in session.rounds] == [None, None, None]
+    assert len(set(clients)) == 3
+
+
 def test_server_mode_sends_no_session_header_when_no_gateway_assigns_one():
     seen = []
 

@@ -54,9 +54,20 @@ def instance_verdicts(over: data.Span) -> None:
 def ratio_chart(
     frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int, color: str = "instance"
 ) -> go.Figure:
-    """Ratios per instance (or per `color`) over time, with the faults and alerts marked."""
-    figure = px.line(frame, x="time", y="value", color=color, labels={"value": label, "time": ""})
-    figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=height)
+    """Ratios per instance (or per `color`) over time, with the faults and alerts marked. One trace per
+    line built directly: plotly express takes half a second to group a fleet of 64 instances."""
+    figure = go.Figure(
+        [
+            go.Scatter(x=points["time"], y=points["value"], name=name, mode="lines", legendgroup=name)
+            for name, points in frame.groupby(color, sort=False)
+        ]
+    )
+    figure.update_layout(
+        yaxis={"tickformat": ".0%", "range": [0, 1.05], "title": label},
+        legend={"title": color},
+        margin={"t": 10},
+        height=height,
+    )
     return ui.mark(figure, marks)
 
 

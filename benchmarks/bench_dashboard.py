@@ -27,10 +27,10 @@ import httpx
 import yaml
 
 from benchmarks.history import DAY, Fleet, backfill_order, exporter_scrapes, probe_runs, write_openmetrics
-from collectors.queries import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES
-from collectors.store import Store
-from lab.configs import REPO, RULE_PATTERNS
-from lab.process import binary
+from kvwatch.collectors.queries import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES
+from kvwatch.collectors.store import Store
+from kvwatch.lab.configs import REPO, RULE_PATTERNS
+from kvwatch.lab.process import binary
 
 REPLICAS = 64
 SCRAPE_SECONDS = 30
@@ -141,7 +141,7 @@ def render_times(at: float) -> list[tuple[str, float, float, float, str]]:
     from streamlit.components.v2 import manifest_scanner
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import data
+    from kvwatch.dashboard import data
 
     logger.set_log_level("error")  # AppTest runs pages without a server, and says so at every run
     data.now = lambda: at  # the history ends at `at`
@@ -174,7 +174,7 @@ def render_times(at: float) -> list[tuple[str, float, float, float, str]]:
 def run() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        from dashboard import data
+        from kvwatch.dashboard import data
 
         end, port = data.now(), free_port()
         started = time.perf_counter()

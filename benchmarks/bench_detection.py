@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from collectors.store import Store
+from kvwatch.collectors.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 420
@@ -50,7 +50,11 @@ UNPROBED_LAB = ("--replicas", "3", "--users", "4", "--think", "0.2", "--time-sca
 
 def _kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "collectors.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -15,8 +15,8 @@ import tracemalloc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.engines import Exposition, detect_flavour, normalise
-from lab.flavours import CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.collectors.engines import Exposition, detect_flavour, normalise
+from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
 
 COUNT = 1000
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from collectors.probe import ProbeSettings, run_session
-from collectors.streaming import StreamClient
-from collectors.workload import Conversation, synthetic
+from kvwatch.collectors.probe import ProbeSettings, run_session
+from kvwatch.collectors.streaming import StreamClient
+from kvwatch.collectors.workload import Conversation, synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 28390
@@ -136,8 +136,8 @@ def run() -> str:
         log = Path(scratch) / "replica.log"
         with log.open("w") as output:
             replica = subprocess.Popen(
-                [sys.executable, "-m", "collectors.cli", "lab", "replica", "--port", str(PORT), "--id", "r1",
-                 "--time-scale", "0.05", "--max-num-seqs", "256"],
+                [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(PORT),
+                 "--id", "r1", "--time-scale", "0.05", "--max-num-seqs", "256"],
                 cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
             )  # fmt: skip
         try:

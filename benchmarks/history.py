@@ -14,9 +14,9 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from collectors.exporter import ProbeCollector, ProbeResults
-from collectors.queries import Rule
-from collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
+from kvwatch.collectors.queries import Rule
+from kvwatch.collectors.records import RoundResult, SessionResult
 
 DAY = 86400
 # vLLM's own TTFT bucket bounds (seconds).

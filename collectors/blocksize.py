@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import httpx
 
-from collectors.connections import http_client, request, url_problem
-from collectors.engines import Exposition
-from collectors.engines.base import Reader
-from collectors.records import SessionResult
-from collectors.redaction import redact
-from collectors.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
+from kvwatch.collectors.connections import http_client, request, url_problem
+from kvwatch.collectors.engines import Exposition
+from kvwatch.collectors.engines.base import Reader
+from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.redaction import redact
+from kvwatch.collectors.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
 
 DEFAULT_TOKENS = 16  # vLLM's default on GPUs
 MAX_TOKENS = 1 << 20  # far above any engine's block; a larger number is a typo

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from collectors import completion, config, doctor, experiment, probe, scheduler, scrape
-from dashboard import cli as dashboard_cli
-from lab import cli as lab_cli
+from kvwatch.collectors import completion, config, doctor, experiment, probe, scheduler, scrape
+from kvwatch.dashboard import cli as dashboard_cli
+from kvwatch.lab import cli as lab_cli
 
 # What each command's exit code means, in one place: under the command's --help and in the README, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.

@@ -23,9 +23,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from collectors import blocksize, gatewaylogs, identity, queries, store
-from collectors.connections import url_problem
-from collectors.redaction import redact
+from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store
+from kvwatch.collectors.connections import url_problem
+from kvwatch.collectors.redaction import redact
 
 
 class ConfigError(Exception):

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from collectors import affinity, blocksize, identity
-from collectors.blocksize import BlockSize, BlockSizeSources
-from collectors.connections import http_client, request
-from collectors.probe import (
+from kvwatch.collectors import affinity, blocksize, identity
+from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.connections import http_client, request
+from kvwatch.collectors.probe import (
     HINTS,
     ProbeSettings,
     add_api_key_arguments,
@@ -43,13 +43,13 @@ from collectors.probe import (
     run_session,
     with_block_size,
 )
-from collectors.progress import Progress
-from collectors.queries import ALERTS
-from collectors.records import RoundResult, SessionResult
-from collectors.redaction import redact
-from collectors.streaming import StreamClient
-from collectors.workload import Conversation, synthetic
-from lab.tokenizer import TemplateError, message_text, split_words
+from kvwatch.collectors.progress import Progress
+from kvwatch.collectors.queries import ALERTS
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.redaction import redact
+from kvwatch.collectors.streaming import StreamClient
+from kvwatch.collectors.workload import Conversation, synthetic
+from kvwatch.lab.tokenizer import TemplateError, message_text, split_words
 
 STATUSES = ("pass", "warn", "fail", "skipped")
 CAUSES = (

@@ -15,8 +15,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client import Counter as MetricCounter
 
-from collectors.config import ExporterSettings
-from collectors.store import WriteDropped
+from kvwatch.collectors.config import ExporterSettings
+from kvwatch.collectors.store import WriteDropped
 
 log = logging.getLogger("kvwatch.exporter")
 

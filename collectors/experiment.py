@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from collectors import blocksize, experiment_plot, identity
-from collectors.blocksize import BlockSize, BlockSizeSources
-from collectors.probe import (
+from kvwatch.collectors import blocksize, experiment_plot, identity
+from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe import (
     SESSION_MODES,
     ProbeSettings,
     add_api_key_arguments,
@@ -43,11 +43,11 @@ from collectors.probe import (
     run_session,
     with_block_size,
 )
-from collectors.progress import Progress
-from collectors.records import SessionResult
-from collectors.redaction import redact
-from collectors.streaming import StreamClient
-from collectors.workload import Conversation, load_sharegpt, synthetic
+from kvwatch.collectors.progress import Progress
+from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.redaction import redact
+from kvwatch.collectors.streaming import StreamClient
+from kvwatch.collectors.workload import Conversation, load_sharegpt, synthetic
 
 RESAMPLES = 2000
 CONFIDENCE = 0.95

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from collectors.config import STICKY_ROUTE_MODES
-from collectors.records import ERROR_KINDS, SessionResult
+from kvwatch.collectors.config import STICKY_ROUTE_MODES
+from kvwatch.collectors.records import ERROR_KINDS, SessionResult
 
 log = logging.getLogger("kvwatch.exporter")
 

@@ -27,8 +27,8 @@ from typing import BinaryIO
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from collectors import gatewaylogs
-from collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
+from kvwatch.collectors import gatewaylogs
+from kvwatch.collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
 
 log = logging.getLogger("kvwatch.gatewaylog")
 

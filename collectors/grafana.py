@@ -1,11 +1,12 @@
 """kvwatch's Grafana boards, built from the panel queries in collectors/queries.py.
 
-`python -m collectors.generate` writes each board twice: grafana/dashboards/ for file provisioning (a
+`python -m kvwatch.collectors.generate` writes each board twice: grafana/dashboards/ for file provisioning (a
 `datasource` variable and no `__inputs`, which provisioning never resolves) and grafana/import/ for the
 UI's Import, whose `__inputs` make Grafana ask for a Prometheus data source and start on it. Output is
 deterministic: uids hash the file name, panel ids count up in layout order.
 
-`python -m collectors.grafana --prometheus URL` draws the overview from a live Prometheus with matplotlib,
+`python -m kvwatch.collectors.grafana --prometheus URL` draws the overview from a live Prometheus with
+matplotlib,
 panel by panel where Grafana lays it out, for the README (Grafana itself is not needed).
 """
 
@@ -22,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from collectors import queries
-from collectors.connections import request_sync
-from collectors.queries import THRESHOLDS
+from kvwatch.collectors import queries
+from kvwatch.collectors.connections import request_sync
+from kvwatch.collectors.queries import THRESHOLDS
 
 JSON = dict[str, Any]
 DATASOURCE: JSON = {"type": "prometheus", "uid": "${datasource}"}
@@ -1107,7 +1108,7 @@ def render(prometheus: str, out: Path, *, minutes: int, window: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m collectors.grafana",
+        prog="python -m kvwatch.collectors.grafana",
         description="Draw the Grafana overview board from a live Prometheus, with matplotlib.",
     )
     parser.add_argument("--prometheus", required=True, help="e.g. the lab's http://127.0.0.1:18002")

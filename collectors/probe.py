@@ -28,15 +28,15 @@ from pathlib import Path
 
 import httpx
 
-from collectors import blocksize, identity
-from collectors.blocksize import BlockSize
-from collectors.config import Target, Workload
-from collectors.connections import connect_reason, http_client, request, url_problem
-from collectors.progress import Progress
-from collectors.records import RoundResult, SessionResult
-from collectors.redaction import redact, redacted_name
-from collectors.streaming import ConnectFailed, Response, StreamBroken, StreamClient
-from collectors.workload import Conversation, load_sharegpt, synthetic
+from kvwatch.collectors import blocksize, identity
+from kvwatch.collectors.blocksize import BlockSize
+from kvwatch.collectors.config import Target, Workload
+from kvwatch.collectors.connections import connect_reason, http_client, request, url_problem
+from kvwatch.collectors.progress import Progress
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.redaction import redact, redacted_name
+from kvwatch.collectors.streaming import ConnectFailed, Response, StreamBroken, StreamClient
+from kvwatch.collectors.workload import Conversation, load_sharegpt, synthetic
 
 SESSION_MODES = ("client", "server", "none")
 # What a streamed delta may begin an answer with: its text, a reasoning model's thinking (vLLM and

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from collectors import blocksize, shard, workload
-from collectors.config import (
+from kvwatch.collectors import blocksize, shard, workload
+from kvwatch.collectors.config import (
     Config,
     ConfigError,
     Target,
@@ -36,12 +36,12 @@ from collectors.config import (
     resolve_api_key,
     resolve_webhook_token,
 )
-from collectors.exporter import ProbeCollector, ProbeResults
-from collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
-from collectors.probe import ProbeSettings, run_session, with_block_size
-from collectors.records import SessionResult
-from collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
-from collectors.streaming import StreamClient
+from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
+from kvwatch.collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
+from kvwatch.collectors.probe import ProbeSettings, run_session, with_block_size
+from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from kvwatch.collectors.streaming import StreamClient
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -251,7 +251,7 @@ class Service:
         side and write what is queued for the store (store.flush_seconds at most)."""
         from aiohttp import web  # here, not at the top: only this command pays for importing aiohttp
 
-        from collectors.endpoints import make_app, open_webhook_warning
+        from kvwatch.collectors.endpoints import make_app, open_webhook_warning
 
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)

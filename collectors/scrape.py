@@ -17,8 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from collectors.connections import connect_reason, http_client, url_problem
-from collectors.engines import (
+from kvwatch.collectors.connections import connect_reason, http_client, url_problem
+from kvwatch.collectors.engines import (
     FLAVOURS,
     Exposition,
     Flavour,
@@ -28,7 +28,7 @@ from collectors.engines import (
     detect_flavour,
     normalise,
 )
-from collectors.engines.normalise import LOOKUPS, TOKENS
+from kvwatch.collectors.engines.normalise import LOOKUPS, TOKENS
 
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024  # real expositions are well under 1 MiB; this stops a runaway one

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from collectors.config import Target
+from kvwatch.collectors.config import Target
 
 _SHARD = re.compile(r"(\d{1,6})/(\d{1,6})")
 

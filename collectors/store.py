@@ -33,7 +33,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.records import RoundResult, SessionResult
 
 log = logging.getLogger("kvwatch.store")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import h11
 import httpx
 
-from collectors.connections import connect_reason, tls_context
+from kvwatch.collectors.connections import connect_reason, tls_context
 
 READ_BYTES = 64 << 10  # how much h11 hands over at once: a streamed chunk is a few hundred bytes
 MAX_HEADER_BYTES = 64 << 10  # of the status line and headers; more is no HTTP server kvwatch probes

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from lab.state import DEFAULT_DIRECTORY
+from kvwatch.lab.state import DEFAULT_DIRECTORY
 
 APP = Path(__file__).resolve().parent / "app.py"
 DEFAULT_CONFIG = DEFAULT_DIRECTORY / "kvwatch.yaml"  # the config `kvwatch lab up` writes

@@ -24,14 +24,14 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from collectors import blocksize, doctor, experiment, queries
-from collectors.config import ConfigError, Target, load_config, resolve_api_key
-from collectors.connections import connect_reason, request_sync
-from collectors.redaction import redact
-from collectors.scheduler import probe_settings
-from collectors.store import ROUND_FIELDS, Store, StoreError
-from dashboard import stats
-from dashboard.cli import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
+from kvwatch.collectors import blocksize, doctor, experiment, queries
+from kvwatch.collectors.config import ConfigError, Target, load_config, resolve_api_key
+from kvwatch.collectors.connections import connect_reason, request_sync
+from kvwatch.collectors.redaction import redact
+from kvwatch.collectors.scheduler import probe_settings
+from kvwatch.collectors.store import ROUND_FIELDS, Store, StoreError
+from kvwatch.dashboard import stats
+from kvwatch.dashboard.cli import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
 
 def app_options(argv: list[str]) -> argparse.Namespace:

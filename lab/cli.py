@@ -12,14 +12,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from lab import stack
-from lab.engine import ANSWER_STYLES, ReplicaSettings
-from lab.flavours import FLAVOURS
-from lab.gateways import GATEWAYS
-from lab.gateways.envoy import LOAD_BALANCERS
-from lab.replicas import KINDS
-from lab.stack import FAULTS
-from lab.state import DEFAULT_DIRECTORY, LabState
+from kvwatch.lab import stack
+from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
+from kvwatch.lab.flavours import FLAVOURS
+from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
+from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.stack import FAULTS
+from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
 
 # Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
 # (interleaved) and six rounds, 5 replicas bring a session back to a replica holding its history only in
@@ -141,7 +141,7 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_traffic(commands: argparse._SubParsersAction) -> None:
-    from lab.traffic import SESSION_MODES, TrafficSettings, run_cli
+    from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
 
     defaults = TrafficSettings(url="")
     traffic = commands.add_parser(
@@ -194,7 +194,7 @@ def _add_traffic(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_replica(args: argparse.Namespace) -> int:
-    from lab.server import PortInUse, serve
+    from kvwatch.lab.server import PortInUse, serve
 
     fields = ReplicaSettings.__dataclass_fields__
     settings = ReplicaSettings(**{k: v for k, v in vars(args).items() if k in fields})

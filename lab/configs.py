@@ -10,11 +10,11 @@ from pathlib import Path
 
 import yaml
 
-from collectors.config import GatewayLog
-from lab.gateways import GATEWAYS
-from lab.process import LabError
-from lab.replicas import KINDS
-from lab.state import LabState
+from kvwatch.collectors.config import GatewayLog
+from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.process import LabError
+from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lab.state import LabState
+    from kvwatch.lab.state import LabState
 
 READY_TIMEOUT_S = 30.0
 
@@ -26,7 +26,7 @@ class Process:
 
 def kvwatch_command(*args: str) -> list[str]:
     """kvwatch itself, run by the interpreter the lab runs in."""
-    return [sys.executable, "-m", "collectors.cli", *args]
+    return [sys.executable, "-m", "kvwatch.collectors.cli", *args]
 
 
 class LabError(RuntimeError):

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from collectors.connections import request_sync
-from lab.configs import (
+from kvwatch.collectors.connections import request_sync
+from kvwatch.lab.configs import (
     REPO,
     render_alertmanager,
     render_kvwatch_config,
@@ -33,11 +33,11 @@ from lab.configs import (
     rule_files,
     write_webhook_token,
 )
-from lab.gateways import GATEWAYS
-from lab.process import LabError, Process, binary, is_ours, log_tail
-from lab.process import kvwatch_command as _kvwatch
-from lab.replicas import KINDS
-from lab.state import LabState, ReplicaSpec
+from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
+from kvwatch.lab.process import kvwatch_command as _kvwatch
+from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 STOP_TIMEOUT_S = 10.0
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0

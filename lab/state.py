@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from collectors.naming import replica_name
+from kvwatch.collectors.naming import replica_name
 
 DEFAULT_DIRECTORY = Path(".kvwatch/lab")
 REPLICA_PORT_OFFSET = 10

@@ -19,11 +19,11 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
-from collectors.probe import ProbeSettings, api_url, run_session
-from collectors.streaming import StreamClient
-from collectors.workload import Conversation, system_prompt, user_turns
-from lab.engine import ReplicaSettings
+from kvwatch.collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
+from kvwatch.collectors.probe import ProbeSettings, api_url, run_session
+from kvwatch.collectors.streaming import StreamClient
+from kvwatch.collectors.workload import Conversation, system_prompt, user_turns
+from kvwatch.lab.engine import ReplicaSettings
 
 log = logging.getLogger("kvwatch.lab.traffic")
 

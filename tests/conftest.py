@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lab.state import LabState
+from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -97,7 +97,7 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
         command = [
             sys.executable,
             "-m",
-            "collectors.cli",
+            "kvwatch.collectors.cli",
             "lab",
             "replica",
             "--port",
@@ -240,7 +240,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "collectors.cli", *args],
+        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
 

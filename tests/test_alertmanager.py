@@ -20,15 +20,15 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors import queries
-from collectors.config import Config, ExporterSettings, StoreSettings, Target
-from collectors.scheduler import Service
-from collectors.store import Store
 from conftest import REPO, free_port, stop, wait_http
-from lab import configs
-from lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
-from lab.process import LabError
-from lab.state import LabState
+from kvwatch.collectors import queries
+from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target
+from kvwatch.collectors.scheduler import Service
+from kvwatch.collectors.store import Store
+from kvwatch.lab import configs
+from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
+from kvwatch.lab.process import LabError
+from kvwatch.lab.state import LabState
 
 CONFIG = REPO / "alerts" / "alertmanager.yml"
 

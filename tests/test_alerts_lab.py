@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from collectors.store import Store
+from kvwatch.collectors.store import Store
 
 pytestmark = pytest.mark.integration
 

@@ -5,8 +5,8 @@ import tomllib
 
 import pytest
 
-from collectors.cli import EXIT_CODES, build_parser, main, runnable_commands
 from conftest import REPO
+from kvwatch.collectors.cli import EXIT_CODES, build_parser, main, runnable_commands
 
 
 def subcommand_paths(parser: argparse.ArgumentParser, prefix=()):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from collectors.cli import build_parser
-from collectors.completion import script
-from lab.stack import FAULTS
+from kvwatch.collectors.cli import build_parser
+from kvwatch.collectors.completion import script
+from kvwatch.lab.stack import FAULTS
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors import cli, queries
-from collectors.config import (
+from kvwatch.collectors import cli, queries
+from kvwatch.collectors.config import (
     BackendIdentity,
     Config,
     ConfigError,
@@ -436,7 +436,11 @@ def test_direct_construction_is_checked_too():
 
 def kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "collectors.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

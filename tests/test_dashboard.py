@@ -20,14 +20,14 @@ import streamlit as st
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
-from collectors import queries
-from collectors.cli import main
-from collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
-from collectors.records import RoundResult, SessionResult
-from collectors.store import Store
 from conftest import REPO, free_port
-from dashboard import data, stats, ui
-from dashboard.data import Result
+from kvwatch.collectors import queries
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.store import Store
+from kvwatch.dashboard import data, stats, ui
+from kvwatch.dashboard.data import Result
 
 APP = REPO / "dashboard" / "app.py"
 PAGES = ("overview", "per_round", "replicas", "sessions", "alerts", "experiment", "doctor")

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from collectors import queries
-from collectors.config import load_config
-from collectors.naming import replica_name
-from collectors.records import SessionResult
-from collectors.store import Store
 from conftest import REPO, http_get
-from dashboard import data
+from kvwatch.collectors import queries
+from kvwatch.collectors.config import load_config
+from kvwatch.collectors.naming import replica_name
+from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.store import Store
+from kvwatch.dashboard import data
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ from test_dashboard_browser import (
     wait_for_data,
 )
 
-from collectors import queries
-from collectors.store import Store
+from kvwatch.collectors import queries
+from kvwatch.collectors.store import Store
 
 browser, page = dashboard_browser.browser, dashboard_browser.page  # the same Chromium fixtures
 pytestmark = pytest.mark.integration

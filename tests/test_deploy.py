@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from collectors import queries, shard
-from collectors.config import Config, load_config
 from conftest import REPO
+from kvwatch.collectors import queries, shard
+from kvwatch.collectors.config import Config, load_config
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 import pytest
 from aiohttp import web
 
-from collectors.cli import main
-from collectors.doctor import (
+from conftest import REPO, free_port, http_get, stop
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.doctor import (
     CAUSES,
     Check,
     Diagnosis,
@@ -35,11 +36,10 @@ from collectors.doctor import (
     format_diagnosis,
     prompt_prefix,
 )
-from collectors.probe import ProbeSettings, api_url
-from collectors.workload import system_prompt, user_turns
-from conftest import REPO, free_port, http_get, stop
-from lab import stack
-from lab.state import LabState
+from kvwatch.collectors.probe import ProbeSettings, api_url
+from kvwatch.collectors.workload import system_prompt, user_turns
+from kvwatch.lab import stack
+from kvwatch.lab.state import LabState
 
 MODEL = "lab-model"
 KEY = "kvw-doctor-key-8e2d61c4b7"  # distinctive, so a search finds any leak
@@ -481,7 +481,7 @@ def test_dynamic_prefix_is_found_in_a_sample_the_lab_traffic_wrote(lab, request,
     request.getfixturevalue("fault")("dynamic-prefix")
     sample = tmp_path / "requests.jsonl"
     control = lab.state_dir / "traffic.json"  # the lab's: the fault switched it on
-    command = [sys.executable, "-m", "collectors.cli", "lab", "traffic", "--url", lab.affinity,
+    command = [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "traffic", "--url", lab.affinity,
                "--users", "2", "--rounds", "2", "--think", "0", "--control", str(control),
                "--requests-sample", str(sample)]  # fmt: skip
     traffic = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collectors.engines import (
+from conftest import REPO, SHARED, Replica, free_port, http_get, stop
+from kvwatch.collectors.engines import (
     Exposition,
     Snapshot,
     UnknownFlavour,
@@ -28,7 +29,6 @@ from collectors.engines import (
     histogram_quantile,
     normalise,
 )
-from conftest import REPO, SHARED, Replica, free_port, http_get, stop
 
 SAMPLES = SHARED / "reference" / "samples"
 TESTDATA = Path(__file__).parent / "testdata"

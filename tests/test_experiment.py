@@ -12,10 +12,11 @@ import statistics
 import pandas as pd
 import pytest
 
-from collectors import experiment_plot
-from collectors.blocksize import BlockSize
-from collectors.cli import main
-from collectors.experiment import (
+from conftest import free_port, kvwatch
+from kvwatch.collectors import experiment_plot
+from kvwatch.collectors.blocksize import BlockSize
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.experiment import (
     FILES,
     Experiment,
     bootstrap_ci,
@@ -28,11 +29,10 @@ from collectors.experiment import (
     run_experiment,
     tag,
 )
-from collectors.probe import HINTS, ProbeSettings
-from collectors.records import RoundResult, SessionResult
-from collectors.workload import synthetic
-from conftest import free_port, kvwatch
-from lab.tokenizer import split_words
+from kvwatch.collectors.probe import HINTS, ProbeSettings
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.workload import synthetic
+from kvwatch.lab.tokenizer import split_words
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
 SESSIONS, ROUNDS = 6, 4

@@ -11,16 +11,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
-from collectors.config import ExporterSettings
-from collectors.endpoints import make_app, open_webhook_warning
-from collectors.exporter import (
+from kvwatch.collectors.config import ExporterSettings
+from kvwatch.collectors.endpoints import make_app, open_webhook_warning
+from kvwatch.collectors.exporter import (
     MAX_BACKENDS_PER_ROUTE,
     OTHER_BACKEND,
     ProbeCollector,
     ProbeResults,
 )
-from collectors.records import RoundResult, SessionResult
-from collectors.store import Store
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.store import Store
 
 ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
 

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SHARED
-from lab.flavours import FLAVOURS, CacheConfig, Finished, Prefill, make_metrics
-from lab.flavours.vllm import request_token_buckets
+from kvwatch.lab.flavours import FLAVOURS, CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.flavours.vllm import request_token_buckets
 
 EXPECTED = {
     "vllm": {

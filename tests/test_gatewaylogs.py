@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings
-from collectors.gatewaylog import MALFORMED_REASONS, GatewayLogFollower
-from collectors.gatewaylogs import (
+from conftest import REPO, free_port
+from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings
+from kvwatch.collectors.gatewaylog import MALFORMED_REASONS, GatewayLogFollower
+from kvwatch.collectors.gatewaylogs import (
     FORMATS,
     NO_UPSTREAM,
     Malformed,
@@ -21,8 +22,7 @@ from collectors.gatewaylogs import (
     log_format,
     nginx,
 )
-from collectors.scheduler import Service
-from conftest import REPO, free_port
+from kvwatch.collectors.scheduler import Service
 
 R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"
 

@@ -36,13 +36,13 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
-from collectors import grafana, queries
-from collectors.exporter import TTFT_BUCKETS
-from collectors.records import ERROR_KINDS
-from collectors.scheduler import GATEWAY_POLL_SECONDS
-from collectors.store import Store
 from conftest import REPO, TLS, http_get, processes_in_group
-from dashboard.stats import CONFIDENCE
+from kvwatch.collectors import grafana, queries
+from kvwatch.collectors.exporter import TTFT_BUCKETS
+from kvwatch.collectors.records import ERROR_KINDS
+from kvwatch.collectors.scheduler import GATEWAY_POLL_SECONDS
+from kvwatch.collectors.store import Store
+from kvwatch.dashboard.stats import CONFIDENCE
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 IMPORTED = sorted((REPO / "grafana" / "import").glob("*.json"))

@@ -24,8 +24,8 @@ from pathlib import Path
 import promql_parser
 import pytest
 
-from collectors import grafana, queries
 from conftest import REPO
+from kvwatch.collectors import grafana, queries
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))

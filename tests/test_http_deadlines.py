@@ -18,13 +18,13 @@ import httpx
 import pytest
 import streamlit as st
 
-from collectors import blocksize, connections, doctor, grafana, queries
-from collectors.blocksize import BlockSizeSources
-from collectors.probe import ProbeSettings
-from dashboard import data
-from lab import stack
-from lab.process import LabError, Process
-from lab.state import LabState
+from kvwatch.collectors import blocksize, connections, doctor, grafana, queries
+from kvwatch.collectors.blocksize import BlockSizeSources
+from kvwatch.collectors.probe import ProbeSettings
+from kvwatch.dashboard import data
+from kvwatch.lab import stack
+from kvwatch.lab.process import LabError, Process
+from kvwatch.lab.state import LabState
 
 TRICKLE_S = 0.04  # well inside every per-read timeout below: only a deadline over the whole exchange ends it
 DEADLINE_S = 0.2

@@ -10,10 +10,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.config import load_config
-from collectors.store import Store
 from conftest import REPO, http_get
-from lab.cli import DEFAULT_REPLICAS
+from kvwatch.collectors.config import load_config
+from kvwatch.collectors.store import Store
+from kvwatch.lab.cli import DEFAULT_REPLICAS
 
 WAIT_S = 30.0
 SESSIONS_PER_TARGET = 4  # two probe runs of each target

@@ -19,8 +19,6 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.cli import main
-from collectors.gatewaylogs import log_format
 from conftest import LAB_CLIENT as CLIENT
 from conftest import (
     assert_admin_api_unproxied,
@@ -31,10 +29,12 @@ from conftest import (
     heal_if_faulted,
     upstreams,
 )
-from lab import stack
-from lab.gateways import envoy
-from lab.process import LabError
-from lab.state import LabState
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.gatewaylogs import log_format
+from kvwatch.lab import stack
+from kvwatch.lab.gateways import envoy
+from kvwatch.lab.process import LabError
+from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
 

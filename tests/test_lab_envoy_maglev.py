@@ -11,7 +11,7 @@ import pytest
 
 from conftest import LAB_CLIENT as CLIENT
 from conftest import assert_baseline, upstreams
-from lab.state import LabState
+from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
 

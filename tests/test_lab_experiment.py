@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from collectors.experiment import (
+from conftest import REPO, http_get, http_post
+from kvwatch.collectors.experiment import (
     Experiment,
     Workload,
     round_rows,
@@ -20,8 +21,7 @@ from collectors.experiment import (
     run_experiment,
     write_outputs,
 )
-from collectors.probe import ProbeSettings
-from conftest import REPO, http_get, http_post
+from kvwatch.collectors.probe import ProbeSettings
 
 pytestmark = pytest.mark.integration
 

@@ -35,10 +35,10 @@ from conftest import (
     stop,
     upstreams,
 )
-from lab import stack
-from lab.gateways import nginx as nginx_gateway
-from lab.process import LabError
-from lab.state import LabState
+from kvwatch.lab import stack
+from kvwatch.lab.gateways import nginx as nginx_gateway
+from kvwatch.lab.process import LabError
+from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
 
@@ -277,7 +277,15 @@ def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
 
 def lab_command(lab, stderr: Path, *args: str) -> subprocess.Popen:
     """`kvwatch lab ...` on `lab`, in the background, its stderr written to `stderr`."""
-    command = [sys.executable, "-m", "collectors.cli", "lab", *args, "--state-dir", str(lab.state_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "kvwatch.collectors.cli",
+        "lab",
+        *args,
+        "--state-dir",
+        str(lab.state_dir),
+    ]
     with stderr.open("w") as err:
         return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collectors.cli import main
-from collectors.config import load_config
-from collectors.gatewaylogs import FORMATS
 from conftest import free_base_port
-from lab.configs import render_kvwatch_config, render_prometheus
-from lab.gateways import GATEWAYS, envoy
-from lab.state import LabState, ReplicaSpec
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.config import load_config
+from kvwatch.collectors.gatewaylogs import FORMATS
+from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
+from kvwatch.lab.gateways import GATEWAYS, envoy
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 ENVOY_FAULTS = [[], ["break-affinity"], ["drop-session-header"], ["hash-request-id"]]
 

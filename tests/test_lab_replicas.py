@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, kvwatch
-from lab import tiny_model
-from lab.process import LabError
-from lab.replicas import KINDS, vllm
-from lab.state import LabState, ReplicaSpec
+from kvwatch.lab import tiny_model
+from kvwatch.lab.process import LabError
+from kvwatch.lab.replicas import KINDS, vllm
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 
 def lab_state(tmp_path: Path, replicas: int = 2, engine: str = "vllm") -> LabState:

@@ -8,13 +8,13 @@ import time
 
 import pandas as pd
 
-from collectors.config import Config, GatewayLog, StoreSettings
-from collectors.naming import replica_name
-from dashboard import data, ui
-from dashboard.data import Result
-from lab import stack
-from lab.cli import _print_status
-from lab.state import LabState, ReplicaSpec
+from kvwatch.collectors.config import Config, GatewayLog, StoreSettings
+from kvwatch.collectors.naming import replica_name
+from kvwatch.dashboard import data, ui
+from kvwatch.dashboard.data import Result
+from kvwatch.lab import stack
+from kvwatch.lab.cli import _print_status
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 
 def test_a_replica_is_named_by_id_and_address_or_whichever_is_known():

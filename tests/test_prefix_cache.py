@@ -1,6 +1,6 @@
 """The lab's prefix cache: chained block hashes, vLLM-style hit counting, LRU eviction."""
 
-from lab.prefix_cache import PrefixCache, block_hashes
+from kvwatch.lab.prefix_cache import PrefixCache, block_hashes
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

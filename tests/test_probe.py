@@ -22,9 +22,10 @@ from aiohttp import web
 from loopback import QuietHandler, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collectors.cli import main
-from collectors.exporter import ProbeCollector, ProbeResults
-from collectors.probe import (
+from conftest import REPO, free_port, http_get, http_post
+from kvwatch.collectors.cli import main
+from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
+from kvwatch.collectors.probe import (
     HINTS,
     MAX_ANSWER_BYTES,
     MAX_STREAM_LINES,
@@ -37,11 +38,10 @@ from collectors.probe import (
     run_session,
     run_sessions,
 )
-from collectors.records import ERROR_KINDS, SessionResult
-from collectors.store import Store
-from collectors.streaming import StreamClient
-from collectors.workload import Conversation, synthetic
-from conftest import REPO, free_port, http_get, http_post
+from kvwatch.collectors.records import ERROR_KINDS, SessionResult
+from kvwatch.collectors.store import Store
+from kvwatch.collectors.streaming import StreamClient
+from kvwatch.collectors.workload import Conversation, synthetic
 
 pytestmark = pytest.mark.integration
 
@@ -484,7 +484,7 @@ def test_a_sessions_rounds_share_one_kept_alive_connection():
 
 def test_a_stream_held_open_after_done_still_answers_its_round(monkeypatch):
     """[DONE] ends the round; a server that then keeps the response open costs the connection only."""
-    monkeypatch.setattr("collectors.probe.END_GRACE_SECONDS", 0.05)
+    monkeypatch.setattr("kvwatch.collectors.probe.END_GRACE_SECONDS", 0.05)
     clients = []
 
     async def gateway(request: web.Request) -> web.StreamResponse:
@@ -807,7 +807,7 @@ def echoing(forms: list[str]):
 async def run_kvwatch(*args: str, env: dict | None = None) -> tuple[int | None, str, str]:
     """`kvwatch ARGS` in a process of its own: its exit code, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "collectors.cli", *args, cwd=REPO, env={**os.environ, **(env or {})},
+        sys.executable, "-m", "kvwatch.collectors.cli", *args, cwd=REPO, env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)

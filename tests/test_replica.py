@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
-from collectors.probe import ProbeSettings, probe_once
-from collectors.workload import synthetic
 from conftest import REPO, free_port, http_get, http_post
+from kvwatch.collectors.probe import ProbeSettings, probe_once
+from kvwatch.collectors.workload import synthetic
 
 pytestmark = pytest.mark.integration
 
@@ -334,7 +334,17 @@ def test_bad_fault_updates_are_rejected(start_replica, update, fragment):
 def test_taken_port_gives_a_clear_message(start_replica):
     replica = start_replica("r1", "vllm", *FAST)
     result = subprocess.run(
-        [sys.executable, "-m", "collectors.cli", "lab", "replica", "--port", str(replica.port), "--id", "r2"],
+        [
+            sys.executable,
+            "-m",
+            "kvwatch.collectors.cli",
+            "lab",
+            "replica",
+            "--port",
+            str(replica.port),
+            "--id",
+            "r2",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -346,7 +356,7 @@ def test_taken_port_gives_a_clear_message(start_replica):
 
 def test_bad_replica_options_are_named():
     result = subprocess.run(
-        [sys.executable, "-m", "collectors.cli", "lab", "replica", "--port", str(free_port()),
+        [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(free_port()),
          "--id", "r1", "--cache-blocks", "0", "--prefill-rate", "-1"],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip

@@ -17,12 +17,12 @@ import httpx
 import pytest
 import yaml
 
-from collectors import grafana, queries
-from collectors.engines.base import COUNT_SUFFIXES
 from conftest import free_base_port, free_port, http_get, stop, wait_http
-from lab.configs import rule_files
-from lab.stack import prometheus_process
-from lab.state import LabState
+from kvwatch.collectors import grafana, queries
+from kvwatch.collectors.engines.base import COUNT_SUFFIXES
+from kvwatch.lab.configs import rule_files
+from kvwatch.lab.stack import prometheus_process
+from kvwatch.lab.state import LabState
 
 ROUTERS = Path(__file__).parent / "testdata" / "routers"
 # Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky

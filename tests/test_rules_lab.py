@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from collectors import queries
 from conftest import http_get
-from lab.configs import scale_durations
+from kvwatch.collectors import queries
+from kvwatch.lab.configs import scale_durations
 
 pytestmark = pytest.mark.integration
 

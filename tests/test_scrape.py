@@ -17,11 +17,11 @@ import pytest
 from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
 
-from collectors.cli import build_parser, main
-from collectors.engines import FLAVOURS
-from collectors.scrape import metrics_url, scrape
 from conftest import free_port, kvwatch
-from lab.flavours import CacheConfig, Prefill, make_metrics
+from kvwatch.collectors.cli import build_parser, main
+from kvwatch.collectors.engines import FLAVOURS
+from kvwatch.collectors.scrape import metrics_url, scrape
+from kvwatch.lab.flavours import CacheConfig, Prefill, make_metrics
 
 TESTDATA = Path(__file__).parent / "testdata"
 JSON_KEYS = [

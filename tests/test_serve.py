@@ -22,13 +22,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors import shard
-from collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
-from collectors.scheduler import Service
-from collectors.store import Store
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
-from lab.configs import render_kvwatch_config
-from lab.state import DEFAULT_DIRECTORY, LabState
+from kvwatch.collectors import shard
+from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
+from kvwatch.collectors.scheduler import Service
+from kvwatch.collectors.store import Store
+from kvwatch.lab.configs import render_kvwatch_config
+from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +137,7 @@ def start_serve(
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "collectors.cli", "serve", "--config", str(config), *options],
+            [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config), *options],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -175,7 +175,7 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
 
     config.write_text("targets: [{name: x, base_url: 'ftp://nope', model: m}]\n")
     bad = subprocess.run(
-        [sys.executable, "-m", "collectors.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config)],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert bad.returncode == 1 and "targets[0].base_url" in bad.stderr

@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from collectors import shard
-from collectors.cli import build_parser
-from collectors.config import Config, StoreSettings, Target
-from collectors.scheduler import Service
+from kvwatch.collectors import shard
+from kvwatch.collectors.cli import build_parser
+from kvwatch.collectors.config import Config, StoreSettings, Target
+from kvwatch.collectors.scheduler import Service
 
 NAMES = [f"route-{i}" for i in range(60)]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from collectors.records import RoundResult, SessionResult
-from collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -443,7 +443,7 @@ def test_writer_is_not_blocked_by_an_open_read_transaction(tmp_path):
 
 READER = """
 import sys, time
-from collectors.store import Store
+from kvwatch.collectors.store import Store
 
 store, total, seen = Store(sys.argv[1], readonly=True), int(sys.argv[2]), None
 deadline = time.monotonic() + 60
@@ -500,7 +500,7 @@ def test_threads_share_one_store(store):
 @pytest.fixture
 def short_busy_timeout(monkeypatch):
     """SQLite's own wait for a lock, shortened so that the writer's retries take over within the test."""
-    monkeypatch.setattr("collectors.store.BUSY_TIMEOUT_SECONDS", 0.05)
+    monkeypatch.setattr("kvwatch.collectors.store.BUSY_TIMEOUT_SECONDS", 0.05)
 
 
 def write_locked(path: Path) -> sqlite3.Connection:

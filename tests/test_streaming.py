@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import h11
 import pytest
 
-from collectors.streaming import ConnectFailed, StreamBroken, StreamClient, _Connection
+from kvwatch.collectors.streaming import ConnectFailed, StreamBroken, StreamClient, _Connection
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b"data: one\n\n", b"data: two\n\n"]

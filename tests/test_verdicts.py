@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collectors import queries
-from collectors.queries import FIRING, OK, PENDING
 from conftest import REPO
+from kvwatch.collectors import queries
+from kvwatch.collectors.queries import FIRING, OK, PENDING
 
 EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
 ENGINE = 'job="replicas", instance="127.0.0.1:18010"'

@@ -27,8 +27,8 @@ from contract import (
 from prometheus_client import generate_latest
 
 from conftest import REPO, http_get, http_post
-from lab.engine import ReplicaSettings
-from lab.flavours import CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.engine import ReplicaSettings
+from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
 
 RECORDED = REPO / "tests" / "testdata" / "vllm-0.32.0-cpu-metrics.prom"
 

@@ -15,9 +15,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors import queries
 from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch
-from lab.configs import scale_durations
+from kvwatch.collectors import queries
+from kvwatch.lab.configs import scale_durations
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from collectors.affinity import envoy, nginx, smg, vllm_router
-from collectors.affinity.base import Affinity
+from kvwatch.collectors.affinity import envoy, nginx, smg, vllm_router
+from kvwatch.collectors.affinity.base import Affinity
 
 SYSTEMS: dict[str, Affinity] = {m.AFFINITY.name: m.AFFINITY for m in (nginx, envoy, smg, vllm_router)}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from collectors.affinity.base import Affinity
+from kvwatch.collectors.affinity.base import Affinity
 
 
 def forward(header: str) -> str:

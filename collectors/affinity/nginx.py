@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from collectors.affinity.base import Affinity
+from kvwatch.collectors.affinity.base import Affinity
 
 
 def variable(header: str) -> str:

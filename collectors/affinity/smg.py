@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from collectors.affinity.base import Affinity
+from kvwatch.collectors.affinity.base import Affinity
 
 KEY_HEADER = "x-smg-routing-key"  # its default routing-key header
 WORKER_HEADER = "x-smg-routed-worker-id"  # names the worker of every answer

@@ -3,7 +3,7 @@ X-Request-ID, X-Correlation-ID); it forwards custom headers and names no replica
 
 from __future__ import annotations
 
-from collectors.affinity.base import Affinity
+from kvwatch.collectors.affinity.base import Affinity
 
 KEY_HEADER = "X-Session-ID"
 

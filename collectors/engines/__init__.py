@@ -8,9 +8,18 @@ cumulative values; `normalise` turns one snapshot into lifetime figures or two i
 
 from __future__ import annotations
 
-from collectors.engines import aibrix, dynamo, llm_d, sglang, sglang_router, vllm, vllm_legacy, vllm_router
-from collectors.engines.base import Exposition, Flavour, Snapshot
-from collectors.engines.normalise import Normalised, histogram_quantile, normalise
+from kvwatch.collectors.engines import (
+    aibrix,
+    dynamo,
+    llm_d,
+    sglang,
+    sglang_router,
+    vllm,
+    vllm_legacy,
+    vllm_router,
+)
+from kvwatch.collectors.engines.base import Exposition, Flavour, Snapshot
+from kvwatch.collectors.engines.normalise import Normalised, histogram_quantile, normalise
 
 FLAVOURS: dict[str, Flavour] = {
     module.FLAVOUR.name: module.FLAVOUR

@@ -8,7 +8,7 @@ requests per pod (the `target-pod` response header names it per request).
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
 
 PREFIX = "aibrix_prefix_cache_routing_"
 

@@ -9,7 +9,7 @@ Series appear on their first request, so their absence is not reported as missin
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
 
 PREDICTED = "dynamo_component_router_kv_hit_rate"
 

@@ -11,7 +11,7 @@ is not reported as missing.
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
 
 PREFIXES = ("llm_d_epp_", "inference_objective_", "inference_pool_", "inference_extension_")
 ATTEMPTS = "llm_d_epp_scheduler_attempts_total"

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from collectors.engines.base import Buckets, Snapshot
+from kvwatch.collectors.engines.base import Buckets, Snapshot
 
 # hit_ratio_source of the token-weighted ratios of counter increases: cached prompt tokens over prompt
 # tokens (what the engine delivered, 0 % with caching off), or, without token counters, prefix-cache

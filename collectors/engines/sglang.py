@@ -9,7 +9,7 @@ cache_config_info, so whether prefix caching is on is unknown.
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, RatioGauge, Reader, Snapshot
+from kvwatch.collectors.engines.base import Exposition, Flavour, RatioGauge, Reader, Snapshot
 
 # Every tensor / pipeline / expert-parallel rank of one scheduler reports the same batch when
 # --enable-metrics-for-all-schedulers is set; data-parallel ranks (dp_rank) report their own.

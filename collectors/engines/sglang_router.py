@@ -16,7 +16,7 @@ worker-health gauge names every worker from the start.
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
 
 MATCH_RATIO = "smg_cache_aware_match_ratio"
 

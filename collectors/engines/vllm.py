@@ -9,7 +9,7 @@ prefix caching on and none with it off, and without prompts there is none.
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, Reader, Snapshot, prefix_caching
+from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot, prefix_caching
 
 # Series only the V1 engine exposes: they tell it from V0, which shares the generic vllm: names.
 V1_ONLY = (

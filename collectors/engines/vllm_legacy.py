@@ -6,7 +6,7 @@ data or prefix caching is off; V0 has no prefix-cache token counters to window.
 
 from __future__ import annotations
 
-from collectors.engines.base import Exposition, Flavour, RatioGauge, Reader, Snapshot, prefix_caching
+from kvwatch.collectors.engines.base import Exposition, Flavour, RatioGauge, Reader, Snapshot, prefix_caching
 
 # Series only the V0 engine exposes (V1 dropped the ratio gauges, swapping and the CPU cache).
 V0_ONLY = (

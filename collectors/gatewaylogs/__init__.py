@@ -6,8 +6,8 @@ counts; a gateway log's `format` in the config picks one by name.
 
 from __future__ import annotations
 
-from collectors.gatewaylogs import envoy, nginx
-from collectors.gatewaylogs.base import (
+from kvwatch.collectors.gatewaylogs import envoy, nginx
+from kvwatch.collectors.gatewaylogs.base import (
     MALFORMED_REASONS,
     NO_UPSTREAM,
     LogFormat,

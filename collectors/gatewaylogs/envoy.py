@@ -13,7 +13,14 @@ import math
 from collections.abc import Mapping
 from datetime import datetime
 
-from collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, check_fields, request
+from kvwatch.collectors.gatewaylogs.base import (
+    NO_UPSTREAM,
+    LogFormat,
+    Malformed,
+    Request,
+    check_fields,
+    request,
+)
 
 _OPTIONAL_TEXT = (str, type(None))
 FIELDS = {

@@ -9,7 +9,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, check_fields, request
+from kvwatch.collectors.gatewaylogs.base import (
+    NO_UPSTREAM,
+    LogFormat,
+    Malformed,
+    Request,
+    check_fields,
+    request,
+)
 
 FIELDS = {
     "msec": (int, float),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from collectors.identity import aibrix, dynamo, headers, llmd, smg
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity import aibrix, dynamo, headers, llmd, smg
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 CONVENTIONS: dict[str, Convention] = {
     module.CONVENTION.name: module.CONVENTION for module in (headers, smg, aibrix, llmd, dynamo)

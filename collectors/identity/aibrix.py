@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 CONVENTION = Convention(name="aibrix", read=plain_name, headers=("target-pod",))

@@ -6,7 +6,7 @@ an aggregated worker may fill in only the prefill id."""
 
 from __future__ import annotations
 
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 
 def read(value: object) -> str | None:

@@ -3,7 +3,7 @@ added under the same name, and the lab's X-Worker-Id. Also how any header a user
 
 from __future__ import annotations
 
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 
 def read(value: object) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 
 def read(value: object) -> str | None:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from collectors.identity.base import Convention, plain_name
+from kvwatch.collectors.identity.base import Convention, plain_name
 
 CONVENTION = Convention(name="smg", read=plain_name, headers=("x-smg-routed-worker-id",))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, ui
+from kvwatch.dashboard import data, ui
 
 COLUMNS = {
     "received_at": st.column_config.DatetimeColumn("received (UTC)", format=ui.TIME_FORMAT),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from collectors.redaction import redact
-from dashboard import data, ui
+from kvwatch.collectors.redaction import redact
+from kvwatch.dashboard import data, ui
 
 SAMPLE = "Request sample (optional): a JSONL file of real request payloads, to find dynamic prompt prefixes"
 STATUS_COLORS = {"pass": "#1b7f3b", "warn": "#b36b00", "fail": "#c62828", "skipped": "#757575"}

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from collectors.config import Target
-from collectors.redaction import redact
-from dashboard import data, ui
+from kvwatch.collectors.config import Target
+from kvwatch.collectors.redaction import redact
+from kvwatch.dashboard import data, ui
 
 
 def route(target: Target) -> str:

@@ -10,11 +10,11 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from collectors import queries
-from collectors.config import GatewayLog, Target
-from collectors.redaction import redact
-from dashboard import data, ui
-from dashboard.ui import Verdict
+from kvwatch.collectors import queries
+from kvwatch.collectors.config import GatewayLog, Target
+from kvwatch.collectors.redaction import redact
+from kvwatch.dashboard import data, ui
+from kvwatch.dashboard.ui import Verdict
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
 LAST_RUN = "in the last probe run, as the alert judges it"

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from dashboard import data, ui
+from kvwatch.dashboard import data, ui
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 WHOLE_RANGE, PICKED = "No split: the whole range", "A time I pick (UTC)"

@@ -7,7 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from dashboard import data, ui
+from kvwatch.dashboard import data, ui
 
 TIMELINE_SESSIONS = 30
 SESSION_COLUMNS = {

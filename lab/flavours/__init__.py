@@ -7,10 +7,10 @@ dashboards are tested against what the real engines print.
 
 from __future__ import annotations
 
-from lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
-from lab.flavours.sglang import SglangMetrics
-from lab.flavours.vllm import VllmMetrics
-from lab.flavours.vllm_legacy import VllmLegacyMetrics
+from kvwatch.lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
+from kvwatch.lab.flavours.sglang import SglangMetrics
+from kvwatch.lab.flavours.vllm import VllmMetrics
+from kvwatch.lab.flavours.vllm_legacy import VllmLegacyMetrics
 
 FLAVOURS: dict[str, type[EngineMetrics]] = {
     "vllm": VllmMetrics,

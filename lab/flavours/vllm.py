@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
+from kvwatch.lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
 
 TTFT_BUCKETS = (
     0.001,

@@ -5,8 +5,8 @@ Each kind is one module behind the `Gateway` interface; `GATEWAYS` maps `--gatew
 
 from __future__ import annotations
 
-from lab.gateways import envoy, nginx
-from lab.gateways.base import Gateway
+from kvwatch.lab.gateways import envoy, nginx
+from kvwatch.lab.gateways.base import Gateway
 
 GATEWAYS: dict[str, Gateway] = {module.GATEWAY.name: module.GATEWAY for module in (nginx, envoy)}
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from collectors.connections import request_sync
-from lab.process import Process
-from lab.state import LabState
+from kvwatch.collectors.connections import request_sync
+from kvwatch.lab.process import Process
+from kvwatch.lab.state import LabState
 
 LISTENERS = ("affinity", "round_robin")
 GENERATION_PATH = "/-/lab-config"

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from collectors.connections import request_sync
-from lab.gateways.base import (
+from kvwatch.collectors.connections import request_sync
+from kvwatch.lab.gateways.base import (
     GENERATION_PATH,
     LISTENERS,
     Gateway,
@@ -23,8 +23,8 @@ from lab.gateways.base import (
     listener_generations,
     wait_for,
 )
-from lab.process import LabError, Process, is_ours, log_tail
-from lab.state import LabState
+from kvwatch.lab.process import LabError, Process, is_ours, log_tail
+from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent.parent
 ACCESS_LOG_EXAMPLE = REPO / "examples" / "envoy-access-log.yaml"  # what the README tells users to add

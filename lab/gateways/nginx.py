@@ -9,9 +9,9 @@ import string
 import subprocess
 from pathlib import Path
 
-from lab.gateways.base import Gateway, generation, listener_generations, wait_for
-from lab.process import LabError, Process, binary, is_ours, log_tail
-from lab.state import LabState
+from kvwatch.lab.gateways.base import Gateway, generation, listener_generations, wait_for
+from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
+from kvwatch.lab.state import LabState
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 # Old nginx workers finish their in-flight requests before a reload is done: a real engine's take seconds.

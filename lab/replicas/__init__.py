@@ -5,8 +5,8 @@ Each kind is one module behind the `ReplicaKind` interface; `KINDS` maps `--engi
 
 from __future__ import annotations
 
-from lab.replicas import sim, vllm
-from lab.replicas.base import ReplicaKind
+from kvwatch.lab.replicas import sim, vllm
+from kvwatch.lab.replicas.base import ReplicaKind
 
 KINDS: dict[str, ReplicaKind] = {module.KIND.name: module.KIND for module in (sim, vllm)}
 

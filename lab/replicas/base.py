@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lab.process import Process
-from lab.state import LabState, ReplicaSpec
+from kvwatch.lab.process import Process
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 
 @dataclass(frozen=True)

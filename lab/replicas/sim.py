@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lab.process import Process, kvwatch_command
-from lab.replicas.base import ReplicaKind
-from lab.state import LabState, ReplicaSpec
+from kvwatch.lab.process import Process, kvwatch_command
+from kvwatch.lab.replicas.base import ReplicaKind
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 
 def _prepare(state: LabState) -> None:

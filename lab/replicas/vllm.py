@@ -14,10 +14,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from lab import tiny_model
-from lab.process import LabError, Process
-from lab.replicas.base import ReplicaKind
-from lab.state import LabState, ReplicaSpec
+from kvwatch.lab import tiny_model
+from kvwatch.lab.process import LabError, Process
+from kvwatch.lab.replicas.base import ReplicaKind
+from kvwatch.lab.state import LabState, ReplicaSpec
 
 VLLM_VERSION = "0.32.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvwatch"

@@ -45,6 +45,7 @@ _NAME = re.compile(r"[a-z0-9_-]{1,64}")  # names become label values: short and 
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # a Prometheus label name
 # Keys someone might paste a secret under; the message says how to do it instead.
 _SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
 # How a route picks a replica. The first three pin a session to one replica, so its probe sessions are
@@ -228,11 +229,14 @@ class GatewayLog:
 
 @dataclass(frozen=True)
 class ExporterSettings:
-    """Where /metrics and the Alertmanager webhook listen, and the bearer token the webhook requires."""
+    """Where /metrics and the Alertmanager webhook listen, the bearer token the webhook requires, and
+    the cluster its series name, for a Prometheus that scrapes several clusters' kvwatch without
+    external_labels to tell them apart."""
 
     listen: str = "127.0.0.1:9464"
     webhook_token_env: str | None = None  # None (and no file): POST /alerts takes alerts from anyone
     webhook_token_file: Path | None = None
+    cluster: str | None = None  # the value of the cluster label on every exported series; None: no label
 
     def __post_init__(self):
         token_env, token_file = _SECRET_SOURCES[ExporterSettings]
@@ -332,8 +336,15 @@ class Config:
     prometheus: Service = Service()
     alertmanager: Service = Service()
     dashboard: DashboardSettings = DashboardSettings()
+    cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
 
     def __post_init__(self):
+        _check(
+            _LABEL_NAME.fullmatch(self.cluster_label) and not self.cluster_label.startswith("__"),
+            "cluster_label",
+            f'must be a Prometheus label name (letters, digits and _, not starting with "__"), '
+            f'got "{self.cluster_label}"',
+        )
         _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
         for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
             first: dict[str, int] = {}

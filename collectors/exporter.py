@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvwatch.collectors.config import STICKY_ROUTE_MODES
 from kvwatch.collectors.records import ERROR_KINDS, SessionResult
@@ -29,6 +29,22 @@ MAX_BACKENDS_PER_ROUTE = 32  # beyond this, backends are counted as "other": lab
 OTHER_BACKEND = "other"
 
 Route = tuple[str, str]  # (target, route_mode)
+
+
+class LabelledRegistry(CollectorRegistry):
+    """A registry that adds the same labels to every sample it serves (the exporter's cluster label):
+    a Prometheus that scrapes several clusters' kvwatch without external_labels still tells them apart."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        super().__init__()
+        self.labels = dict(labels)
+
+    def collect(self) -> Iterator:
+        for family in super().collect():
+            family.samples = [
+                sample._replace(labels={**sample.labels, **self.labels}) for sample in family.samples
+            ]
+            yield family
 
 
 @dataclass

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WINDOW = "2m"
+# The label that tells clusters apart, as the Prometheus (external_labels, remote_write) or kvwatch's own
+# exporter (exporter.cluster) sets it; a Prometheus of one cluster without it reads as one cluster.
+CLUSTER_LABEL = "cluster"
 INSTANCE = "job, instance"
 QUANTILES = ("0.5", "0.9", "0.99")
 

@@ -25,8 +25,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
 from kvwatch.collectors import blocksize, shard, workload
 from kvwatch.collectors.config import (
     Config,
@@ -36,7 +34,7 @@ from kvwatch.collectors.config import (
     resolve_api_key,
     resolve_webhook_token,
 )
-from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
+from kvwatch.collectors.exporter import LabelledRegistry, ProbeCollector, ProbeResults
 from kvwatch.collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
 from kvwatch.collectors.probe import ProbeSettings, run_session, with_block_size
 from kvwatch.collectors.records import SessionResult
@@ -149,7 +147,8 @@ class Service:
             )
             for g in config.gateway_logs
         ]
-        self.registry = CollectorRegistry()
+        cluster = config.exporter.cluster
+        self.registry = LabelledRegistry({config.cluster_label: cluster} if cluster else {})
         self.registry.register(
             ProbeCollector(
                 self.results,

@@ -72,6 +72,17 @@ INVALID = [
         "base-url-port-name",
         "targets[0].base_url: \"http://127.0.0.1:port\" is not a valid URL: Invalid port: 'port'",
     ),
+    (
+        "cluster-label",
+        'cluster_label: must be a Prometheus label name (letters, digits and _, not starting with "__"), '
+        'got "k8s-cluster"',
+    ),
+    (
+        "cluster-label-reserved",
+        'cluster_label: must be a Prometheus label name (letters, digits and _, not starting with "__"), '
+        'got "__cluster"',
+    ),
+    ("exporter-cluster-empty", "exporter.cluster: must not be empty"),
     ("block-size", "targets[0].block_size: must be >= 1, got 0"),
     ("block-size-too-large", "targets[0].block_size: must be <= 1048576 (1 << 20), got 2097152"),
     ("block-size-float", "targets[0].block_size: expected an integer, got the number 16.5"),
@@ -175,7 +186,7 @@ INVALID = [
     (
         "unknown-top-level-key",
         "thresholds: unknown key; known: "
-        "alertmanager, dashboard, exporter, gateway_logs, prometheus, store, targets",
+        "alertmanager, cluster_label, dashboard, exporter, gateway_logs, prometheus, store, targets",
     ),
     ("webhook-token-env-and-file", "exporter: set webhook_token_env or webhook_token_file, not both"),
     (
@@ -248,6 +259,8 @@ def test_minimal_file_takes_every_default():
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"
+    assert config.exporter.cluster is None  # the exporter's series carry no cluster label
+    assert config.cluster_label == queries.CLUSTER_LABEL == "cluster"
     assert (config.exporter.host, config.exporter.port) == ("127.0.0.1", 9464)
     assert config.store == StoreSettings(path=Path(".kvwatch/kvwatch.db"), retention_days=14.0)
     store = config.store
@@ -313,7 +326,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
                 format="envoy",
             ),
         ),
-        exporter=ExporterSettings(listen="[::1]:9100"),
+        exporter=ExporterSettings(listen="[::1]:9100", cluster="eu-west"),
         store=StoreSettings(
             path=Path("/var/lib/kvwatch/history.db"),
             retention_days=3.5,
@@ -324,6 +337,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
         prometheus=Service(url="http://prometheus:9090"),
         alertmanager=Service(url="http://alertmanager:9093"),
         dashboard=DashboardSettings(runbook_url="https://wiki.example.net/sre/kvwatch-runbook"),
+        cluster_label="region",
     )
     assert ExporterSettings(listen="[::1]:9100").host == "::1"
 

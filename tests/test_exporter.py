@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
-from kvwatch.collectors.config import ExporterSettings
+from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.collectors.endpoints import make_app, open_webhook_warning
 from kvwatch.collectors.exporter import (
     MAX_BACKENDS_PER_ROUTE,
@@ -20,6 +20,7 @@ from kvwatch.collectors.exporter import (
     ProbeResults,
 )
 from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.scheduler import Service
 from kvwatch.collectors.store import Store
 
 ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
@@ -238,3 +239,31 @@ def test_serve_warns_when_anyone_beyond_this_machine_may_post_alerts():
     assert open_webhook_warning(everyone, TOKEN) is None
     for loopback in ("127.0.0.1:9464", "[::1]:9464", "localhost:9464"):
         assert open_webhook_warning(ExporterSettings(listen=loopback), None) is None
+
+
+def test_every_series_names_the_cluster_set_in_the_config(tmp_path):
+    """Probe, gateway-log, store and webhook series all carry the configured cluster label."""
+    (tmp_path / "access.jsonl").touch()
+    config = Config(
+        targets=(Target(name="chat", base_url="http://127.0.0.1:18000", model="lab-model"),),
+        gateway_logs=(GatewayLog(name="chat", path=tmp_path / "access.jsonl"),),
+        exporter=ExporterSettings(cluster="eu-west"),
+        store=StoreSettings(path=tmp_path / "kvwatch.db"),
+        cluster_label="region",
+    )
+    service = Service(config)
+    make_app(service.registry, alert_sink=None)
+    samples = [s for family in service.registry.collect() for s in family.samples]
+    families = {s.name.split("_")[1] for s in samples}
+    assert {"probe", "gateway", "store", "webhook"} <= families
+    assert [s for s in samples if s.labels.get("region") != "eu-west"] == []
+    assert 'region="eu-west"' in generate_latest(service.registry).decode()
+
+
+def test_without_a_cluster_the_series_carry_no_cluster_label(tmp_path):
+    config = Config(
+        targets=(Target(name="chat", base_url="http://127.0.0.1:18000", model="lab-model"),),
+        store=StoreSettings(path=tmp_path / "kvwatch.db"),
+    )
+    samples = [s for family in Service(config).registry.collect() for s in family.samples]
+    assert samples and [s for s in samples if "cluster" in s.labels] == []

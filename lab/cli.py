@@ -19,7 +19,13 @@ from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
 from kvwatch.lab.replicas import KINDS
 from kvwatch.lab.stack import FAULTS
-from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
+from kvwatch.lab.state import (
+    CLUSTER_PORT_STRIDE,
+    DEFAULT_DIRECTORY,
+    MAX_CLUSTER_REPLICAS,
+    MAX_CLUSTERS,
+    LabState,
+)
 
 # Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
 # (interleaved) and six rounds, 5 replicas bring a session back to a replica holding its history only in
@@ -308,6 +314,16 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         action="store_false",
         help="do not start the Streamlit dashboard (Prometheus, Alertmanager and kvwatch serve still run)",
     )
+    up.add_argument(
+        "--clusters",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N clusters a, b, ... (each with its replicas, gateway, kvwatch and an agent Prometheus "
+        "remote-writing with external label cluster) feeding one central Prometheus, which evaluates "
+        "kvwatch's rules and alerts the lab's Alertmanager; cluster i takes the ports from base + "
+        f"{CLUSTER_PORT_STRIDE} * (i + 1) (default %(default)s)",
+    )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
     up.set_defaults(handler=_run_up)
@@ -327,10 +343,12 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
     fault.add_argument("name", choices=FAULTS, metavar="NAME", help=", ".join(FAULTS))
     fault.add_argument("replica_id", nargs="?", help="replica for kill-replica / restart-replica")
     fault.add_argument("--replica", help="replica id, e.g. r2")
+    fault.add_argument("--cluster", help="the cluster to break, in a lab of several (lab up --clusters)")
     _state_dir_argument(fault)
     fault.set_defaults(handler=_run_fault)
 
     heal = commands.add_parser("heal", help="undo every fault")
+    heal.add_argument("--cluster", help="heal only this cluster, in a lab of several (default: every one)")
     _state_dir_argument(heal)
     heal.set_defaults(handler=_run_heal)
 
@@ -341,6 +359,14 @@ def _fail(message: str) -> int:
 
 
 def _print_status(info: dict) -> None:
+    if "clusters" in info:
+        for name in ("prometheus", "alertmanager"):
+            print(f"central {name:<12} {info[name] or '-'}")
+        print(f"state and logs       {info['state_dir']}")
+        for name, cluster in info["clusters"].items():
+            print(f"\ncluster {name}")
+            _print_status(cluster)
+        return
     print(f"engine               {info['engine']}, model {info['model']}")
     print(f"gateway              {info['gateway']}")
     print(f"affinity gateway     {info['gateways']['affinity']}")
@@ -381,6 +407,10 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
         )
+    if not 1 <= args.clusters <= MAX_CLUSTERS:
+        return _fail(f"--clusters must be from 1 to {MAX_CLUSTERS}: their ports share one block of 100")
+    if args.clusters > 1 and args.replicas > MAX_CLUSTER_REPLICAS:
+        return _fail(f"--replicas must be at most {MAX_CLUSTER_REPLICAS} a cluster with --clusters")
     try:
         with stack.locked(args.state_dir.resolve(), _say_waiting):
             state = stack.up(
@@ -388,6 +418,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 args.base_port,
                 args.replicas,
                 flavours,
+                args.clusters,
                 fast=args.fast,
                 time_scale=args.time_scale,
                 users=args.users,
@@ -461,7 +492,7 @@ def _run_status(args: argparse.Namespace) -> int:
 def _run_fault(args: argparse.Namespace) -> int:
     try:
         with _changing(args) as state:
-            print(stack.fault(state, args.name, args.replica or args.replica_id))
+            print(stack.fault(stack.cluster(state, args.cluster), args.name, args.replica or args.replica_id))
     except (FileNotFoundError, LookupError, stack.LabError) as error:
         return _fail(str(error))
     return 0
@@ -470,7 +501,9 @@ def _run_fault(args: argparse.Namespace) -> int:
 def _run_heal(args: argparse.Namespace) -> int:
     try:
         with _changing(args) as state:
-            print(stack.heal(state))
+            every = args.cluster is None and state.clusters  # heal every cluster unless one is named
+            for lab in stack.labs(state)[1:] if every else [stack.cluster(state, args.cluster)]:
+                print(f"cluster {lab.cluster}: {stack.heal(lab)}" if lab.cluster else stack.heal(lab))
     except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from kvwatch.collectors.config import GatewayLog
+from kvwatch.collectors.queries import CLUSTER_LABEL
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import KINDS
@@ -61,17 +62,25 @@ def write_webhook_token(state: LabState) -> None:
 
 def render_alertmanager(state: LabState) -> str:
     """alerts/alertmanager.yml with kvwatch's webhook on this lab's exporter and with the lab's webhook
-    token, timers time-scaled."""
+    token (in a lab of several clusters, on every cluster's, each with its token), timers time-scaled."""
     config = yaml.safe_load((REPO / "alerts" / "alertmanager.yml").read_text())
+    kvwatches = [state.member(name) for name in state.clusters] or [state]
     for receiver in config["receivers"]:
-        for webhook in receiver.get("webhook_configs", []):
-            webhook["url"] = f"http://127.0.0.1:{state.ports.exporter}/alerts"
-            webhook["http_config"] = {
-                "authorization": {
-                    "type": "Bearer",
-                    "credentials_file": str(state.directory / WEBHOOK_TOKEN_FILE),
+        if "webhook_configs" in receiver:
+            receiver["webhook_configs"] = [
+                {
+                    **webhook,
+                    "url": f"http://127.0.0.1:{kvwatch.ports.exporter}/alerts",
+                    "http_config": {
+                        "authorization": {
+                            "type": "Bearer",
+                            "credentials_file": str(kvwatch.directory / WEBHOOK_TOKEN_FILE),
+                        }
+                    },
                 }
-            }
+                for webhook in receiver["webhook_configs"]
+                for kvwatch in kvwatches
+            ]
 
     def scale(node: dict) -> None:
         for key in ALERTMANAGER_TIMERS:
@@ -87,16 +96,41 @@ def render_alertmanager(state: LabState) -> str:
 
 def render_prometheus(state: LabState) -> str:
     """prometheus.yml: scrape every replica (with replica and flavour labels), the lab's services and the
-    gateway's admin API where it has one."""
+    gateway's admin API where it has one, evaluate kvwatch's rules and alert the lab's Alertmanager.
+
+    In a lab of several clusters the central Prometheus scrapes only the central services and gets the
+    rest by remote_write; each cluster's Prometheus, an agent, scrapes its cluster and remote-writes
+    every sample with its cluster's name as an external label."""
     config = yaml.safe_load((REPO / "prometheus" / "prometheus.lab.yml").read_text())
     interval = "1s" if state.fast else "5s"
     config["global"]["scrape_interval"] = interval
     config["global"]["evaluation_interval"] = interval
-    config["rule_files"] = [str(state.directory / "rules" / "*.yml")]
-    config["alerting"]["alertmanagers"] = [
-        {"static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}]}
-    ]
+    ports = state.ports
+    jobs = {"prometheus": ports.prometheus, "alertmanager": ports.alertmanager, "kvwatch": ports.exporter}
+    if state.clusters:  # the central lab runs no kvwatch serve
+        del jobs["kvwatch"]
+    if state.cluster:
+        del jobs["alertmanager"], config["rule_files"], config["alerting"]  # an agent evaluates nothing
+        config["global"]["external_labels"][CLUSTER_LABEL] = state.cluster
+        config["remote_write"] = [
+            {
+                "url": f"http://127.0.0.1:{state.central.prometheus}/api/v1/write",
+                "queue_config": {"batch_send_deadline": interval},
+            }
+        ]
+    else:
+        config["rule_files"] = [str(state.directory / "rules" / "*.yml")]
+        config["alerting"]["alertmanagers"] = [
+            {"static_configs": [{"targets": [f"127.0.0.1:{ports.alertmanager}"]}]}
+        ]
     config["scrape_configs"] = [
+        {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+        for job, port in jobs.items()
+    ]
+    if state.clusters:
+        return yaml.safe_dump(config, sort_keys=False)
+    config["scrape_configs"].insert(
+        0,
         {
             "job_name": "replicas",
             "static_configs": [
@@ -107,20 +141,14 @@ def render_prometheus(state: LabState) -> str:
                 for replica in state.replicas
             ],
         },
-        {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{state.ports.prometheus}"]}]},
-        {
-            "job_name": "alertmanager",
-            "static_configs": [{"targets": [f"127.0.0.1:{state.ports.alertmanager}"]}],
-        },
-        {"job_name": "kvwatch", "static_configs": [{"targets": [f"127.0.0.1:{state.ports.exporter}"]}]},
-    ]
+    )
     gateway = GATEWAYS[state.gateway]
     if gateway.metrics_path:
         config["scrape_configs"].append(
             {
                 "job_name": gateway.name,
                 "metrics_path": gateway.metrics_path,
-                "static_configs": [{"targets": [f"127.0.0.1:{state.ports.gateway_admin}"]}],
+                "static_configs": [{"targets": [f"127.0.0.1:{ports.gateway_admin}"]}],
             }
         )
     return yaml.safe_dump(config, sort_keys=False)
@@ -141,8 +169,10 @@ def render_kvwatch_config(state: LabState) -> str:
             target["interval_seconds"] = kind.fast_probe_interval_s
         if kind.probe_workload:
             target["workload"] = {**target.get("workload", {}), **kind.probe_workload}
-    if not state.probes:
+    if not state.probes or state.clusters:  # the central kvwatch only receives the alerts
         config["targets"] = []
+    if state.clusters:
+        config["gateway_logs"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
         if (log_format := GATEWAYS[state.gateway].log_format) != GatewayLog.format:  # as the example, else
@@ -153,6 +183,6 @@ def render_kvwatch_config(state: LabState) -> str:
     config["exporter"]["listen"] = f"127.0.0.1:{ports.exporter}"
     config["exporter"]["webhook_token_file"] = str(directory / WEBHOOK_TOKEN_FILE)
     config["store"]["path"] = str(directory / "kvwatch.db")
-    config["prometheus"]["url"] = f"http://127.0.0.1:{ports.prometheus}"
-    config["alertmanager"]["url"] = f"http://127.0.0.1:{ports.alertmanager}"
+    config["prometheus"]["url"] = f"http://127.0.0.1:{state.central.prometheus}"
+    config["alertmanager"]["url"] = f"http://127.0.0.1:{state.central.alertmanager}"
     return yaml.safe_dump(config, sort_keys=False)

@@ -37,7 +37,7 @@ from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
 from kvwatch.lab.process import kvwatch_command as _kvwatch
 from kvwatch.lab.replicas import KINDS
-from kvwatch.lab.state import LabState, ReplicaSpec
+from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
 
 STOP_TIMEOUT_S = 10.0
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
@@ -57,16 +57,23 @@ def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
 
 def prometheus_process(state: LabState) -> Process:
     """Without --web.enable-lifecycle, which would let anyone stop it (POST /-/quit): the lab reloads it
-    with SIGHUP."""
+    with SIGHUP. A cluster's of a lab of several clusters is an agent; the central one receives theirs."""
     d, port = state.directory, state.ports.prometheus
     argv = [
         binary("prometheus", "/usr/bin/prometheus"),
         f"--config.file={d}/prometheus.yml",
-        f"--storage.tsdb.path={d}/prometheus-data",
         f"--web.listen-address=127.0.0.1:{port}",
         f"--web.external-url=http://127.0.0.1:{port}",
-        "--storage.tsdb.retention.time=2d",
     ]
+    if state.cluster:
+        return Process(
+            "prometheus",
+            [*argv, "--enable-feature=agent", f"--storage.agent.path={d}/prometheus-data"],
+            f"http://127.0.0.1:{port}/-/ready",
+        )
+    argv += [f"--storage.tsdb.path={d}/prometheus-data", "--storage.tsdb.retention.time=2d"]
+    if state.clusters:
+        argv.append("--web.enable-remote-write-receiver")
     if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
         argv.append(f"--rules.alert.resend-delay={max(1, round(60 * state.rule_time_scale))}s")
     return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
@@ -118,15 +125,19 @@ def traffic_process(state: LabState) -> Process:
 def planned_processes(state: LabState) -> list[list[Process]]:
     """Every process of the lab, in groups started one after the other; a group starts side by side.
     The gateways and Alertmanager come before Prometheus, kvwatch serve and the users, so that the first
-    probes and the first alerts find them."""
+    probes and the first alerts find them. In a lab of several clusters the central lab runs Alertmanager
+    and Prometheus, each cluster the rest."""
+    if state.clusters:
+        return [[alertmanager_process(state)], [prometheus_process(state)]]
     last = [prometheus_process(state), serve_process(state)]
     if state.dashboard:
         last.append(dashboard_process(state))
     if state.users:
         last.append(traffic_process(state))
+    alerting = [] if state.cluster else [alertmanager_process(state)]
     return [
         [replica_process(state, replica) for replica in state.replicas],
-        [GATEWAYS[state.gateway].process(state), alertmanager_process(state)],
+        [GATEWAYS[state.gateway].process(state), *alerting],
         last,
     ]
 
@@ -251,14 +262,17 @@ def running_processes(state: LabState) -> dict[str, int]:
 
 
 def _write_configs(state: LabState) -> None:
-    GATEWAYS[state.gateway].write_configs(state)
     (state.directory / "prometheus.yml").write_text(render_prometheus(state))
+    if not state.cluster:  # the lab's alerting: with several clusters, the central lab's
+        (state.directory / "alertmanager.yml").write_text(render_alertmanager(state))
+        rules = state.directory / "rules"
+        rules.mkdir(exist_ok=True)
+        for name, text in rule_files(state).items():
+            (rules / name).write_text(text)
+    if state.clusters:
+        return
+    GATEWAYS[state.gateway].write_configs(state)
     (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
-    (state.directory / "alertmanager.yml").write_text(render_alertmanager(state))
-    rules = state.directory / "rules"
-    rules.mkdir(exist_ok=True)
-    for name, text in rule_files(state).items():
-        (rules / name).write_text(text)
     # Written whole and renamed: background users read it at any moment.
     control = state.directory / "traffic.json"
     control.with_suffix(".tmp").write_text(json.dumps({"dynamic_prefix": "dynamic-prefix" in state.faults}))
@@ -344,13 +358,8 @@ def locked(
 # --- commands -------------------------------------------------------------------------------------
 
 
-def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **options) -> LabState:
-    """Start the whole lab; on any failure stop what was started and raise LabError."""
-    directory = directory.resolve()
-    if (directory / "state.json").exists():
-        previous = LabState.load(directory)
-        if running_processes(previous):
-            raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
+def _plan(directory: Path, base_port: int, replicas: int, flavours: list[str], **options) -> LabState:
+    """The saved state of a lab about to start in `directory`."""
     for sub in ("logs", "ground-truth", "prometheus-data", "alertmanager"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     state = LabState(directory, base_port, **options)
@@ -360,44 +369,120 @@ def up(directory: Path, base_port: int, replicas: int, flavours: list[str], **op
     ]
     state.initial_replicas = replicas
     state.save()
-    ports = {
-        "affinity gateway": state.ports.affinity,
-        "round_robin gateway": state.ports.round_robin,
-        "prometheus": state.ports.prometheus,
-        "alertmanager": state.ports.alertmanager,
-        "kvwatch exporter": state.ports.exporter,
-        "dashboard": state.ports.dashboard,
-    }
-    if GATEWAYS[state.gateway].metrics_path:
-        ports["gateway admin"] = state.ports.gateway_admin
-    ports.update({f"replica {r.id}": r.port for r in state.replicas})
-    _check_ports_free(ports)
-    write_webhook_token(state)
-    _write_configs(state)
-    try:
-        KINDS[state.engine].prepare(state)
-        for group in planned_processes(state):
-            _start(state, *group)
-    except BaseException:
-        down(state)
-        raise
     return state
 
 
+def _listening_ports(state: LabState) -> dict[str, int]:
+    """The ports the lab's processes listen on, by what listens there."""
+    ports = state.ports
+    named = {"prometheus": ports.prometheus}
+    if not state.cluster:
+        named["alertmanager"] = ports.alertmanager
+    if state.clusters:
+        return named
+    named |= {
+        "affinity gateway": ports.affinity,
+        "round_robin gateway": ports.round_robin,
+        "kvwatch exporter": ports.exporter,
+        "dashboard": ports.dashboard,
+    }
+    if GATEWAYS[state.gateway].metrics_path:
+        named["gateway admin"] = ports.gateway_admin
+    return named | {f"replica {r.id}": r.port for r in state.replicas}
+
+
+def plan(
+    directory: Path, base_port: int, replicas: int, flavours: list[str], clusters: int = 1, **options
+) -> list[LabState]:
+    """The saved states of a lab about to start: one, or a central lab and its clusters."""
+    if clusters == 1:
+        return [_plan(directory, base_port, replicas, flavours, **options)]
+    names = cluster_names(clusters)
+    return [_plan(directory, base_port, 0, flavours, **options, clusters=names)] + [
+        _plan(
+            directory / name,
+            base_port + CLUSTER_PORT_STRIDE * (index + 1),
+            replicas,
+            flavours,
+            **options,
+            cluster=name,
+            central_port=base_port,
+        )
+        for index, name in enumerate(names)
+    ]
+
+
+def listening_ports(planned: list[LabState]) -> dict[str, int]:
+    """Every port the planned labs listen on, by what listens there."""
+    return {
+        f"cluster {lab.cluster}'s {name}" if lab.cluster else name: port
+        for lab in planned
+        for name, port in _listening_ports(lab).items()
+    }
+
+
+def labs(state: LabState) -> list[LabState]:
+    """The lab and, in a lab of several clusters, each cluster's."""
+    return [state, *(state.member(name) for name in state.clusters)]
+
+
+def up(
+    directory: Path, base_port: int, replicas: int, flavours: list[str], clusters: int = 1, **options
+) -> LabState:
+    """Start the whole lab, with `clusters` > 1 a central lab and that many clusters feeding it; on any
+    failure stop what was started and raise LabError."""
+    directory = directory.resolve()
+    if (directory / "state.json").exists():
+        with contextlib.suppress(FileNotFoundError):  # a cluster's state of an earlier lab may be gone
+            if any(running_processes(lab) for lab in labs(LabState.load(directory))):
+                raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
+    planned = plan(directory, base_port, replicas, flavours, clusters, **options)
+    _check_ports_free(listening_ports(planned))
+    try:
+        for lab in planned:  # every config first: the central ones name the clusters' webhook tokens
+            if not lab.clusters:
+                write_webhook_token(lab)
+            _write_configs(lab)
+        for lab in planned:
+            if lab.replicas:
+                KINDS[lab.engine].prepare(lab)
+            for group in planned_processes(lab):
+                _start(lab, *group)
+    except BaseException:
+        down(planned[0])
+        raise
+    return planned[0]
+
+
 def down(state: LabState) -> None:
-    _stop(state, list(reversed(state.processes)))
+    """Stop every process of the lab, each cluster's before the central ones."""
+    for lab in reversed(labs(state)):
+        _stop(lab, list(reversed(lab.processes)))
 
 
 def status(state: LabState) -> dict:
-    """Every URL of the lab; null for a part that is not running."""
+    """Every URL of the lab; null for a part that is not running. A lab of several clusters: the central
+    URLs and each cluster's status under `clusters`."""
     alive = running_processes(state)
 
     def url(name: str, port: int) -> str | None:
         return f"http://127.0.0.1:{port}" if name in alive else None
 
     ports = state.ports
-    return {
+    info = {
         "state_dir": str(state.directory),
+        "prometheus": url("prometheus", ports.prometheus),
+        "alertmanager": url("alertmanager", ports.alertmanager),
+    }
+    if state.clusters:
+        return info | {
+            "clusters": {name: status(state.member(name)) for name in state.clusters},
+            "processes": alive,
+        }
+    return info | {
+        "exporter": url("serve", ports.exporter),
+        "dashboard": url("dashboard", ports.dashboard),
+        "cluster": state.cluster or None,
         "engine": state.engine,
         "model": state.model,
         "gateway": state.gateway,
@@ -405,10 +490,6 @@ def status(state: LabState) -> dict:
             "affinity": url(state.gateway, ports.affinity),
             "round_robin": url(state.gateway, ports.round_robin),
         },
-        "prometheus": url("prometheus", ports.prometheus),
-        "alertmanager": url("alertmanager", ports.alertmanager),
-        "exporter": url("serve", ports.exporter),
-        "dashboard": url("dashboard", ports.dashboard),
         "replicas": [
             {
                 "id": r.id,
@@ -424,6 +505,21 @@ def status(state: LabState) -> dict:
         "faults_described": [describe_fault(state, entry) for entry in state.faults],
         "processes": alive,
     }
+
+
+def cluster(state: LabState, name: str | None) -> LabState:
+    """The lab a fault acts on: a single cluster's own, or in a lab of several the cluster named."""
+    if not state.clusters:
+        if name is not None:
+            raise LabError(
+                f"--cluster {name}: this lab runs one cluster (several: `kvwatch lab up --clusters N`)"
+            )
+        return state
+    if name is None:
+        raise LabError(f"this lab runs clusters {', '.join(state.clusters)}: name one with --cluster NAME")
+    if name not in state.clusters:
+        raise LabError(f"no cluster {name!r} in this lab (clusters: {', '.join(state.clusters)})")
+    return state.member(name)
 
 
 def _log_fault(state: LabState, action: str, name: str, replica: ReplicaSpec | None = None) -> None:

@@ -14,6 +14,16 @@ from kvwatch.collectors.naming import replica_name
 
 DEFAULT_DIRECTORY = Path(".kvwatch/lab")
 REPLICA_PORT_OFFSET = 10
+# A lab of several clusters: the central part on the base port's block, cluster i (from 0) this many ports
+# further on per cluster, each with room for ten replicas; four clusters stay inside a block of 100.
+CLUSTER_PORT_STRIDE = 20
+MAX_CLUSTERS = 4
+MAX_CLUSTER_REPLICAS = CLUSTER_PORT_STRIDE - REPLICA_PORT_OFFSET
+
+
+def cluster_names(count: int) -> list[str]:
+    """The clusters of a lab of `count`: a, b, c, ..."""
+    return [chr(ord("a") + i) for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -92,10 +102,25 @@ class LabState:
     initial_replicas: int = 0
     faults: list[str] = field(default_factory=list)
     processes: dict[str, int] = field(default_factory=dict)
+    # A lab of several clusters is a central lab (a Prometheus receiving remote_write, Alertmanager) naming
+    # its `clusters`, each a lab of its own in the subdirectory of its name, whose `cluster` is that name
+    # and whose Prometheus, an agent, remote-writes to the central lab's on the block of `central_port`.
+    clusters: list[str] = field(default_factory=list)
+    cluster: str = ""
+    central_port: int = 0
 
     @property
     def ports(self) -> Ports:
         return Ports(self.base_port)
+
+    @property
+    def central(self) -> Ports:
+        """The ports of the lab's Prometheus and Alertmanager: a cluster's central lab's, else its own."""
+        return Ports(self.central_port or self.base_port)
+
+    def member(self, name: str) -> LabState:
+        """One cluster of a central lab, as its own state directory holds it."""
+        return LabState.load(self.directory / name)
 
     @property
     def balancer(self) -> str:

@@ -1,26 +1,22 @@
-"""The SQLite history: probe sessions, their rounds, and the alerts kvwatch's webhook received.
+"""The history: probe sessions, their rounds, and the alerts kvwatch's webhook received.
 
 Prometheus keeps the aggregates; the per-session, per-round detail the dashboard drills into lives
-here. One process writes (`kvwatch serve`, through one StoreWriter thread, so that a locked or full
-store never holds up its event loop), others read at the same time (the dashboard, with `readonly=True`):
-WAL mode lets readers see the last commit while a write is in progress, a busy timeout absorbs the short
-moments when SQLite must lock, and the writer retries what takes longer.
+here, in an SQLite file (one writing process) or a PostgreSQL database (every shard writes it), with the
+same schema and the same versioned migrations (collectors.stores). `kvwatch serve` writes through one
+StoreWriter thread, so that a locked or full store never holds up its event loop; others read at the
+same time (the dashboard, with `readonly=True`).
 
 A session is written as each of its rounds finishes, marked in flight until it ends, so that a killed
-writer loses no finished round. The writing process holds an exclusive lock on a file beside the store
-(`<store>-writer.lock`) for as long as it runs: a session still in flight when no process holds it was
-cut short by the writer's death, and reads as interrupted; the next writer marks it so in the file.
+writer loses no finished round: a session still in flight when its writer is gone was cut short by the
+writer's death, and reads as interrupted; the next writer marks it so in the store.
 Nothing here accepts an API key: the records carry none, and alerts carry only labels and annotations.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import queue
-import sqlite3
 import threading
 import time
 from collections import Counter
@@ -34,11 +30,11 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.stores import BUSY_TIMEOUT_SECONDS, Database, StoreError, open_database, transient
 
 log = logging.getLogger("kvwatch.store")
 
-SCHEMA_VERSION = 4
-BUSY_TIMEOUT_SECONDS = 1.0  # SQLite's own wait for a lock; StoreWriter retries past it
+SCHEMA_VERSION = 5
 ALERT_STATUSES = ("firing", "resolved")
 MAX_QUOTED_CHARS = 64  # of a rejected value in its message: a warning line stays a line
 
@@ -53,12 +49,12 @@ class AlertsAdded:
 
 _SCHEMA = (
     """CREATE TABLE sessions (
-        id INTEGER PRIMARY KEY,
+        id {serial},
         target TEXT NOT NULL,
         route_mode TEXT NOT NULL,
         session_id TEXT,
-        started_at REAL NOT NULL,
-        finished_at REAL NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
+        finished_at DOUBLE PRECISION NOT NULL,
         ok INTEGER NOT NULL,
         error_kind TEXT,
         sticky INTEGER,
@@ -66,7 +62,8 @@ _SCHEMA = (
         session_id_echoed INTEGER,
         interrupted INTEGER NOT NULL DEFAULT 0,
         uid TEXT,
-        in_flight INTEGER NOT NULL DEFAULT 0
+        in_flight INTEGER NOT NULL DEFAULT 0,
+        writer INTEGER
     )""",
     "CREATE INDEX sessions_by_time ON sessions (started_at)",
     "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
@@ -74,12 +71,12 @@ _SCHEMA = (
     """CREATE TABLE rounds (
         session INTEGER NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
         round INTEGER NOT NULL,
-        started_at REAL NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
         status INTEGER,
         error_kind TEXT,
         error_detail TEXT,
-        ttft_seconds REAL,
-        total_seconds REAL,
+        ttft_seconds DOUBLE PRECISION,
+        total_seconds DOUBLE PRECISION,
         prompt_tokens INTEGER,
         cached_tokens INTEGER,
         ideal_cached_tokens INTEGER,
@@ -87,14 +84,14 @@ _SCHEMA = (
         backend TEXT,
         session_id_sent TEXT,
         session_id_returned TEXT,
-        first_content_seconds REAL,
+        first_content_seconds DOUBLE PRECISION,
         PRIMARY KEY (session, round)
-    ) WITHOUT ROWID""",
+    ) {without_rowid}""",
     # Alertmanager repeats a group's alerts in every notification: one row per alert per state
     # (fingerprint, status, starts_at) keeps the first receipt, which is what detection latency needs.
     """CREATE TABLE alerts (
-        id INTEGER PRIMARY KEY,
-        received_at REAL NOT NULL,
+        id {serial},
+        received_at DOUBLE PRECISION NOT NULL,
         status TEXT NOT NULL,
         alertname TEXT NOT NULL,
         severity TEXT,
@@ -102,8 +99,8 @@ _SCHEMA = (
         instance TEXT,
         labels TEXT NOT NULL,
         annotations TEXT NOT NULL,
-        starts_at REAL NOT NULL,
-        ends_at REAL,
+        starts_at DOUBLE PRECISION NOT NULL,
+        ends_at DOUBLE PRECISION,
         fingerprint TEXT NOT NULL,
         UNIQUE (fingerprint, status, starts_at)
     )""",
@@ -118,6 +115,7 @@ _MIGRATIONS = {
         "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
         "ALTER TABLE sessions ADD COLUMN in_flight INTEGER NOT NULL DEFAULT 0",
     ),
+    5: ("ALTER TABLE sessions ADD COLUMN writer INTEGER",),  # which of several writers, to tell if it lives
 }
 # Fields and properties of SessionResult / RoundResult, stored under their own names.
 _SESSION_COLUMNS = (
@@ -134,6 +132,7 @@ _SESSION_COLUMNS = (
     "interrupted",
 )
 _ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
+_ROUND_TABLE_COLUMNS = ("session", *_ROUND_COLUMNS)
 ROUND_FIELDS = ("session", "target", "route_mode", *_ROUND_COLUMNS)  # what Store.rounds() can read
 _ALERT_COLUMNS = (
     "received_at",
@@ -149,146 +148,69 @@ _ALERT_COLUMNS = (
     "fingerprint",
 )
 _BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted", "in_flight")
-WRITER_LOCK_SUFFIX = "-writer.lock"
-
-
-class StoreError(Exception):
-    """The store cannot be opened: missing (read-only), not a kvwatch store, from a newer kvwatch, or
-    written by another process already."""
 
 
 class Store:
-    """The history in one SQLite file; thread-safe, one writing process and any number of readers."""
+    """The history in one database (collectors.stores): an SQLite file, or a PostgreSQL database that
+    several writers share; thread-safe, with any number of readers."""
 
-    def __init__(self, path: str | Path, retention_days: float = 14.0, *, readonly: bool = False):
-        self.path = Path(path)
+    def __init__(
+        self,
+        location: str | Path,
+        retention_days: float = 14.0,
+        *,
+        readonly: bool = False,
+        password: str | None = None,  # of a PostgreSQL user, only to connect; kept nowhere else
+    ):
         self.retention_days = retention_days
         self._lock = threading.Lock()
-        self._writer_lock_path = self.path.with_name(self.path.name + WRITER_LOCK_SUFFIX)
-        if readonly and not self.path.is_file():
-            raise StoreError(f"no kvwatch store at {self.path}")
-        self._writer_lock = None if readonly else self._lock_writer()
+        self._db = open_database(location, readonly, password)
+        self.location = self._db.location
         try:
-            self._db = self._connect(readonly)
+            self._check_schema(readonly)
         except BaseException as error:
-            self._unlock_writer()
-            if isinstance(error, sqlite3.Error):
-                raise StoreError(f"cannot open the kvwatch store {self.path}: {error}") from None
+            self._db.close()
+            if isinstance(error, self._db.errors):
+                raise StoreError(f"cannot open the kvwatch store {self.location}: {error}") from None
             raise
 
-    def _lock_writer(self) -> int:
-        """The writer's lock, taken before the schema is checked, so that marking the sessions a dead
-        writer left in flight never touches those of a live one. A reader checking it holds it for an
-        instant: that is waited for, another writer is not."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as error:
-            raise StoreError(
-                f"cannot open the kvwatch store {self.path}: cannot create {error.filename}: {error.strerror}"
-            ) from None
-        deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return lock
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(lock)
-                    raise StoreError(
-                        f"another process writes the kvwatch store {self.path} (one kvwatch serve per store)"
-                    ) from None
-                time.sleep(0.01)
-
-    def _unlock_writer(self) -> None:
-        if self._writer_lock is not None:
-            os.close(self._writer_lock)  # releases the lock
-            self._writer_lock = None
-
-    def _writer_gone(self) -> bool:
-        """No process writes the store: a session it left in flight was cut short."""
-        if self._writer_lock is not None:
-            return False
-        try:
-            lock = os.open(self._writer_lock_path, os.O_RDONLY)
-        except FileNotFoundError:
-            return True
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(lock)
-        return True
-
-    def _connect(self, readonly: bool) -> sqlite3.Connection:
-        uri = self.path.resolve().as_uri() + ("?mode=ro" if readonly else "")
-        # Autocommit (isolation_level=None): every transaction is explicit, see _transaction.
-        db = sqlite3.connect(
-            uri, uri=True, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
-        )
-        try:
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA foreign_keys = ON")
-            if not readonly:
-                db.execute("PRAGMA journal_mode = WAL")  # kept in the file: readers use it too
-                db.execute(
-                    "PRAGMA synchronous = NORMAL"
-                )  # safe with WAL: a crash loses at most the last commit
-            self._check_schema(db, readonly)
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _check_schema(self, db: sqlite3.Connection, readonly: bool) -> None:
-        with self._transaction(db, write=not readonly):
-            version = db.execute("PRAGMA user_version").fetchone()[0]
+    def _check_schema(self, readonly: bool) -> None:
+        db = self._db
+        with self._transaction(write=not readonly):
+            version = db.schema_version()
             if version > SCHEMA_VERSION:
                 raise StoreError(
-                    f"{self.path} has schema {version}, from a newer kvwatch; this one reads {SCHEMA_VERSION}"
+                    f"{self.location} has schema {version}, from a newer kvwatch; "
+                    f"this one reads {SCHEMA_VERSION}"
                 )
             if version == 0 and readonly:
-                raise StoreError(f"{self.path} is not a kvwatch store")
+                raise StoreError(f"{self.location} is not a kvwatch store")
             if version < SCHEMA_VERSION and readonly:
                 raise StoreError(
-                    f"{self.path} has schema {version}, from an older kvwatch: `kvwatch serve` upgrades it"
+                    f"{self.location} has schema {version}, from an older kvwatch: "
+                    "`kvwatch serve` upgrades it"
                 )
             if version < SCHEMA_VERSION:
                 steps = range(version + 1, SCHEMA_VERSION + 1)
                 for statement in _SCHEMA if version == 0 else [s for n in steps for s in _MIGRATIONS[n]]:
-                    db.execute(statement)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            if not readonly:
-                cut = db.execute("UPDATE sessions SET in_flight = 0, interrupted = 1 WHERE in_flight = 1")
-                if cut.rowcount:
-                    log.warning(
-                        "%d sessions were in flight when the last writer of %s died: stored as interrupted",
-                        cut.rowcount,
-                        self.path,
-                    )
+                    db.execute(statement.format(serial=db.serial, without_rowid=db.without_rowid))
+                db.set_schema_version(SCHEMA_VERSION)
+            if not readonly and (cut := db.cut_short()):
+                log.warning(
+                    "%d sessions were in flight when their writer of %s died: stored as interrupted",
+                    cut,
+                    self.location,
+                )
 
     @contextmanager
-    def _transaction(
-        self, db: sqlite3.Connection | None = None, *, write: bool
-    ) -> Iterator[sqlite3.Connection]:
-        """One transaction under the lock; a write takes SQLite's write lock at once, so it never has
-        to upgrade a read lock and fail with "database is locked"."""
-        db = self._db if db is None else db
-        with self._lock:
-            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
-                yield db
-            except BaseException:
-                if db.in_transaction:  # SQLite has rolled back already after some errors (a full disk)
-                    db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+    def _transaction(self, *, write: bool) -> Iterator[Database]:
+        """One transaction under the lock."""
+        with self._lock, self._db.transaction(write):
+            yield self._db
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
-            self._unlock_writer()
 
     def __enter__(self) -> Store:
         return self
@@ -305,16 +227,15 @@ class Store:
         last write: each write replaces the one before (rounds only ever grow, and the last write may
         realign their ideal cached tokens to the block size learned at the end of the run).
         """
-        columns = (*_SESSION_COLUMNS, "uid", "in_flight")
-        updates = ", ".join(f"{c} = excluded.{c}" for c in columns)
+        columns = (*_SESSION_COLUMNS, "uid", "in_flight", "writer")
         with self._transaction(write=True) as db:
-            (session,) = db.execute(
-                f"{_insert('sessions', columns)} ON CONFLICT (uid) DO UPDATE SET {updates} RETURNING id",
-                [*(getattr(result, c) for c in _SESSION_COLUMNS), uid, in_flight],
-            ).fetchone()
+            values = [*(getattr(result, c) for c in _SESSION_COLUMNS), uid, in_flight, db.writer]
+            session = db.execute(
+                f"{_insert('sessions', columns)} {_replacing('uid', columns)} RETURNING id", _stored(values)
+            ).fetchone()["id"]
             db.executemany(
-                _insert("rounds", ("session", *_ROUND_COLUMNS), "INSERT OR REPLACE"),
-                [(session, *(getattr(r, c) for c in _ROUND_COLUMNS)) for r in result.rounds],
+                f"{_insert('rounds', _ROUND_TABLE_COLUMNS)} {_replacing('session, round', _ROUND_COLUMNS)}",
+                [_stored((session, *(getattr(r, c) for c in _ROUND_COLUMNS))) for r in result.rounds],
             )
         return session
 
@@ -331,8 +252,8 @@ class Store:
         sql = f"SELECT * FROM sessions {where} ORDER BY started_at DESC, id DESC"
         if limit is not None:
             sql, params = f"{sql} LIMIT ?", [*params, limit]
-        gone = self._writer_gone()
         with self._transaction(write=False) as db:
+            gone = db.writer_gone()
             return [_session_row(row, gone) for row in db.execute(sql, params)]
 
     def rounds(
@@ -358,8 +279,8 @@ class Store:
 
     def session(self, session: int) -> SessionResult | None:
         """The session with this store id, as the record that was stored; None when there is none."""
-        gone = self._writer_gone()
         with self._transaction(write=False) as db:
+            gone = db.writer_gone()
             row = db.execute("SELECT * FROM sessions WHERE id = ?", (session,)).fetchone()
             if row is None:
                 return None
@@ -372,7 +293,7 @@ class Store:
             session_id=row["session_id"],
             started_at=row["started_at"],
             finished_at=row["finished_at"],
-            rounds=tuple(RoundResult(**r) for r in rounds),
+            rounds=tuple(RoundResult(**dict(r)) for r in rounds),
             interrupted=_session_row(row, gone)["interrupted"],
         )
 
@@ -393,9 +314,8 @@ class Store:
             except ValueError as error:
                 rejected.append(str(error))
         with self._transaction(write=True) as db:
-            before = db.total_changes
-            db.executemany(_insert("alerts", _ALERT_COLUMNS, "INSERT OR IGNORE"), rows)
-            return AlertsAdded(db.total_changes - before, tuple(rejected))
+            stored = db.executemany(f"{_insert('alerts', _ALERT_COLUMNS)} ON CONFLICT DO NOTHING", rows)
+            return AlertsAdded(stored, tuple(rejected))
 
     def alerts(self, since: float | None = None, status: str | None = None) -> list[dict]:
         """Received alerts, newest first; `labels` and `annotations` are dicts, times unix seconds."""
@@ -426,8 +346,6 @@ RETRY_SECONDS = 120.0  # how long one write is retried: past the longest lock or
 FLUSH_SECONDS = 10.0  # what a stop waits for the queued writes (Kubernetes gives 30 s in all)
 FIRST_RETRY_DELAY_SECONDS = 0.1
 MAX_RETRY_DELAY_SECONDS = 5.0
-# SQLite's result codes worth trying again: a lock held elsewhere, a full disk, a failed read or write.
-RETRIED = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR})
 DROP_REASONS = ("queue_full", "failed")
 
 
@@ -508,9 +426,13 @@ class StoreWriter:
             except (ValueError, TypeError) as refused:  # a malformed webhook payload: its caller says so
                 future.set_exception(refused)
                 return
-            except sqlite3.OperationalError as error:
+            except Exception as error:
                 give_up_at = min(deadline, self._give_up_at)
-                if error.sqlite_errorcode & 0xFF not in RETRIED or time.monotonic() >= give_up_at:
+                if not transient(error):
+                    log.exception("store write %s failed", write.__name__)
+                    self._drop(future, write, "failed", f"{type(error).__name__}: {error}")
+                    return
+                if time.monotonic() >= give_up_at:
                     self._drop(future, write, "failed", str(error))
                     return
                 if delay == FIRST_RETRY_DELAY_SECONDS:
@@ -523,10 +445,6 @@ class StoreWriter:
                 else:
                     self._closing.wait(pause)
                 delay = min(2 * delay, MAX_RETRY_DELAY_SECONDS)
-            except Exception as error:
-                log.exception("store write %s failed", write.__name__)
-                self._drop(future, write, "failed", f"{type(error).__name__}: {error}")
-                return
 
     def _drop(self, future: Future, write: Callable, reason: str, why: str) -> None:
         with self._counts_lock:
@@ -535,8 +453,18 @@ class StoreWriter:
         future.set_exception(WriteDropped(why))
 
 
-def _insert(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:
-    return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+def _insert(table: str, columns: tuple[str, ...]) -> str:
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+def _replacing(key: str, columns: tuple[str, ...]) -> str:
+    """An insert's clause that makes it replace the row of the same `key` (SQLite and PostgreSQL)."""
+    return f"ON CONFLICT ({key}) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in columns)}"
+
+
+def _stored(values) -> list:
+    """Booleans as the 0 and 1 of the schema's INTEGER columns (PostgreSQL takes no bool there)."""
+    return [int(value) if isinstance(value, bool) else value for value in values]
 
 
 def _where(conditions: dict[str, object]) -> tuple[str, list]:
@@ -545,12 +473,13 @@ def _where(conditions: dict[str, object]) -> tuple[str, list]:
     return (f"WHERE {' AND '.join(given)}" if given else ""), list(given.values())
 
 
-def _session_row(row: sqlite3.Row, writer_gone: bool) -> dict:
+def _session_row(row, writer_gone: Callable[[int | None], bool]) -> dict:
     values = dict(row)
+    writer = values.pop("writer")  # whose it is, not what it is
     for column in _BOOLEANS:
         if values[column] is not None:
             values[column] = bool(values[column])
-    if values["in_flight"] and writer_gone:
+    if values["in_flight"] and writer_gone(writer):
         values.update(in_flight=False, interrupted=True)
     return values
 

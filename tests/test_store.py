@@ -1,9 +1,11 @@
-"""The SQLite history gives back exactly what was stored, survives restarts and is readable while written."""
+"""The history gives back exactly what was stored, survives restarts and is readable while written: each
+test with a `location` runs against SQLite and against a real PostgreSQL server (tests/postgres.py)."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import os
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import psycopg
 import pytest
+from postgres import PASSWORD, postgres_server  # noqa: F401 (the session's PostgreSQL server)
 from prometheus_client import CollectorRegistry
 
 from kvwatch.collectors.records import RoundResult, SessionResult
@@ -44,9 +48,37 @@ def session(
     return SessionResult(target, route_mode, "5f0c-session", started_at, started_at + 3.5, rounds)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def location(request, tmp_path: Path) -> Path | str:
+    """A new store's location: a file that does not exist yet, or an empty PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "history" / "kvwatch.db"
+    return request.getfixturevalue("postgres").new_database()
+
+
+def open_store(location: Path | str, retention_days: float = 14.0, readonly: bool = False) -> Store:
+    return Store(location, retention_days, readonly=readonly, password=PASSWORD)
+
+
+def is_postgres(location: Path | str) -> bool:
+    return str(location).startswith("postgresql://")
+
+
+def query(location: Path | str, sql: str) -> list[tuple]:
+    """What another client of the database reads (the sqlite3 module or psycopg), past the store."""
+    if is_postgres(location):
+        with psycopg.connect(str(location), password=PASSWORD) as db:
+            return db.execute(sql).fetchall()
+    db = sqlite3.connect(location)
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
 @pytest.fixture
-def store(tmp_path: Path):
-    with Store(tmp_path / "history" / "kvwatch.db") as store:
+def store(location):
+    with open_store(location) as store:
         yield store
 
 
@@ -112,31 +144,49 @@ def test_a_session_written_round_by_round_is_in_flight_until_its_last_write(stor
     assert [r["ideal_cached_tokens"] for r in store.rounds()] == [0, 1168]
 
 
-def test_a_session_left_in_flight_by_a_dead_writer_reads_as_interrupted(tmp_path):
+def test_a_session_left_in_flight_by_a_dead_writer_reads_as_interrupted(location):
     """While its writer lives a reader sees the session in flight; once it is gone (here: closed, as the
-    kernel closes a killed process's files), as interrupted; the next writer marks it so in the file."""
-    path = tmp_path / "kvwatch.db"
+    kernel closes a killed process's files and connections), as interrupted; the next writer marks it so
+    in the store."""
     left = session("t", 1000.0, round_result(1))
-    writer = Store(path)
+    writer = open_store(location)
     stored = writer.add_session(left, "uid-1", in_flight=True)
-    with Store(path, readonly=True) as reader:
+    with open_store(location, readonly=True) as reader:
         assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(True, False)]
         assert reader.session(stored) == left
         writer.close()
         assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(False, True)]
         assert reader.session(stored) == replace(left, interrupted=True)
-    with Store(path) as restarted:
+    with open_store(location) as restarted:
         assert restarted.session(stored) == replace(left, interrupted=True)
-    db = sqlite3.connect(path)
-    assert db.execute("SELECT in_flight, interrupted FROM sessions").fetchall() == [(0, 1)]
-    db.close()
+    assert query(location, "SELECT in_flight, interrupted FROM sessions") == [(0, 1)]
 
 
-def test_a_second_writer_of_a_store_is_refused(tmp_path):
+def test_a_second_writer_of_an_sqlite_store_is_refused(tmp_path):
     path = tmp_path / "kvwatch.db"
     with Store(path), pytest.raises(StoreError, match="another process writes the kvwatch store .*db"):
         Store(path)
     Store(path).close()  # the first one is gone
+
+
+def test_writers_share_a_postgresql_store_and_each_ones_sessions_live_with_it(postgres):
+    """Every shard writes one history: a writer's death cuts short its own sessions in flight, not those
+    of the writers still running, in what readers see and in what the next writer marks."""
+    url = postgres.new_database()
+    first, second = open_store(url), open_store(url)
+    dying = first.add_session(session("a", 1000.0, round_result(1)), "uid-a", in_flight=True)
+    living = second.add_session(session("b", 2000.0, round_result(1)), "uid-b", in_flight=True)
+    first.close()
+    with open_store(url, readonly=True) as reader:
+        states = {s["id"]: (s["in_flight"], s["interrupted"]) for s in reader.sessions()}
+    assert states == {dying: (False, True), living: (True, False)}
+    with open_store(url) as third:
+        assert third.sessions(target="b")[0]["in_flight"]
+    assert sorted(query(url, "SELECT target, in_flight, interrupted FROM sessions")) == [
+        ("a", 0, 1),
+        ("b", 1, 0),
+    ]
+    second.close()
 
 
 def test_unknown_stickiness_is_null_not_false(store):
@@ -181,23 +231,31 @@ def test_sessions_filter_and_order(store):
     assert store.sessions(target="nobody") == []
 
 
-def test_reopened_store_reads_back_what_was_written(tmp_path):
-    path = tmp_path / "kvwatch.db"
-    with Store(path) as store:
+def test_reopened_store_reads_back_what_was_written(location):
+    with open_store(location) as store:
         stored = store.add_session(session())
         store.add_alerts(webhook(), received_at=1000.0)
-    with Store(path) as store:
+    with open_store(location) as store:
         assert store.session(stored) == session()
         assert len(store.alerts()) == 2
         assert store.add_session(session("again", 2000.0)) == stored + 1
-    db = sqlite3.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    db.close()
+    version = "SELECT version FROM kvwatch_schema" if is_postgres(location) else "PRAGMA user_version"
+    assert query(location, version) == [(SCHEMA_VERSION,)]
 
 
-def test_busy_timeout_is_set(store):
-    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
+def test_an_sqlite_store_is_in_wal_mode(tmp_path):
+    Store(tmp_path / "kvwatch.db").close()
+    assert query(tmp_path / "kvwatch.db", "PRAGMA journal_mode") == [("wal",)]
+
+
+def test_busy_timeout_is_set(tmp_path):
+    with Store(tmp_path / "kvwatch.db") as store:
+        assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
+
+
+def test_a_postgresql_store_waits_for_a_lock_as_long_as_sqlite(postgres):
+    with open_store(postgres.new_database()) as store:
+        assert store._db.execute("SHOW lock_timeout").fetchone() == {"lock_timeout": "1s"}
 
 
 def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
@@ -224,9 +282,37 @@ def test_readonly_store_refuses_what_it_cannot_read(tmp_path):
         Store(newer)
 
 
+def test_a_readonly_postgresql_store_refuses_what_it_cannot_read(postgres):
+    url = postgres.new_database()
+    missing = postgres.url().replace("/postgres", "/no_such_database")
+    with pytest.raises(
+        StoreError, match='^cannot open the kvwatch store .*no_such_database: .*"no_such_database"'
+    ):
+        open_store(missing, readonly=True)
+    with pytest.raises(StoreError, match=r"kvwatch_\d+_\d+ is not a kvwatch store$"):
+        open_store(url, readonly=True)
+    with pytest.raises(StoreError, match="password authentication failed"):
+        Store(url, password="wrong")
+    assert query(url, "SELECT to_regclass('sessions')") == [(None,)]  # nothing was created
+
+    open_store(url).close()
+    with psycopg.connect(url, password=PASSWORD) as db:
+        db.execute(f"UPDATE kvwatch_schema SET version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError, match=f"has schema {SCHEMA_VERSION + 1}, from a newer kvwatch"):
+        open_store(url)
+
+
+def test_an_unknown_store_scheme_is_refused():
+    with pytest.raises(
+        StoreError, match=r"^unknown store scheme mysql://; known: a file path, postgresql://"
+    ):
+        Store("mysql://kvwatch@127.0.0.1/kvwatch")
+
+
 def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     """Schema 2 added each round's time to the first answer text (reasoning models), schema 3 whether a
-    session was cut short by a stop, schema 4 its writer's id and whether it is in flight; a store
+    session was cut short by a stop, schema 4 its writer's id and whether it is in flight, schema 5 which
+    of several writers wrote it; a store
     written before them keeps its sessions, whose rounds read None there and which were neither
     interrupted nor in flight."""
     path = tmp_path / "kvwatch.db"
@@ -238,6 +324,7 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     db.execute("DROP INDEX sessions_by_uid")
     db.execute("ALTER TABLE sessions DROP COLUMN uid")
     db.execute("ALTER TABLE sessions DROP COLUMN in_flight")
+    db.execute("ALTER TABLE sessions DROP COLUMN writer")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -253,11 +340,12 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
         assert [(s["interrupted"], s["in_flight"]) for s in reader.sessions()] == [(False, False)] * 2
 
 
-def test_readonly_store_cannot_write(tmp_path):
-    path = tmp_path / "kvwatch.db"
-    Store(path).close()
-    with Store(path, readonly=True) as reader, pytest.raises(sqlite3.OperationalError, match="readonly"):
+def test_readonly_store_cannot_write(location):
+    open_store(location).close()
+    refusal = (psycopg.errors.ReadOnlySqlTransaction, sqlite3.OperationalError)
+    with open_store(location, readonly=True) as reader, pytest.raises(refusal, match="read-?only"):
         reader.add_session(session())
+    assert query(location, "SELECT count(*) FROM sessions") == [(0,)]
 
 
 # --- alerts ----------------------------------------------------------------------------------------
@@ -407,9 +495,9 @@ def test_a_malformed_alert_is_skipped_and_the_others_stored(store, payload, mess
 # --- retention -------------------------------------------------------------------------------------
 
 
-def test_prune_forgets_what_is_older_than_retention(tmp_path):
+def test_prune_forgets_what_is_older_than_retention(location):
     now = 100 * DAY
-    with Store(tmp_path / "kvwatch.db", retention_days=14) as store:
+    with open_store(location, retention_days=14) as store:
         old = store.add_session(session("a", now - 15 * DAY))
         kept = store.add_session(session("a", now - 13 * DAY))
         store.add_alerts(webhook(), received_at=now - 20 * DAY)
@@ -442,10 +530,11 @@ def test_writer_is_not_blocked_by_an_open_read_transaction(tmp_path):
 
 
 READER = """
-import sys, time
+import os, sys, time
 from kvwatch.collectors.store import Store
 
-store, total, seen = Store(sys.argv[1], readonly=True), int(sys.argv[2]), None
+store = Store(sys.argv[1], readonly=True, password=os.environ["STORE_PASSWORD"])
+total, seen = int(sys.argv[2]), None
 deadline = time.monotonic() + 60
 while seen != total and time.monotonic() < deadline:
     rows = store.sessions()
@@ -456,13 +545,14 @@ while seen != total and time.monotonic() < deadline:
 """
 
 
-def test_another_process_reads_while_the_store_is_written(tmp_path):
+def test_another_process_reads_while_the_store_is_written(location):
     """The reader prints every count it sees; the writer pauses halfway until the reader has seen it."""
-    path, total = tmp_path / "kvwatch.db", 200
-    with Store(path) as store:
+    total = 200
+    with open_store(location) as store:
         reader = subprocess.Popen(
-            [sys.executable, "-c", READER, str(path), str(total)],
+            [sys.executable, "-c", READER, str(location), str(total)],
             cwd=REPO,
+            env={**os.environ, "STORE_PASSWORD": PASSWORD},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -499,15 +589,30 @@ def test_threads_share_one_store(store):
 
 @pytest.fixture
 def short_busy_timeout(monkeypatch):
-    """SQLite's own wait for a lock, shortened so that the writer's retries take over within the test."""
-    monkeypatch.setattr("kvwatch.collectors.store.BUSY_TIMEOUT_SECONDS", 0.05)
+    """The database's own wait for a lock, shortened so that the writer's retries take over within the
+    test."""
+    monkeypatch.setattr("kvwatch.collectors.stores.base.BUSY_TIMEOUT_SECONDS", 0.05)
 
 
-def write_locked(path: Path) -> sqlite3.Connection:
-    """The store's write lock, held by another connection as another process would hold it."""
-    holder = sqlite3.connect(path, isolation_level=None)
+LOCKED = "database is locked|canceling statement due to lock timeout"  # SQLite's, PostgreSQL's
+
+
+def write_locked(location: Path | str) -> sqlite3.Connection | psycopg.Connection:
+    """The store's write lock, held by another connection as another process would hold it: SQLite's
+    one write lock, or PostgreSQL's lock on the sessions table; COMMIT releases either."""
+    if is_postgres(location):
+        holder = psycopg.connect(str(location), password=PASSWORD, autocommit=True)
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE sessions IN EXCLUSIVE MODE")
+        return holder
+    holder = sqlite3.connect(location, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     return holder
+
+
+def release(holder: sqlite3.Connection | psycopg.Connection) -> None:
+    holder.execute("COMMIT")
+    holder.close()
 
 
 RETRIES = "kvwatch_store_write_retries_total"
@@ -527,16 +632,24 @@ def wait_for_a_retry(writer: StoreWriter) -> None:
         time.sleep(0.01)
 
 
-def test_the_writer_retries_through_a_lock_and_a_full_disk(tmp_path, short_busy_timeout):
+def test_the_writer_retries_through_a_lock(location, short_busy_timeout):
+    with open_store(location) as store:
+        writer = StoreWriter()
+        holder = write_locked(location)
+        locked = writer.submit(store.add_session, session())
+        wait_for_a_retry(writer)
+        release(holder)
+        assert locked.result(timeout=5) == 1
+        writer.close()
+        assert store.session(1) == session()
+        assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 0
+
+
+def test_the_writer_retries_through_a_full_disk(tmp_path, short_busy_timeout):
     path = tmp_path / "kvwatch.db"
     with Store(path) as store:
         writer = StoreWriter()
-        holder = write_locked(path)
-        locked = writer.submit(store.add_session, session())
-        wait_for_a_retry(writer)
-        holder.execute("COMMIT")
-        assert locked.result(timeout=5) == 1
-
+        assert writer.submit(store.add_session, session()).result(timeout=5) == 1
         with store._lock:  # the file may not grow: SQLITE_FULL, as on a full disk
             pages = store._db.execute("PRAGMA page_count").fetchone()[0]
             store._db.execute(f"PRAGMA max_page_count = {pages}")
@@ -552,12 +665,11 @@ def test_the_writer_retries_through_a_lock_and_a_full_disk(tmp_path, short_busy_
 
 
 def test_a_full_queue_drops_the_newest_write_and_close_writes_the_queued_ones(
-    tmp_path, short_busy_timeout, caplog
+    location, short_busy_timeout, caplog
 ):
-    path = tmp_path / "kvwatch.db"
-    with Store(path) as store:
+    with open_store(location) as store:
         writer = StoreWriter(capacity=1)
-        holder = write_locked(path)
+        holder = write_locked(location)
         first = writer.submit(store.add_session, session("first", 1.0))
         wait_for_a_retry(writer)  # taken off the queue, waiting for the lock
         queued = writer.submit(store.add_session, session("queued", 2.0))
@@ -567,31 +679,55 @@ def test_a_full_queue_drops_the_newest_write_and_close_writes_the_queued_ones(
         assert metric(writer, "kvwatch_store_writes_dropped_total", reason="queue_full") == 1
         assert metric(writer, "kvwatch_store_writes_queued") == 1
         assert "store write add_session dropped" in caplog.text
-        holder.execute("COMMIT")
+        release(holder)
         writer.close()
         assert (first.result(timeout=0), queued.result(timeout=0)) == (1, 2)
         assert [s["target"] for s in store.sessions()] == ["queued", "first"]
 
 
 def test_a_write_locked_for_good_is_dropped_when_its_retries_run_out_or_at_close(
-    tmp_path, short_busy_timeout
+    location, short_busy_timeout
 ):
-    path = tmp_path / "kvwatch.db"
-    with Store(path) as store:
+    with open_store(location) as store:
         writer = StoreWriter(retry_seconds=0.2)
-        holder = write_locked(path)
-        with pytest.raises(WriteDropped, match="database is locked"):
+        holder = write_locked(location)
+        with pytest.raises(WriteDropped, match=LOCKED):
             writer.submit(store.add_session, session()).result(timeout=5)
         writer.retry_seconds = 60.0
         queued = writer.submit(store.add_session, session())
         started = time.monotonic()
         writer.close(timeout=0.2)
         assert time.monotonic() - started < 1.5
-        with pytest.raises(WriteDropped, match="database is locked"):
+        with pytest.raises(WriteDropped, match=LOCKED):
             queued.result(timeout=0)
         assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 2
-        holder.execute("COMMIT")
+        release(holder)
         assert store.sessions() == []
+
+
+def test_the_writer_connects_to_postgresql_again_and_keeps_its_sessions_alive(postgres):
+    """A lost connection (a restarted server, a failover) costs a retry, not the write; the writer takes
+    its lock again, so that its session in flight does not read as cut short."""
+    url = postgres.new_database()
+    with open_store(url) as store:
+        writer = StoreWriter()
+        one, two = (
+            session("t", 1000.0, round_result(1)),
+            session("t", 1000.0, round_result(1), round_result(2)),
+        )
+        assert writer.submit(store.add_session, one, "uid-1", True).result(timeout=5) == 1
+        with psycopg.connect(url, password=PASSWORD, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+                "WHERE application_name = 'kvwatch' AND datname = current_database()"
+            ).fetchall()
+        assert ended == [(True,)]
+        assert writer.submit(store.add_session, two, "uid-1", True).result(timeout=10) == 1
+        assert metric(writer, RETRIES) >= 1
+        writer.close()
+        with open_store(url, readonly=True) as reader:
+            assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(True, False)]
+            assert reader.session(1) == two
 
 
 def test_a_write_the_store_refuses_goes_back_to_its_caller_uncounted(store):
@@ -605,14 +741,25 @@ def test_a_write_the_store_refuses_goes_back_to_its_caller_uncounted(store):
 # --- secrets ---------------------------------------------------------------------------------------
 
 
-def test_nothing_in_the_store_takes_an_api_key(store):
-    """Probes redact keys before they reach a record; the store has no place a key could go."""
+def test_nothing_in_the_store_takes_an_api_key(location):
+    """Probes redact keys before they reach a record; the store has no place a key could go. Only the
+    database's password goes in, to connect (from store.password_env or store.password_file)."""
+    open_store(location).close()
     secret_words = ("key", "secret", "authorization", "bearer", "password")
-    tables = [row[0] for row in store._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    columns = [row[1] for table in tables for row in store._db.execute(f"PRAGMA table_info({table})")]
-    assert not [c for c in columns if any(word in c for word in secret_words)]
+    columns = [
+        column
+        for (column,) in query(
+            location,
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+            if is_postgres(location)
+            else "SELECT p.name FROM sqlite_master t JOIN pragma_table_info(t.name) p WHERE t.type = 'table'",
+        )
+    ]
+    assert "target" in columns and not [c for c in columns if any(word in c for word in secret_words)]
     for name, method in inspect.getmembers(Store, inspect.isfunction):
-        parameters = inspect.signature(method).parameters
+        parameters = set(inspect.signature(method).parameters) - (
+            {"password"} if name == "__init__" else set()
+        )
         assert not [p for p in parameters if any(word in p for word in secret_words)], name
     for record in (SessionResult, RoundResult):
         fields = inspect.signature(record).parameters

@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store
+from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store, stores
 from kvwatch.collectors.connections import url_problem
 from kvwatch.collectors.redaction import redact
 
@@ -278,10 +278,15 @@ def _is_host(host: str) -> bool:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The SQLite history of probe sessions and received alerts, and how hard `kvwatch serve` tries to
-    write it (collectors.store.StoreWriter)."""
+    """The history of probe sessions and received alerts, and how hard `kvwatch serve` tries to write it
+    (collectors.store.StoreWriter): an SQLite file at `path`, or the PostgreSQL database at `url` that
+    every shard writes and every dashboard reads, its password from `password_env` or `password_file`
+    (or libpq's PGPASSFILE)."""
 
     path: Path = Path(".kvwatch/kvwatch.db")
+    url: str | None = None  # e.g. postgresql://kvwatch@db.example.net:5432/kvwatch; path is then unused
+    password_env: str | None = None
+    password_file: Path | None = None
     retention_days: float = _bounded(14.0, 0, 3650, low_excluded=True)
     # Writes waiting for the writer thread; one holds a session (up to ~25 KB with 50 rounds) or a post.
     queue_capacity: int = _bounded(store.QUEUE_CAPACITY, 1, 10_000)
@@ -299,6 +304,36 @@ class StoreSettings:
         )
         existing = next(parent for parent in self.path.parents if os.path.exists(parent))
         _check(os.path.isdir(existing), "path", f'cannot be created: "{existing}" is not a directory')
+        password_env, password_file = _SECRET_SOURCES[StoreSettings]
+        _secret_source(self.password_env, self.password_file, password_env, password_file, "password")
+        _check(
+            self.url or not (self.password_env or self.password_file),
+            "",
+            "a password is for a PostgreSQL store: set url too, or leave out password_env and password_file",
+        )
+        if self.url is not None:
+            _store_url(self.url)
+
+    @property
+    def location(self) -> Path | str:
+        """Where Store opens the history: the URL when there is one, else the SQLite file."""
+        return self.url or self.path
+
+
+_SECRET_SOURCES[StoreSettings] = ("password_env", "password_file")
+
+
+def _store_url(url: str) -> None:
+    shown = redact(url)
+    scheme = stores.scheme_of(url)
+    known = ", ".join(f"{name}://" for name in stores.SCHEMES)
+    _check(scheme in stores.SCHEMES, "url", f'must be a URL of {known}, got "{shown}"; a file goes in path')
+    _check(
+        shown == url,
+        "url",
+        "the password does not belong in the URL; name an environment variable (password_env) "
+        "or a file (password_file) that holds it",
+    )
 
 
 @dataclass(frozen=True)
@@ -520,6 +555,12 @@ def resolve_api_key(target: Target) -> str | None:
 def resolve_webhook_token(exporter: ExporterSettings) -> str | None:
     """The bearer token POST /alerts requires, from its environment variable or file; None when unset."""
     return _read_secret(exporter.webhook_token_env, exporter.webhook_token_file, "exporter", "webhook token")
+
+
+def resolve_store_password(settings: StoreSettings) -> str | None:
+    """The PostgreSQL store's password, from its environment variable or file; None: libpq finds one
+    (PGPASSFILE, ~/.pgpass) or the server asks none."""
+    return _read_secret(settings.password_env, settings.password_file, "store", "password")
 
 
 def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) -> str | None:

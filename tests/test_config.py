@@ -25,6 +25,7 @@ from kvwatch.collectors.config import (
     Workload,
     load_config,
     resolve_api_key,
+    resolve_store_password,
     resolve_webhook_token,
 )
 
@@ -168,6 +169,25 @@ INVALID = [
     ("sessions-per-run", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 0"),
     ("sessions-per-run-too-many", "targets[0].sessions_per_run: must be >= 1 and <= 1000, got 1001"),
     ("store-flush-seconds", "store.flush_seconds: must be >= 0 and <= 300, got -1"),
+    (
+        "store-password-env-and-file",
+        "store: set password_env or password_file, not both",
+    ),
+    (
+        "store-password-env-holds-a-password",
+        "store.password_env: "
+        "must be the name of an environment variable (letters, digits and _), not the password itself",
+    ),
+    (
+        "store-password-in-file",
+        "store.password: secrets do not belong in the config file; "
+        "name an environment variable (password_env) or a file (password_file) that holds it",
+    ),
+    (
+        "store-password-without-url",
+        "store: a password is for a PostgreSQL store: "
+        "set url too, or leave out password_env and password_file",
+    ),
     ("store-flush-seconds-too-long", "store.flush_seconds: must be >= 0 and <= 300, got 301"),
     ("store-queue-capacity", "store.queue_capacity: must be >= 1 and <= 10000, got 0"),
     ("store-queue-capacity-too-large", "store.queue_capacity: must be >= 1 and <= 10000, got 10001"),
@@ -175,6 +195,16 @@ INVALID = [
     ("store-retention-too-long", "store.retention_days: must be > 0 and <= 3650, got 3651"),
     ("store-retry-seconds", "store.retry_seconds: must be >= 0 and <= 3600, got -1"),
     ("store-retry-seconds-too-long", "store.retry_seconds: must be >= 0 and <= 3600, got inf"),
+    (
+        "store-url-password",
+        "store.url: the password does not belong in the URL; "
+        "name an environment variable (password_env) or a file (password_file) that holds it",
+    ),
+    (
+        "store-url-scheme",
+        'store.url: must be a URL of postgresql://, postgres://, got "mysql://kvwatch@127.0.0.1/kvwatch"; '
+        "a file goes in path",
+    ),
     ("target-name", 'targets[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "Chat Route"'),
     ("target-not-a-mapping", 'targets[0]: expected a mapping, got the string "chat"'),
     ("targets-not-a-list", "targets: expected a list, got a mapping"),
@@ -546,6 +576,21 @@ def test_api_key_file_errors(tmp_path, content, problem):
         resolve_api_key(target(api_key_file=path))
     assert str(error.value) == "target chat: " + problem.format(path=path)
     assert KEY not in str(error.value)
+
+
+def test_store_password_from_environment_or_file_and_where_the_store_is(monkeypatch, tmp_path):
+    url = "postgresql://kvwatch@127.0.0.1:5432/kvwatch"
+    monkeypatch.setenv("KVWATCH_TEST_STORE_PASSWORD", f"{KEY}\n")
+    from_env = StoreSettings(url=url, password_env="KVWATCH_TEST_STORE_PASSWORD")
+    assert (resolve_store_password(from_env), from_env.location) == (KEY, url)
+    (tmp_path / "password").write_text(f"{KEY}\n")
+    assert resolve_store_password(StoreSettings(url=url, password_file=tmp_path / "password")) == KEY
+    assert (resolve_store_password(StoreSettings()), StoreSettings().location) == (None, StoreSettings().path)
+    monkeypatch.delenv("KVWATCH_TEST_STORE_PASSWORD")
+    with pytest.raises(
+        ConfigError, match="^store: environment variable KVWATCH_TEST_STORE_PASSWORD is not set$"
+    ):
+        resolve_store_password(from_env)
 
 
 def test_webhook_token_from_environment_or_file(monkeypatch, tmp_path):

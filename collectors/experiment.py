@@ -1,11 +1,13 @@
 """The source article's A/B experiment (`kvwatch experiment`): the same sessions through two routes.
 
-Route A (say, round robin) and route B (say, session affinity) get the same seeded conversations,
-interleaved session by session so that whatever drifts during the run (other traffic, a noisy
-neighbour, caches filling up) hits both alike. Per route and round the report gives the median and p90
-client-side TTFT with bootstrap 95 % intervals, the cached ratio (cached / prompt tokens, token-weighted)
-and the cached / ideal efficiency; per route, stickiness, backend switches and errors. It measures and
-does not judge: a bad picture is a result, not a failure.
+Route A (say, round robin) and route B (say, session affinity) get the same seeded conversations on
+the same arrival schedule, so that whatever drifts during the run (other traffic, a noisy neighbour,
+caches filling up) hits both alike: conversation n arrives for both routes at once (all at the start, or
+at a seeded Poisson rate), and each route runs at most `concurrency` sessions at a time. Per route and
+round the report gives the median, p90 and p99 client-side TTFT with bootstrap 95 % intervals, the cached
+ratio (cached / prompt tokens, token-weighted) and the cached / ideal efficiency; per route, throughput
+over the measured span, stickiness, backend switches, errors and the requests each replica served. It
+measures and does not judge: a bad picture is a result, not a failure.
 
 Both routes usually reach the same replicas, so the first user turn of every session carries a short
 tag naming the run and the route ("Run 3f9c0a1e, group A."): without it, B's session would find A's copy
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import itertools
 import math
 import random
 import statistics
@@ -44,7 +47,7 @@ from kvwatch.collectors.probe import (
     with_block_size,
 )
 from kvwatch.collectors.progress import Progress
-from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.streaming import StreamClient
 from kvwatch.collectors.workload import Conversation, load_sharegpt, synthetic
@@ -52,11 +55,14 @@ from kvwatch.collectors.workload import Conversation, load_sharegpt, synthetic
 RESAMPLES = 2000
 CONFIDENCE = 0.95
 GROUPS = ("A", "B")
+TTFT_QUANTILES = {"median": 0.5, "p90": 0.9, "p99": 0.99}
 FILES = {
     "report": "report.md",
     "per_round": "per-round.csv",
     "routes": "routes.csv",
     "raw": "raw-rounds.csv",
+    "load": "load.csv",
+    "replicas": "replicas.csv",
     "png": "experiment.png",
     "html": "experiment.html",
 }
@@ -97,13 +103,55 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Load:
+    """How the sessions arrive, the same for both routes.
+
+    Without a rate, every session arrives at the start and `concurrency` run at a time per route (a
+    closed loop, 1 by default). With `request_rate`, sessions arrive at that rate per route with
+    exponential gaps (a Poisson process, as vLLM's benchmark_serving sends requests), seeded, at most
+    `concurrency` in flight per route when it is given.
+    """
+
+    concurrency: int | None = None
+    request_rate: float | None = None  # sessions per second per route
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be positive")
+        if self.request_rate is not None and not 0 < self.request_rate < math.inf:
+            raise ValueError("request rate must be a positive number of sessions per second")
+
+    def in_flight(self, sessions: int) -> int:
+        """The most sessions one route runs at a time."""
+        if self.concurrency is not None:
+            return min(self.concurrency, sessions)
+        return sessions if self.request_rate is not None else 1
+
+    def arrivals(self, sessions: int) -> tuple[float, ...]:
+        """When each conversation arrives, in seconds from the start: the first at 0."""
+        if self.request_rate is None:
+            return (0.0,) * sessions
+        rng = random.Random(f"arrivals-{self.seed}")
+        gaps = [0.0, *(rng.expovariate(self.request_rate) for _ in range(sessions - 1))]
+        return tuple(itertools.accumulate(gaps))
+
+    def describe(self) -> str:
+        cap = "no cap" if self.concurrency is None else f"at most {self.concurrency} in flight per route"
+        if self.request_rate is None:
+            return f"all arriving at the start, {self.concurrency or 1} at a time per route"
+        return f"arriving at {self.request_rate:g} per second per route (Poisson, seed {self.seed}), {cap}"
+
+
+@dataclass(frozen=True)
 class Experiment:
-    """One A/B run: each route's sessions in conversation order (they ran in `interleave` order)."""
+    """One A/B run: each route's sessions in conversation order (they arrived in `interleave` order)."""
 
     a: ProbeSettings
     b: ProbeSettings
     rounds: int  # planned rounds per session
-    concurrency: int
+    load: Load
+    arrivals: tuple[float, ...]  # each conversation's arrival, seconds from the start, for both routes
     sessions: tuple[tuple[SessionResult, ...], tuple[SessionResult, ...]]  # A's, B's
     block_size: BlockSize  # one for both routes, so that their cached / ideal compare
 
@@ -117,10 +165,10 @@ class Experiment:
 
 
 def interleave(sessions: int) -> list[tuple[int, int]]:
-    """The running order as (conversation, route) pairs, route 0 = A and 1 = B.
+    """The arrival order as (conversation, route) pairs, route 0 = A and 1 = B.
 
-    Session by session, so drift hits both routes within minutes of each other; which route goes first
-    alternates (A B, B A, A B, ...), so neither always runs right after the other has warmed things up.
+    Conversation by conversation, both routes at the same moment; which route is handed its session
+    first alternates (A B, B A, A B, ...), so neither is always the one that starts first.
     """
     return [(n, route) for n in range(sessions) for route in ((0, 1), (1, 0))[n % 2]]
 
@@ -136,49 +184,59 @@ def run_experiment(
     a: ProbeSettings,
     b: ProbeSettings,
     conversations: Sequence[Conversation],
-    concurrency: int = 1,
+    load: Load = Load(),
     run_id: str | None = None,
     block_sources: BlockSizeSources | None = None,
     on_session: Callable[[SessionResult], None] | None = None,
 ) -> Experiment:
-    """Every conversation through A and through B, interleaved, `concurrency` sessions at a time.
+    """Every conversation through A and through B, arriving for both as `load` says.
 
-    Each route's `target` is its label. A session never raises (see the probe); failures are in the results.
-    The KV block size is learned from `block_sources` (by default both routes' /metrics) and the sessions
-    of both routes. `on_session` is told of each session as it ends (a progress line).
+    Each route has its own `load.in_flight` workers taking its sessions in arrival order, so a slow
+    route never holds the other back and its throughput is its own. Each route's `target` is its label.
+    A session never raises (see the probe); failures are in the results. The KV block size is learned
+    from `block_sources` (by default both routes' /metrics) and the sessions of both routes.
+    `on_session` is told of each session as it ends (a progress line).
     """
-    if concurrency < 1:
-        raise ValueError("concurrency must be positive")
     if a.target == b.target:
         raise ValueError(f"the two routes need different labels, both are {a.target!r}")
     if not conversations:
         raise ValueError("no conversations to run")
     run_id = run_id or uuid.uuid4().hex[:8]
-    routes = (a, b)
+    routes, arrivals = (a, b), load.arrivals(len(conversations))
+    workers = load.in_flight(len(conversations))
     results: tuple[list, list] = ([None] * len(conversations), [None] * len(conversations))
 
     async def run() -> None:
-        # One pool per route, so that alternating routes does not close the other's kept-alive connection.
+        # One pool per route, so that one route's sessions do not close the other's kept-alive connections.
         async with StreamClient() as client_a, StreamClient() as client_b:
-            clients, plan = (client_a, client_b), iter(interleave(len(conversations)))
+            clients, arrived = (client_a, client_b), (asyncio.Queue(), asyncio.Queue())
+            loop = asyncio.get_running_loop()
+            start = loop.time()
 
-            async def worker() -> None:
-                # Each worker takes the next session of the plan, so sessions start in exactly that order.
-                for conversation, route in plan:
+            async def arrive() -> None:
+                for conversation, route in interleave(len(conversations)):
+                    await asyncio.sleep(start + arrivals[conversation] - loop.time())
+                    arrived[route].put_nowait(conversation)
+                for queue in arrived:
+                    for _ in range(workers):
+                        queue.put_nowait(None)
+
+            async def worker(route: int) -> None:
+                while (conversation := await arrived[route].get()) is not None:
                     tagged = tag(conversations[conversation], run_id, route)
                     session = await run_session(clients[route], routes[route], tagged)
                     results[route][conversation] = session
                     if on_session is not None:
                         on_session(session)
 
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, 2 * len(conversations)))))
+            await asyncio.gather(arrive(), *(worker(route) for route in (0, 1) for _ in range(workers)))
         sources = block_sources or blocksize.sources_for([a.base_url, b.base_url])
         return await blocksize.learn(sources, [*results[0], *results[1]])
 
     block = asyncio.run(run())
     sessions = tuple(tuple(with_block_size(route, block.tokens)) for route in results)
     rounds = max(len(c.user_turns) for c in conversations)
-    return Experiment(a, b, rounds, concurrency, sessions, block)
+    return Experiment(a, b, rounds, load, arrivals, sessions, block)
 
 
 # Statistics.
@@ -192,23 +250,29 @@ def quantile(values: Sequence[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (position - low)
 
 
-def bootstrap_ci(
+def bootstrap_cis(
     values: Sequence[float],
-    q: float = 0.5,
+    quantiles: Sequence[float] = (0.5,),
     resamples: int = RESAMPLES,
     confidence: float = CONFIDENCE,
     seed: int = 0,
-) -> tuple[float, float]:
-    """A percentile-bootstrap interval for the q-quantile of `values`: seeded, so a report is reproducible.
+) -> dict[float, tuple[float, float]]:
+    """Percentile-bootstrap intervals for each q-quantile of `values`, from one set of resamples; seeded,
+    so that a report is reproducible.
 
-    TTFT is skewed and the samples are few (one per session), so no normal approximation is assumed.
+    TTFT is skewed and its tail is what load changes, so no normal approximation is assumed. A p99 of
+    fewer than 100 values is close to their largest, and so is its interval.
     """
     if not values:
         raise ValueError("no values to resample")
     rng = random.Random(seed)
-    estimates = sorted(quantile(sorted(rng.choices(values, k=len(values))), q) for _ in range(resamples))
+    drawn = [sorted(rng.choices(values, k=len(values))) for _ in range(resamples)]
     tail = (1 - confidence) / 2
-    return quantile(estimates, tail), quantile(estimates, 1 - tail)
+    intervals = {}
+    for q in quantiles:
+        estimates = sorted(quantile(sample, q) for sample in drawn)
+        intervals[q] = quantile(estimates, tail), quantile(estimates, 1 - tail)
+    return intervals
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -216,27 +280,55 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 
 
+def ttft_columns(ttfts: list[float]) -> dict[str, float | None]:
+    """Each of TTFT_QUANTILES of sorted TTFTs with its bootstrap interval, in seconds; None without any."""
+    intervals = bootstrap_cis(ttfts, TTFT_QUANTILES.values()) if ttfts else {}
+    columns = {}
+    for name, q in TTFT_QUANTILES.items():
+        columns[f"ttft_{name}_seconds"] = quantile(ttfts, q) if ttfts else None
+        low, high = intervals.get(q, (None, None))
+        columns[f"ttft_{name}_low_seconds"], columns[f"ttft_{name}_high_seconds"] = low, high
+    return columns
+
+
+def cached_tokens(round_: RoundResult, previous: RoundResult | None) -> tuple[int | None, str | None]:
+    """The round's cached tokens and where they come from: the engine's (usage), else the probe's own
+    estimate, which is the ideal on the replica that served the round before and 0 on another one; None
+    when neither is known."""
+    if round_.cached_tokens is not None:
+        return round_.cached_tokens, "engine"
+    backends = (round_.backend, previous.backend if previous else "")
+    if round_.ideal_cached_tokens is None or None in backends:
+        return None, None
+    return (round_.ideal_cached_tokens if backends[0] == backends[1] else 0), "estimate"
+
+
 def round_rows(experiment: Experiment) -> list[dict]:
     """One row per route and round (per-round.csv), in seconds, tokens and 0-1 ratios.
 
-    Ratios are token-weighted over the round's sessions (sums divided), never means of ratios.
-    `ttft_median_ratio_to_a` is the route's median over A's in the same round.
+    Ratios are token-weighted over the round's sessions (sums divided), never means of ratios. The
+    cached ratio counts the probe's estimate for rounds whose engine reported no cached tokens
+    (`cached_source` says which); cached / ideal, the engine's only. `ttft_median_ratio_to_a` is the
+    route's median over A's in the same round.
     """
     rows = []
     for label, sessions in zip(experiment.labels, experiment.sessions, strict=True):
         for number in range(1, experiment.rounds + 1):
-            rounds = [s.rounds[number - 1] for s in sessions if len(s.rounds) >= number]
-            ok = [r for r in rounds if r.ok]
-            ttfts = sorted(r.ttft_seconds for r in ok if r.ttft_seconds is not None)
-            known = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens is not None]
-            warm = [r for r in known if r.ideal_cached_tokens is not None]
-            row = {"route": label, "round": number, "sessions": len(rounds), "errors": len(rounds) - len(ok)}
-            for name, q in (("median", 0.5), ("p90", 0.9)):
-                row[f"ttft_{name}_seconds"] = quantile(ttfts, q) if ttfts else None
-                low, high = bootstrap_ci(ttfts, q) if ttfts else (None, None)
-                row[f"ttft_{name}_low_seconds"], row[f"ttft_{name}_high_seconds"] = low, high
-            row["prompt_tokens"] = sum(r.prompt_tokens for r in known)
-            row["cached_tokens"] = sum(r.cached_tokens for r in known)
+            pairs = [
+                (s.rounds[number - 1], s.rounds[number - 2] if number > 1 else None)
+                for s in sessions
+                if len(s.rounds) >= number
+            ]
+            ok = [(r, previous) for r, previous in pairs if r.ok]
+            ttfts = sorted(r.ttft_seconds for r, _ in ok if r.ttft_seconds is not None)
+            counted = [(r, *cached_tokens(r, previous)) for r, previous in ok if r.prompt_tokens is not None]
+            counted = [(r, cached, source) for r, cached, source in counted if source]
+            warm = [r for r, _, source in counted if source == "engine" and r.ideal_cached_tokens is not None]
+            row = {"route": label, "round": number, "sessions": len(pairs), "errors": len(pairs) - len(ok)}
+            row.update(ttft_columns(ttfts))
+            row["prompt_tokens"] = sum(r.prompt_tokens for r, _, _ in counted)
+            row["cached_tokens"] = sum(cached for _, cached, _ in counted)
+            row["cached_source"] = "+".join(sorted({source for _, _, source in counted})) or None
             row["ideal_cached_tokens"] = sum(r.ideal_cached_tokens for r in warm)
             row["cached_ratio"] = ratio(row["cached_tokens"], row["prompt_tokens"])
             row["ideal_efficiency"] = ratio(sum(r.cached_tokens for r in warm), row["ideal_cached_tokens"])
@@ -276,12 +368,46 @@ def route_rows(experiment: Experiment) -> list[dict]:
     return rows
 
 
+def load_rows(experiment: Experiment) -> list[dict]:
+    """One row per route (load.csv): throughput over the measured span and TTFT over all its rounds.
+
+    The span runs from the route's first request to its last answer's end; throughput counts answered
+    requests, and their prompt and generated tokens, over it.
+    """
+    rows = []
+    for label, sessions in zip(experiment.labels, experiment.sessions, strict=True):
+        rounds = [r for s in sessions for r in s.rounds]
+        ok = [r for r in rounds if r.ok and r.total_seconds is not None]
+        span = (
+            max(r.started_at + r.total_seconds for r in ok) - min(r.started_at for r in rounds) if ok else 0
+        )
+        ttfts = sorted(r.ttft_seconds for r in ok if r.ttft_seconds is not None)
+        row = {"route": label, "requests": len(rounds), "answered": len(ok), "span_seconds": span}
+        row["requests_per_second"] = ratio(len(ok), span)
+        for name, tokens in (("prompt", "prompt_tokens"), ("generated", "completion_tokens")):
+            row[f"{name}_tokens_per_second"] = ratio(sum(getattr(r, tokens) or 0 for r in ok), span)
+        row.update(ttft_columns(ttfts))
+        rows.append(row)
+    return rows
+
+
+def replica_rows(experiment: Experiment) -> list[dict]:
+    """The requests each replica served per route (replicas.csv), from the backend each answer named;
+    "unknown" for requests that named none. They add up to the requests the route sent."""
+    rows = []
+    for label, sessions in zip(experiment.labels, experiment.sessions, strict=True):
+        served = Counter(r.backend or "unknown" for s in sessions for r in s.rounds)
+        rows += [{"route": label, "replica": b, "requests": n} for b, n in sorted(served.items())]
+    return rows
+
+
 def raw_rows(experiment: Experiment) -> list[dict]:
-    """Every round of every session, in the order the sessions ran (raw-rounds.csv)."""
+    """Every round of every session, in the order the sessions arrived (raw-rounds.csv)."""
     rows = []
     for order, (conversation, route) in enumerate(interleave(len(experiment.sessions[0]))):
         session = experiment.sessions[route][conversation]
         head = {"order": order, "route": session.target, "conversation": conversation}
+        head["arrival_seconds"] = experiment.arrivals[conversation]
         rows += [{**head, "session_id": session.session_id, **asdict(r)} for r in session.rounds]
     return rows
 
@@ -301,22 +427,31 @@ def _table(header: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
     return [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}", *(f"| {' | '.join(r)} |" for r in rows)]
 
 
-def report(experiment: Experiment, rounds: list[dict], routes: list[dict], about: Sequence[str] = ()) -> str:
-    """The Markdown report: the setup, the per-round table (the source article's picture), stickiness."""
+def report(
+    experiment: Experiment,
+    rounds: list[dict],
+    routes: list[dict],
+    load: list[dict],
+    replicas: list[dict],
+    about: Sequence[str] = (),
+) -> str:
+    """The Markdown report: the setup, the per-round table (the source article's picture), stickiness,
+    throughput and TTFT under the run's load, and the requests each replica served."""
     a, b = experiment.labels
     lines = [f"## A/B experiment: {a} (A) vs {b} (B)", ""]
     for group, route in zip(GROUPS, (experiment.a, experiment.b), strict=True):
         lines.append(f"- {group}, {route.target}: {redact(api_url(route.base_url, 'chat/completions'))}")
     lines += [
         f"- {len(experiment.sessions[0])} sessions of {experiment.rounds} rounds through each route: the "
-        f"same conversations, interleaved session by session, {experiment.concurrency} at a time; model "
+        f"same conversations, {experiment.load.describe()}; model "
         f"{experiment.a.model}, answers of up to {experiment.a.max_tokens} tokens, session ids: "
         f"{experiment.a.session_mode}.",
         f"- {experiment.block_size.describe()}, for the ideal cached tokens.",
         *(f"- {line}" for line in about),
         "",
-        "Median client-side TTFT in ms with its bootstrap 95 % interval; cached ratio: cached / prompt "
-        "tokens, as the engine reported them.",
+        "Client-side TTFT in ms with its percentile-bootstrap 95 % interval; cached ratio: cached / "
+        "prompt tokens, as the engine reported them (else the probe's estimate: the ideal on the replica "
+        "of the round before, 0 on another).",
         "",
     ]
     cell = {(r["route"], r["round"]): r for r in rounds}
@@ -324,7 +459,8 @@ def report(experiment: Experiment, rounds: list[dict], routes: list[dict], about
     def round_cells(n: int) -> tuple[str, ...]:
         ra, rb = cell[a, n], cell[b, n]
         ratios = (rb["ttft_median_ratio_to_a"], ra["cached_ratio"], rb["cached_ratio"])
-        return (str(n), _ttft(ra), _ttft(rb), *map(_fixed, ratios))
+        tails = (_ttft(row, name) for name in ("p90", "p99") for row in (ra, rb))
+        return (str(n), _ttft(ra), _ttft(rb), *map(_fixed, ratios), *tails)
 
     def route_cells(r: dict) -> tuple[str, ...]:
         return (
@@ -338,19 +474,41 @@ def report(experiment: Experiment, rounds: list[dict], routes: list[dict], about
         )
 
     header = ["round", f"{a} median TTFT [95 % CI]", f"{b} median TTFT [95 % CI]", f"{b} / {a}"]
-    lines += _table(
-        header + [f"{a} cached ratio", f"{b} cached ratio"],
-        [round_cells(n) for n in range(1, experiment.rounds + 1)],
-    )
+    header += [f"{a} cached ratio", f"{b} cached ratio"]
+    header += [f"{route} {name} TTFT [95 % CI]" for name in ("p90", "p99") for route in (a, b)]
+    lines += _table(header, [round_cells(n) for n in range(1, experiment.rounds + 1)])
     header = ["route", "sessions", "failed", "on one replica", "backend switches per session"]
     lines += [""] + _table(header + ["cached / ideal, rounds 2+", "errors"], [route_cells(r) for r in routes])
+    lines += ["", "Throughput over each route's measured span (first request to last answer), TTFT over all "
+              "its rounds:", ""]  # fmt: skip
+    header = ["route", "answered", "span s", "requests/s", "prompt tokens/s", "generated tokens/s"]
+    lines += _table(
+        header + [f"TTFT {name} [95 % CI]" for name in TTFT_QUANTILES], list(map(_load_cells, load))
+    )
+    served = {(r["route"], r["replica"]): r["requests"] for r in replicas}
+    names = sorted({replica for _, replica in served})
+    lines += ["", "Requests each replica served, by the backend the answers named:", ""]
+    lines += _table(["replica", a, b], [[n, *(str(served.get((r, n), 0)) for r in (a, b))] for n in names])
     return "\n".join(lines) + "\n"
 
 
-def _ttft(row: dict) -> str:
-    """The median TTFT and its interval in ms, e.g. "41 [39–44]"."""
-    low, median, high = (_ms(row[f"ttft_median{part}_seconds"]) for part in ("_low", "", "_high"))
-    return f"{median} [{low}–{high}]"
+def _load_cells(row: dict) -> list[str]:
+    figures = (row["span_seconds"], row["requests_per_second"])
+    tokens = (row["prompt_tokens_per_second"], row["generated_tokens_per_second"])
+    ttfts = (_ttft(row, name) for name in TTFT_QUANTILES)
+    return [
+        row["route"],
+        str(row["answered"]),
+        *map(_fixed, figures),
+        *(_fixed(t, 0) for t in tokens),
+        *ttfts,
+    ]
+
+
+def _ttft(row: dict, name: str = "median") -> str:
+    """A TTFT quantile and its interval in ms, e.g. "41 [39–44]"."""
+    low, value, high = (_ms(row[f"ttft_{name}{part}_seconds"]) for part in ("_low", "", "_high"))
+    return f"{value} [{low}–{high}]"
 
 
 # The plot (collectors.experiment_plot draws it).
@@ -380,10 +538,13 @@ def write_outputs(experiment: Experiment, out: Path, about: Sequence[str] = ()) 
     """Every file of FILES into `out`; returns the Markdown report. `about`: more lines on the setup."""
     out.mkdir(parents=True, exist_ok=True)
     rounds, routes = round_rows(experiment), route_rows(experiment)
-    markdown = report(experiment, rounds, routes, about)
+    load, replicas = load_rows(experiment), replica_rows(experiment)
+    markdown = report(experiment, rounds, routes, load, replicas, about)
     (out / FILES["report"]).write_text(markdown)
     _write_csv(out / FILES["per_round"], rounds)
     _write_csv(out / FILES["routes"], routes)
+    _write_csv(out / FILES["load"], load)
+    _write_csv(out / FILES["replicas"], replicas)
     _write_csv(out / FILES["raw"], raw_rows(experiment))
     experiment_plot.draw(
         plot_panels(experiment, rounds), _title(experiment), out / FILES["png"], out / FILES["html"]
@@ -396,7 +557,7 @@ def run_into(
     b: ProbeSettings,
     workload: Workload,
     out: Path,
-    concurrency: int = 1,
+    load: Load = Load(),
     block_sources: BlockSizeSources | None = None,
     progress: Progress | None = None,
 ) -> tuple[Experiment, str | None]:
@@ -410,9 +571,7 @@ def run_into(
     if progress is not None:
         progress.start(2 * len(conversations))
     on_session = progress.advance if progress else None
-    experiment = run_experiment(
-        a, b, conversations, concurrency, block_sources=block_sources, on_session=on_session
-    )
+    experiment = run_experiment(a, b, conversations, load, block_sources=block_sources, on_session=on_session)
     if not any(session.ok for session in experiment.all_sessions):
         return experiment, None
     return experiment, write_outputs(experiment, out, [workload.describe()])
@@ -433,9 +592,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "experiment",
         help="the source article's A/B run: the same sessions through two routes, TTFT and reuse by round",
         description="Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) "
-        "and route B (e.g. session affinity), interleaved session by session. Report per round the median "
-        "and p90 TTFT with bootstrap 95 % intervals and the cached ratio, and per route the stickiness: "
-        "CSVs, a Markdown report and a plot (PNG and interactive HTML) in DIR, and the report on stdout.",
+        "and route B (e.g. session affinity), each conversation arriving for both at the same moment. Report "
+        "per round the median, p90 and p99 TTFT with bootstrap 95 % intervals and the cached ratio, and per "
+        "route the stickiness, the throughput and the requests each replica served: CSVs, a Markdown report "
+        "and a plot (PNG and interactive HTML) in DIR, and the report on stdout.",
     )
     parser.add_argument("--a", required=True, metavar="URL", help="route A's API root, with or without /v1")
     parser.add_argument("--b", required=True, metavar="URL", help="route B's API root, with or without /v1")
@@ -452,13 +612,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for flag, default, what in (
         ("--sessions", workload.sessions, "sessions per route"),
         ("--rounds", workload.rounds, "rounds per session"),
-        ("--concurrency", 1, "sessions at once, both routes together; 1: no queueing"),
         ("--system-tokens", workload.system_tokens, "synthetic system prompt, in tokens"),
         ("--turn-tokens", workload.turn_tokens, "synthetic user turn, in tokens"),
         ("--max-tokens", 8, "answer length in tokens; TTFT is what is measured"),
         ("--seed", workload.seed, "seed of the workload"),
     ):
         parser.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="sessions in flight per route (default 1, or no cap with --request-rate)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="R",
+        help="sessions arriving per second per route, with seeded exponential gaps (a Poisson process); "
+        "default: all at the start",
+    )
     parser.add_argument(
         "--sharegpt", type=Path, metavar="FILE", help="user turns from a ShareGPT-style JSON file"
     )
@@ -484,6 +656,7 @@ def run_cli(args: argparse.Namespace) -> int:
         workload = Workload(
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
+        load = Load(args.concurrency, args.request_rate, args.seed)
         sources = blocksize.sources_from_args(args, [args.a, args.b])
         # Both routes reach the same engines, so route A's listing speaks for both.
         model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
@@ -504,7 +677,7 @@ def run_cli(args: argparse.Namespace) -> int:
         )
         # It checks its arguments before it runs.
         with Progress.on_terminal("experiment", "sessions", json=False) as progress:
-            experiment, markdown = run_into(a, b, workload, args.out, args.concurrency, sources, progress)
+            experiment, markdown = run_into(a, b, workload, args.out, load, sources, progress)
     except (ValueError, OSError) as error:
         print(f"kvwatch experiment: {error}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import math
 import os
@@ -13,16 +15,20 @@ import pandas as pd
 import pytest
 
 from conftest import free_port, kvwatch
+from kvwatch.collectors import experiment as experiment_module
 from kvwatch.collectors import experiment_plot
-from kvwatch.collectors.blocksize import BlockSize
+from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.experiment import (
     FILES,
     Experiment,
-    bootstrap_ci,
+    Load,
+    bootstrap_cis,
     interleave,
+    load_rows,
     plot_panels,
     quantile,
+    replica_rows,
     report,
     round_rows,
     route_rows,
@@ -31,7 +37,7 @@ from kvwatch.collectors.experiment import (
 )
 from kvwatch.collectors.probe import HINTS, ProbeSettings
 from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.workload import synthetic
+from kvwatch.collectors.workload import Conversation, synthetic
 from kvwatch.lab.tokenizer import split_words
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
@@ -39,10 +45,19 @@ SESSIONS, ROUNDS = 6, 4
 
 
 def round_(
-    number: int, ttft: float = 0.05, prompt: int = 1000, cached: int | None = 0, ideal: int = 0, backend="r1"
+    number: int,
+    ttft: float = 0.05,
+    prompt: int = 1000,
+    cached: int | None = 0,
+    ideal: int = 0,
+    backend="r1",
+    started: float = 0.0,
+    total: float | None = None,
+    generated: int = 8,
 ) -> RoundResult:
+    total = ttft + 0.1 if total is None else total
     return RoundResult(
-        number, 0.0, 200, None, None, ttft, ttft + 0.1, prompt, cached, ideal, 8, backend, None, None
+        number, started, 200, None, None, ttft, total, prompt, cached, ideal, generated, backend, None, None
     )
 
 
@@ -60,7 +75,10 @@ def experiment(a: list[SessionResult], b: list[SessionResult]) -> Experiment:
     ]
     rounds = max(len(s.rounds) for s in a + b)
     block = BlockSize(16, "--block-size")
-    return Experiment(*routes, rounds=rounds, concurrency=1, sessions=(tuple(a), tuple(b)), block_size=block)
+    sessions, arrivals = (tuple(a), tuple(b)), (0.0,) * len(a)
+    return Experiment(
+        *routes, rounds=rounds, load=Load(), arrivals=arrivals, sessions=sessions, block_size=block
+    )
 
 
 # Statistics.
@@ -77,19 +95,32 @@ def test_quantile_interpolates_between_sorted_values_as_numpy_does():
 def test_bootstrap_interval_holds_the_statistic_and_is_seeded():
     rng = random.Random(1)
     values = [rng.lognormvariate(-3, 0.4) for _ in range(20)]
-    for q in (0.5, 0.9):
-        low, high = bootstrap_ci(values, q)
+    intervals = bootstrap_cis(values, (0.5, 0.9, 0.99))
+    for q, (low, high) in intervals.items():
         assert low <= quantile(sorted(values), q) <= high
         assert low < high
-    assert bootstrap_ci(values) == bootstrap_ci(values)
-    assert bootstrap_ci(values, seed=1) != bootstrap_ci(values, seed=2)
+    assert intervals[0.5][1] < intervals[0.99][1] <= max(values)
+    # One set of resamples serves every quantile: asking for one alone gives the same interval.
+    assert bootstrap_cis(values, (0.9,))[0.9] == intervals[0.9]
+    assert bootstrap_cis(values, seed=1) != bootstrap_cis(values, seed=2)
 
 
 def test_bootstrap_interval_narrows_with_more_data():
     rng = random.Random(2)
     values = [rng.gauss(0.1, 0.02) for _ in range(500)]
-    few, many = bootstrap_ci(values[:12]), bootstrap_ci(values)
+    (few,), (many,) = bootstrap_cis(values[:12]).values(), bootstrap_cis(values).values()
     assert many[1] - many[0] < 0.5 * (few[1] - few[0])
+
+
+def test_bootstrap_interval_of_the_p90_covers_the_true_p90_about_95_times_in_100():
+    """Skewed samples (exponential, like TTFT under queueing): 100 seeded trials of 60 values each."""
+    true_p90 = -math.log(0.1)  # of an exponential with mean 1
+    rng, covered = random.Random(3), 0
+    for trial in range(100):
+        values = [rng.expovariate(1.0) for _ in range(60)]
+        low, high = bootstrap_cis(values, (0.9,), resamples=200, seed=trial)[0.9]
+        covered += low <= true_p90 <= high
+    assert 85 <= covered <= 99, covered
 
 
 def test_cached_ratio_is_token_weighted_and_failed_rounds_are_counted_apart():
@@ -111,11 +142,19 @@ def test_cached_ratio_is_token_weighted_and_failed_rounds_are_counted_apart():
     assert rows["round_robin", 2]["ttft_median_ratio_to_a"] == 1.0
 
 
-def test_rounds_without_cached_tokens_have_no_cached_ratio():
-    a = [session("round_robin", round_(1, cached=None), round_(2, cached=None))]
-    b = [session("affinity", round_(1), round_(2, cached=None))]
-    rows = round_rows(experiment(a, b))
-    assert [r["cached_ratio"] for r in rows] == [None, None, 0, None]
+def test_without_cached_tokens_the_cached_ratio_is_the_probes_estimate_from_the_backends():
+    """The ideal on the replica of the round before, 0 on another; nothing when no backend is named."""
+    a = [
+        session("round_robin", round_(1, cached=None), round_(2, cached=None, ideal=960, backend="r2")),
+        session("round_robin", round_(1, cached=None), round_(2, cached=None, ideal=960)),
+    ]
+    b = [session("affinity", round_(1), round_(2, cached=None, ideal=960, backend=None))]
+    rows = {(r["route"], r["round"]): r for r in round_rows(experiment(a, b))}
+    assert rows["round_robin", 2]["cached_ratio"] == pytest.approx(960 / 2000)
+    assert rows["round_robin", 2]["cached_source"] == "estimate"
+    assert rows["round_robin", 2]["ideal_efficiency"] is None  # cached / ideal is the engine's alone
+    assert (rows["affinity", 1]["cached_source"], rows["affinity", 1]["cached_ratio"]) == ("engine", 0)
+    assert (rows["affinity", 2]["cached_source"], rows["affinity", 2]["cached_ratio"]) == (None, None)
 
 
 def test_route_figures_stickiness_switches_and_errors():
@@ -142,7 +181,7 @@ def test_route_figures_stickiness_switches_and_errors():
 def test_the_report_names_the_block_size_and_its_source():
     sessions = [session(label, round_(1), round_(2)) for label in ("round_robin", "affinity")]
     run = experiment([sessions[0]], [sessions[1]])
-    markdown = report(run, round_rows(run), route_rows(run))
+    markdown = report(run, round_rows(run), route_rows(run), load_rows(run), replica_rows(run))
     assert "\n- KV block: 16 tokens (--block-size), for the ideal cached tokens.\n" in markdown
 
 
@@ -256,6 +295,151 @@ def test_the_tag_sets_routes_apart_at_the_same_length():
     assert len(split_words(a.user_turns[0])) == len(split_words(b.user_turns[0]))
 
 
+# The load.
+
+
+def test_poisson_arrivals_are_seeded_start_at_once_and_have_exponential_gaps():
+    load = Load(request_rate=4.0, seed=3)
+    arrivals = load.arrivals(4000)
+    assert arrivals == Load(request_rate=4.0, seed=3).arrivals(4000)
+    assert arrivals != Load(request_rate=4.0, seed=4).arrivals(4000)
+    assert arrivals[0] == 0 and arrivals[:10] == load.arrivals(10)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+    assert min(gaps) > 0
+    assert statistics.mean(gaps) == pytest.approx(1 / 4.0, rel=0.05)
+    # Exponential, not evenly spaced: about e^-1 of the gaps are longer than the mean.
+    assert sum(g > 1 / 4.0 for g in gaps) / len(gaps) == pytest.approx(math.exp(-1), abs=0.03)
+    assert Load(concurrency=8).arrivals(3) == (0.0, 0.0, 0.0)
+
+
+def test_sessions_in_flight_per_route():
+    assert Load().in_flight(10) == 1  # one at a time, as before there was a load to choose
+    assert Load(concurrency=4).in_flight(10) == 4 and Load(concurrency=40).in_flight(10) == 10
+    assert Load(request_rate=2.0).in_flight(10) == 10  # no cap: every arrival starts at once
+    assert Load(concurrency=3, request_rate=2.0).in_flight(10) == 3
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """run_experiment with a stand-in for the probe's sessions: the events they saw, in order.
+
+    Route A's sessions wait until route B has finished all of its own (at most 5 s), so a scheduler that
+    made one route wait for the other would time out instead of finishing.
+    """
+    events: list[tuple[str, str, int]] = []
+    b_done = asyncio.Event()
+
+    async def fake_session(client, settings, conversation):
+        conversation_number = int(conversation.user_turns[0].rsplit(" ", 1)[1])
+        events.append(("start", settings.target, conversation_number))
+        if settings.target == "a":
+            async with asyncio.timeout(5):
+                await b_done.wait()
+        else:
+            await asyncio.sleep(0.001)
+        events.append(("end", settings.target, conversation_number))
+        if sum(e[:2] == ("end", "b") for e in events) == SESSIONS:
+            b_done.set()
+        return session(settings.target, round_(1, backend="r1"))
+
+    monkeypatch.setattr(experiment_module, "run_session", fake_session)
+
+    def run(load: Load) -> tuple[Experiment, list[tuple[str, str, int]]]:
+        events.clear()
+        b_done.clear()
+        conversations = [Conversation("system", (f"Turn. {n}", "next")) for n in range(SESSIONS)]
+        a, b = (ProbeSettings(f"http://{label}.example", "m", target=label) for label in "ab")
+        sources = BlockSizeSources(override=BlockSize(16, "--block-size"))
+        return run_experiment(a, b, conversations, load, block_sources=sources), list(events)
+
+    return run
+
+
+def in_flight_at_most(events: list[tuple[str, str, int]], route: str) -> int:
+    running = peak = 0
+    for kind, label, _ in events:
+        if label == route:
+            running += 1 if kind == "start" else -1
+            peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("load", [Load(concurrency=2), Load(request_rate=500.0, seed=1)])
+def test_both_routes_get_every_session_in_arrival_order_and_neither_waits_for_the_other(recorded, load):
+    run, events = recorded(load)
+    starts = [(label, n) for kind, label, n in events if kind == "start"]
+    for route in "ab":
+        assert [n for label, n in starts if label == route] == list(range(SESSIONS))
+    # A's sessions all wait, so A fills every slot it has; B's end fast and need fewer.
+    assert in_flight_at_most(events, "a") == load.in_flight(SESSIONS)
+    assert in_flight_at_most(events, "b") <= load.in_flight(SESSIONS)
+    # B, never held up by A, finished everything while A's first sessions were still running.
+    assert events.index(("end", "b", SESSIONS - 1)) < events.index(("end", "a", 0))
+    assert run.arrivals == load.arrivals(SESSIONS)
+
+
+def test_sessions_are_handed_out_in_interleaved_order_when_both_routes_have_room(recorded):
+    _, events = recorded(Load(concurrency=SESSIONS))
+    starts = [(n, "ab".index(label)) for kind, label, n in events if kind == "start"]
+    assert starts == interleave(SESSIONS)
+
+
+def load_experiment() -> Experiment:
+    """Route A: two sessions of two rounds over 4 s on r1 and r2; B: one session of two rounds on r3."""
+    a = [
+        session("round_robin", round_(1, 0.1, 1000, started=100.0, total=0.5, backend="r1"),
+                round_(2, 0.3, 1500, started=101.0, total=1.0, backend="r2", generated=20)),
+        session("round_robin", round_(1, 0.2, 1000, started=100.5, total=0.5, backend="r2"),
+                dataclasses.replace(failed(2, "timeout"), started_at=101.5)),
+    ]  # fmt: skip
+    b = [session("affinity", round_(1, 0.1, 1000, started=100.0, total=1.0, backend="r3"),
+                 round_(2, 0.05, 1500, started=101.0, total=1.0, backend=None))]  # fmt: skip
+    run = experiment(a, b + b)
+    return run
+
+
+def test_throughput_counts_answered_requests_and_tokens_over_the_measured_span():
+    a, b = load_rows(load_experiment())
+    # A's span: from its first request (100.0) to its last answer's end (101.0 + 1.0).
+    assert (a["requests"], a["answered"], a["span_seconds"]) == (4, 3, pytest.approx(2.0))
+    assert a["requests_per_second"] == pytest.approx(3 / 2.0)
+    assert a["prompt_tokens_per_second"] == pytest.approx(3500 / 2.0)
+    assert a["generated_tokens_per_second"] == pytest.approx((8 + 20 + 8) / 2.0)
+    assert a["ttft_median_seconds"] == pytest.approx(0.2)
+    assert a["ttft_p99_seconds"] == pytest.approx(0.1 + 0.99 * 2 * 0.1)
+    assert a["ttft_p99_low_seconds"] <= a["ttft_p99_seconds"] <= a["ttft_p99_high_seconds"]
+    assert (b["answered"], b["requests_per_second"]) == (4, pytest.approx(4 / 2.0))
+
+
+def test_replica_load_adds_up_to_the_requests_each_route_sent():
+    run = load_experiment()
+    rows = replica_rows(run)
+    assert rows == [
+        {"route": "round_robin", "replica": "r1", "requests": 1},
+        {"route": "round_robin", "replica": "r2", "requests": 2},
+        {"route": "round_robin", "replica": "unknown", "requests": 1},  # the timed-out round
+        {"route": "affinity", "replica": "r3", "requests": 2},
+        {"route": "affinity", "replica": "unknown", "requests": 2},
+    ]
+    for load in load_rows(run):
+        assert sum(r["requests"] for r in rows if r["route"] == load["route"]) == load["requests"]
+
+
+def test_the_report_shows_throughput_tail_ttft_and_replica_load():
+    run = load_experiment()
+    markdown = report(run, round_rows(run), route_rows(run), load_rows(run), replica_rows(run))
+    lines = markdown.splitlines()
+    assert "| round_robin | 3 | 2.00 | 1.50 | 1750 | 18 | 200 [" in markdown
+    assert lines[lines.index("| replica | round_robin | affinity |") + 2 :] == [
+        "| r1 | 1 | 0 |", "| r2 | 2 | 0 |", "| r3 | 0 | 2 |", "| unknown | 1 | 2 |",
+    ]  # fmt: skip
+    assert "all arriving at the start, 1 at a time per route" in markdown
+    header = next(line for line in lines if line.startswith("| round |"))
+    assert header.endswith("| round_robin p99 TTFT [95 % CI] | affinity p99 TTFT [95 % CI] |")
+    round_2 = next(line for line in lines if line.startswith("| 2 |"))
+    assert round_2.endswith("| 300 [300–300] | 50 [50–50] | 300 [300–300] | 50 [50–50] |")
+
+
 # The command line.
 
 
@@ -265,6 +449,8 @@ def test_the_tag_sets_routes_apart_at_the_same_length():
         (["--label-a", "x", "--label-b", "x"], "the two routes need different labels, both are 'x'"),
         (["--rounds", "1"], "rounds must be at least 2: warm rounds are what the experiment compares"),
         (["--concurrency", "0"], "concurrency must be positive"),
+        (["--request-rate", "0"], "request rate must be a positive number of sessions per second"),
+        (["--request-rate", "inf"], "request rate must be a positive number of sessions per second"),
         (["--api-key-env", "KVW_TEST_UNSET"], "environment variable KVW_TEST_UNSET is not set or empty"),
     ],
 )
@@ -344,11 +530,16 @@ def test_cli_writes_every_file(run):
 
 
 @pytest.mark.integration
-def test_cli_runs_the_same_conversations_through_both_routes_interleaved(run):
+def test_cli_runs_the_same_conversations_through_both_routes_one_at_a_time_each(run):
     raw = pd.read_csv(run[1] / FILES["raw"])
-    starts = raw[raw["round"] == 1].sort_values("started_at")
-    plan = [("round_robin", "affinity")[route] for _, route in interleave(SESSIONS)]
-    assert list(starts["route"]) == plan and list(starts["order"]) == list(range(2 * SESSIONS))
+    assert list(raw.drop_duplicates("order")["order"]) == list(range(2 * SESSIONS))
+    for _, rounds in raw.groupby("route"):
+        rounds = rounds.sort_values("started_at")
+        # In conversation order, each session starting once the one before it has ended.
+        assert list(rounds.drop_duplicates("conversation")["conversation"]) == list(range(SESSIONS))
+        ends = (rounds["started_at"] + rounds["total_seconds"]).groupby(rounds["conversation"]).max()
+        starts = rounds.groupby("conversation")["started_at"].min()
+        assert (starts.iloc[1:].to_numpy() >= ends.iloc[:-1].to_numpy()).all()
     # Same conversations: every round's prompt is as long through A as through B.
     lengths = raw.pivot(index=["conversation", "round"], columns="route", values="prompt_tokens")
     assert (lengths["round_robin"] == lengths["affinity"]).all()

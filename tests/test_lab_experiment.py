@@ -1,20 +1,24 @@
 """The source article's A/B experiment, reproduced in the lab through real nginx with `kvwatch experiment`.
 
 Twenty sessions of six rounds with a growing history go through each listener, the same conversations
-interleaved: group A round robin, group B affinity. Round robin's TTFT grows with the history; affinity's
+side by side: group A round robin, group B affinity. Round robin's TTFT grows with the history; affinity's
 stays near round 1's from round 2 on, and the replicas' own records show the cache reuse. Its report and
-plot land in test-artifacts/lab-experiment/ (the README shows one such run's, from docs/).
+plot land in test-artifacts/lab-experiment/ (the README shows one such run's, from docs/). The same lab
+then runs `kvwatch experiment` under load: several sessions in flight per route.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pandas as pd
 import pytest
 
-from conftest import REPO, http_get, http_post
+from conftest import REPO, http_get, http_post, kvwatch
 from kvwatch.collectors.experiment import (
+    FILES,
     Experiment,
+    Load,
     Workload,
     round_rows,
     route_rows,
@@ -25,9 +29,9 @@ from kvwatch.collectors.probe import ProbeSettings
 
 pytestmark = pytest.mark.integration
 
-# One session at a time: round robin then visits a new replica every round, as random balancing over
-# many replicas would, and no queueing blurs the prefill times being compared.
-REPLICAS, CONCURRENCY, TIME_SCALE = 8, 1, 0.5
+# One session at a time per route: round robin then visits a new replica every round, as random
+# balancing over many replicas would, and little queueing blurs the prefill times being compared.
+REPLICAS, TIME_SCALE = 8, 0.5
 WORKLOAD = Workload(sessions=20, rounds=6, system_tokens=1000, turn_tokens=300, seed=7)
 ARTIFACTS = REPO / "test-artifacts" / "lab-experiment"
 
@@ -48,10 +52,14 @@ def replica_hit_ratios(replica_urls: list[str], experiment: Experiment) -> dict[
     return {route: (cached[route], prompt[route], cached[route] / prompt[route]) for route in prompt}
 
 
-def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(start_lab):
-    lab = start_lab(
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    return start_lab(
         "--replicas", str(REPLICAS), "--users", "0", "--no-probes", "--time-scale", str(TIME_SCALE)
     )
+
+
+def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(lab):
     replicas = [r["url"] for r in lab.status["replicas"]]
     for replica in replicas:
         http_post(f"{replica}/lab/reset-cache", timeout=5).raise_for_status()
@@ -59,7 +67,7 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(start_lab):
         ProbeSettings(url, "lab-model", target=label, route_mode=label, session_mode="server", max_tokens=8)
         for url, label in ((lab.round_robin, "round_robin"), (lab.affinity, "affinity"))
     )
-    experiment = run_experiment(rr, affinity, WORKLOAD.conversations(), CONCURRENCY)
+    experiment = run_experiment(rr, affinity, WORKLOAD.conversations(), Load(concurrency=1))
     about = [
         WORKLOAD.describe(),
         f"The lab: {REPLICAS} replicas behind nginx, replica time scale {TIME_SCALE} "
@@ -92,3 +100,35 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(start_lab):
     assert sticky["affinity"] == 1.0 and sticky["round_robin"] < 0.2, sticky
     # The README shows such a run's report and plot, copied from test-artifacts/ into docs/ by hand:
     # a test never rewrites tracked files.
+
+
+def test_under_load_the_report_counts_every_request_and_its_throughput(lab, tmp_path):
+    out, sessions, rounds = tmp_path / "load", 12, 3
+    result = kvwatch(
+        "experiment", "--a", lab.round_robin, "--b", lab.affinity, "--out", str(out), "--model", "lab-model",
+        "--sessions", str(sessions), "--rounds", str(rounds), "--system-tokens", "300",
+        "--turn-tokens", "100", "--concurrency", "4", "--request-rate", "20", "--seed", "11",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    raw, load = pd.read_csv(out / FILES["raw"]), pd.read_csv(out / FILES["load"]).set_index("route")
+    replicas = pd.read_csv(out / FILES["replicas"])
+    assert len(raw) == 2 * sessions * rounds and raw["error_kind"].isna().all()
+    # Every request the route sent is one a replica served, named by the replica's identity header.
+    lab_ids = {r["id"] for r in lab.status["replicas"]}
+    assert set(replicas["replica"]) <= lab_ids
+    for route, sent in raw.groupby("route"):
+        assert (
+            replicas[replicas["route"] == route]["requests"].sum() == len(sent) == load.loc[route, "requests"]
+        )
+        # Throughput: answered requests over the span from the first request to the last answer's end.
+        span = (sent["started_at"] + sent["total_seconds"]).max() - sent["started_at"].min()
+        assert load.loc[route, "span_seconds"] == pytest.approx(span)
+        assert load.loc[route, "requests_per_second"] == pytest.approx(len(sent) / span)
+        assert load.loc[route, "ttft_p99_seconds"] == pytest.approx(sent["ttft_seconds"].quantile(0.99))
+    # Both routes were handed the same arrival schedule, seeded.
+    arrivals = raw.drop_duplicates(["route", "conversation"]).pivot(
+        index="conversation", columns="route", values="arrival_seconds"
+    )
+    expected = Load(4, 20.0, seed=11).arrivals(sessions)
+    assert list(arrivals["round_robin"]) == list(arrivals["affinity"]) == pytest.approx(expected)
+    assert "| replica | round_robin | affinity |" in result.stdout

@@ -32,6 +32,7 @@ from kvwatch.collectors.config import (
     Target,
     load_config,
     resolve_api_key,
+    resolve_store_password,
     resolve_webhook_token,
 )
 from kvwatch.collectors.exporter import LabelledRegistry, ProbeCollector, ProbeResults
@@ -132,7 +133,8 @@ class Service:
         self.config = config
         self.shard = part
         self.targets = part.select(config.targets)
-        self.store = Store(config.store.path, config.store.retention_days)
+        password = resolve_store_password(config.store)
+        self.store = Store(config.store.location, config.store.retention_days, password=password)
         self.writer = StoreWriter(config.store.queue_capacity, config.store.retry_seconds)
         self.results = ProbeResults()
         self.followers = [
@@ -300,7 +302,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve",
         help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
         description="Run the configured probes on their schedules, follow the gateway logs, keep the "
-        "history in SQLite, and serve /metrics and the Alertmanager webhook (POST /alerts).",
+        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
     )
     serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
     serve.add_argument(

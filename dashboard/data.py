@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -25,11 +24,18 @@ import pandas as pd
 import streamlit as st
 
 from kvwatch.collectors import blocksize, doctor, experiment, queries
-from kvwatch.collectors.config import ConfigError, Target, load_config, resolve_api_key
+from kvwatch.collectors.config import (
+    ConfigError,
+    Target,
+    load_config,
+    resolve_api_key,
+    resolve_store_password,
+)
 from kvwatch.collectors.connections import connect_reason, request_sync
 from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.scheduler import probe_settings
 from kvwatch.collectors.store import ROUND_FIELDS, Store, StoreError
+from kvwatch.collectors.stores import ERRORS as STORE_ERRORS
 from kvwatch.dashboard import stats
 from kvwatch.dashboard.cli import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
@@ -262,14 +268,18 @@ def _read_store(read: Callable[[Store], pd.DataFrame]) -> Result:
     config = settings()
     if config.error:
         return config
-    path = config.value.store.path
+    store_settings = config.value.store
     try:
-        with Store(path, readonly=True) as store:
+        password = resolve_store_password(store_settings)
+        with Store(store_settings.location, readonly=True, password=password) as store:
             return Result(read(store))
+    except ConfigError as error:
+        return Result(error=str(error))
     except StoreError as error:
-        return Result(error=f"{error}: `kvwatch serve` creates it (store.path in {config_path()}).")
-    except sqlite3.Error as error:
-        return Result(error=f"Cannot read the kvwatch store {path}: {error}")
+        key = "url" if store_settings.url else "path"
+        return Result(error=f"{error}: `kvwatch serve` creates it (store.{key} in {config_path()}).")
+    except STORE_ERRORS as error:
+        return Result(error=f"Cannot read the kvwatch store {redact(str(store_settings.location))}: {error}")
 
 
 def _times(frame: pd.DataFrame, *columns: str) -> pd.DataFrame:

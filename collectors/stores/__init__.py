@@ -11,8 +11,17 @@ from kvwatch.collectors.stores.postgres import PostgreSQL
 from kvwatch.collectors.stores.sqlite import SQLite
 
 SCHEMES: dict[str, type[Database]] = {"postgresql": PostgreSQL, "postgres": PostgreSQL}
+ERRORS = (*SQLite.errors, *PostgreSQL.errors)  # what reading a store may raise past StoreError
 
-__all__ = ["BUSY_TIMEOUT_SECONDS", "SCHEMES", "Database", "StoreError", "open_database", "transient"]
+__all__ = [
+    "BUSY_TIMEOUT_SECONDS",
+    "ERRORS",
+    "SCHEMES",
+    "Database",
+    "StoreError",
+    "open_database",
+    "transient",
+]
 
 
 def scheme_of(location: str | Path) -> str | None:

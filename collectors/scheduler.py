@@ -1,7 +1,8 @@
 """`kvwatch serve`: probes on a schedule, gateway logs followed, the exporter and the alert webhook.
 
-One asyncio process: a job per target (with jitter, one run at a time, missed runs skipped), a job that
-polls the gateway logs and one that prunes the store, each timed by the monotonic clock (`every`);
+One asyncio process: a job per target (at a phase of its interval given by its name's hash, one run at a
+time, missed runs skipped), a job that polls the gateway logs and one that prunes the store, each timed
+by the monotonic clock (`every`);
 aiohttp serves /metrics and the webhook; one thread writes the store (StoreWriter). Probes never raise;
 a job that fails anyway is logged and the next run goes on. On SIGTERM the runs in flight store what
 they have: the sessions' finished rounds, marked interrupted. Each session is stored as each of its
@@ -68,17 +69,25 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
 
 
 async def every(
-    name: str, interval: float, job: Callable[[], Awaitable[object]], stop: asyncio.Event, jitter: float = 0.0
+    name: str,
+    interval: float,
+    job: Callable[[], Awaitable[object]],
+    stop: asyncio.Event,
+    phase: float | None = None,
 ) -> None:
-    """Run `job` now, then once per tick of `interval` seconds until `stop` is set.
+    """Run `job` once per tick of `interval` seconds until `stop` is set: from now on, or with a `phase`
+    from the next time the wall clock is `phase` seconds into an interval.
 
     Ticks follow the event loop's monotonic clock, so a step of the wall clock (NTP, a resumed VM) neither
-    pauses nor bunches the runs. One run at a time: a run that outlasts its interval skips the ticks it
-    missed. Each run starts up to `jitter` seconds after its tick, so that targets do not probe in
-    lockstep. A run that raises is logged, and the next one goes on.
+    pauses nor bunches the runs; only the first tick is placed by the wall clock, so that a restarted
+    process keeps its phases. One run at a time: a run that outlasts its interval skips the ticks it
+    missed. A run that raises is logged, and the next one goes on.
     """
     loop = asyncio.get_running_loop()
-    tick = loop.time()
+    delay = 0.0 if phase is None else (phase - time.time()) % interval
+    tick = loop.time() + delay
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
     while not stop.is_set():
         try:
             await job()
@@ -86,7 +95,14 @@ async def every(
             log.exception("%s failed", name)
         tick += interval * (1 + max(0, math.floor((loop.time() - tick) / interval)))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), tick - loop.time() + random.uniform(0, jitter))
+            await asyncio.wait_for(stop.wait(), tick - loop.time())
+
+
+def phase(name: str, interval: float) -> float:
+    """Seconds into each interval at which the runs of target `name` start: spread over the interval by
+    the name's hash, as Prometheus spreads its scrapes, so that many targets do not probe in a burst, and
+    the same after a restart."""
+    return shard.hashmod(name, 2**32) / 2**32 * interval
 
 
 def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.BlockSizeSources:
@@ -234,11 +250,11 @@ class Service:
         return self.writer.submit(self.store.add_alerts, payload, time.time()).result()
 
     def _start_jobs(self, stop: asyncio.Event) -> list[asyncio.Task]:
-        """The probe of each target, jittered by a tenth of its interval (5 s at most), the gateway-log
-        poll (in a thread: it reads files) and the store's pruning, each on its own schedule."""
+        """The probe of each target at its phase, the gateway-log poll (in a thread: it reads files) and
+        the store's pruning, each on its own schedule."""
         jobs = [
             every(f"probe run of {t.name}", t.interval_seconds, functools.partial(self.probe, t), stop,
-                  jitter=min(5.0, t.interval_seconds / 10))
+                  phase=phase(t.name, t.interval_seconds))
             for t in self.targets
         ]  # fmt: skip
         if self.followers:

@@ -451,7 +451,7 @@ def test_the_store_settings_reach_the_writer(tmp_path, monkeypatch):
 
 def test_building_a_large_workload_leaves_the_event_loop_serving(tmp_path, monkeypatch):
     workload = Workload(system_tokens=100_000, turn_tokens=1000)  # about half a second of text to build
-    target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=60, workload=workload)
+    target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=1, workload=workload)
     config = Config(
         targets=(target,),
         exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),

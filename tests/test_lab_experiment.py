@@ -113,9 +113,9 @@ def test_under_load_the_report_counts_every_request_and_its_throughput(lab, tmp_
     raw, load = pd.read_csv(out / FILES["raw"]), pd.read_csv(out / FILES["load"]).set_index("route")
     replicas = pd.read_csv(out / FILES["replicas"])
     assert len(raw) == 2 * sessions * rounds and raw["error_kind"].isna().all()
-    # Every request the route sent is one a replica served, named by the replica's identity header.
-    lab_ids = {r["id"] for r in lab.status["replicas"]}
-    assert set(replicas["replica"]) <= lab_ids
+    # Every request the route sent is one a replica served, named by the address nginx passed it to.
+    addresses = {r["url"].removeprefix("http://") for r in lab.status["replicas"]}
+    assert set(replicas["replica"]) <= addresses
     for route, sent in raw.groupby("route"):
         assert (
             replicas[replicas["route"] == route]["requests"].sum() == len(sent) == load.loc[route, "requests"]

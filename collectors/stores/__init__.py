@@ -1,17 +1,18 @@
 """The databases a store can live in, one module per kind behind `Database`, picked by its location:
 a path is an SQLite file (the embedded default), a postgresql:// URL a PostgreSQL database that several
-`kvwatch serve` shards write at once."""
+`kvwatch serve` shards write at once. A URL's module is imported when a store first needs it: psycopg
+would cost every kvwatch command a third of a second of CPU otherwise."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
 
 from kvwatch.collectors.stores.base import BUSY_TIMEOUT_SECONDS, Database, StoreError
-from kvwatch.collectors.stores.postgres import PostgreSQL
 from kvwatch.collectors.stores.sqlite import SQLite
 
-SCHEMES: dict[str, type[Database]] = {"postgresql": PostgreSQL, "postgres": PostgreSQL}
-ERRORS = (*SQLite.errors, *PostgreSQL.errors)  # what reading a store may raise past StoreError
+SCHEMES = {"postgresql": "postgres", "postgres": "postgres"}  # a URL's scheme: its module here
 
 __all__ = [
     "BUSY_TIMEOUT_SECONDS",
@@ -38,9 +39,21 @@ def open_database(location: str | Path, readonly: bool, password: str | None = N
     if scheme not in SCHEMES:
         known = ", ".join(f"{name}://" for name in SCHEMES)
         raise StoreError(f"unknown store scheme {scheme}://; known: a file path, {known}")
-    return SCHEMES[scheme](str(location), readonly, password)
+    return _kind(SCHEMES[scheme])(str(location), readonly, password)
 
 
 def transient(error: Exception) -> bool:
-    """Any database's error that is worth trying again."""
-    return any(kind.transient(error) for kind in (SQLite, PostgreSQL))
+    """Any database's error that is worth trying again (only a database in use raises one)."""
+    loaded = [_kind(module) for module in set(SCHEMES.values()) if f"{__name__}.{module}" in sys.modules]
+    return any(kind.transient(error) for kind in (SQLite, *loaded))
+
+
+def _kind(module: str) -> type[Database]:
+    return importlib.import_module(f"{__name__}.{module}").DATABASE
+
+
+def __getattr__(name: str) -> tuple[type[Exception], ...]:
+    """ERRORS: what reading a store of any kind may raise past StoreError (for the dashboard)."""
+    if name != "ERRORS":
+        raise AttributeError(f"module {__name__} has no attribute {name}")
+    return tuple(error for kind in (SQLite, *map(_kind, set(SCHEMES.values()))) for error in kind.errors)

@@ -145,3 +145,6 @@ class PostgreSQL(Database):
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+DATABASE = PostgreSQL

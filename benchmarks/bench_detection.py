@@ -3,10 +3,10 @@
 Every fault runs at two settings: the shipped production defaults (rules and Alertmanager timers as
 shipped, probes every 30 s, the lab's 5 s scrape and evaluation) and the lab's fast test settings (--fast:
 1 s scrape and evaluation, probes every 5 s, --rule-time-scale 0.1). Labs run side by side, each a few
-faults one after another; a fault's alert must have resolved at the webhook, not only in Prometheus,
-before the next fault starts: Alertmanager sends a group nothing new while its last notification still
-lists the same alert firing, so an alert that fires again before its resolution was sent waits for the
-route's repeat_interval. Faults injected together touch disjoint replicas and alerts.
+faults one after another; a fault's alert must have resolved at the webhook before the next fault
+starts: an alert still held by keep_firing_for when the next fault breaks the same thing never resolves,
+and Alertmanager sends an alert that stays firing again only after its route's repeat_interval (an hour
+for critical ones). Faults injected together touch disjoint replicas and alerts.
 
 The floor of each row comes from the config files the lab ran (read from its state directory): the
 rule's `for` and the Alertmanager route's group_wait, plus up to one probe interval (for alerts on probe
@@ -325,7 +325,8 @@ def _scale(state_dir: Path) -> float:
 
 def unresolved(alerts: list[dict], healed: float) -> set[str]:
     """The label sets of the alerts that fired but whose resolution has not reached the webhook since the
-    heal: the next fault's alert of the same labels would wait for the route's repeat_interval."""
+    heal: one still firing would carry the next fault's alert of the same labels, sent again only after
+    the route's repeat_interval."""
     fired = {json.dumps(a["labels"], sort_keys=True) for a in alerts if a["status"] == "firing"}
     resolved = {
         json.dumps(a["labels"], sort_keys=True)

@@ -115,8 +115,8 @@ FIRING = {"status": "firing", "labels": {"alertname": "KVWatchSessionAffinityBro
 
 
 def test_an_alert_quiet_in_prometheus_but_not_yet_resolved_at_the_webhook_holds_the_next_fault():
-    # Alertmanager sends the group nothing new while its last notification lists the alert firing:
-    # the next fault's alert of the same labels would wait for the repeat_interval (6 min when fast).
+    # Still firing (keep_firing_for), it would carry the next fault's alert of the same labels, which
+    # Alertmanager sends again only after the route's repeat_interval (6 min when fast).
     assert unresolved([FIRING], healed=110.0) == {'{"alertname": "KVWatchSessionAffinityBroken"}'}
     resolved_before_heal = {**FIRING, "status": "resolved", "received_at": 105.0}
     assert unresolved([FIRING, resolved_before_heal], healed=110.0)

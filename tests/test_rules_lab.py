@@ -66,9 +66,10 @@ class Window:
     prometheus: str
     at: float
     served: list[Served]
+    seconds: int = WINDOW_S  # the rules' window, as the lab's --rule-time-scale makes it
 
     def query(self, expr: str) -> list[dict]:
-        expr = queries.fill_variables(expr, window=f"{WINDOW_S}s", time_range=f"{WINDOW_S}s")
+        expr = queries.fill_variables(expr, window=f"{self.seconds}s", time_range=f"{self.seconds}s")
         params = {"query": expr, "time": self.at}
         answer = http_get(f"{self.prometheus}/api/v1/query", params=params, timeout=10).json()
         return answer["data"]["result"]
@@ -87,11 +88,11 @@ class Window:
     def inside(self, moment) -> list[Served]:
         """The requests counted inside the window, by the moment `moment(served)` they were counted."""
         ok = [s for s in self.served if s.record.get("ttft_seconds") is not None]
-        return [s for s in ok if self.at - WINDOW_S < moment(s) <= self.at]
+        return [s for s in ok if self.at - self.seconds < moment(s) <= self.at]
 
     def at_the_edges(self, moment) -> tuple[list[Served], list[Served]]:
         """The requests rate() may miss inside the window, and those it may take in after its end."""
-        start, end = self.at - WINDOW_S, self.at
+        start, end = self.at - self.seconds, self.at
         missed = [
             s for s in self.inside(moment) if moment(s) <= start + 2 * SCRAPE_S or moment(s) > end - SCRAPE_S
         ]

@@ -310,13 +310,20 @@ def _measure_batch(state_dir: Path, batch: tuple[Case, ...], floors: dict[Case, 
     quiet = [c for c in batch if not c.alertname]
     if quiet:
         time.sleep(max(0.0, min(injected.values()) + watch - time.time()))
-        raised = sorted(
-            {a["alertname"] for a in _alerts(state_dir, min(injected.values()))}
-            - {c.alertname for c in expected}
-        )
+        raised = unexpected(_alerts(state_dir, min(injected.values())), {c.alertname for c in expected})
         for case in quiet:
             found[case] = f"none in {watch:.0f} s" if not raised else f"raised {', '.join(raised)}"
     return found
+
+
+def unexpected(alerts: list[dict], expected: set[str | None]) -> list[str]:
+    """The alerts not expected, each named with the replica it is about where it has one."""
+    named = (
+        " on ".join(filter(None, (a["alertname"], a["labels"].get("replica"))))
+        for a in alerts
+        if a["alertname"] not in expected
+    )
+    return sorted(set(named))
 
 
 def _scale(state_dir: Path) -> float:

@@ -16,6 +16,7 @@ from benchmarks.bench_detection import (
     floor,
     group_wait,
     seconds,
+    unexpected,
     unresolved,
 )
 from kvwatch.lab.configs import scale_durations
@@ -125,3 +126,16 @@ def test_an_alert_quiet_in_prometheus_but_not_yet_resolved_at_the_webhook_holds_
 def test_an_alert_resolved_at_the_webhook_after_the_heal_lets_the_next_fault_start():
     resolved = {**FIRING, "status": "resolved", "received_at": 120.0}
     assert unresolved([FIRING, resolved], healed=110.0) == set()
+
+
+def test_an_unexpected_alert_is_named_with_the_replica_it_is_about():
+    alerts = [
+        {"alertname": "KVWatchTargetDown", "labels": {"replica": "r4"}},
+        {"alertname": "KVWatchTargetDown", "labels": {"replica": "r4"}},
+        {"alertname": "KVWatchGatewaySessionsSpread", "labels": {"log": "affinity"}},
+        {"alertname": "KVWatchPrefixCachingDisabled", "labels": {}},
+    ]
+    assert unexpected(alerts, {"KVWatchPrefixCachingDisabled"}) == [
+        "KVWatchGatewaySessionsSpread",
+        "KVWatchTargetDown on r4",
+    ]

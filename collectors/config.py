@@ -45,7 +45,7 @@ _NAME = re.compile(r"[a-z0-9_-]{1,64}")  # names become label values: short and 
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")  # a Prometheus label name
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # Keys someone might paste a secret under; the message says how to do it instead.
 _SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
 # How a route picks a replica. The first three pin a session to one replica, so its probe sessions are
@@ -70,6 +70,13 @@ def _name(value: str, where: str) -> None:
     _check(
         _NAME.fullmatch(value), where, f'must be 1-64 lowercase letters, digits, "_" or "-", got "{value}"'
     )
+
+
+def label_name_problem(name: str) -> str | None:
+    """What keeps `name` from being a Prometheus label name of the user's (`__` names are Prometheus')."""
+    if _LABEL_NAME.fullmatch(name) and not name.startswith("__"):
+        return None
+    return f'must be a Prometheus label name (letters, digits and _, not starting with "__"), got "{name}"'
 
 
 def _url(value: str | None, where: str) -> None:
@@ -374,12 +381,8 @@ class Config:
     cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
 
     def __post_init__(self):
-        _check(
-            _LABEL_NAME.fullmatch(self.cluster_label) and not self.cluster_label.startswith("__"),
-            "cluster_label",
-            f'must be a Prometheus label name (letters, digits and _, not starting with "__"), '
-            f'got "{self.cluster_label}"',
-        )
+        wrong = label_name_problem(self.cluster_label)
+        _check(wrong is None, "cluster_label", wrong)
         _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
         for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
             first: dict[str, int] = {}

@@ -1,8 +1,9 @@
 """Write kvwatch's generated files (recording and alerting rules, boards) from collectors/queries.py.
 
 `python -m kvwatch.collectors.generate` rewrites them; `--check` exits 1 and names the stale files instead;
-`--runbook-url URL` links the alerts and boards to a runbook published elsewhere. Output is deterministic,
-so the committed files are checked for drift by the tests.
+`--runbook-url URL` links the alerts and boards to a runbook published elsewhere; `--cluster-label NAME`
+makes the rules aggregate by another label than `cluster` (e.g. `region`), written under `--out DIR`.
+Output is deterministic, so the committed files are checked for drift by the tests.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from kvwatch.collectors import grafana, queries
+from kvwatch.collectors.config import label_name_problem
 from kvwatch.collectors.connections import url_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +53,7 @@ def _alert(alert: queries.Alert) -> dict:
         entry["keep_firing_for"] = alert.keep_firing_for
     entry["labels"] = {"severity": alert.severity, **(alert.labels or {})}
     entry["annotations"] = {
-        "summary": alert.summary,
+        "summary": alert.notification_summary,
         "description": alert.description,
         "runbook_url": alert.runbook_url,
     }
@@ -64,11 +66,9 @@ def rule_file(group: str, rules: tuple[queries.Rule | queries.Alert, ...]) -> st
     return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
-def prometheus_rule() -> str:
+def prometheus_rule(rule_files: dict[str, tuple[str, tuple]]) -> str:
     """Every rule group as one Kubernetes PrometheusRule (prometheus-operator), from the same source."""
-    groups = [
-        yaml.safe_load(rule_file(group, rules))["groups"][0] for group, rules in queries.RULE_FILES.values()
-    ]
+    groups = [yaml.safe_load(rule_file(group, rules))["groups"][0] for group, rules in rule_files.values()]
     document = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -81,14 +81,18 @@ def prometheus_rule() -> str:
     return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
-def generated_files(runbook_url: str = queries.RUNBOOK_URL) -> dict[str, str]:
-    """Repository path -> text of every generated file, each link to the runbook at `runbook_url`.
+def generated_files(
+    runbook_url: str = queries.RUNBOOK_URL, cluster_label: str = queries.CLUSTER_LABEL
+) -> dict[str, str]:
+    """Repository path -> text of every generated file, each link to the runbook at `runbook_url`, the rules
+    aggregating by `cluster_label`.
 
     The rules and boards are built against queries.RUNBOOK_URL, a string nothing else contains, and that
     is moved as a whole: the one way every alert annotation and board link follows the setting.
     """
-    files = {path: rule_file(group, rules) for path, (group, rules) in queries.RULE_FILES.items()}
-    files["deploy/k8s/prometheusrule.yaml"] = prometheus_rule()
+    rule_files = queries.rule_files(cluster_label)
+    files = {path: rule_file(group, rules) for path, (group, rules) in rule_files.items()}
+    files["deploy/k8s/prometheusrule.yaml"] = prometheus_rule(rule_files)
     files |= grafana.dashboard_files()
     return {path: text.replace(queries.RUNBOOK_URL, runbook_url) for path, text in files.items()}
 
@@ -104,6 +108,13 @@ def runbook_url(text: str) -> str:
     return text
 
 
+def label_name(text: str) -> str:
+    """A Prometheus label name, as the config's cluster_label."""
+    if wrong := label_name_problem(text):
+        raise argparse.ArgumentTypeError(wrong)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvwatch.collectors.generate", description=__doc__)
     parser.add_argument("--check", action="store_true", help="name the stale files, exit 1 if any")
@@ -114,10 +125,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="URL",
         help="where the alerts and boards link the runbook (default %(default)s)",
     )
+    parser.add_argument(
+        "--cluster-label",
+        type=label_name,
+        default=queries.CLUSTER_LABEL,
+        metavar="NAME",
+        help="the label that tells clusters apart, which every rule keeps (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO,
+        metavar="DIR",
+        help="where to write the files, under their repository paths (default: the repository)",
+    )
     args = parser.parse_args(argv)
     stale = []
-    for relative, text in generated_files(args.runbook_url).items():
-        path = REPO / relative
+    for relative, text in generated_files(args.runbook_url, args.cluster_label).items():
+        path = args.out / relative
         if path.exists() and path.read_text() == text:
             continue
         stale.append(relative)

@@ -11,14 +11,47 @@ Conventions: ratios are ratios of summed rates, never averages of ratios; a deno
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from kvwatch.collectors import promql
 
 WINDOW = "2m"
 # The label that tells clusters apart, as the Prometheus (external_labels, remote_write) or kvwatch's own
 # exporter (exporter.cluster) sets it; a Prometheus of one cluster without it reads as one cluster.
 CLUSTER_LABEL = "cluster"
 INSTANCE = "job, instance"
+ROUTE = "target, route_mode"
+LISTENER = "log, listener"
 QUANTILES = ("0.5", "0.9", "0.99")
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The labels the rules and alerts aggregate and match by. Each keeps the cluster label, so that no rule
+    merges two clusters, and a Prometheus without the label reads as one cluster. `WHOLE`, without it, is
+    the dashboards' grouping: they narrow their queries to the clusters picked instead."""
+
+    cluster: str = CLUSTER_LABEL
+
+    def keeping(self, labels: str = "") -> str:
+        """What `by (...)` and `on(...)` list: `labels` and the cluster label (alone for a cluster's sum)."""
+        return ", ".join(filter(None, (self.cluster, labels)))
+
+    @property
+    def instance(self) -> str:
+        return self.keeping(INSTANCE)
+
+    @property
+    def route(self) -> str:
+        return self.keeping(ROUTE)
+
+    @property
+    def listener(self) -> str:
+        return self.keeping(LISTENER)
+
+
+WHOLE = Grouping("")
 
 
 @dataclass(frozen=True)
@@ -28,7 +61,7 @@ class Rule:
     labels: dict[str, str] | None = None
 
 
-def _first_of(*selectors: str, by: str = INSTANCE, window: str = WINDOW) -> str:
+def _first_of(*selectors: str, by: str, window: str = WINDOW) -> str:
     """Sum by `by` of the rate of the first series that exists: one name per engine or engine version."""
     return "\n  or ".join(f"sum by ({by}) (rate({selector}[{window}]))" for selector in selectors)
 
@@ -69,20 +102,23 @@ class TokenRatio:
     def cluster_ratio(self) -> str:
         return f"cluster:kvwatch_{self.ratio}:ratio_rate{WINDOW}"
 
-    def rules(self) -> tuple[Rule, ...]:
-        total, hits = self.instance_total, self.instance_hits
-        hit_rate = _first_of(*self.hit_counters)
+    def rules(self, by: Grouping) -> tuple[Rule, ...]:
+        total, hits, cluster = self.instance_total, self.instance_hits, by.keeping()
+        hit_rate = _first_of(*self.hit_counters, by=by.instance)
         if self.zero_hits_until_created:
-            hit_rate += f"\n  or 0 * {_first_of(self.zero_hits_until_created)}"
+            hit_rate += f"\n  or 0 * {_first_of(self.zero_hits_until_created, by=by.instance)}"
         instance_ratio = f"{hits} / ({total} > 0)"
         if self.gauge:
-            instance_ratio += f"\n  or max by ({INSTANCE}) ({self.gauge} >= 0)"
+            instance_ratio += f"\n  or max by ({by.instance}) ({self.gauge} >= 0)"
         return (
-            Rule(total, _first_of(*self.total_counters)),
+            Rule(total, _first_of(*self.total_counters, by=by.instance)),
             # min(hit rate, total rate), on instances that have both
             Rule(hits, f"{total} - clamp_min({total} - (\n  {hit_rate}\n), 0)"),
             Rule(self.instance_ratio, instance_ratio),
-            Rule(self.cluster_ratio, f"sum({hits}) / (sum({total} and {hits}) > 0)"),
+            Rule(
+                self.cluster_ratio,
+                f"sum by ({cluster}) ({hits}) / (sum by ({cluster}) ({total} and {hits}) > 0)",
+            ),
         )
 
 
@@ -187,74 +223,92 @@ def _ttft_buckets(by: str) -> str:
     return "\n  or ".join(parts)
 
 
-def _engine_ttft_buckets() -> str:
-    """TTFT bucket rates summed per engine family, over the bounds every instance of the family has.
+def _engine_ttft_buckets(by: Grouping) -> str:
+    """TTFT bucket rates summed per engine family, over the bounds every instance of the family in the
+    cluster has.
 
     vLLM and SGLang buckets differ, and so do two vLLM instances' when one sets its own
     (--custom-histogram-buckets): a bound that only some instances have would mix counts of different
     ranges, so only the shared bounds (always at least +Inf) are summed. Exact, only coarser.
     """
 
+    cluster, cluster_le = by.keeping(), by.keeping("le")
+
     def shared_bounds(name: str) -> str:
-        buckets = f"sum by ({INSTANCE}, le) (rate({name}[{WINDOW}]))"
-        everywhere = f"count by (le) ({buckets}) == scalar(count(count by ({INSTANCE}) ({buckets})))"
-        shared = f"sum by (le) ({buckets} and on(le) ({everywhere}))"
+        buckets = f"sum by ({by.instance}, le) (rate({name}[{WINDOW}]))"
+        instances = f"count by ({cluster}) (count by ({by.instance}) ({buckets}))"
+        everywhere = f"count by ({cluster_le}) ({buckets}) == on({cluster}) group_left() {instances}"
+        shared = f"sum by ({cluster_le}) ({buckets} and on({cluster_le}) ({everywhere}))"
         return f'label_replace({shared}, "engine", "{name.split(":")[0]}", "", "")'
 
     return "\n  or ".join(map(shared_bounds, TTFT_BUCKETS))
 
 
-def _cached_by_source() -> str:
+def _cached_by_source(instance: str) -> str:
     """Each instance's cached-token rate per source, from its engine's finest split only."""
 
     def by_source(selector: str, label: str, regex: str) -> str:
         rate = f"rate({selector}[{WINDOW}])"
         if label != "source":
             rate = f'label_replace({rate}, "source", "$1", "{label}", "{regex}")'
-        return f"sum by ({INSTANCE}, source) ({rate})"
+        return f"sum by ({instance}, source) ({rate})"
 
-    return f"\n  or on({INSTANCE}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
+    return f"\n  or on({instance}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
 
 
-RECORDING_RULES: tuple[Rule, ...] = (
-    *DELIVERED.rules(),
-    *LOCAL.rules(),
-    *LMCACHE.rules(),
-    Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source()),
-    *(
-        Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(INSTANCE)})", {"quantile": q})
-        for q in QUANTILES
-    ),
-    *(
-        Rule(ENGINE_TTFT, f"histogram_quantile({q}, {_engine_ttft_buckets()})", {"quantile": q})
-        for q in QUANTILES
-    ),
-    Rule(INSTANCE_REQUESTS, _first_of(*FINISHED_REQUESTS)),
-    Rule(
-        INSTANCE_REQUEST_SHARE,
-        f"{INSTANCE_REQUESTS}\n  / on() group_left() (sum({INSTANCE_REQUESTS}) > 0)",
-    ),
-    Rule(CLUSTER_LOAD_IMBALANCE, f"max({INSTANCE_REQUESTS}) / (avg({INSTANCE_REQUESTS}) > 0)"),
-    Rule(
-        INSTANCE_CACHE_SERIES,
-        f"group by ({INSTANCE}, series) ("
-        + 'label_replace({__name__=~"'
-        + "|".join(ENGINE_CACHE_SERIES)
-        + '"}, "series", "$1", "__name__", "(.+)"))',
-    ),
-)
+def recording_rules(by: Grouping) -> tuple[Rule, ...]:
+    instance, cluster, requests = by.instance, by.keeping(), INSTANCE_REQUESTS
+    return (
+        *DELIVERED.rules(by),
+        *LOCAL.rules(by),
+        *LMCACHE.rules(by),
+        Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source(instance)),
+        *(
+            Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(instance)})", {"quantile": q})
+            for q in QUANTILES
+        ),
+        *(
+            Rule(ENGINE_TTFT, f"histogram_quantile({q}, {_engine_ttft_buckets(by)})", {"quantile": q})
+            for q in QUANTILES
+        ),
+        Rule(requests, _first_of(*FINISHED_REQUESTS, by=instance)),
+        Rule(
+            INSTANCE_REQUEST_SHARE,
+            f"{requests}\n  / on({cluster}) group_left() (sum by ({cluster}) ({requests}) > 0)",
+        ),
+        Rule(
+            CLUSTER_LOAD_IMBALANCE,
+            f"max by ({cluster}) ({requests}) / (avg by ({cluster}) ({requests}) > 0)",
+        ),
+        Rule(
+            INSTANCE_CACHE_SERIES,
+            f"group by ({instance}, series) ("
+            + 'label_replace({__name__=~"'
+            + "|".join(ENGINE_CACHE_SERIES)
+            + '"}, "series", "$1", "__name__", "(.+)"))',
+        ),
+    )
+
+
+RECORDING_RULES = recording_rules(Grouping())
+
 
 # Real users' sessions, from the gateway access logs (collectors/gatewaylog.py): of the sessions that
 # came back within the spread window, the share served by more than one upstream, by whether a failover
 # moved them.
-GATEWAY_RULES: tuple[Rule, ...] = (
-    Rule(
-        GATEWAY_SPREAD_SHARE,
-        "sum by (log, listener, failover) (kvwatch_gateway_session_spread_sessions)\n"
-        "  / on(log, listener) group_left()\n"
-        "  (sum by (log, listener) (kvwatch_gateway_returning_sessions) > 0)",
-    ),
-)
+def gateway_rules(by: Grouping) -> tuple[Rule, ...]:
+    listener = by.listener
+    return (
+        Rule(
+            GATEWAY_SPREAD_SHARE,
+            f"sum by ({listener}, failover) (kvwatch_gateway_session_spread_sessions)\n"
+            f"  / on({listener}) group_left()\n"
+            f"  (sum by ({listener}) (kvwatch_gateway_returning_sessions) > 0)",
+        ),
+    )
+
+
+GATEWAY_RULES = gateway_rules(Grouping())
 
 # What routers predict they will reuse, next to what the engines delivered (CLUSTER_HIT_RATIO): the mean
 # of a router's per-request predicted hit ratios (histograms of ratios: _sum over _count), from llm-d's
@@ -274,10 +328,10 @@ INSTANCE_ROUTER_DELIVERED_PER_PREDICTED = (
 )
 
 
-def _share_of(part: str, rest: str) -> str:
+def _share_of(part: str, rest: str, instance: str) -> str:
     """Per instance, the rate of `part` over that of `part` and `rest` together. Routers create a counter
     on its first event, so a missing side counts 0; without traffic on either there is no sample."""
-    part_rate, rest_rate = _first_of(part), _first_of(rest)
+    part_rate, rest_rate = _first_of(part, by=instance), _first_of(rest, by=instance)
     part_or_0 = f"({part_rate}\n  or 0 * {rest_rate})"
     return f"{part_or_0}\n  / ({part_or_0}\n  + ({rest_rate}\n  or 0 * {part_rate}) > 0)"
 
@@ -312,29 +366,41 @@ PREFIX_MATCH_DECISIONS = (
 INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS = (
     f"instance:kvwatch_router_prefix_match_decisions_per_decisions:ratio_rate{WINDOW}"
 )
-ROUTER_RULES: tuple[Rule, ...] = (
-    Rule(
-        INSTANCE_ROUTER_PIN_KEPT,
-        _share_of(
-            f'{SMG_BRANCHES}{{branch="occupied_hit"}}',
-            f'{SMG_BRANCHES}{{branch="occupied_miss"}}',
+
+
+def router_rules(by: Grouping) -> tuple[Rule, ...]:
+    instance = by.instance
+    predictions, predicted_sums = (
+        _first_of(*(f"{name}_{part}" for name in ROUTER_PREDICTED_HIT_RATIOS), by=instance)
+        for part in ("count", "sum")
+    )
+    return (
+        Rule(
+            INSTANCE_ROUTER_PIN_KEPT,
+            _share_of(
+                f'{SMG_BRANCHES}{{branch="occupied_hit"}}',
+                f'{SMG_BRANCHES}{{branch="occupied_miss"}}',
+                instance,
+            ),
         ),
-    ),
-    Rule(
-        INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
-        "\nor ".join(_share_of(*pair) for pair in PREFIX_MATCH_DECISIONS),
-    ),
-    Rule(INSTANCE_ROUTER_PREDICTIONS, _first_of(*(f"{name}_count" for name in ROUTER_PREDICTED_HIT_RATIOS))),
-    Rule(
-        INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
-        f"({_first_of(*(f'{name}_sum' for name in ROUTER_PREDICTED_HIT_RATIOS))})\n"
-        f"  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",
-    ),
-    Rule(
-        INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
-        f"{CLUSTER_HIT_RATIO}\n  / on() group_right() ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
-    ),
-)
+        Rule(
+            INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+            "\nor ".join(_share_of(*pair, instance) for pair in PREFIX_MATCH_DECISIONS),
+        ),
+        Rule(INSTANCE_ROUTER_PREDICTIONS, predictions),
+        Rule(
+            INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+            f"({predicted_sums})\n  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",
+        ),
+        Rule(
+            INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+            f"{CLUSTER_HIT_RATIO}\n  / on({by.keeping()}) group_right()"
+            f" ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
+        ),
+    )
+
+
+ROUTER_RULES = router_rules(Grouping())
 # The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
 WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES)
 
@@ -370,35 +436,63 @@ RUNBOOK = "alerts/runbook.md"  # in the repository
 # Alertmanager and Grafana, which a repository path does not. `make generate RUNBOOK_URL=...` and the
 # config's dashboard.runbook_url move it (to a wiki, an internal mirror).
 RUNBOOK_URL = f"https://github.com/kvwatch/kvwatch/blob/main/{RUNBOOK}"
-ROUTE = "target, route_mode"
-LISTENER = "log, listener"
-# Routes and gateway logs whose sessions must stay on one replica (the config's expect_sticky, exported
-# by kvwatch serve): the affinity alerts watch only these.
-WATCHED_ROUTES = 'on(target) kvwatch_probe_route_info{expect_sticky="true"}'
-WATCHED_LISTENERS = 'on(log) kvwatch_gateway_log_info{expect_sticky="true"}'
 
 
-def _per_route(aggregation: str, metric: str) -> str:
+def _watched_routes(by: Grouping) -> str:
+    """Routes whose sessions must stay on one replica (the config's expect_sticky, exported by kvwatch
+    serve): the affinity alerts watch only these."""
+    return f'on({by.keeping("target")}) kvwatch_probe_route_info{{expect_sticky="true"}}'
+
+
+def _watched_listeners(by: Grouping) -> str:
+    """Gateway logs whose sessions must stay on one replica."""
+    return f'on({by.keeping("log")}) kvwatch_gateway_log_info{{expect_sticky="true"}}'
+
+
+def _per_route(aggregation: str, metric: str, by: Grouping = WHOLE) -> str:
     """A probe gauge per route, without the exporter's `job` and `instance`: the alert is about the route."""
-    return f"{aggregation} by ({ROUTE}) ({metric})"
+    return f"{aggregation} by ({by.route}) ({metric})"
 
 
 # What the alerts judge, one series per route, listener or the cluster: the alerts compare these with
 # their thresholds, and the pages and boards show them beside the alerts' verdicts.
-STICKY_RATIO = _per_route("min", "kvwatch_probe_sticky_ratio")  # the last probe run's
-WARM_COLD_RATIO = _per_route("max", "kvwatch_probe_warm_cold_ttft_ratio")  # the last probe run's
-GATEWAY_SPREAD = f'max by ({LISTENER}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
+def _sticky_ratio(by: Grouping) -> str:
+    return _per_route("min", "kvwatch_probe_sticky_ratio", by)  # the last probe run's
 
-# The replica id of each scraped instance, from a `replica` target label (the lab's scrape config sets one;
-# set one in yours): the pages and the alerts name a replica by id and address together.
-REPLICA_IDS = 'group by (instance, replica) (up{replica!=""})'
-# An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
-# where REPLICA_IDS knows the instance's id (a template query at notification time), else its address.
-INSTANCE_NAME = (
-    "{{ $name := $labels.instance }}"
-    f"{{{{ range printf `{REPLICA_IDS} and on(instance) up{{instance=%q}}` $labels.instance | query }}}}"
-    '{{ $name = printf "%s (%s)" .Labels.replica $labels.instance }}{{ end }}{{ $name }}'
-)
+
+def _warm_cold_ratio(by: Grouping) -> str:
+    return _per_route("max", "kvwatch_probe_warm_cold_ttft_ratio", by)  # the last probe run's
+
+
+def _gateway_spread(by: Grouping) -> str:
+    return f'max by ({by.listener}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
+
+
+def _replica_ids(by: Grouping) -> str:
+    """The replica id of each scraped instance, from a `replica` target label (the lab's scrape config sets
+    one; set one in yours): the pages and the alerts name a replica by id and address together."""
+    return f'group by ({by.keeping("instance, replica")}) (up{{replica!=""}})'
+
+
+def _instance_name(by: Grouping) -> str:
+    """An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
+    where the replica ids know the instance's id (a template query at notification time), else its address.
+    The instance is looked up in its own cluster: "" matches a Prometheus without the label."""
+    labels = by.keeping("instance").split(", ")
+    matchers = ", ".join(f"{label}=%q" for label in labels)
+    values = " ".join(f"$labels.{label}" for label in labels)
+    lookup = f"{_replica_ids(by)} and on({by.keeping('instance')}) up{{{matchers}}}"
+    return (
+        "{{ $name := $labels.instance }}"
+        f"{{{{ range printf `{lookup}` {values} | query }}}}"
+        '{{ $name = printf "%s (%s)" .Labels.replica $labels.instance }}{{ end }}{{ $name }}'
+    )
+
+
+WATCHED_ROUTES, WATCHED_LISTENERS = _watched_routes(WHOLE), _watched_listeners(WHOLE)
+STICKY_RATIO, WARM_COLD_RATIO = _sticky_ratio(WHOLE), _warm_cold_ratio(WHOLE)
+GATEWAY_SPREAD = _gateway_spread(WHOLE)
+REPLICA_IDS = _replica_ids(WHOLE)
 
 
 @dataclass(frozen=True)
@@ -411,37 +505,49 @@ class Alert:
     for_: str = "0m"
     keep_firing_for: str | None = None
     labels: dict[str, str] | None = None
+    cluster: str = ""  # the label naming the cluster of the alert's series; "" for none
 
     @property
     def runbook_url(self) -> str:
         return f"{RUNBOOK_URL}#{self.name.lower()}"
 
+    @property
+    def notification_summary(self) -> str:
+        """The summary as notifications carry it: naming the cluster when the alert's series has one, so
+        that a Prometheus of one cluster without the label reads as the summary itself."""
+        if not self.cluster:
+            return self.summary
+        where = f"{{{{ with $labels.{self.cluster} }}}} in {self.cluster} {{{{ . }}}}{{{{ end }}}}"
+        return f"{self.summary.removesuffix('.')}{where}."
 
-def _alerts(t: Thresholds) -> tuple[Alert, ...]:
+
+def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
     def baseline(ratio: str) -> str:
         """The ratio's own average over the hour before the last 10 minutes."""
         return f"avg_over_time({ratio}[1h] offset 10m)"
 
     def probe_errors(auth_match: str) -> str:
         selector = f'kind{auth_match}"unauthorized|forbidden"'
-        return f"sum by ({ROUTE}, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
+        return f"sum by ({by.route}, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
 
+    instance, cluster, name = by.instance, by.keeping(), _instance_name(by)
     keyless_share = (
-        "sum by (log, listener) (rate(kvwatch_gateway_requests_without_session_key_total[5m]))\n"
-        "  / (sum by (log, listener) (rate(kvwatch_gateway_requests_total[5m])) > 0)"
+        f"sum by ({by.listener}) (rate(kvwatch_gateway_requests_without_session_key_total[5m]))\n"
+        f"  / (sum by ({by.listener}) (rate(kvwatch_gateway_requests_total[5m])) > 0)"
     )
     keyless_share_an_hour_ago = keyless_share.replace("[5m]", "[5m] offset 1h")
     # A minute of prompt tokens without a single lookup: prefix caching is off (a restart gives no lookups
     # to the window from the moment the samples before it are a minute old).
-    prompt_rate = _first_of("vllm:prompt_tokens_total", window="1m")
+    prompt_rate = _first_of("vllm:prompt_tokens_total", by=instance, window="1m")
     lookup_rate = _first_of(
-        "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total", window="1m"
+        "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total", by=instance, window="1m"
     )
+    cluster_prompt_tokens = f"sum by ({cluster}) ({INSTANCE_PROMPT_TOKENS})"
     engines = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
-    return (
+    judged = (
         Alert(
             "KVWatchSessionAffinityBroken",
-            f"{STICKY_RATIO} < {t.sticky_ratio_below}\nand {WATCHED_ROUTES}",
+            f"{_sticky_ratio(by)} < {t.sticky_ratio_below}\nand {_watched_routes(by)}",
             "critical",
             "Probe sessions through a sticky route change replica between rounds.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
@@ -451,7 +557,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchSessionIdNotPropagated",
-            f"{_per_route('min', 'kvwatch_probe_session_id_echo_ratio')} < {t.echo_ratio_below}",
+            f"{_per_route('min', 'kvwatch_probe_session_id_echo_ratio', by)} < {t.echo_ratio_below}",
             "warning",
             "The gateway does not echo the session id.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
@@ -473,10 +579,10 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchGatewaySessionsSpread",
-            f"{GATEWAY_SPREAD} > {t.spread_share_above}\n"
-            f"and on({LISTENER}) sum by ({LISTENER}) (kvwatch_gateway_returning_sessions)"
+            f"{_gateway_spread(by)} > {t.spread_share_above}\n"
+            f"and on({by.listener}) sum by ({by.listener}) (kvwatch_gateway_returning_sessions)"
             f" >= {t.min_returning_sessions}\n"
-            f"and {WATCHED_LISTENERS}",
+            f"and {_watched_listeners(by)}",
             "critical",
             "Real sessions through a sticky gateway listener are served by several replicas.",
             "{{ $value | humanizePercentage }} of the sessions that came back to {{ $labels.log }} / "
@@ -488,7 +594,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "KVWatchPrefixCacheHitRateDrop",
             f"({CLUSTER_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(CLUSTER_HIT_RATIO)}\n"
             f"  or {CLUSTER_HIT_RATIO} < {t.hit_ratio_floor})\n"
-            f"and on() sum({INSTANCE_PROMPT_TOKENS}) > {t.min_prompt_tokens_per_second}",
+            f"and on({cluster}) {cluster_prompt_tokens} > {t.min_prompt_tokens_per_second}",
             "warning",
             "The cluster's prefix-cache hit ratio dropped.",
             "The cluster serves only {{ $value | humanizePercentage }} of its prompt tokens from cached KV, "
@@ -500,17 +606,17 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "KVWatchPrefixCacheHitRateDrop",
             f"({INSTANCE_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(INSTANCE_HIT_RATIO)}\n"
             f"  or {INSTANCE_HIT_RATIO} < {t.hit_ratio_floor})\n"
-            f"and on({INSTANCE}) {INSTANCE_PROMPT_TOKENS} > {t.min_prompt_tokens_per_second}",
+            f"and on({instance}) {INSTANCE_PROMPT_TOKENS} > {t.min_prompt_tokens_per_second}",
             "warning",
             "An instance's prefix-cache hit ratio dropped.",
-            f"{INSTANCE_NAME} serves only {{{{ $value | humanizePercentage }}}} of its prompt tokens from "
+            f"{name} serves only {{{{ $value | humanizePercentage }}}} of its prompt tokens from "
             "cached KV, well below its own average of the previous hour or under the floor.",
             for_="5m",
             labels={"scope": "instance"},
         ),
         Alert(
             "KVWatchWarmRoundNoGain",
-            f"{WARM_COLD_RATIO} > {t.warm_cold_ratio_above}\nand {WATCHED_ROUTES}",
+            f"{_warm_cold_ratio(by)} > {t.warm_cold_ratio_above}\nand {_watched_routes(by)}",
             "warning",
             "Warm rounds are not faster than the first round on a sticky route.",
             "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
@@ -519,10 +625,10 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchPrefixCachingDisabled",
-            f"{prompt_rate} > 0\nand on({INSTANCE}) ({lookup_rate}) == 0",
+            f"{prompt_rate} > 0\nand on({instance}) ({lookup_rate}) == 0",
             "warning",
             "An instance serves prompts without looking up its prefix cache.",
-            f"{INSTANCE_NAME} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
+            f"{name} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
             "caching is off there.",
             for_="30s",
             keep_firing_for="5m",  # sparse traffic must not make it flap
@@ -530,18 +636,18 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchPrefixCachingDisabled",
-            f'max by ({INSTANCE}) (vllm:cache_config_info{{enable_prefix_caching="False"}}) == 1',
+            f'max by ({instance}) (vllm:cache_config_info{{enable_prefix_caching="False"}}) == 1',
             "warning",
             "An instance runs with prefix caching disabled.",
-            f"{INSTANCE_NAME} reports enable_prefix_caching=False: start it with prefix caching on.",
+            f"{name} reports enable_prefix_caching=False: start it with prefix caching on.",
             labels={"evidence": "config"},
         ),
         Alert(
             "KVWatchEngineCacheMetricsMissing",
-            f"group by ({INSTANCE}) ({engines})\nunless on({INSTANCE}) {INSTANCE_CACHE_SERIES}",
+            f"group by ({instance}) ({engines})\nunless on({instance}) {INSTANCE_CACHE_SERIES}",
             "warning",
             "An engine exports none of the prefix-cache series kvwatch reads.",
-            f"{INSTANCE_NAME} ({{{{ $labels.job }}}}) is a vLLM or SGLang engine but exports none of the "
+            f"{name} ({{{{ $labels.job }}}}) is a vLLM or SGLang engine but exports none of the "
             "prefix-cache series kvwatch reads: a renamed metric, or a pipeline that rewrote ':' to '_', "
             "would make the hit-ratio panels empty.",
             for_="10m",
@@ -564,8 +670,8 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchProbeStale",
-            f"time() - {_per_route('max', 'kvwatch_probe_last_run_timestamp_seconds')}\n"
-            f"  > {t.probe_stale_intervals} * {_per_route('max', 'kvwatch_probe_interval_seconds')}",
+            f"time() - {_per_route('max', 'kvwatch_probe_last_run_timestamp_seconds', by)}\n"
+            f"  > {t.probe_stale_intervals} * {_per_route('max', 'kvwatch_probe_interval_seconds', by)}",
             "warning",
             "Probe results are stale.",
             "The last probe run through {{ $labels.target }} finished {{ $value | humanizeDuration }} ago: "
@@ -576,7 +682,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "up == 0",
             "critical",
             "A scrape target is down.",
-            f"{{{{ $labels.job }}}} / {INSTANCE_NAME} has not answered Prometheus's scrapes.",
+            f"{{{{ $labels.job }}}} / {name} has not answered Prometheus's scrapes.",
             for_="1m",
         ),
         Alert(
@@ -591,9 +697,9 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         Alert(
             "KVWatchRouterPredictionMiss",
             f"{INSTANCE_ROUTER_DELIVERED_PER_PREDICTED} < {t.delivered_per_predicted_below}\n"
-            f"and on({INSTANCE}) {INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > {t.router_predicted_above}\n"
-            f"and on({INSTANCE}) {INSTANCE_ROUTER_PREDICTIONS} > {t.min_router_predictions_per_second}\n"
-            f"and on() sum({INSTANCE_PROMPT_TOKENS}) > {t.min_prompt_tokens_per_second}",
+            f"and on({instance}) {INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > {t.router_predicted_above}\n"
+            f"and on({instance}) {INSTANCE_ROUTER_PREDICTIONS} > {t.min_router_predictions_per_second}\n"
+            f"and on({cluster}) {cluster_prompt_tokens} > {t.min_prompt_tokens_per_second}",
             "warning",
             "A router predicts prefix reuse that the engines do not deliver.",
             "{{ $labels.instance }} ({{ $labels.job }}) routes requests where its index predicts most of "
@@ -603,7 +709,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchStoreWritesDropped",
-            "sum by (job, instance, reason) (increase(kvwatch_store_writes_dropped_total[10m])) > 0",
+            f"sum by ({instance}, reason) (increase(kvwatch_store_writes_dropped_total[10m])) > 0",
             "warning",
             "Writes to the kvwatch store were dropped.",
             "{{ $labels.instance }} dropped store writes in the last 10 minutes ({{ $labels.reason }}): "
@@ -611,7 +717,7 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchStoreWritesRetried",
-            "sum by (job, instance) (increase(kvwatch_store_write_retries_total[2m])) > 0",
+            f"sum by ({instance}) (increase(kvwatch_store_write_retries_total[2m])) > 0",
             "warning",
             "The kvwatch store keeps refusing writes.",
             "{{ $labels.instance }} has retried store writes for 5 minutes: the store is locked by another "
@@ -626,16 +732,25 @@ def _alerts(t: Thresholds) -> tuple[Alert, ...]:
             "Always firing: if it stops arriving, Prometheus, Alertmanager or the route to you is broken.",
         ),
     )
+    return tuple(dataclasses.replace(alert, cluster=by.cluster) for alert in judged)
 
 
-ALERTS = _alerts(THRESHOLDS)
+ALERTS = alerts(THRESHOLDS, Grouping())
 
-RULE_FILES = {
-    "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", RECORDING_RULES),
-    "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", GATEWAY_RULES),
-    "prometheus/rules/kvwatch-routers.yml": ("kvwatch-routers", ROUTER_RULES),
-    "alerts/kvwatch.rules.yml": ("kvwatch-alerts", ALERTS),
-}
+
+def rule_files(cluster_label: str = CLUSTER_LABEL) -> dict[str, tuple[str, tuple[Rule | Alert, ...]]]:
+    """Repository path -> (group, rules) of every rule file, aggregating by `cluster_label`: the committed
+    files use the default, `generate --cluster-label` writes them for another."""
+    by = Grouping(cluster_label)
+    return {
+        "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", recording_rules(by)),
+        "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", gateway_rules(by)),
+        "prometheus/rules/kvwatch-routers.yml": ("kvwatch-routers", router_rules(by)),
+        "alerts/kvwatch.rules.yml": ("kvwatch-alerts", alerts(THRESHOLDS, by)),
+    }
+
+
+RULE_FILES = rule_files()
 
 
 # --- Verdicts -------------------------------------------------------------------------------------
@@ -717,12 +832,38 @@ PROBE_SELECTOR = 'target=~"$target"'
 LABEL_VARIABLES = ("job", "instance", "target")
 # What a label variable set to All matches: any value, but the label must be there.
 ALL_VALUES = ".+"
+# The boards' Cluster variable lists the values of the cluster label on every scraped target's `up`, and
+# every query of a board matches it. Its All matches any value or none, so that a Prometheus without the
+# label shows everything as before.
+CLUSTER_VARIABLE = "cluster"
+CLUSTERS_SERIES = "up"
+ALL_CLUSTERS = ".*"
+
+
+def cluster_matcher(label: str = CLUSTER_LABEL) -> str:
+    """The matcher that narrows a board's queries to the clusters picked in its Cluster variable."""
+    return f'{label}=~"${CLUSTER_VARIABLE}"'
+
+
+def one_cluster(label: str, cluster: str) -> str:
+    """The matcher that narrows the Streamlit pages' queries to the cluster picked in the sidebar."""
+    return f"{label}={promql.string(cluster)}"
+
+
+def clusters(label: str) -> str:
+    """One series per cluster, labelled by it alone."""
+    return f"group by ({label}) ({CLUSTERS_SERIES})"
 
 
 def fill_variables(expr: str, *, window: str, time_range: str, **labels: str) -> str:
     """A dashboard query with Grafana's variables set, to run it elsewhere (Streamlit, tests);
     label variables that are not given are All."""
-    values = {"__rate_interval": window, "__range": time_range, **dict.fromkeys(LABEL_VARIABLES, ALL_VALUES)}
+    values = {
+        "__rate_interval": window,
+        "__range": time_range,
+        CLUSTER_VARIABLE: ALL_CLUSTERS,
+        **dict.fromkeys(LABEL_VARIABLES, ALL_VALUES),
+    }
     for name, value in (values | labels).items():
         expr = expr.replace(f"${name}", value)
     return expr

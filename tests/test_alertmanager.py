@@ -96,7 +96,8 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
 
 
 def inhibited(alertmanager: str, *alerts: dict[str, str]) -> dict[str, bool]:
-    """Send `alerts` to the Alertmanager with amtool; which of them (by alertname) it inhibits."""
+    """Send `alerts` to the Alertmanager with amtool; which of them (by alertname, and cluster where one
+    is set: `KVWatchWarmRoundNoGain{cluster="a"}`) it inhibits."""
     for labels in alerts:
         added = amtool(
             "alert", "add", f"--alertmanager.url={alertmanager}", *(f"{k}={v}" for k, v in labels.items())
@@ -106,7 +107,12 @@ def inhibited(alertmanager: str, *alerts: dict[str, str]) -> dict[str, bool]:
         "alert", "query", "--inhibited", "--active", "-o", "json", f"--alertmanager.url={alertmanager}"
     )
     assert query.returncode == 0, query.stderr
-    return {a["labels"]["alertname"]: bool(a["status"]["inhibitedBy"]) for a in json.loads(query.stdout)}
+    return {alert_key(a["labels"]): bool(a["status"]["inhibitedBy"]) for a in json.loads(query.stdout)}
+
+
+def alert_key(labels: dict[str, str]) -> str:
+    cluster = labels.get("cluster")
+    return labels["alertname"] + (f'{{cluster="{cluster}"}}' if cluster else "")
 
 
 def test_prefix_caching_disabled_mutes_warm_rounds_without_gain(alertmanager):
@@ -124,6 +130,28 @@ def test_prefix_caching_disabled_mutes_warm_rounds_without_gain(alertmanager):
         "KVWatchPrefixCachingDisabled": False,
         "KVWatchWarmRoundNoGain": True,
         "KVWatchSessionAffinityBroken": False,
+    }
+
+
+def test_an_inhibition_holds_within_its_own_cluster(alertmanager):
+    """Two clusters' alerts in one Alertmanager, with targets of the same names: cluster a's failing probe
+    of chat and its prefix caching off mute a's affinity and warm-round alerts, never b's (b's warm rounds
+    are on another route, which b's broken affinity of chat does not explain)."""
+    route = {"target": "chat", "route_mode": "affinity"}
+    in_a, in_b = {"cluster": "a"}, {"cluster": "b"}
+    affinity = {"alertname": "KVWatchSessionAffinityBroken", "severity": "critical", **route}
+    no_gain = {"alertname": "KVWatchWarmRoundNoGain", "severity": "warning", **route}
+    probe_failing = {"alertname": "KVWatchProbeFailing", "severity": "warning", "kind": "timeout", **route}
+    caching_off = {"alertname": "KVWatchPrefixCachingDisabled", "severity": "warning", "evidence": "config",
+                   "job": "llm/vllm", "instance": "10.0.0.7:8000"}  # fmt: skip
+    alerts = [affinity | in_a, affinity | in_b, no_gain | in_a, no_gain | in_b | {"target": "docs"}]
+    assert inhibited(alertmanager, *alerts, probe_failing | in_a, caching_off | in_a) == {
+        'KVWatchSessionAffinityBroken{cluster="a"}': True,
+        'KVWatchSessionAffinityBroken{cluster="b"}': False,
+        'KVWatchWarmRoundNoGain{cluster="a"}': True,
+        'KVWatchWarmRoundNoGain{cluster="b"}': False,
+        'KVWatchProbeFailing{cluster="a"}': False,
+        'KVWatchPrefixCachingDisabled{cluster="a"}': False,
     }
 
 

@@ -127,3 +127,54 @@ def test_every_alert_fires_and_stays_quiet_in_a_promtool_test():
         assert any(case["exp_alerts"] for case in mine), f"{name} has no firing case"
         if name != "Watchdog":
             assert any(not case["exp_alerts"] for case in mine), f"{name} has no not-firing case"
+
+
+AGGREGATION = re.compile(r"\b(sum|min|max|avg|count|group)\s*(\(|by\s*\(([^)]*)\))")
+MATCHING = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
+
+
+@pytest.mark.parametrize("label", ["cluster", "region"])
+def test_every_aggregation_and_join_keeps_the_cluster_label(label, tmp_path):
+    """No rule or alert may merge two clusters: each `by (...)` and `on(...)` lists the label (the alert
+    templates' replica look-up too), so a cluster's sum is its own and a join matches within a cluster."""
+    assert generate.main(["--cluster-label", label, "--out", str(tmp_path)]) == 0
+    for relative in queries.rule_files(label):
+        assert promtool("check", "rules", str(tmp_path / relative)).returncode == 0, relative
+    for relative in [*queries.rule_files(label), "deploy/k8s/prometheusrule.yaml"]:
+        text = (tmp_path / relative).read_text()
+        aggregations = AGGREGATION.findall(text)
+        assert aggregations, relative
+        for name, opening, labels in aggregations:
+            assert label in labels.replace(" ", "").split(","), f"{relative}: {name} {opening}"
+        for keyword, labels in MATCHING.findall(text):
+            assert label in labels.replace(" ", "").split(","), f"{relative}: {keyword}({labels})"
+        if label != "cluster":
+            assert not re.search(r"\bcluster\s*[,)=]", text.replace("cluster:kvwatch", "")), relative
+
+
+def test_alert_summaries_name_the_cluster_only_where_the_series_has_one():
+    (drop,) = (
+        a
+        for a in queries.ALERTS
+        if a.name == "KVWatchPrefixCacheHitRateDrop" and a.labels["scope"] == "cluster"
+    )
+    assert drop.notification_summary == (
+        "The cluster's prefix-cache hit ratio dropped{{ with $labels.cluster }} in cluster {{ . }}{{ end }}."
+    )
+    (region,) = (
+        a
+        for a in queries.rule_files("region")["alerts/kvwatch.rules.yml"][1]
+        if a.name == drop.name and a.labels == drop.labels
+    )
+    assert "{{ with $labels.region }} in region {{ . }}{{ end }}" in region.notification_summary
+    assert (
+        queries.alerts(queries.THRESHOLDS, queries.WHOLE)[0].notification_summary == queries.ALERTS[0].summary
+    )
+
+
+def test_the_generator_refuses_a_cluster_label_that_is_no_label_name(capsys):
+    with pytest.raises(SystemExit) as exited:
+        generate.main(["--check", "--cluster-label", "k8s-cluster"])
+    assert exited.value.code == 2 and "argument --cluster-label: must be a Prometheus label name" in (
+        capsys.readouterr().err
+    )

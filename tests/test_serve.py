@@ -16,10 +16,13 @@ import time
 from collections import Counter
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+import streamlit as st
 import yaml
+from postgres import PASSWORD, postgres_server  # noqa: F401 (the session's PostgreSQL server)
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
@@ -27,6 +30,7 @@ from kvwatch.collectors import shard
 from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
 from kvwatch.collectors.scheduler import Service
 from kvwatch.collectors.store import Store
+from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
 
@@ -121,17 +125,17 @@ def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(lab):
 
 
 def start_serve(
-    tmp_path: Path, target: dict | list[dict], *options: str
+    tmp_path: Path, target: dict | list[dict], *options: str, store: dict | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
     """A real `kvwatch serve` of a target or several on a free loopback port: its process, its URL and its
-    log."""
+    log. Its store is an SQLite file in `tmp_path` unless `store` says otherwise."""
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(
         yaml.safe_dump({
             "targets": target if isinstance(target, list) else [target],
             "exporter": {"listen": f"127.0.0.1:{port}"},
-            "store": {"path": str(tmp_path / "kvwatch.db")},
+            "store": store or {"path": str(tmp_path / "kvwatch.db")},
         })
     )  # fmt: skip
     log = tmp_path / "serve.log"
@@ -291,6 +295,50 @@ def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Pa
             stored.update(f"/{r['target']}/v1/chat/completions" for r in store.rounds())
     assert set(engine.asked) == {f"/{n}/v1/chat/completions" for n in names}
     assert engine.asked == stored
+
+
+def test_two_shards_write_one_postgresql_history_that_the_dashboard_shows(tmp_path, postgres, monkeypatch):
+    """Two `kvwatch serve --shard` processes of six targets write one PostgreSQL history, the password
+    from the environment: every target's sessions are there, one an interval (no target probed by both
+    shards), every answered round is stored, and the dashboard's data layer reads all six targets."""
+    monkeypatch.setenv("KVWATCH_TEST_STORE_PASSWORD", PASSWORD)
+    history = {"url": postgres.new_database(), "password_env": "KVWATCH_TEST_STORE_PASSWORD"}
+    engine = StallingEngine()
+    names = [f"route-{i}" for i in range(6)]
+    targets = [
+        {**stalling_target(engine), "name": name, "base_url": f"{engine.url}/{name}"} for name in names
+    ]
+    shards: list[tuple[subprocess.Popen, str, Path]] = []
+    try:
+        for index in range(2):
+            (tmp_path / str(index)).mkdir()
+            shards.append(start_serve(tmp_path / str(index), targets, "--shard", f"{index}/2", store=history))
+        for _, url, _ in shards:
+            probed_targets(url)
+        time.sleep(2)  # two more intervals
+        for process, _, log in shards:
+            terminate(process, log)
+    finally:
+        for process, *_ in shards:
+            stop(process)
+        engine.close()
+    with Store(history["url"], readonly=True, password=PASSWORD) as store:
+        sessions, rounds = store.sessions(), store.rounds(columns=("target",))
+    starts: dict[str, list[float]] = {}
+    for row in sorted(sessions, key=lambda row: row["started_at"]):
+        starts.setdefault(row["target"], []).append(row["started_at"])
+    assert set(starts) == set(names)
+    gaps = [later - earlier for times in starts.values() for earlier, later in pairwise(times)]
+    assert all(len(times) >= 2 for times in starts.values()) and min(gaps) > 0.5, starts
+    assert engine.asked == Counter(f"/{r['target']}/v1/chat/completions" for r in rounds)
+
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(tmp_path / "0" / "kvwatch.yaml")])
+    st.cache_data.clear()
+    try:
+        shown = data.sessions(0)
+    finally:
+        st.cache_data.clear()
+    assert shown.error is None and set(shown.value["target"]) == set(names)
 
 
 def test_a_locked_store_or_a_sigterm_mid_run_loses_no_session(tmp_path: Path):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvwatch.collectors import queries
+from kvwatch.collectors import promql, queries
 from kvwatch.collectors.connections import request_sync
 from kvwatch.collectors.queries import THRESHOLDS
 
@@ -72,7 +72,7 @@ def drilldown_link(variable: str) -> JSON:
     """A data link to the drill-down board for the series' `variable` label, keeping time and source."""
     url = (
         f"/d/{uid(DRILLDOWN)}?var-{variable}=${{__field.labels.{variable}}}"
-        "&${datasource:queryparam}&${__url_time_range}"
+        f"&${{datasource:queryparam}}&${{{queries.CLUSTER_VARIABLE}:queryparam}}&${{__url_time_range}}"
     )
     return {"targetBlank": False, "title": f"Drill down into ${{__field.labels.{variable}}}", "url": url}
 
@@ -403,6 +403,33 @@ def label_variable(name: str, label: str, series: str, *, many: bool = True) -> 
     return variable
 
 
+def cluster_variable(cluster_label: str) -> JSON:
+    """The clusters, as the values of `cluster_label`; All is `.*`, so that it matches series without
+    the label too and a Prometheus of one cluster, without the label, shows everything as before."""
+    variable = label_variable(cluster_label, "Cluster", queries.CLUSTERS_SERIES)
+    variable |= {"allValue": queries.ALL_CLUSTERS, "name": queries.CLUSTER_VARIABLE}
+    return variable
+
+
+def in_clusters(board: JSON, cluster_label: str) -> JSON:
+    """The board with a Cluster variable after the data source, and every panel query, variable query and
+    annotation matching its clusters: one pass over the finished board, so that no panel can miss it."""
+    matcher = queries.cluster_matcher(cluster_label)
+    for query in (t for panel in board["panels"] for t in panel.get("targets", [])):
+        query["expr"] = promql.with_matcher(query["expr"], matcher)
+    for annotation in board["annotations"]["list"]:
+        if "expr" in annotation:
+            annotation["expr"] = promql.with_matcher(annotation["expr"], matcher)
+    listed = board["templating"]["list"]
+    for variable in listed:
+        if variable["type"] == "query":
+            series, label = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]).groups()
+            query = f"label_values({promql.with_matcher(series, matcher)}, {label})"
+            variable |= {"definition": query, "query": query}
+    listed.insert(1, cluster_variable(cluster_label))
+    return board
+
+
 def variables(*, many_targets: bool) -> list[JSON]:
     """Data source, then engines by job and instance (from the recorded cache series), then probe targets.
     Jobs and instances are always several (so instances can be set side by side) with All, as Grafana's
@@ -420,8 +447,10 @@ def uid(file_name: str) -> str:
     return hashlib.sha256(file_name.encode()).hexdigest()[:32]
 
 
-def dashboard(file_name: str, title: str, description: str, layout: Layout, *, many_targets: bool) -> JSON:
-    return {
+def dashboard(
+    file_name: str, title: str, description: str, layout: Layout, *, many_targets: bool, cluster_label: str
+) -> JSON:
+    board = {
         "annotations": {
             "list": [
                 {
@@ -475,6 +504,7 @@ def dashboard(file_name: str, title: str, description: str, layout: Layout, *, m
         "version": 1,
         "weekStart": "",
     }
+    return in_clusters(board, cluster_label)
 
 
 VERDICT_PANELS = (
@@ -586,7 +616,7 @@ def router_row(layout: Layout) -> None:
     )
 
 
-def overview() -> JSON:
+def overview(cluster_label: str = queries.CLUSTER_LABEL) -> JSON:
     layout = Layout()
     layout.row("What the alerts say")
     count = len(VERDICT_PANELS)
@@ -812,10 +842,11 @@ def overview() -> JSON:
         "TTFT, probe stickiness, session keys and load.",
         layout,
         many_targets=True,
+        cluster_label=cluster_label,
     )
 
 
-def drilldown() -> JSON:
+def drilldown(cluster_label: str = queries.CLUSTER_LABEL) -> JSON:
     layout = Layout()
     layout.row("Probe target $target")
     layout.add(
@@ -885,6 +916,7 @@ def drilldown() -> JSON:
         "One probe route's rounds and backends, and the chosen engine instances' cache, TTFT and load.",
         layout,
         many_targets=False,
+        cluster_label=cluster_label,
     )
 
 
@@ -922,11 +954,12 @@ def _dump(board: JSON) -> str:
     return json.dumps(board, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def dashboard_files() -> dict[str, str]:
-    """Repository path -> text of every generated board, both variants."""
+def dashboard_files(cluster_label: str = queries.CLUSTER_LABEL) -> dict[str, str]:
+    """Repository path -> text of every generated board, both variants, telling clusters apart by
+    `cluster_label`."""
     files = {}
     for name, build in BOARDS.items():
-        board = build()
+        board = build(cluster_label)
         files[f"grafana/dashboards/{name}"] = _dump(board)
         files[f"grafana/import/{name}"] = _dump(for_import(board))
     return files

@@ -37,7 +37,7 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, processes_in_group
-from kvwatch.collectors import grafana, queries
+from kvwatch.collectors import grafana, promql, queries
 from kvwatch.collectors.exporter import TTFT_BUCKETS
 from kvwatch.collectors.records import ERROR_KINDS
 from kvwatch.collectors.scheduler import GATEWAY_POLL_SECONDS
@@ -64,6 +64,11 @@ def panel_queries(board: dict) -> list[tuple[str, str]]:
 def every_query() -> dict[str, str]:
     """Each distinct panel query of the provisioned boards, with a panel title that shows it."""
     return {expr: title for path in PROVISIONED for title, expr in panel_queries(load(path))}
+
+
+def in_clusters(expr: str) -> str:
+    """A query of collectors/queries.py as the boards run it: narrowed to the picked clusters."""
+    return promql.with_matcher(expr, queries.cluster_matcher())
 
 
 def filled(expr: str) -> str:
@@ -128,7 +133,7 @@ def test_every_panel_and_query_uses_the_datasource_variable(path: Path):
             assert variable["refresh"] == 2, f"{variable['name']} must reload on time-range change"
 
 
-VERDICT_STATES = {verdict.state: verdict for verdict in queries.VERDICTS}
+VERDICT_STATES = {in_clusters(verdict.state): verdict for verdict in queries.VERDICTS}
 
 
 @pytest.mark.parametrize("path", PROVISIONED, ids=lambda p: p.name)
@@ -159,7 +164,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
     named = set(VERDICT_STATES)
     for name, value in vars(queries).items():
         values = value.values() if isinstance(value, dict) else [value]
-        named |= {v for v in values if name.isupper() and isinstance(v, str)}
+        named |= {in_clusters(v) for v in values if name.isupper() and isinstance(v, str)}
     for expr, title in every_query().items():
         assert expr in named, f"{title}: PromQL typed in the board instead of collectors/queries.py"
 
@@ -183,7 +188,7 @@ def test_every_board_marks_the_kvwatch_alerts():
     for path in PROVISIONED:
         marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
         assert [(a["expr"], a["datasource"]) for a in marks] == [
-            (queries.FIRING_ALERTS_BY_NAME, grafana.DATASOURCE)
+            (in_clusters(queries.FIRING_ALERTS_BY_NAME), grafana.DATASOURCE)
         ], path.name
 
 

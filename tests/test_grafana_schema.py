@@ -25,7 +25,7 @@ import promql_parser
 import pytest
 
 from conftest import REPO
-from kvwatch.collectors import grafana, queries
+from kvwatch.collectors import grafana, promql, queries
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -114,9 +114,12 @@ NO_ENGINE_JOB_OR_INSTANCE = {
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
 # board's filters do not narrow (see grafana.verdict_stat).
-VERDICTS = {verdict.state for verdict in queries.VERDICTS}
+VERDICTS = {promql.with_matcher(v.state, queries.cluster_matcher()) for v in queries.VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
-WHOLE_RANGE = {queries.PROBE_TTFT_BY_ROUND: "the per-round chart: one instant query over the time range"}
+WHOLE_RANGE = {
+    promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
+    "instant query over the time range"
+}
 # template-job-rule's warning that the label be "Job": the variable lists the engines' jobs only.
 JOB_LABEL = "Engine job"
 # panel-units-rule: the units of Grafana's misc, time and throughput categories.
@@ -309,3 +312,44 @@ def test_the_linter_rules_find_each_mistake():
         f"{panel['title']}: target-rate-interval-rule: rate over [0:05:00]",
         f"{panel['title']}: target-counter-agg-rule: vllm:num_requests_total unrated",
     ])  # fmt: skip
+
+
+# --- the Cluster variable -----------------------------------------------------------------------------
+
+
+def board_queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of every panel target, annotation and variable query but the Cluster variable's."""
+    yield from targets(board)
+    yield from (("annotation", a["expr"]) for a in board["annotations"]["list"] if "expr" in a)
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query" and variable["name"] != queries.CLUSTER_VARIABLE:
+            assert variable["definition"] == variable["query"]
+            yield variable["name"], re.fullmatch(r"label_values\((.+), \w+\)", variable["query"])[1]
+
+
+def unnarrowed(board: dict, label: str) -> list[str]:
+    """Each selector of the board's queries without `label`=~"$cluster"."""
+    wanted = (label, promql_parser.MatchOp.Re, "$cluster")
+    return [f"{where}: {s.name}" for where, expr in board_queries(board) for s in selectors(expr)
+            if wanted not in [(m.name, m.op, m.value) for m in s.matchers.matchers]]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", BOARDS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
+    board = load(path)
+    assert len(list(board_queries(board))) > len(board["panels"])
+    assert unnarrowed(board, queries.CLUSTER_LABEL) == []
+    source, cluster = board["templating"]["list"][:2]
+    assert source["type"] == "datasource"
+    assert {key: cluster[key] for key in ("name", "label", "query", "multi", "includeAll", "allValue")} == {
+        "name": "cluster", "label": "Cluster", "query": "label_values(up, cluster)", "multi": True,
+        "includeAll": True, "allValue": ".*"}  # fmt: skip
+
+
+def test_the_cluster_label_is_the_generators_to_set():
+    for name, text in grafana.dashboard_files("region").items():
+        board = json.loads(text)
+        assert unnarrowed(board, "region") == [], name
+        assert 'cluster=~"$cluster"' not in text, name
+        (cluster,) = [v for v in board["templating"]["list"] if v["name"] == "cluster"]
+        assert cluster["query"] == cluster["definition"] == "label_values(up, region)"

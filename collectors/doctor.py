@@ -44,7 +44,7 @@ from kvwatch.collectors.probe import (
     with_block_size,
 )
 from kvwatch.collectors.progress import Progress
-from kvwatch.collectors.queries import ALERTS
+from kvwatch.collectors.queries import ALERTS, CLUSTER_LABEL
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.streaming import StreamClient
@@ -437,10 +437,14 @@ async def _caching_off_in_prometheus(client: httpx.AsyncClient, url: str) -> lis
         if answer.get("status") != "success":
             raise ValueError(answer.get("error", "the query failed"))
         what = CACHING_OFF_EVIDENCE[alert.labels["evidence"]]
-        found += [
-            f"{series['metric'].get('instance', 'an instance')} {what}" for series in answer["data"]["result"]
-        ]
+        found += [f"{_instance_in_cluster(series['metric'])} {what}" for series in answer["data"]["result"]]
     return found
+
+
+def _instance_in_cluster(labels: dict[str, str]) -> str:
+    """An instance as the alerts name it; with its cluster where Prometheus holds several."""
+    instance, cluster = labels.get("instance", "an instance"), labels.get(CLUSTER_LABEL)
+    return f"{instance} in {CLUSTER_LABEL} {cluster}" if cluster else instance
 
 
 async def prefix_caching(route: _Route, prometheus_url: str | None, blocker: Check | None) -> Check:

@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -31,6 +32,7 @@ from kvwatch.collectors.doctor import (
     Check,
     Diagnosis,
     _base_url_variants,
+    _caching_off_in_prometheus,
     diagnose,
     examine,
     format_diagnosis,
@@ -610,3 +612,29 @@ def test_every_cause_has_a_readme_entry():
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Troubleshooting", 1)[1].split("\n## ", 1)[0]
     assert [cause for cause in CAUSES if f"`{cause}`" not in section] == []
+
+
+def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds():
+    """Two clusters' instances of the same address: each is named with its cluster; one without the
+    label by its address alone."""
+
+    def prometheus(request: httpx.Request) -> httpx.Response:
+        query = request.url.params["query"]
+        result = [] if "cache_config_info" not in query else [
+            {"metric": {"cluster": "a", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
+            {"metric": {"cluster": "b", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
+            {"metric": {"instance": "10.0.0.9:8000"}, "value": [0, "1"]},
+        ]  # fmt: skip
+        return httpx.Response(
+            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
+
+    async def found() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
+            return await _caching_off_in_prometheus(client, "http://prometheus:9090")
+
+    assert asyncio.run(found()) == [
+        "10.0.0.7:8000 in cluster a reports enable_prefix_caching=False",
+        "10.0.0.7:8000 in cluster b reports enable_prefix_caching=False",
+        "10.0.0.9:8000 reports enable_prefix_caching=False",
+    ]

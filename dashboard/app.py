@@ -2,7 +2,10 @@
 
 import streamlit as st
 
+from kvwatch.dashboard import ui
+
 st.set_page_config(page_title="kvwatch", page_icon=":material/memory:", layout="wide")
+ui.cluster_picker()  # in the sidebar of every page
 st.navigation(
     [
         st.Page("app_pages/overview.py", title="Overview", icon=":material/dashboard:", default=True),

@@ -23,7 +23,7 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from kvwatch.collectors import blocksize, doctor, experiment, queries
+from kvwatch.collectors import blocksize, doctor, experiment, promql, queries
 from kvwatch.collectors.config import (
     ConfigError,
     Target,
@@ -129,20 +129,83 @@ def filled(query: str, over: Span) -> str:
     return queries.fill_variables(query, window=f"{window:g}s", time_range=f"{over.end - over.start:g}s")
 
 
+def instant(query: str, over: Span, cluster: str | None = None) -> Result:
+    """The query's value at the end of `over`, in `cluster` or else the picked one: one row per series, a
+    column per label, and `value`."""
+    return instant_query(in_cluster(query, cluster), over)
+
+
+def series(query: str, over: Span, cluster: str | None = None) -> Result:
+    """The query over a span, in `cluster` or else the picked one: one row per point, a column per label,
+    `time` (UTC) and `value`."""
+    return range_query(in_cluster(query, cluster), over)
+
+
 @_cached
-def instant(query: str, over: Span) -> Result:
-    """The query's value at the end of `over`: one row per series, a column per label, and `value`."""
+def instant_query(query: str, over: Span) -> Result:
+    """`instant` of a query already narrowed: cached by it, so each cluster has its own answers."""
     expr = filled(query, over)
     return _ask_prometheus("query", {"query": expr, "time": over.end})
 
 
 @_cached
-def series(query: str, over: Span) -> Result:
-    """The query over a span: one row per point, a column per label, `time` (UTC) and `value`."""
+def range_query(query: str, over: Span) -> Result:
+    """`series` of a query already narrowed: cached by it, so each cluster has its own answers."""
     expr = filled(query, over)
     return _ask_prometheus(
         "query_range", {"query": expr, "start": over.start, "end": over.end, "step": over.step}
     )
+
+
+# --- the cluster picked in the sidebar ----------------------------------------------------------------
+
+PICKED_CLUSTER = "cluster"  # the sidebar's key in the session state
+ALL_CLUSTERS = "all"
+
+
+def clusters() -> Result:
+    """The clusters Prometheus scrapes now: the values of the config's cluster_label on `up`, sorted;
+    none where no target carries the label."""
+    config = settings()
+    if config.error:
+        return config
+    found = instant_query(queries.clusters(config.value.cluster_label), span(REFRESH_SECONDS))
+    if found.error:
+        return found
+    label = config.value.cluster_label
+    return Result(sorted(found.value[label].dropna().unique()) if label in found.value else [])
+
+
+def picked_cluster() -> str | None:
+    """The cluster picked in the sidebar; None while every cluster is shown."""
+    picked = st.session_state.get(PICKED_CLUSTER, ALL_CLUSTERS)
+    return None if picked == ALL_CLUSTERS else picked
+
+
+def clusters_apart() -> list[str | None]:
+    """The clusters whose own figures the Overview shows one by one: every cluster while all are shown
+    and Prometheus scrapes several, so that no figure sums them; else [None], the picked or only one."""
+    found = clusters()
+    several = picked_cluster() is None and not found.error and len(found.value) > 1
+    return found.value if several else [None]
+
+
+def of_picked_cluster(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of `frame` (alerts, by their labels) of the picked cluster; every row while all are shown."""
+    picked, config = picked_cluster(), settings()
+    if picked is None or config.error:
+        return frame
+    label = config.value.cluster_label
+    return frame[frame[label] == picked] if label in frame else frame.iloc[0:0]
+
+
+def in_cluster(query: str, cluster: str | None = None) -> str:
+    """`query` with every series selector narrowed to `cluster`, else to the picked one; as it is while
+    all are shown."""
+    cluster, config = cluster or picked_cluster(), settings()
+    if cluster is None or config.error:
+        return query
+    return promql.with_matcher(query, queries.one_cluster(config.value.cluster_label, cluster))
 
 
 def _ask_prometheus(api: str, params: dict) -> Result:

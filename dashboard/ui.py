@@ -18,6 +18,14 @@ TIME_FORMAT = "YYYY-MM-DD HH:mm:ss"  # for st.column_config.DatetimeColumn; time
 RANGES = {"15 min": 900, "1 hour": 3600, "6 hours": 6 * 3600, "1 day": 86400, "1 week": 7 * 86400}
 
 
+def cluster_picker() -> None:
+    """The cluster to show, in the sidebar of every page, where Prometheus scrapes more than one: every
+    Prometheus read of the pages follows it (data.in_cluster)."""
+    found = data.clusters()
+    if not found.error and len(found.value) > 1:
+        st.sidebar.selectbox("Cluster", [data.ALL_CLUSTERS, *found.value], key=data.PICKED_CLUSTER)
+
+
 def time_range(key: str, default: str = "1 hour") -> int:
     """A time-range picker; returns its length in seconds."""
     picked = st.segmented_control("Time range", list(RANGES), default=default, key=key, required=True)

@@ -9,19 +9,24 @@ import datetime
 import json
 import math
 import socket
+import subprocess
 import sys
+import threading
+import time
 from dataclasses import asdict, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import streamlit as st
+import yaml
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, free_port
-from kvwatch.collectors import queries
+from conftest import REPO, free_port, stop, wait_http
+from kvwatch.collectors import promql, queries
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from kvwatch.collectors.records import RoundResult, SessionResult
@@ -225,8 +230,9 @@ NO_ALERTMANAGER = f"Cannot reach Alertmanager at {ALERTMANAGER}/api/v2/alerts: C
 BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or directory."
 
 
-READERS = ("settings", "series", "instant", "sessions", "rounds", "ttft_by_round", "received_alerts",
-           "faults", "alerts", "experiment_report", "run_experiment", "run_doctor")  # fmt: skip
+READERS = ("settings", "range_query", "instant_query", "sessions", "rounds", "ttft_by_round",
+           "received_alerts", "faults", "alerts", "experiment_report", "run_experiment",
+           "run_doctor")  # fmt: skip
 FAULT_AT, ALERT_AT, HEAL_AT = 600, 660, 1200  # seconds into the span
 
 
@@ -244,6 +250,7 @@ class Fake:
         self.reports_read: list[Path] = []
         self.doctor = Result(error="the doctor was not expected to run")
         self.runs: list[tuple] = []
+        self.asked: list[str] = []  # every query Prometheus was asked, as narrowed
         for name in READERS:
             monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
         monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
@@ -259,10 +266,12 @@ class Fake:
             return Result(error=error)
         return Result(frame.iloc[0:0] if self.empty else frame)
 
-    def _series(self, query: str, over: data.Span) -> Result:
+    def _range_query(self, query: str, over: data.Span) -> Result:
+        self.asked.append(query)
         return self._frame(self.prometheus, self.ranges[query](over) if query in self.ranges else NO_FRAME)
 
-    def _instant(self, query: str, over: data.Span) -> Result:
+    def _instant_query(self, query: str, over: data.Span) -> Result:
+        self.asked.append(query)
         return self._frame(self.prometheus, self.values.get(query, NO_FRAME))
 
     def _sessions(self, since: float) -> Result:
@@ -785,6 +794,71 @@ def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake
     assert list(open_page("alerts").dataframe[0].value["instance"]) == ["r2 (127.0.0.1:18011)"]
 
 
+# --- several clusters in one Prometheus ------------------------------------------------------------------
+
+CLUSTERS = queries.clusters(queries.CLUSTER_LABEL)
+
+
+def in_cluster(query: str, cluster: str) -> str:
+    return promql.with_matcher(query, queries.one_cluster(queries.CLUSTER_LABEL, cluster))
+
+
+def two_clusters(fake: Fake) -> None:
+    """Prometheus scrapes clusters a and b, whose hit ratios and hit-ratio alerts differ."""
+    fake.values[CLUSTERS] = pd.DataFrame({"cluster": ["b", "a"], "value": [1, 1]})
+    for cluster, ratios, state in (("a", [0.8, 0.9], queries.OK), ("b", [0.3, 0.05], queries.FIRING)):
+        fake.ranges[in_cluster(queries.CLUSTER_HIT_RATIO, cluster)] = lambda over, r=ratios: points(over, r)
+        fake.values[in_cluster(queries.CLUSTER_HIT_RATIO_DROP.state, cluster)] = cluster_state(state)
+
+
+def test_the_cluster_picker_shows_only_with_several_clusters(fake):
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert not at.exception and not at.sidebar.selectbox
+    two_clusters(fake)
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    (picker,) = at.sidebar.selectbox
+    assert (picker.label, picker.options, picker.value) == ("Cluster", ["all", "a", "b"], "all")
+
+
+def test_the_overview_shows_each_clusters_hit_ratio_apart_while_all_are_shown(fake):
+    two_clusters(fake)
+    at = open_page("overview")
+    assert not at.exception
+    assert metrics(at)["Cluster hit ratio"] == ["90%", "5%"]  # a's, then b's: never the two summed
+    assert [h.value for h in at.subheader][:2] == ["Cluster a", "Cluster b"]
+    said = texts(at)
+    assert ":green[Reuse holds" in said and fires(queries.CLUSTER_HIT_RATIO_DROP) in said
+
+
+def test_a_picked_cluster_narrows_every_prometheus_read_and_its_alerts(fake):
+    two_clusters(fake)
+    fake.values[in_cluster(queries.FIRING_ALERTS_NOW, "b")] = pd.DataFrame(
+        [{"alertname": "KVWatchPrefixCacheHitRateDrop", "severity": "warning", "cluster": "b", "value": 1}]
+    )
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    fake.asked.clear()
+    at.sidebar.selectbox[0].select("b").run()
+    assert not at.exception
+    assert metrics(at)["Cluster hit ratio"] == ["5%"]
+    said = texts(at)
+    assert fires(queries.CLUSTER_HIT_RATIO_DROP) in said and ":green[Reuse holds" not in said
+    assert "**KVWatchPrefixCacheHitRateDrop** (warning)" in said
+    read = [query for query in fake.asked if query != CLUSTERS]
+    assert read and all('cluster="b"' in query for query in read)
+
+
+def test_a_picked_cluster_shows_only_its_alerts(fake, monkeypatch):
+    two_clusters(fake)
+    held = pd.concat([alerts_frame(cluster="a"), alerts_frame(cluster="b", target="lab-round-robin")])
+    monkeypatch.setattr(data, "alerts", lambda: Result(held))
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    at.switch_page("app_pages/alerts.py").run()
+    assert len(at.dataframe[0].value) == 2
+    at.sidebar.selectbox[0].select("b").run()
+    assert not at.exception
+    assert list(at.dataframe[0].value["target"]) == ["lab-round-robin"]
+
+
 def test_experiment_shows_a_report_and_runs_one(fake):
     fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: a vs b\n\n| round |\n|---|\n", None))
     at = open_page("experiment")
@@ -1067,6 +1141,69 @@ def test_queries_get_a_rate_window_of_ten_minutes_or_one_step():
     assert "[600s]" in data.filled(queries.AFFINITY_EFFICIENCY, hour)
     assert "[2520s]" in data.filled(queries.AFFINITY_EFFICIENCY, week)
     assert "$" not in data.filled(queries.PROBE_STICKY_SHARE, hour)
+
+
+class Clusters(BaseHTTPRequestHandler):
+    """Two clusters' kvwatch exporters on one port, /a and /b: each route's last run stuck differently."""
+
+    STICKY = {"a": 1.0, "b": 0.25}
+
+    def do_GET(self) -> None:
+        cluster = self.path.strip("/").partition("/")[0]
+        labels = 'target="lab-affinity",route_mode="affinity"'
+        body = f"kvwatch_probe_sticky_ratio{{{labels}}} {self.STICKY[cluster]}\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, monkeypatch):
+    """One real Prometheus scraping two clusters (the target label `cluster`, as external_labels or
+    relabelling set it): the clusters are listed, and each cluster's read holds its series alone."""
+    exporters = ThreadingHTTPServer(("127.0.0.1", 0), Clusters)
+    threading.Thread(target=exporters.serve_forever, daemon=True).start()
+    address, port = f"127.0.0.1:{exporters.server_address[1]}", free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "kvwatch", "static_configs": [
+            {"targets": [address], "labels": {"cluster": name, "__metrics_path__": f"/{name}/metrics"}}
+            for name in Clusters.STICKY]}],
+    }))  # fmt: skip
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text(
+        "targets: [{name: lab-affinity, base_url: 'http://127.0.0.1:1', model: m}]\n"
+        f"prometheus: {{url: 'http://127.0.0.1:{port}'}}\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(config)])
+    monkeypatch.setattr(data, "now", time.time)  # Prometheus holds nothing before it started
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as out:
+        prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path}/prometheus.yml", f"--storage.tsdb.path={tmp_path}/data",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT
+        )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/-/ready", prometheus, log)
+        deadline = time.monotonic() + 15
+        while True:
+            st.cache_data.clear()
+            over = data.span(60)
+            read = {name: data.instant(queries.STICKY_RATIO, over, name) for name in Clusters.STICKY}
+            if all(not r.error and len(r.value) for r in read.values()):
+                break
+            assert time.monotonic() < deadline, f"{read}\n{log.read_text()[-2000:]}"
+            time.sleep(0.2)
+        assert data.clusters().value == ["a", "b"]
+        assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
+    finally:
+        stop(prometheus)
+        exporters.shutdown()
+        exporters.server_close()
+        st.cache_data.clear()
 
 
 def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):

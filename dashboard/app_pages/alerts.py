@@ -22,6 +22,7 @@ COLUMNS = {
 
 def show(alerts: pd.DataFrame, key: str) -> None:
     """The alerts, each instance named as the lab and the alert descriptions name a replica."""
+    alerts = data.of_picked_cluster(alerts)
     columns = [c for c in COLUMNS if c in alerts]
     named = ui.named_replicas(alerts[columns], data.span(0))
     st.dataframe(named, hide_index=True, column_config=COLUMNS, key=key)

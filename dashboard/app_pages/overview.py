@@ -11,7 +11,7 @@ import plotly.express as px
 import streamlit as st
 
 from kvwatch.collectors import queries
-from kvwatch.collectors.config import GatewayLog, Target
+from kvwatch.collectors.config import Config, GatewayLog, Target
 from kvwatch.collectors.redaction import redact
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.ui import Verdict
@@ -103,13 +103,14 @@ def banner(firing: pd.DataFrame) -> None:
 
 
 class Board:
-    """One refresh of the Overview: every number's points over the span, every verdict's states at its end."""
+    """One refresh of the Overview: every number's points over the span, every verdict's states at its end,
+    in `cluster` (else the picked one)."""
 
-    def __init__(self, over: data.Span):
+    def __init__(self, over: data.Span, shown: tuple[Shown, ...] = SHOWN, cluster: str | None = None):
         self.over = over
-        self.results = {shown.query: data.series(shown.query, over) for shown in SHOWN}
+        self.results = {s.query: data.series(s.query, over, cluster) for s in shown}
         self.states = {
-            shown.verdict.state: data.instant(shown.verdict.state, over) for shown in SHOWN if shown.verdict
+            s.verdict.state: data.instant(s.verdict.state, over, cluster) for s in shown if s.verdict
         }
 
     def failed(self) -> bool:
@@ -131,9 +132,9 @@ class Board:
         ui.tile(shown.label, self.points(shown, **labels), self.over.end, shown.unit, verdict, shown.help)
 
 
-def cached_by_source(over: data.Span) -> None:
+def cached_by_source(over: data.Span, cluster: str | None) -> None:
     """The delivered ratio split by where the cached KV came from, where the engines say."""
-    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, over)
+    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, over, cluster)
     with st.container(border=True):
         st.markdown("**Cached prompt tokens by source**")
         if ui.failed(shares):
@@ -144,6 +145,22 @@ def cached_by_source(over: data.Span) -> None:
         for row in shares.value.sort_values("value", ascending=False).itertuples():
             st.markdown(f"{row.source}: {row.value:.0%}")
         st.caption(f"Each source's share of all prompt tokens, over {queries.WINDOW}.")
+
+
+def cache_reuse(board: Board, cluster: str | None) -> None:
+    """The hit ratios and where the cached KV came from, of `cluster` alone when given."""
+    if cluster is not None:
+        board = Board(board.over, (CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO), cluster)
+        if board.failed():
+            return
+        st.subheader(f"Cluster {cluster}")
+    hit_ratio, local, sources = st.columns(3)
+    with hit_ratio:
+        board.tile(CLUSTER_HIT_RATIO)
+    with local:
+        board.tile(LOCAL_HIT_RATIO)
+    with sources:
+        cached_by_source(board.over, cluster)
 
 
 def sticky_words(expected: bool) -> str:
@@ -174,10 +191,18 @@ def gateway_log(board: Board, log: GatewayLog) -> None:
             board.tile(MOVED_BY_FAILOVER, log=log.name, listener=listener, failover="true")
 
 
-def changes(board: Board, targets: tuple[Target, ...], logs: tuple[GatewayLog, ...]) -> None:
+def per_cluster(name: str, points: pd.DataFrame, label: str) -> dict[str, pd.DataFrame]:
+    """A cluster-wide number's points as one line per cluster where they carry the cluster label."""
+    if label not in points or points[label].nunique() < 2:
+        return {name: points}
+    return {f"{cluster}: {name}": group for cluster, group in points.groupby(label)}
+
+
+def changes(board: Board, config: Config) -> None:
     """The numbers the alerts watch over the range on one chart, with the faults and alerts marked."""
-    lines = {"cluster hit ratio": board.points(CLUSTER_HIT_RATIO)}
-    lines |= {"local lookup ratio": board.points(LOCAL_HIT_RATIO)}
+    targets, logs = config.targets, config.gateway_logs
+    lines = per_cluster("cluster hit ratio", board.points(CLUSTER_HIT_RATIO), config.cluster_label)
+    lines |= per_cluster("local lookup ratio", board.points(LOCAL_HIT_RATIO), config.cluster_label)
     lines |= {
         f"{t.name}: sessions on one replica": board.points(STICKY, target=t.name)
         for t in targets
@@ -211,13 +236,8 @@ def overview() -> None:
     with top:
         banner(firing.value)
     st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {redact(config.value.prometheus.url)}.")
-    hit_ratio, local, sources = st.columns(3)
-    with hit_ratio:
-        board.tile(CLUSTER_HIT_RATIO)
-    with local:
-        board.tile(LOCAL_HIT_RATIO)
-    with sources:
-        cached_by_source(over)
+    for cluster in data.clusters_apart():
+        cache_reuse(board, cluster)
 
     targets, logs = config.value.targets, config.value.gateway_logs
     st.header("Do sessions stay on their replica?")
@@ -229,7 +249,7 @@ def overview() -> None:
         ui.empty(f"No gateway logs in {data.config_path()}: add one to watch real sessions.")
     for log in logs:
         gateway_log(board, log)
-    changes(board, targets, logs)
+    changes(board, config.value)
 
 
 st.title("Overview")

@@ -330,28 +330,24 @@ def _scale(state_dir: Path) -> float:
     return json.loads((state_dir / "state.json").read_text()).get("rule_time_scale", 1)
 
 
-def unresolved(alerts: list[dict], healed: float) -> set[str]:
-    """The label sets of the alerts that fired but whose resolution has not reached the webhook since the
-    heal: one still firing would carry the next fault's alert of the same labels, sent again only after
-    the route's repeat_interval."""
-    fired = {json.dumps(a["labels"], sort_keys=True) for a in alerts if a["status"] == "firing"}
-    resolved = {
-        json.dumps(a["labels"], sort_keys=True)
-        for a in alerts
-        if a["status"] == "resolved" and a["received_at"] >= healed
+def unresolved(alerts: list[dict]) -> set[str]:
+    """The label sets whose latest notification at the webhook says firing: one still firing would carry
+    the next fault's alert of the same labels, sent again only after the route's repeat_interval."""
+    latest = {
+        json.dumps(a["labels"], sort_keys=True): a["status"]
+        for a in sorted(alerts, key=lambda a: a["received_at"])
     }
-    return fired - resolved
+    return {labels for labels, status in latest.items() if status == "firing"}
 
 
 def _heal_until_resolved(state_dir: Path, since: float, names: set[str | None]) -> None:
     """Heal, then wait until every alert of these names that fired since `since` has been sent resolved
     to the webhook (others may stay: the gateway-spread alert a break raises on the real users' sessions
     holds until they leave its 10-minute window, and holds no probe alert back)."""
-    healed = time.time()
     if (result := _kvwatch("lab", "heal", "--state-dir", str(state_dir))).returncode != 0:
         raise RuntimeError(f"heal failed: {result.stderr[-2000:]}")
     deadline = time.monotonic() + QUIET_TIMEOUT_S
-    while left := unresolved([a for a in _alerts(state_dir, since) if a["alertname"] in names], healed):
+    while left := unresolved([a for a in _alerts(state_dir, since) if a["alertname"] in names]):
         if time.monotonic() > deadline:
             raise RuntimeError(f"alerts still unresolved {QUIET_TIMEOUT_S} s after heal: {sorted(left)}")
         time.sleep(2)

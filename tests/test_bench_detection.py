@@ -113,19 +113,19 @@ def test_the_floor_follows_the_labs_rule_time_scale(tmp_path):
 
 
 FIRING = {"status": "firing", "labels": {"alertname": "KVWatchSessionAffinityBroken"}, "received_at": 100.0}
+RESOLVED = {**FIRING, "status": "resolved", "received_at": 105.0}
 
 
-def test_an_alert_quiet_in_prometheus_but_not_yet_resolved_at_the_webhook_holds_the_next_fault():
+def test_an_alert_whose_resolution_has_not_reached_the_webhook_holds_the_next_fault():
     # Still firing (keep_firing_for), it would carry the next fault's alert of the same labels, which
     # Alertmanager sends again only after the route's repeat_interval (6 min when fast).
-    assert unresolved([FIRING], healed=110.0) == {'{"alertname": "KVWatchSessionAffinityBroken"}'}
-    resolved_before_heal = {**FIRING, "status": "resolved", "received_at": 105.0}
-    assert unresolved([FIRING, resolved_before_heal], healed=110.0)
+    assert unresolved([FIRING]) == {'{"alertname": "KVWatchSessionAffinityBroken"}'}
+    assert unresolved([{**FIRING, "received_at": 110.0}, RESOLVED])  # resolved, then fired again
 
 
-def test_an_alert_resolved_at_the_webhook_after_the_heal_lets_the_next_fault_start():
-    resolved = {**FIRING, "status": "resolved", "received_at": 120.0}
-    assert unresolved([FIRING, resolved], healed=110.0) == set()
+def test_an_alert_resolved_at_the_webhook_lets_the_next_fault_start_even_before_the_heal():
+    # A replica restart's TargetDown resolves on its own, before the heal.
+    assert unresolved([RESOLVED, FIRING]) == set()
 
 
 def test_an_unexpected_alert_is_named_with_the_replica_it_is_about():

@@ -93,7 +93,7 @@ def generated_files(
     rule_files = queries.rule_files(cluster_label)
     files = {path: rule_file(group, rules) for path, (group, rules) in rule_files.items()}
     files["deploy/k8s/prometheusrule.yaml"] = prometheus_rule(rule_files)
-    files |= grafana.dashboard_files()
+    files |= grafana.dashboard_files(cluster_label)
     return {path: text.replace(queries.RUNBOOK_URL, runbook_url) for path, text in files.items()}
 
 

@@ -26,6 +26,7 @@ import pytest
 
 from conftest import REPO
 from kvwatch.collectors import grafana, promql, queries
+from kvwatch.collectors.generate import generated_files
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -347,7 +348,9 @@ def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
 
 
 def test_the_cluster_label_is_the_generators_to_set():
-    for name, text in grafana.dashboard_files("region").items():
+    boards = {name: text for name, text in generated_files(cluster_label="region").items() if ".json" in name}
+    assert len(boards) == 2 * len(grafana.BOARDS)
+    for name, text in boards.items():
         board = json.loads(text)
         assert unnarrowed(board, "region") == [], name
         assert 'cluster=~"$cluster"' not in text, name

@@ -106,10 +106,12 @@ class Workload:
 class Load:
     """How the sessions arrive, the same for both routes.
 
-    Without a rate, every session arrives at the start and `concurrency` run at a time per route (a
-    closed loop, 1 by default). With `request_rate`, sessions arrive at that rate per route with
-    exponential gaps (a Poisson process, as vLLM's benchmark_serving sends requests), seeded, at most
-    `concurrency` in flight per route when it is given.
+    With neither setting, one session at a time over both routes, in `interleave` order: no request
+    ever waits behind the other route's, as the source article's comparison of prefill times needs.
+    With `concurrency` alone, every session arrives at the start and each route runs that many at a
+    time (a closed loop). With `request_rate`, sessions arrive at that rate per route with exponential
+    gaps (a Poisson process, as vLLM's benchmark_serving sends requests), seeded, at most `concurrency`
+    in flight per route when it is given.
     """
 
     concurrency: int | None = None
@@ -121,6 +123,11 @@ class Load:
             raise ValueError("concurrency must be positive")
         if self.request_rate is not None and not 0 < self.request_rate < math.inf:
             raise ValueError("request rate must be a positive number of sessions per second")
+
+    @property
+    def one_at_a_time(self) -> bool:
+        """One session in flight over both routes together (neither setting given)."""
+        return self.concurrency is None and self.request_rate is None
 
     def in_flight(self, sessions: int) -> int:
         """The most sessions one route runs at a time."""
@@ -138,8 +145,10 @@ class Load:
 
     def describe(self) -> str:
         cap = "no cap" if self.concurrency is None else f"at most {self.concurrency} in flight per route"
+        if self.one_at_a_time:
+            return "interleaved session by session, one at a time over both routes"
         if self.request_rate is None:
-            return f"all arriving at the start, {self.concurrency or 1} at a time per route"
+            return f"all arriving at the start, {self.concurrency} at a time per route"
         return f"arriving at {self.request_rate:g} per second per route (Poisson, seed {self.seed}), {cap}"
 
 
@@ -192,7 +201,8 @@ def run_experiment(
     """Every conversation through A and through B, arriving for both as `load` says.
 
     Each route has its own `load.in_flight` workers taking its sessions in arrival order, so a slow
-    route never holds the other back and its throughput is its own. Each route's `target` is its label.
+    route never holds the other back and its throughput is its own; one worker serves both when
+    `load.one_at_a_time`. Each route's `target` is its label.
     A session never raises (see the probe); failures are in the results. The KV block size is learned
     from `block_sources` (by default both routes' /metrics) and the sessions of both routes.
     `on_session` is told of each session as it ends (a progress line).
@@ -209,27 +219,29 @@ def run_experiment(
     async def run() -> None:
         # One pool per route, so that one route's sessions do not close the other's kept-alive connections.
         async with StreamClient() as client_a, StreamClient() as client_b:
-            clients, arrived = (client_a, client_b), (asyncio.Queue(), asyncio.Queue())
+            clients = (client_a, client_b)
+            queues = [asyncio.Queue() for _ in range(1 if load.one_at_a_time else 2)]
             loop = asyncio.get_running_loop()
             start = loop.time()
 
             async def arrive() -> None:
                 for conversation, route in interleave(len(conversations)):
                     await asyncio.sleep(start + arrivals[conversation] - loop.time())
-                    arrived[route].put_nowait(conversation)
-                for queue in arrived:
+                    queues[route % len(queues)].put_nowait((conversation, route))
+                for queue in queues:
                     for _ in range(workers):
                         queue.put_nowait(None)
 
-            async def worker(route: int) -> None:
-                while (conversation := await arrived[route].get()) is not None:
+            async def worker(queue: asyncio.Queue) -> None:
+                while (arrived := await queue.get()) is not None:
+                    conversation, route = arrived
                     tagged = tag(conversations[conversation], run_id, route)
                     session = await run_session(clients[route], routes[route], tagged)
                     results[route][conversation] = session
                     if on_session is not None:
                         on_session(session)
 
-            await asyncio.gather(arrive(), *(worker(route) for route in (0, 1) for _ in range(workers)))
+            await asyncio.gather(arrive(), *(worker(queue) for queue in queues for _ in range(workers)))
         sources = block_sources or blocksize.sources_for([a.base_url, b.base_url])
         return await blocksize.learn(sources, [*results[0], *results[1]])
 
@@ -622,7 +634,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--concurrency",
         type=int,
         metavar="N",
-        help="sessions in flight per route (default 1, or no cap with --request-rate)",
+        help="sessions in flight per route; default: no cap with --request-rate, else one session at a "
+        "time over both routes, interleaved",
     )
     parser.add_argument(
         "--request-rate",

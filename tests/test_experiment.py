@@ -313,7 +313,8 @@ def test_poisson_arrivals_are_seeded_start_at_once_and_have_exponential_gaps():
 
 
 def test_sessions_in_flight_per_route():
-    assert Load().in_flight(10) == 1  # one at a time, as before there was a load to choose
+    assert Load().in_flight(10) == 1 and Load().one_at_a_time  # and one at a time over both routes
+    assert not Load(concurrency=1).one_at_a_time and not Load(request_rate=1.0).one_at_a_time
     assert Load(concurrency=4).in_flight(10) == 4 and Load(concurrency=40).in_flight(10) == 10
     assert Load(request_rate=2.0).in_flight(10) == 10  # no cap: every arrival starts at once
     assert Load(concurrency=3, request_rate=2.0).in_flight(10) == 3
@@ -384,6 +385,25 @@ def test_sessions_are_handed_out_in_interleaved_order_when_both_routes_have_room
     assert starts == interleave(SESSIONS)
 
 
+def test_without_a_load_one_session_runs_at_a_time_over_both_routes(monkeypatch):
+    """Each session ends before the next starts, in interleaved order."""
+    events = []
+
+    async def fake_session(client, settings, conversation):
+        events.append(("start", settings.target))
+        await asyncio.sleep(0.001)
+        events.append(("end", settings.target))
+        return session(settings.target, round_(1))
+
+    monkeypatch.setattr(experiment_module, "run_session", fake_session)
+    a, b = (ProbeSettings(f"http://{label}.example", "m", target=label) for label in "ab")
+    conversations = [Conversation("system", ("turn", "next"))] * SESSIONS
+    sources = BlockSizeSources(override=BlockSize(16, "--block-size"))
+    run_experiment(a, b, conversations, Load(), block_sources=sources)
+    order = ["ab"[route] for _, route in interleave(SESSIONS)]
+    assert events == [(kind, label) for label in order for kind in ("start", "end")]
+
+
 def load_experiment() -> Experiment:
     """Route A: two sessions of two rounds over 4 s on r1 and r2; B: one session of two rounds on r3."""
     a = [
@@ -433,7 +453,7 @@ def test_the_report_shows_throughput_tail_ttft_and_replica_load():
     assert lines[lines.index("| replica | round_robin | affinity |") + 2 :] == [
         "| r1 | 1 | 0 |", "| r2 | 2 | 0 |", "| r3 | 0 | 2 |", "| unknown | 1 | 2 |",
     ]  # fmt: skip
-    assert "all arriving at the start, 1 at a time per route" in markdown
+    assert "interleaved session by session, one at a time over both routes" in markdown
     header = next(line for line in lines if line.startswith("| round |"))
     assert header.endswith("| round_robin p99 TTFT [95 % CI] | affinity p99 TTFT [95 % CI] |")
     round_2 = next(line for line in lines if line.startswith("| 2 |"))
@@ -530,16 +550,11 @@ def test_cli_writes_every_file(run):
 
 
 @pytest.mark.integration
-def test_cli_runs_the_same_conversations_through_both_routes_one_at_a_time_each(run):
+def test_cli_runs_the_same_conversations_through_both_routes_interleaved(run):
     raw = pd.read_csv(run[1] / FILES["raw"])
-    assert list(raw.drop_duplicates("order")["order"]) == list(range(2 * SESSIONS))
-    for _, rounds in raw.groupby("route"):
-        rounds = rounds.sort_values("started_at")
-        # In conversation order, each session starting once the one before it has ended.
-        assert list(rounds.drop_duplicates("conversation")["conversation"]) == list(range(SESSIONS))
-        ends = (rounds["started_at"] + rounds["total_seconds"]).groupby(rounds["conversation"]).max()
-        starts = rounds.groupby("conversation")["started_at"].min()
-        assert (starts.iloc[1:].to_numpy() >= ends.iloc[:-1].to_numpy()).all()
+    starts = raw[raw["round"] == 1].sort_values("started_at")
+    plan = [("round_robin", "affinity")[route] for _, route in interleave(SESSIONS)]
+    assert list(starts["route"]) == plan and list(starts["order"]) == list(range(2 * SESSIONS))
     # Same conversations: every round's prompt is as long through A as through B.
     lengths = raw.pivot(index=["conversation", "round"], columns="route", values="prompt_tokens")
     assert (lengths["round_robin"] == lengths["affinity"]).all()

@@ -1,7 +1,7 @@
 """The source article's A/B experiment, reproduced in the lab through real nginx with `kvwatch experiment`.
 
 Twenty sessions of six rounds with a growing history go through each listener, the same conversations
-side by side: group A round robin, group B affinity. Round robin's TTFT grows with the history; affinity's
+interleaved: group A round robin, group B affinity. Round robin's TTFT grows with the history; affinity's
 stays near round 1's from round 2 on, and the replicas' own records show the cache reuse. Its report and
 plot land in test-artifacts/lab-experiment/ (the README shows one such run's, from docs/). The same lab
 then runs `kvwatch experiment` under load: several sessions in flight per route.
@@ -29,8 +29,9 @@ from kvwatch.collectors.probe import ProbeSettings
 
 pytestmark = pytest.mark.integration
 
-# One session at a time per route: round robin then visits a new replica every round, as random
-# balancing over many replicas would, and little queueing blurs the prefill times being compared.
+# One session at a time over both routes (the default load): round robin then visits a new replica
+# every round, as random balancing over many replicas would, and no queueing blurs the prefill times
+# being compared.
 REPLICAS, TIME_SCALE = 8, 0.5
 WORKLOAD = Workload(sessions=20, rounds=6, system_tokens=1000, turn_tokens=300, seed=7)
 ARTIFACTS = REPO / "test-artifacts" / "lab-experiment"
@@ -67,7 +68,7 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(lab):
         ProbeSettings(url, "lab-model", target=label, route_mode=label, session_mode="server", max_tokens=8)
         for url, label in ((lab.round_robin, "round_robin"), (lab.affinity, "affinity"))
     )
-    experiment = run_experiment(rr, affinity, WORKLOAD.conversations(), Load(concurrency=1))
+    experiment = run_experiment(rr, affinity, WORKLOAD.conversations())
     about = [
         WORKLOAD.describe(),
         f"The lab: {REPLICAS} replicas behind nginx, replica time scale {TIME_SCALE} "

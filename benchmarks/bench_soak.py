@@ -89,7 +89,7 @@ def run(minutes: float = MINUTES) -> str:
                 time.sleep(min(SAMPLE_SECONDS, max(0.0, duration - elapsed)))
             ended = time.time()
             with Store(state_dir / "kvwatch.db", readonly=True) as store:
-                webhook = {a["alertname"] for a in store.alerts(since=started, status="firing")}
+                webhook = {a["alertname"] for a in store.alerts(status="firing")}  # since the lab began
             near = _pending_in_prometheus(status["prometheus"], started, ended)
         finally:
             _kvwatch("lab", "down", "--state-dir", str(state_dir))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch
+from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group
 from kvwatch.collectors import queries
 from kvwatch.lab.configs import scale_durations
 
@@ -81,6 +82,12 @@ def replica_urls(lab: Lab) -> dict[str, str]:
     return {r["id"]: r["url"] for r in lab.cli("status", "--json").json["replicas"]}
 
 
+def vllm_processes(leader: int) -> list[str]:
+    """The titles vLLM gave the processes it started in the process group of an engine's server."""
+    titles = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in processes_in_group(leader)]
+    return sorted(title.decode() for title in titles if title.startswith(b"VLLM::"))
+
+
 def test_lab_serves_real_vllm(vllm_lab: Lab):
     status = vllm_lab.status
     assert status["engine"] == "vllm" and status["model"] == "lab-model"
@@ -90,6 +97,9 @@ def test_lab_serves_real_vllm(vllm_lab: Lab):
         assert cache_config(url)["enable_prefix_caching"] == "True"
     models = http_get(f"{vllm_lab.affinity}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == ["lab-model"]
+    # One engine process each, with the model in it: no worker process to import vLLM a third time.
+    for replica in ("r1", "r2"):
+        assert vllm_processes(status["processes"][f"replica-{replica}"]) == ["VLLM::EngineCore"], replica
 
 
 def test_probe_through_affinity_is_sticky_and_reuses_all_it_could(vllm_lab: Lab):

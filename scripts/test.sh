@@ -2,15 +2,15 @@
 # The whole suite, as `make test` and CI run it, in two lanes side by side. The real-vLLM tests mostly
 # wait for engines to start, restart and be scraped: they run in a pytest of their own pinned to the last
 # core (their engines with it), then the alert and rule tests, which mostly wait for Prometheus, and the
-# Envoy lab's, on every core; the rest runs beside them. On a single core the lanes run one after the
-# other. Fails if any part failed.
+# Envoy and multi-cluster labs', on every core; the rest runs beside them. On a single core the lanes
+# run one after the other. Fails if any part failed.
 #   usage: sh scripts/test.sh PYTHON
 set -u
 
 python=$1
 vllm_tests="tests/test_vllm_contract.py tests/test_vllm_lab.py"
 after_vllm="tests/test_alerts_lab.py tests/test_rules_lab.py tests/test_router_prediction.py tests/test_lab_envoy.py
-    tests/test_lab_envoy_maglev.py"
+    tests/test_lab_envoy_maglev.py tests/test_lab_clusters.py"
 log=test-artifacts/beside.log
 last_core=$(($(nproc) - 1))
 pin=""

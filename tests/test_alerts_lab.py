@@ -12,21 +12,29 @@ import time
 
 import pytest
 
+from conftest import Lab
 from kvwatch.collectors.store import Store
 
 pytestmark = pytest.mark.integration
 
 WAIT_S = 90
+# Eight users, so that their prompt tokens outweigh the probes' (every 5 s with --fast, and untouched by
+# the dynamic-prefix fault): the fault takes the cluster ratio from 0.8 to below 0.3, well under half of
+# its past; with four users it fell only to about 0.34, at the alert's threshold.
+LAB_OPTIONS = ("--replicas", "4", "--users", "8", "--think", "0.2",
+               "--time-scale", "0.3", "--rule-time-scale", "0.1")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def lab(start_lab):
-    # Eight users, so that their prompt tokens outweigh the probes' (every 5 s with --fast, and untouched
-    # by the dynamic-prefix fault): the fault takes the cluster ratio from 0.8 to below 0.3, well under
-    # half of its past; with four users it fell only to about 0.34, at the alert's threshold.
-    return start_lab(
-        "--replicas", "4", "--users", "8", "--think", "0.2", "--time-scale", "0.3", "--rule-time-scale", "0.1"
-    )
+def healthy_lab(start_lab) -> Lab:
+    """The healthy baseline's lab, then, once the fault tests have spent two minutes in a lab of their
+    own, the dynamic-prefix test's: its alert compares with a past that no other fault lowered."""
+    return start_lab(*LAB_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab) -> Lab:
+    return start_lab(*LAB_OPTIONS)
 
 
 def received(lab, since: float) -> list[dict]:
@@ -60,25 +68,14 @@ def heal(lab) -> float:
     return started
 
 
-def test_a_healthy_lab_with_a_replica_restart_raises_only_watchdog(lab):
+def test_a_healthy_lab_with_a_replica_restart_raises_only_watchdog(healthy_lab):
     since = time.time()
-    wait_for(lab, since - 60, "Watchdog", "firing")
+    wait_for(healthy_lab, since - 60, "Watchdog", "firing")
     time.sleep(15)
-    fault(lab, "restart-replica", "r4")
+    fault(healthy_lab, "restart-replica", "r4")
     time.sleep(30)  # five production minutes at this rule time scale
-    others = {a["alertname"] for a in received(lab, since)} - {"Watchdog"}
+    others = {a["alertname"] for a in received(healthy_lab, since)} - {"Watchdog"}
     assert others == set()
-
-
-def test_a_dynamic_prompt_prefix_fires_hit_rate_drop(lab):
-    # The alert compares the ratio with its own recent past (an hour before the last 10 minutes, in
-    # production; 6 minutes before the last minute here): give the lab some past first. It runs right
-    # after the healthy baseline, so that no other fault's lower hit ratio is part of that past.
-    time.sleep(max(0.0, lab.started_at + 120 - time.time()))
-    since = fault(lab, "dynamic-prefix")
-    wait_for(lab, since, "KVWatchPrefixCacheHitRateDrop", "firing", scope="cluster")
-    healed = heal(lab)
-    wait_for(lab, healed, "KVWatchPrefixCacheHitRateDrop", "resolved", scope="cluster")
 
 
 def test_affinity_prefix_cache_and_replica_faults_fire_and_resolve(lab):
@@ -108,3 +105,14 @@ def test_hashing_the_request_id_fires_affinity_broken(lab):
     wait_for(lab, since, "KVWatchSessionAffinityBroken", "firing", target="lab-affinity")
     healed = heal(lab)
     wait_for(lab, healed, "KVWatchSessionAffinityBroken", "resolved", target="lab-affinity")
+
+
+def test_a_dynamic_prompt_prefix_fires_hit_rate_drop(healthy_lab):
+    # The alert compares the ratio with its own recent past (an hour before the last 10 minutes, in
+    # production; 6 minutes before the last minute here): two minutes of the healthy lab's, spent by the
+    # time the fault tests are done, and no other fault's lower hit ratio is part of it.
+    time.sleep(max(0.0, healthy_lab.started_at + 120 - time.time()))
+    since = fault(healthy_lab, "dynamic-prefix")
+    wait_for(healthy_lab, since, "KVWatchPrefixCacheHitRateDrop", "firing", scope="cluster")
+    healed = heal(healthy_lab)
+    wait_for(healthy_lab, healed, "KVWatchPrefixCacheHitRateDrop", "resolved", scope="cluster")

@@ -75,7 +75,9 @@ def test_the_default_lab_shows_round_robin_cold_and_affinity_warm(start_lab):
     truth = ground_truth_by_session(lab)
     rr_cached, rr_ratio = warm_rounds(sessions["lab-round-robin"], truth)
     affinity_cached, affinity_ratio = warm_rounds(sessions["lab-affinity"], truth)
-    assert rr_cached < 0.25 and rr_ratio > 0.8, (rr_cached, rr_ratio)
+    # Round robin's warm rounds still find the shared system prompt, and now and then a session's own
+    # first round (see above): a share of affinity's at most, and no faster than round 1.
     assert affinity_cached > 0.8 and affinity_ratio < 0.5, (affinity_cached, affinity_ratio)
+    assert rr_cached < affinity_cached / 2 and rr_ratio > 0.8, (rr_cached, rr_ratio)
     exported = exported_warm_cold_ratios(lab)
     assert exported["lab-round-robin"] > 0.8 and exported["lab-affinity"] < 0.5, exported

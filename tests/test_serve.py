@@ -268,11 +268,11 @@ def probed_targets(url: str, timeout: float = 15) -> set[str]:
         time.sleep(0.2)
 
 
-def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Path):
-    """Two `kvwatch serve --shard` processes of one config: each exports exactly its hashmod share, and
-    every round the engine answered for a target is one that target's shard stored."""
-    engine = StallingEngine()
-    names = [f"route-{i}" for i in range(6)]
+def run_two_shards(
+    tmp_path: Path, engine: StallingEngine, names: list[str], store: dict | None = None, settle_s: float = 0
+) -> list[set[str]]:
+    """Runs `kvwatch serve --shard 0/2` and `1/2` over one target per name until each exports its first
+    runs, then `settle_s` more, and stops them: the targets each exported."""
     targets = [
         {**stalling_target(engine), "name": name, "base_url": f"{engine.url}/{name}"} for name in names
     ]
@@ -280,13 +280,25 @@ def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Pa
     try:
         for index in range(2):
             (tmp_path / str(index)).mkdir()
-            shards.append(start_serve(tmp_path / str(index), targets, "--shard", f"{index}/2"))
+            shards.append(start_serve(tmp_path / str(index), targets, "--shard", f"{index}/2", store=store))
         exported = [probed_targets(url) for _, url, _ in shards]
+        time.sleep(settle_s)
         for process, _, log in shards:
             terminate(process, log)
     finally:
         for process, *_ in shards:
             stop(process)
+    return exported
+
+
+def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Path):
+    """Two `kvwatch serve --shard` processes of one config: each exports exactly its hashmod share, and
+    every round the engine answered for a target is one that target's shard stored."""
+    engine = StallingEngine()
+    names = [f"route-{i}" for i in range(6)]
+    try:
+        exported = run_two_shards(tmp_path, engine, names)
+    finally:
         engine.close()
     assert exported == [{n for n in names if shard.hashmod(n, 2) == i} for i in range(2)]
     stored = Counter()
@@ -305,22 +317,9 @@ def test_two_shards_write_one_postgresql_history_that_the_dashboard_shows(tmp_pa
     history = {"url": postgres.new_database(), "password_env": "KVWATCH_TEST_STORE_PASSWORD"}
     engine = StallingEngine()
     names = [f"route-{i}" for i in range(6)]
-    targets = [
-        {**stalling_target(engine), "name": name, "base_url": f"{engine.url}/{name}"} for name in names
-    ]
-    shards: list[tuple[subprocess.Popen, str, Path]] = []
     try:
-        for index in range(2):
-            (tmp_path / str(index)).mkdir()
-            shards.append(start_serve(tmp_path / str(index), targets, "--shard", f"{index}/2", store=history))
-        for _, url, _ in shards:
-            probed_targets(url)
-        time.sleep(2)  # two more intervals
-        for process, _, log in shards:
-            terminate(process, log)
+        run_two_shards(tmp_path, engine, names, store=history, settle_s=2)  # two more intervals
     finally:
-        for process, *_ in shards:
-            stop(process)
         engine.close()
     with Store(history["url"], readonly=True, password=PASSWORD) as store:
         sessions, rounds = store.sessions(), store.rounds(columns=("target",))

@@ -268,6 +268,14 @@ def probed_targets(url: str, timeout: float = 15) -> set[str]:
         time.sleep(0.2)
 
 
+def assert_stored_all_but_the_rounds_cut_off(asked: Counter[str], stored: Counter[str]) -> None:
+    """Every round the engine was asked is stored, but for the one round per target (one session a run,
+    its rounds in turn) that the stop may cut off between the engine's answer and the probe's reading
+    it: runs start at their targets' phases, so some run is in flight whenever the shards stop."""
+    assert set(asked) == set(stored), (asked, stored)
+    assert all(asked[path] - 1 <= stored[path] <= asked[path] for path in asked), (asked, stored)
+
+
 def run_two_shards(
     tmp_path: Path, engine: StallingEngine, names: list[str], store: dict | None = None, settle_s: float = 0
 ) -> list[set[str]]:
@@ -306,7 +314,7 @@ def test_two_shards_probe_each_of_six_targets_from_one_process_only(tmp_path: Pa
         with Store(tmp_path / str(index) / "kvwatch.db", readonly=True) as store:
             stored.update(f"/{r['target']}/v1/chat/completions" for r in store.rounds())
     assert set(engine.asked) == {f"/{n}/v1/chat/completions" for n in names}
-    assert engine.asked == stored
+    assert_stored_all_but_the_rounds_cut_off(engine.asked, stored)
 
 
 def test_two_shards_write_one_postgresql_history_that_the_dashboard_shows(tmp_path, postgres, monkeypatch):
@@ -329,7 +337,9 @@ def test_two_shards_write_one_postgresql_history_that_the_dashboard_shows(tmp_pa
     assert set(starts) == set(names)
     gaps = [later - earlier for times in starts.values() for earlier, later in pairwise(times)]
     assert all(len(times) >= 2 for times in starts.values()) and min(gaps) > 0.5, starts
-    assert engine.asked == Counter(f"/{r['target']}/v1/chat/completions" for r in rounds)
+    assert_stored_all_but_the_rounds_cut_off(
+        engine.asked, Counter(f"/{r['target']}/v1/chat/completions" for r in rounds)
+    )
 
     monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(tmp_path / "0" / "kvwatch.yaml")])
     st.cache_data.clear()

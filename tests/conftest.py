@@ -203,12 +203,37 @@ def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30
     raise TimeoutError(f"router not ready with {healthy_workers} workers within {timeout} s (last: {last})")
 
 
+PORT_CLAIMS = Path(os.environ.get("TMPDIR", "/tmp")) / "kvwatch-test-port-blocks"
+
+
+def _claim(base: int) -> bool:
+    """Claims a port block for this process, so that a pytest beside it (the other lane) does not pick
+    the block while this one's lab is still starting and has bound none of it. A dead process's claim
+    is taken over."""
+    PORT_CLAIMS.mkdir(exist_ok=True)
+    claim = PORT_CLAIMS / str(base)
+    with contextlib.suppress(FileNotFoundError):
+        owner = claim.read_text()
+        if not owner.isdigit() or owner == str(os.getpid()) or Path(f"/proc/{owner}").exists():
+            return False  # being written, this process's own, or a live one's
+        claim.unlink()
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as file:
+        file.write(str(os.getpid()))
+    return True
+
+
 def free_base_port(span: int = 20) -> int:
-    """A base port whose next `span` ports are all free on 127.0.0.1 (the lab's port block)."""
+    """A base port whose next `span` ports are all free on 127.0.0.1 (the lab's port block), claimed."""
     rng = random.Random()
     for _ in range(50):
         # Below 32768: above it, Linux hands out ephemeral ports for outgoing connections.
         base = rng.randrange(20000, 32000, 100)
+        if not _claim(base):
+            continue
         sockets = []
         try:
             for port in range(base, base + span):

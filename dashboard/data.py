@@ -438,6 +438,8 @@ class Report:
     directory: Path
     markdown: str
     plot: bytes | None  # the PNG, when it was drawn
+    load: pd.DataFrame | None = None  # load.csv: throughput and TTFT per route; None in older reports
+    replicas: pd.DataFrame | None = None  # replicas.csv: the requests each replica served per route
 
 
 def report_directory(name: str) -> Result:
@@ -460,28 +462,41 @@ def report_directory(name: str) -> Result:
 @_cached
 def experiment_report(directory: Path) -> Result:
     """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
-    report, plot = directory / experiment.FILES["report"], directory / experiment.FILES["png"]
-    if not report.exists():
+    files = {name: directory / experiment.FILES[name] for name in ("report", "png", "load", "replicas")}
+    if not files["report"].exists():
         return Result(None)
     try:
-        markdown = report.read_text(encoding="utf-8")
-        return Result(Report(directory, markdown, plot.read_bytes() if plot.is_file() else None))
-    except (OSError, UnicodeDecodeError) as error:
+        markdown = files["report"].read_text(encoding="utf-8")
+        plot = files["png"].read_bytes() if files["png"].is_file() else None
+        load, replicas = (pd.read_csv(files[n]) if files[n].is_file() else None for n in ("load", "replicas"))
+        return Result(Report(directory, markdown, plot, load, replicas))
+    except (OSError, UnicodeDecodeError, ValueError) as error:  # pandas' parse errors are ValueErrors
         return Result(error=f"Cannot read the experiment report in {directory}: {error}")
 
 
-def run_experiment(a: Target, b: Target, out: Path, sessions: int, rounds: int, seed: int) -> Result:
-    """The A/B experiment of two configured targets, written into `out` (from `report_directory`). Each
-    route gets only its own URL, API key and session settings from the config. The value says what
-    went wrong with failed sessions, [] when none failed. Not cached: it measures."""
+def run_experiment(
+    a: Target,
+    b: Target,
+    out: Path,
+    sessions: int,
+    rounds: int,
+    seed: int,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+) -> Result:
+    """The A/B experiment of two configured targets, written into `out` (from `report_directory`), under
+    the load `kvwatch experiment --concurrency --request-rate` sets. Each route gets only its own URL, API
+    key and session settings from the config. The value says what went wrong with failed sessions, []
+    when none failed. Not cached: it measures."""
     config = settings()
     if config.error:
         return config
     try:
         routes = [probe_settings(target, resolve_api_key(target)) for target in (a, b)]
         workload = experiment.Workload(sessions, rounds, seed=seed)
+        load = experiment.Load(concurrency, request_rate, seed)
         sources = blocksize.sources_for([a.base_url, b.base_url], config.value.prometheus.url)
-        ran, markdown = experiment.run_into(*routes, workload, out, block_sources=sources)
+        ran, markdown = experiment.run_into(*routes, workload, out, load, block_sources=sources)
     except (ConfigError, ValueError, OSError) as error:
         return Result(error=f"The experiment cannot run: {error}")
     finally:

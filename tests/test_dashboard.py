@@ -26,7 +26,7 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, free_port, stop, wait_http
-from kvwatch.collectors import promql, queries
+from kvwatch.collectors import experiment, promql, queries
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from kvwatch.collectors.records import RoundResult, SessionResult
@@ -309,10 +309,8 @@ class Fake:
         self.reports_read.append(directory)
         return self.report
 
-    def _run_experiment(
-        self, a: Target, b: Target, out: Path, sessions: int, rounds: int, seed: int
-    ) -> Result:
-        self.runs.append((a, b, out, sessions, rounds, seed))
+    def _run_experiment(self, a: Target, b: Target, out: Path, *workload_and_load) -> Result:
+        self.runs.append((a, b, out, *workload_and_load))
         return Result([])
 
     def _run_doctor(self, target: Target, requests_sample: str) -> Result:
@@ -868,7 +866,48 @@ def test_experiment_shows_a_report_and_runs_one(fake):
     at.button[0].click().run()
     assert "Done: the report is below." in texts(at)
     affinity, round_robin = CONFIG.targets
-    assert fake.runs == [(round_robin, affinity, REPORTS, 3, 6, 0)]  # A spreads sessions, B is sticky
+    assert fake.runs == [(round_robin, affinity, REPORTS, 3, 6, 0, None, None)]  # A spreads, B is sticky
+
+
+def test_the_experiment_runs_under_the_load_set(fake):
+    at = open_page("experiment")
+    at.number_input(key="experiment_concurrency").set_value(4)
+    at.number_input(key="experiment_request_rate").set_value(2.5)
+    at.button[0].click().run()
+    affinity, round_robin = CONFIG.targets
+    assert fake.runs == [(round_robin, affinity, REPORTS, 20, 6, 0, 4, 2.5)]
+
+
+LOAD = pd.DataFrame(
+    {"route": ["rr", "aff"], "requests_per_second": [3.21, None], "ttft_median_seconds": [0.04, 0.02],
+     "ttft_p90_seconds": [0.09, 0.03], "ttft_p99_seconds": [0.25, None], "ttft_p99_low_seconds": [0.2, None],
+     "ttft_p99_high_seconds": [0.31, None]}
+)  # fmt: skip
+REPLICAS = pd.DataFrame(
+    {"route": ["rr", "rr", "aff"], "replica": ["r0", "r1", "r0"], "requests": [60, 60, 120]}
+)
+
+
+def test_experiment_shows_each_routes_throughput_and_p99_and_each_replicas_load(fake):
+    fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: rr vs aff\n", None, LOAD, REPLICAS))
+    at = open_page("experiment")
+    assert not at.exception
+    shown = metrics(at)
+    assert shown["rr: requests/s"] == ["3.21"] and shown["aff: requests/s"] == ["-"]
+    assert shown["rr: TTFT p99 (ms)"] == ["250"] and shown["aff: TTFT p99 (ms)"] == ["-"]
+    (p99,) = [m for m in at.metric if m.label == "rr: TTFT p99 (ms)"]
+    assert "interval 200–310 ms; median 40 ms, p90 90 ms" in p99.help
+    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith("experiment_replicas")]
+    bars = json.loads(chart.proto.spec)["data"]
+    bars = {bar["name"]: dict(zip(decoded(bar["x"]), decoded(bar["y"]), strict=True)) for bar in bars}
+    assert bars == {"rr": {"r0": 60, "r1": 60}, "aff": {"r0": 120}}
+
+
+def test_an_older_report_without_load_files_shows_its_markdown_only(fake):
+    fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: a vs b\n", None))
+    at = open_page("experiment")
+    assert not at.exception and not at.metric and not at.get("plotly_chart")
+    assert "## A/B experiment: a vs b" in texts(at)
 
 
 def test_the_experiment_runs_configured_targets_with_their_own_key_sources_only(fake):
@@ -887,7 +926,7 @@ def test_the_experiment_runs_configured_targets_with_their_own_key_sources_only(
     at.selectbox(key="experiment_a").set_value(keyed)
     at.selectbox(key="experiment_b").set_value(filed)
     at.button[0].click().run()
-    assert fake.runs == [(keyed, filed, REPORTS, 20, 6, 0)]  # as configured, key sources and all
+    assert fake.runs == [(keyed, filed, REPORTS, 20, 6, 0, None, None)]  # as configured, key sources and all
 
 
 def test_reports_are_read_and_written_under_the_report_directory_only(fake, tmp_path):
@@ -1210,6 +1249,25 @@ def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
     monkeypatch.delenv("KVWATCH_TEST_KEY", raising=False)
     target = Target("t", "http://127.0.0.1:1", "m", api_key_env="KVWATCH_TEST_KEY")
     assert data.run_doctor(target).error == "target t: environment variable KVWATCH_TEST_KEY is not set"
+
+
+def test_an_experiment_report_reads_the_load_and_replica_files_the_experiment_wrote(tmp_path):
+    files = {name: tmp_path / experiment.FILES[name] for name in ("report", "load", "replicas")}
+    files["report"].write_text("## A/B experiment: rr vs aff\n")
+    assert data.experiment_report(tmp_path).value == data.Report(
+        tmp_path, "## A/B experiment: rr vs aff\n", None
+    )
+    LOAD.to_csv(files["load"], index=False)
+    REPLICAS.to_csv(files["replicas"], index=False)
+    data.experiment_report.clear()
+    report = data.experiment_report(tmp_path).value
+    pd.testing.assert_frame_equal(report.load, LOAD)
+    pd.testing.assert_frame_equal(report.replicas, REPLICAS)
+    files["load"].write_text('route,requests\n"rr,1\n')
+    data.experiment_report.clear()
+    assert data.experiment_report(tmp_path).error.startswith(
+        f"Cannot read the experiment report in {tmp_path}: "
+    )
 
 
 def test_an_experiment_run_reads_each_targets_own_key_and_says_why_it_failed(config_file, monkeypatch):

@@ -1,7 +1,9 @@
 """Two lab clusters feeding one central Prometheus, as Thanos Receive or Mimir users run kvwatch: each
 cluster's Prometheus agent remote-writes with its cluster's name as an external label, the central one
 evaluates kvwatch's rules and alerts the one Alertmanager, which sends to both clusters' kvwatch. A fault
-in cluster a alerts for a only, and each cluster's hit ratio is its own replicas' ground truth.
+in cluster a alerts for a only, and each cluster's hit ratio is its own replicas' ground truth, with
+prefix caching off on one of a's replicas so that the two clusters' ratios are far apart and a ratio
+taking in the other cluster's tokens would show it.
 
 The lab runs with --fast (1 s scrapes and rule evaluations, probes every 5 s) and --rule-time-scale 0.1.
 """
@@ -70,6 +72,15 @@ def broken_since(lab) -> float:
     return since
 
 
+@pytest.fixture(scope="module")
+def caching_off_since(lab, broken_since) -> float:
+    """When one of cluster a's two replicas stopped caching; test_heal_resolves_cluster_as_alert heals it."""
+    since = time.time()
+    result = lab.cli("fault", "disable-prefix-cache", "--replica", "r1", "--cluster", "a")
+    assert result.returncode == 0, result.stderr
+    return since
+
+
 def central_query(lab: Lab, expr: str) -> list[dict]:
     answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": expr}, timeout=10).json()
     return answer["data"]["result"]
@@ -108,11 +119,12 @@ def test_break_affinity_in_cluster_a_alerts_for_a_only_everywhere(lab, clusters,
     assert [float(s["value"][1]) for s in probed] == [1.0]
 
 
-def test_each_clusters_hit_ratio_is_its_own_ground_truth(lab, clusters, broken_since):
-    time.sleep(max(0.0, broken_since + WINDOW_S + 3 - time.time()))  # a window wholly inside the fault
+def test_each_clusters_hit_ratio_is_its_own_ground_truth(lab, clusters, caching_off_since):
+    time.sleep(max(0.0, caching_off_since + WINDOW_S + 3 - time.time()))  # a window wholly inside the faults
     (evaluated,) = central_query(lab, f'timestamp({queries.CLUSTER_HIT_RATIO}{{cluster="a"}})')
     at = float(evaluated["value"][1])
     time.sleep(3)  # until what was counted up to a scrape after it has finished, and so been recorded
+    expected, shown = {}, {}
     for name, cluster in clusters.items():
         served = [
             Served(record, replica["url"].removeprefix("http://"), replica["flavour"])
@@ -120,18 +132,18 @@ def test_each_clusters_hit_ratio_is_its_own_ground_truth(lab, clusters, broken_s
             for record in http_get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
         ]
         window = Window(lab.status["prometheus"], at, served, seconds=WINDOW_S)
-        expected = reuse(window.inside(lambda s: s.tokens_counted_at))
-        assert 0.3 < expected < 1.0  # real reuse happened, so the comparison means something
-        assert window.scalar(queries.CLUSTER_HIT_RATIO, cluster=name) == pytest.approx(
-            expected, abs=TOLERANCE
-        )
+        expected[name] = reuse(window.inside(lambda s: s.tokens_counted_at))
+        shown[name] = window.scalar(queries.CLUSTER_HIT_RATIO, cluster=name)
+    # Real reuse happened in b, and a's uncached replica halved a's: a sum over both would miss each.
+    assert 0.6 < expected["b"] < 1.0 and 0.2 < expected["a"] < expected["b"] - 3 * TOLERANCE, expected
+    assert shown == pytest.approx(expected, abs=TOLERANCE)
 
 
-def test_heal_resolves_cluster_as_alert(lab, clusters, broken_since):
+def test_heal_resolves_cluster_as_alert(lab, clusters, broken_since, caching_off_since):
     healed = time.time()
     result = lab.cli("heal", "--cluster", "a")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("cluster a: healed: break-affinity")
+    assert result.stdout.startswith("cluster a: healed: break-affinity, disable-prefix-cache on r1 (")
     wait_for(clusters["a"], healed, ALERT, "resolved", cluster="a", target="lab-affinity")
     assert not [
         a

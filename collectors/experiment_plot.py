@@ -1,9 +1,9 @@
 """The plot of `kvwatch experiment`: the source article's picture, from the rows of per-round.csv.
 
-Two panels by round, one colour per route: the median TTFT (solid) and the p90 (dashed), each with its
-bootstrap 95 % interval shaded; the cached ratio (solid, cached / prompt tokens) and cached / ideal
-(dashed). `panels` says what is drawn; the PNG and the interactive HTML only draw it, so both show the
-same series and a test can read them off the figures.
+Two panels by round, one colour per route: the median TTFT (solid), the p90 (dashed) and the p99
+(dotted), each with its bootstrap 95 % interval shaded; the cached ratio (solid, cached / prompt
+tokens) and cached / ideal (dashed). `panels` says what is drawn; the PNG and the interactive HTML
+only draw it, so both show the same series and a test can read them off the figures.
 """
 
 from __future__ import annotations
@@ -12,11 +12,25 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 COLOURS = ("#d95f02", "#1b9e77")  # A orange, B teal: ColorBrewer Dark2, safe for colour blindness
-TTFT_TITLE = "Time to first token: median, p90 dashed (shaded: bootstrap 95 % intervals)"
+TTFT_TITLE = "Time to first token: median, p90 dashed, p99 dotted (shaded: bootstrap 95 % intervals)"
 REUSE_TITLE = "Prefix-cache reuse: cached / prompt tokens, cached / ideal dashed"
-BAND_OPACITY = {False: 0.2, True: 0.08}  # solid lines' bands darker than dashed lines'
+
+
+class Style(NamedTuple):
+    png: str  # matplotlib's line style
+    html: str  # plotly's dash
+    band_opacity: float  # the wider the tail's interval, the lighter its band, so the median's stays legible
+
+
+STYLES = {
+    "solid": Style("-", "solid", 0.2),
+    "dashed": Style("--", "dash", 0.08),
+    "dotted": Style(":", "dot", 0.05),
+}
+TTFT_STYLES = {"median": "solid", "p90": "dashed", "p99": "dotted"}
 
 
 @dataclass(frozen=True)
@@ -25,7 +39,7 @@ class Line:
 
     name: str
     colour: str
-    dashed: bool
+    style: str  # a key of STYLES
     rounds: list[int]
     values: list[float]
     low: list[float] | None = None  # the interval, when the figure has one
@@ -46,16 +60,16 @@ def panels(routes: Sequence[tuple[str, str]], rows: list[dict]) -> tuple[Panel, 
     for (name, label), colour in zip(routes, COLOURS, strict=True):
         mine = [r for r in rows if r["route"] == label]
         rounds = [r["round"] for r in mine]
-        for quantile, dashed in (("median", False), ("p90", True)):
+        for quantile, style in TTFT_STYLES.items():
             value, low, high = (
                 _column(mine, f"ttft_{quantile}{part}_seconds", 1000) for part in ("", "_low", "_high")
             )
-            ttft.append(Line(f"{name} {quantile}", colour, dashed, rounds, value, low, high))
-        for figure, key, dashed in (
-            ("cached ratio", "cached_ratio", False),
-            ("cached / ideal", "ideal_efficiency", True),
+            ttft.append(Line(f"{name} {quantile}", colour, style, rounds, value, low, high))
+        for figure, key, style in (
+            ("cached ratio", "cached_ratio", "solid"),
+            ("cached / ideal", "ideal_efficiency", "dashed"),
         ):
-            reuse.append(Line(f"{name} {figure}", colour, dashed, rounds, _column(mine, key)))
+            reuse.append(Line(f"{name} {figure}", colour, style, rounds, _column(mine, key)))
     return Panel(TTFT_TITLE, "TTFT (ms)", False, tuple(ttft)), Panel(REUSE_TITLE, "ratio", True, tuple(reuse))
 
 
@@ -73,13 +87,12 @@ def png_figure(drawn: Sequence[Panel], title: str):
     figure = Figure(figsize=(14, 5.2), layout="constrained")
     for axes, panel in zip(figure.subplots(1, len(drawn)), drawn, strict=True):
         for line in panel.lines:
+            style = STYLES[line.style]
             if line.low is not None:
-                opacity = BAND_OPACITY[line.dashed]
                 axes.fill_between(
-                    line.rounds, line.low, line.high, color=line.colour, alpha=opacity, linewidth=0
+                    line.rounds, line.low, line.high, color=line.colour, alpha=style.band_opacity, linewidth=0
                 )
-            style = "--" if line.dashed else "-"
-            axes.plot(line.rounds, line.values, style, marker="o", color=line.colour, label=line.name)
+            axes.plot(line.rounds, line.values, style.png, marker="o", color=line.colour, label=line.name)
         axes.set(title=panel.title, xlabel="round", ylabel=panel.axis)
         axes.set_xticks(sorted({n for line in panel.lines for n in line.rounds}))
         if panel.ratio:
@@ -110,20 +123,19 @@ def html_figure(drawn: Sequence[Panel], title: str):
                     y=line.high + line.low[::-1],
                     fill="toself",
                     fillcolor=line.colour,
-                    opacity=BAND_OPACITY[line.dashed],
+                    opacity=STYLES[line.style].band_opacity,
                     line_width=0,
                     legendgroup=line.name,
                     showlegend=False,
                     hoverinfo="skip",
                 )
                 figure.add_trace(band, row=1, col=column)
-            dash = "dash" if line.dashed else "solid"
             curve = go.Scatter(
                 x=line.rounds,
                 y=line.values,
                 name=line.name,
                 legendgroup=line.name,
-                line={"color": line.colour, "dash": dash},
+                line={"color": line.colour, "dash": STYLES[line.style].html},
                 hovertemplate=hover,
             )
             figure.add_trace(curve, row=1, col=column)

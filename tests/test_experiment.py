@@ -190,6 +190,7 @@ def test_the_report_names_the_block_size_and_its_source():
 PLOTTED = {  # a line's name after its route's, and the per-round.csv column it draws (ms for TTFT)
     "median": ("ttft_median_seconds", 1000),
     "p90": ("ttft_p90_seconds", 1000),
+    "p99": ("ttft_p99_seconds", 1000),
     "cached ratio": ("cached_ratio", 1),
     "cached / ideal": ("ideal_efficiency", 1),
 }
@@ -197,7 +198,7 @@ PLOTTED = {  # a line's name after its route's, and the per-round.csv column it 
 
 @pytest.fixture(scope="module")
 def plotted() -> tuple[Experiment, list[dict]]:
-    """Five sessions per route of three rounds, TTFTs spread so that each median, p90 and interval differ."""
+    """Five sessions per route of three rounds, TTFTs spread so that each quantile and interval differ."""
     a, b = [], []
     for n in range(5):
         warm = [round_(r, 0.05 * r + 0.01 * n, 1000 * r, cached=300 + 10 * n, ideal=900) for r in (2, 3)]
@@ -228,7 +229,7 @@ def expected_lines(rows: list[dict]) -> dict[str, list[float | None]]:
     }
 
 
-BANDS = list(itertools.product(["round_robin", "affinity"], ["median", "p90"]))  # in the order drawn
+BANDS = list(itertools.product(["round_robin", "affinity"], ["median", "p90", "p99"]))  # in the order drawn
 
 
 def bounds(rows: list[dict], route: str, stat: str) -> tuple[list, list]:
@@ -236,7 +237,7 @@ def bounds(rows: list[dict], route: str, stat: str) -> tuple[list, list]:
     return tuple(column(rows, route, f"ttft_{stat}_{bound}_seconds", 1000) for bound in ("low", "high"))
 
 
-def test_the_plot_shows_median_and_p90_with_intervals_and_cached_ratio_and_cached_over_ideal(plotted):
+def test_the_plot_shows_median_p90_and_p99_with_intervals_and_cached_ratio_and_cached_over_ideal(plotted):
     run, rows = plotted
     png = experiment_plot.png_figure(plot_panels(run, rows), "title")
     ttft, reuse = png.axes
@@ -247,6 +248,8 @@ def test_the_plot_shows_median_and_p90_with_intervals_and_cached_ratio_and_cache
         "B: affinity cached ratio", "B: affinity cached / ideal",
     ]  # fmt: skip
     assert (ttft.get_ylabel(), reuse.get_ylim()) == ("TTFT (ms)", (0, 1.05))
+    styles = {line.get_label(): line.get_linestyle() for line in ttft.lines}
+    assert [styles[f"B: affinity {stat}"] for stat in ("median", "p90", "p99")] == ["-", "--", ":"]
     # Each TTFT line's band spans its interval: at round n, from its low to its high.
     assert len(ttft.collections) == len(BANDS)
     for band, (route, stat) in zip(ttft.collections, BANDS, strict=True):
@@ -261,6 +264,7 @@ def test_the_interactive_plot_shows_what_the_png_does(plotted):
     html = experiment_plot.html_figure(plot_panels(run, rows), "title")
     lines = [trace for trace in html.data if trace.showlegend is not False]
     assert {t.name: shown(t.y) for t in lines} == expected_lines(rows)
+    assert [t.line.dash for t in lines if t.name.startswith("B: affinity p")] == ["dash", "dot"]
     bands = [shown(trace.y) for trace in html.data if trace.fill == "toself"]
     assert bands == [high + low[::-1] for low, high in (bounds(rows, *band) for band in BANDS)]
 

@@ -411,12 +411,32 @@ def cluster_variable(cluster_label: str) -> JSON:
     return variable
 
 
+def as_board_runs(expr: str, cluster_label: str, *, per_cluster: bool = True) -> str:
+    """A query of collectors/queries.py as a board runs it: narrowed to the picked clusters and, unless a
+    table or heatmap sums them, one series per cluster, never a sum or join across clusters."""
+    narrowed = promql.with_matcher(expr, queries.cluster_matcher(cluster_label))
+    return promql.keeping(narrowed, cluster_label) if per_cluster else narrowed
+
+
+def cluster_legend(legend: str, cluster_label: str) -> str:
+    """The legend led by the series' cluster, so that All tells two clusters' lines apart. Grafana shows
+    a label a series lacks as its name: a Prometheus of one cluster, without the label, reads "cluster"
+    alone for the cluster's line and "cluster / ..." before the others."""
+    cluster = f"{{{{{cluster_label}}}}}"
+    return cluster if legend == "cluster" else f"{cluster} / {legend}"
+
+
 def in_clusters(board: JSON, cluster_label: str) -> JSON:
-    """The board with a Cluster variable after the data source, and every panel query, variable query and
-    annotation matching its clusters: one pass over the finished board, so that no panel can miss it."""
+    """The board with a Cluster variable after the data source, every panel query, variable query and
+    annotation matching its clusters, and every time series and stat one series per cluster, named by
+    its legend: one pass over the finished board, so that no panel can miss it. A heatmap's buckets and
+    a table's rows (the per-round bars) are over the picked clusters: pick one to read one."""
     matcher = queries.cluster_matcher(cluster_label)
     for query in (t for panel in board["panels"] for t in panel.get("targets", [])):
-        query["expr"] = promql.with_matcher(query["expr"], matcher)
+        per_cluster = query["format"] == "time_series"
+        query["expr"] = as_board_runs(query["expr"], cluster_label, per_cluster=per_cluster)
+        if per_cluster and query["legendFormat"] != "__auto":  # Grafana's auto legend lists every label
+            query["legendFormat"] = cluster_legend(query["legendFormat"], cluster_label)
     for annotation in board["annotations"]["list"]:
         if "expr" in annotation:
             annotation["expr"] = promql.with_matcher(annotation["expr"], matcher)
@@ -549,7 +569,7 @@ def router_row(layout: Layout) -> None:
             [
                 target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
                 target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
-                target(queries.CLUSTER_HIT_RATIO, "delivered by the cluster"),
+                target(queries.CLUSTER_HIT_RATIO, "delivered by all instances"),
             ],
             unit="percentunit",
             max_value=1,
@@ -988,7 +1008,8 @@ def evaluate(
 
 
 def _legend(template: str, labels: dict) -> str:
-    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda match: labels.get(match[1], ""), template)
+    """The legend as Grafana renders it: a label the series lacks reads as its name."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda match: labels.get(match[1]) or match[1], template)
 
 
 def _format(unit: str, value: float) -> str:

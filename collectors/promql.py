@@ -1,10 +1,11 @@
-"""A label matcher added to every series selector of a PromQL expression.
+"""A label matcher added to every series selector of a PromQL expression, and a label kept by every
+aggregation and match.
 
 The boards and the dashboard narrow each query of collectors/queries.py to the picked clusters this way,
-rather than every query being written once per scope. A small lexer is enough: in PromQL a name is a
-series selector unless it is a keyword, calls a function or aggregation, or lists labels after `by`,
-`without`, `on`, `ignoring`, `group_left` or `group_right`; every `{...}` outside a string is a selector's
-matchers.
+and the boards keep the clusters apart, rather than every query being written once per scope. A small
+lexer is enough: in PromQL a name is a series selector unless it is a keyword, calls a function or
+aggregation, or lists labels after `by`, `without`, `on`, `ignoring`, `group_left` or `group_right`; every
+`{...}` outside a string is a selector's matchers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _TOKENS = re.compile(
 )
 _LABEL_LIST_AFTER = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "atan2", "inf", "nan"}
-_LABEL_LIST = re.compile(r"\s*\([^)]*\)")
+_LABEL_LIST = re.compile(r"(\s*)\(([^)]*)\)")
 # What follows a name that is not a series: a call's arguments, or an aggregation's `by` or `without`.
 _NOT_A_SERIES = re.compile(r"\s*(\(|\{|(by|without)\b)", re.IGNORECASE)
 
@@ -49,5 +50,25 @@ def with_matcher(expr: str, matcher: str) -> str:
                 text, at = text + labels[0], labels.end()
         elif kind == "name" and text.lower() not in _KEYWORDS and not _NOT_A_SERIES.match(expr, at):
             text += "{" + matcher + "}"
+        out.append(text)
+    return "".join(out)
+
+
+def keeping(expr: str, label: str) -> str:
+    """`expr` with `label` in every `by (...)` and `on (...)` list, so that no aggregation sums, and no
+    match joins, series of different `label` values. An expression over series without the label reads
+    as before."""
+    out, at = [], 0
+    while at < len(expr):
+        token = _TOKENS.match(expr, at)
+        kind, text, at = token.lastgroup, token[0], token.end()
+        if kind == "name" and text.lower() in _LABEL_LIST_AFTER:
+            labels = _LABEL_LIST.match(expr, at)
+            if labels:
+                names = [name.strip() for name in labels[2].split(",") if name.strip()]
+                listed = labels[0]
+                if text.lower() in ("by", "on") and label not in names:
+                    listed = f"{labels[1]}({', '.join([label, *names])})"
+                text, at = text + listed, labels.end()
         out.append(text)
     return "".join(out)

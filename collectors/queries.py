@@ -781,7 +781,7 @@ class Verdict:
     def state(self) -> str:
         """FIRING while the alert fires; PENDING while its condition holds for less than its `for`; OK
         where it judges the signal and finds nothing wrong; no sample where it has nothing to judge."""
-        group = f"group by ({self.by})" if self.by else "group"
+        group = f"group by ({self.by})"  # by () for the cluster, so that the boards can add their label
         judged = f"{self.signal}\nand {self.watched}" if self.watched else self.signal
         return (
             f"{FIRING} * {group} ({self.alerts('firing')})\n"

@@ -26,7 +26,7 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, free_port, stop, wait_http
-from kvwatch.collectors import experiment, promql, queries
+from kvwatch.collectors import experiment, grafana, promql, queries
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from kvwatch.collectors.records import RoundResult, SessionResult
@@ -1186,11 +1186,15 @@ class Clusters(BaseHTTPRequestHandler):
     """Two clusters' kvwatch exporters on one port, /a and /b: each route's last run stuck differently."""
 
     STICKY = {"a": 1.0, "b": 0.25}
+    WARM_COLD = {"a": 0.4, "b": 0.9}
 
     def do_GET(self) -> None:
         cluster = self.path.strip("/").partition("/")[0]
         labels = 'target="lab-affinity",route_mode="affinity"'
-        body = f"kvwatch_probe_sticky_ratio{{{labels}}} {self.STICKY[cluster]}\n"
+        body = (
+            f"kvwatch_probe_sticky_ratio{{{labels}}} {self.STICKY[cluster]}\n"
+            f"kvwatch_probe_warm_cold_ttft_ratio{{{labels}}} {self.WARM_COLD[cluster]}\n"
+        )
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.end_headers()
@@ -1202,7 +1206,8 @@ class Clusters(BaseHTTPRequestHandler):
 
 def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, monkeypatch):
     """One real Prometheus scraping two clusters (the target label `cluster`, as external_labels or
-    relabelling set it): the clusters are listed, and each cluster's read holds its series alone."""
+    relabelling set it): the clusters are listed, and each cluster's read holds its series alone. The
+    Grafana boards' per-route line, with All clusters picked, is one line per cluster, never their max."""
     exporters = ThreadingHTTPServer(("127.0.0.1", 0), Clusters)
     threading.Thread(target=exporters.serve_forever, daemon=True).start()
     address, port = f"127.0.0.1:{exporters.server_address[1]}", free_port()
@@ -1238,6 +1243,8 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
             time.sleep(0.2)
         assert data.clusters().value == ["a", "b"]
         assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
+        board = data.instant_query(grafana.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
+        assert dict(zip(board["cluster"], board["value"], strict=True)) == Clusters.WARM_COLD
     finally:
         stop(prometheus)
         exporters.shutdown()

@@ -67,8 +67,9 @@ def every_query() -> dict[str, str]:
 
 
 def in_clusters(expr: str) -> str:
-    """A query of collectors/queries.py as the boards run it: narrowed to the picked clusters."""
-    return promql.with_matcher(expr, queries.cluster_matcher())
+    """A query of collectors/queries.py as the boards' time series and stats run it: narrowed to the
+    picked clusters, one series per cluster."""
+    return grafana.as_board_runs(expr, queries.CLUSTER_LABEL)
 
 
 def filled(expr: str) -> str:
@@ -161,12 +162,61 @@ def test_panels_on_recording_rules_say_their_window_is_fixed():
 
 
 def test_every_panel_query_is_a_named_dashboard_query():
-    named = set(VERDICT_STATES)
+    """Each as the board runs it: a time series or stat per cluster, a table or heatmap over them."""
+    named = {True: set(VERDICT_STATES), False: set()}
     for name, value in vars(queries).items():
-        values = value.values() if isinstance(value, dict) else [value]
-        named |= {in_clusters(v) for v in values if name.isupper() and isinstance(v, str)}
-    for expr, title in every_query().items():
-        assert expr in named, f"{title}: PromQL typed in the board instead of collectors/queries.py"
+        values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
+        for per_cluster in named:
+            named[per_cluster] |= {
+                grafana.as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
+                for v in values
+                if name.isupper()
+            }
+    for path in PROVISIONED:
+        for panel in panels(load(path)):
+            for query in panel["targets"]:
+                per_cluster = query["format"] == "time_series"
+                assert query["expr"] in named[per_cluster], (
+                    f"{panel['title']}: PromQL typed in the board instead of collectors/queries.py"
+                )
+
+
+GROUPINGS = re.compile(r"\b(by|on)\s*\(([^)]*)\)")
+
+
+@pytest.mark.parametrize("path", PROVISIONED, ids=lambda p: p.name)
+def test_with_all_clusters_every_line_and_stat_keeps_its_cluster_and_names_it(path: Path):
+    """Issue 18: no sum or join across clusters, and a legend that names the cluster first, so that
+    with All picked two clusters' instances or routes of one name read apart."""
+    for panel in panels(load(path)):
+        for query in (q for q in panel["targets"] if q["format"] == "time_series"):
+            lists = GROUPINGS.findall(query["expr"])
+            assert all(queries.CLUSTER_LABEL in labels.split(", ") for _, labels in lists), panel["title"]
+            legend = query["legendFormat"]
+            assert legend == "__auto" or legend.startswith("{{cluster}}"), panel["title"]
+
+
+def test_cluster_legends_read_well_without_the_label():
+    """Grafana shows a label the series lacks as its name: one cluster without the label reads
+    "cluster" for the cluster's line and "cluster / ..." before an instance's."""
+    assert grafana.cluster_legend("cluster", "cluster") == "{{cluster}}"
+    assert grafana.cluster_legend("{{instance}}", "region") == "{{region}} / {{instance}}"
+    one_cluster = {"instance": "10.0.0.7:8000"}
+    assert grafana._legend(grafana.cluster_legend("{{instance}}", "cluster"), one_cluster) == (
+        "cluster / 10.0.0.7:8000"
+    )
+    assert grafana._legend(grafana.cluster_legend("cluster", "cluster"), one_cluster) == "cluster"
+
+
+def test_board_queries_keep_every_grouping_and_match_per_cluster():
+    expr = (
+        'histogram_quantile(0.5, sum by (le) (rate(x{a="by (le)"}[5m]))) / on(job) group_left() y'
+        " + sum without (z) (w) + group by () (v) + max by (cluster, k) (u)"
+    )
+    assert promql.keeping(expr, "cluster") == (
+        'histogram_quantile(0.5, sum by (cluster, le) (rate(x{a="by (le)"}[5m]))) / on(cluster, job) '
+        "group_left() y + sum without (z) (w) + group by (cluster) (v) + max by (cluster, k) (u)"
+    )
 
 
 def test_every_verdict_is_shown_as_its_alerts_state():
@@ -188,7 +238,10 @@ def test_every_board_marks_the_kvwatch_alerts():
     for path in PROVISIONED:
         marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
         assert [(a["expr"], a["datasource"]) for a in marks] == [
-            (in_clusters(queries.FIRING_ALERTS_BY_NAME), grafana.DATASOURCE)
+            (
+                grafana.as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
+                grafana.DATASOURCE,
+            )
         ], path.name
 
 

@@ -115,7 +115,7 @@ NO_ENGINE_JOB_OR_INSTANCE = {
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
 # board's filters do not narrow (see grafana.verdict_stat).
-VERDICTS = {promql.with_matcher(v.state, queries.cluster_matcher()) for v in queries.VERDICTS}
+VERDICTS = {grafana.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in queries.VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
     promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "

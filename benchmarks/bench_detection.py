@@ -3,10 +3,11 @@
 Every fault runs at two settings: the shipped production defaults (rules and Alertmanager timers as
 shipped, probes every 30 s, the lab's 5 s scrape and evaluation) and the lab's fast test settings (--fast:
 1 s scrape and evaluation, probes every 5 s, --rule-time-scale 0.1). Labs run side by side, each a few
-faults one after another; a fault's alert must have resolved at the webhook before the next fault
-starts: an alert still held by keep_firing_for when the next fault breaks the same thing never resolves,
-and Alertmanager sends an alert that stays firing again only after its route's repeat_interval (an hour
-for critical ones). Faults injected together touch disjoint replicas and alerts.
+faults one after another; before the next fault starts, every alert it or a later fault must raise
+has resolved at the webhook, whichever fault raised it: an alert still held by keep_firing_for when the
+next fault breaks the same thing never resolves, and Alertmanager sends an alert that stays firing again
+only after its route's repeat_interval (an hour for critical ones). Faults injected together touch
+disjoint replicas and alerts.
 
 The floor of each row comes from the config files the lab ran (read from its state directory): the
 rule's `for` and the Alertmanager route's group_wait, plus up to one probe interval (for alerts on probe
@@ -340,10 +341,18 @@ def unresolved(alerts: list[dict]) -> set[str]:
     return {labels for labels, status in latest.items() if status == "firing"}
 
 
-def _heal_until_resolved(state_dir: Path, since: float, names: set[str | None]) -> None:
+def awaited(run: LabRun, index: int) -> set[str]:
+    """The alerts that must have resolved before the batch after `index` starts: those of that batch and
+    of every later one, also when a batch that expects none or another raised them (the probe's sessions
+    failing over from a restarted replica break affinity), since one still firing hides a later fault's
+    alert of the same labels. Others may stay: the gateway-spread alert a break raises on the real
+    users' sessions holds until they leave its 10-minute window, and holds no probe alert back."""
+    return {case.alertname for batch in run.batches[index:] for case in batch if case.alertname}
+
+
+def _heal_until_resolved(state_dir: Path, since: float, names: set[str]) -> None:
     """Heal, then wait until every alert of these names that fired since `since` has been sent resolved
-    to the webhook (others may stay: the gateway-spread alert a break raises on the real users' sessions
-    holds until they leave its 10-minute window, and holds no probe alert back)."""
+    to the webhook."""
     if (result := _kvwatch("lab", "heal", "--state-dir", str(state_dir))).returncode != 0:
         raise RuntimeError(f"heal failed: {result.stderr[-2000:]}")
     deadline = time.monotonic() + QUIET_TIMEOUT_S
@@ -372,7 +381,7 @@ def _run_lab(run: LabRun, rows: dict) -> None:
                         flush=True,
                     )
                 if index < len(run.batches) - 1:
-                    _heal_until_resolved(state_dir, started, {case.alertname for case in batch})
+                    _heal_until_resolved(state_dir, started, awaited(run, index))
         finally:
             _kvwatch("lab", "down", "--state-dir", str(state_dir))
 

@@ -13,6 +13,12 @@ from benchmarks.bench_detection import (
     CACHING_OFF,
     CACHING_OFF_UNREPORTED,
     DROP_SESSION_HEADER,
+    FAST,
+    KILL_REPLICA,
+    RESTART_REPLICA,
+    SCALE_OUT,
+    LabRun,
+    awaited,
     floor,
     group_wait,
     seconds,
@@ -126,6 +132,15 @@ def test_an_alert_whose_resolution_has_not_reached_the_webhook_holds_the_next_fa
 def test_an_alert_resolved_at_the_webhook_lets_the_next_fault_start_even_before_the_heal():
     # A replica restart's TargetDown resolves on its own, before the heal.
     assert unresolved([RESOLVED, FIRING]) == set()
+
+
+def test_a_later_faults_alert_raised_by_an_earlier_fault_must_resolve_before_the_next_fault():
+    # A restart breaks the probe's affinity while its sessions fail over: still firing, that alert
+    # would hide the break's.
+    run = LabRun("probed", FAST, 0, ((RESTART_REPLICA, SCALE_OUT), (BREAK_AFFINITY,), (KILL_REPLICA,)))
+    assert awaited(run, 0) == {"KVWatchSessionAffinityBroken", "KVWatchTargetDown"}
+    assert awaited(run, 1) == {"KVWatchSessionAffinityBroken", "KVWatchTargetDown"}
+    assert awaited(run, 2) == {"KVWatchTargetDown"}
 
 
 def test_an_unexpected_alert_is_named_with_the_replica_it_is_about():

@@ -176,6 +176,12 @@ def clusters() -> Result:
     return Result(sorted(found.value[label].dropna().unique()) if label in found.value else [])
 
 
+def cluster_label() -> str | None:
+    """The label that tells clusters apart (the config's cluster_label); None while the config fails."""
+    config = settings()
+    return None if config.error else config.value.cluster_label
+
+
 def picked_cluster() -> str | None:
     """The cluster picked in the sidebar; None while every cluster is shown."""
     picked = st.session_state.get(PICKED_CLUSTER, ALL_CLUSTERS)

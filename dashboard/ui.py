@@ -137,10 +137,16 @@ def replica_namer(over: data.Span) -> Callable[[object], object]:
 
 
 def named_replicas(frame: pd.DataFrame, over: data.Span) -> pd.DataFrame:
-    """`frame` with each instance named by `replica_namer`, for the charts and tables that show them."""
+    """`frame` with each instance named by `replica_namer`, for the charts and tables that show them; led
+    by its cluster, `a / r2 (...)`, while all clusters are shown and `frame` holds several, so that no
+    chart or table mixes two clusters' instances."""
     if "instance" not in frame:  # no instance column while no engine serves
         return frame
-    return frame.assign(instance=frame["instance"].map(replica_namer(over)))
+    named = frame["instance"].map(replica_namer(over))
+    label = data.cluster_label()
+    if data.picked_cluster() is None and label in frame and frame[label].nunique() > 1:
+        named = named.where(frame[label].isna(), frame[label].astype(str) + " / " + named.astype(str))
+    return frame.assign(instance=named)
 
 
 def fault_text(fault: pd.Series) -> str:

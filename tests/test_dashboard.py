@@ -857,6 +857,63 @@ def test_a_picked_cluster_shows_only_its_alerts(fake, monkeypatch):
     assert list(at.dataframe[0].value["target"]) == ["lab-round-robin"]
 
 
+def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances_apart(fake):
+    """Issue 18: two clusters whose replicas have the same address read as two lines, two verdicts and
+    two engines, each led by its cluster; a picked cluster reads its own, as before."""
+    two_clusters(fake)
+    same = "127.0.0.1:18010"
+    fake.ranges[queries.HIT_RATIO_BY_INSTANCE] = lambda over: pd.concat(
+        [
+            points(over, [0.8, 0.9], cluster="a", instance=same),
+            points(over, [0.3, 0.1], cluster="b", instance=same),
+        ]
+    )
+    fake.values[queries.INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
+        {"cluster": ["a", "b"], "instance": [same, same], "value": [queries.OK, queries.FIRING]}
+    )
+    fake.values[queries.INSTANCE_CACHE_SERIES] = pd.DataFrame(
+        {"cluster": ["a", "b"], "instance": [same, same],
+         "series": ["vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total"], "value": [1, 1]}
+    )  # fmt: skip
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    at.switch_page("app_pages/replicas.py").run()
+    assert not at.exception
+    charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
+    assert [line["name"] for line in charts["replicas_hit_ratio"]] == [f"a / {same}", f"b / {same}"]
+    said = texts(at)
+    assert f"`a / {same}`: :green[Its hit ratio holds against its own past.]" in said
+    assert f"`b / {same}`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
+    engines = at.dataframe[0].value
+    assert list(zip(engines["cluster"], engines["engine"], strict=True)) == [
+        ("a", "vLLM V1"),
+        ("b", "SGLang"),
+    ]
+    fake.ranges[in_cluster(queries.HIT_RATIO_BY_INSTANCE, "b")] = lambda over: points(
+        over, [0.3, 0.1], cluster="b", instance=same
+    )
+    at.sidebar.selectbox[0].select("b").run()
+    charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
+    assert [line["name"] for line in charts["replicas_hit_ratio"]] == [same]
+
+
+def test_the_alerts_tables_name_each_alerts_cluster_where_the_alerts_carry_it(fake, monkeypatch):
+    two_clusters(fake)
+    held = pd.concat([alerts_frame(cluster="a"), alerts_frame(cluster="b", target="lab-round-robin")])
+    monkeypatch.setattr(data, "alerts", lambda: Result(held))
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    at.switch_page("app_pages/alerts.py").run()
+    shown = at.dataframe[0].value
+    assert list(shown.columns[:4]) == ["alertname", "severity", "state", "cluster"]
+    assert list(zip(shown["cluster"], shown["target"], strict=True)) == [
+        ("a", "lab-affinity"),
+        ("b", "lab-round-robin"),
+    ]
+    monkeypatch.setattr(data, "alerts", lambda: Result(alerts_frame()))  # one cluster, without the label
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    at.switch_page("app_pages/alerts.py").run()
+    assert "cluster" not in at.dataframe[0].value
+
+
 def test_experiment_shows_a_report_and_runs_one(fake):
     fake.report = Result(data.Report(Path("/tmp/x"), "## A/B experiment: a vs b\n\n| round |\n|---|\n", None))
     at = open_page("experiment")

@@ -21,11 +21,17 @@ COLUMNS = {
 
 
 def show(alerts: pd.DataFrame, key: str) -> None:
-    """The alerts, each instance named as the lab and the alert descriptions name a replica."""
+    """The alerts, each instance named as the lab and the alert descriptions name a replica, and the
+    cluster each is about where they carry the cluster label (several clusters, one Alertmanager)."""
     alerts = data.of_picked_cluster(alerts)
-    columns = [c for c in COLUMNS if c in alerts]
+    shown = dict(COLUMNS)
+    label = data.cluster_label()
+    if label in alerts and alerts[label].notna().any():
+        at = list(shown).index("target")  # what the alert is about: its cluster, then its route or instance
+        shown = dict([*list(shown.items())[:at], (label, "cluster"), *list(shown.items())[at:]])
+    columns = [c for c in shown if c in alerts]
     named = ui.named_replicas(alerts[columns], data.span(0))
-    st.dataframe(named, hide_index=True, column_config=COLUMNS, key=key)
+    st.dataframe(named, hide_index=True, column_config=shown, key=key)
 
 
 def runbooks(alerts: pd.DataFrame) -> None:

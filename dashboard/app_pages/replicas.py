@@ -45,10 +45,9 @@ def instance_verdicts(over: data.Span) -> None:
     state = data.instant(queries.INSTANCE_HIT_RATIO_DROP.state, over)
     if ui.failed(state) or state.value.empty:
         return
-    name = ui.replica_namer(over)
-    for instance in sorted(state.value["instance"]):
-        verdict = ui.judge(queries.INSTANCE_HIT_RATIO_DROP, state.value, HIT_RATIO_OK, instance=instance)
-        st.markdown(f"`{name(instance)}`: :{verdict.color}[{verdict.text}]")
+    for name, rows in ui.named_replicas(state.value, over).groupby("instance"):
+        verdict = ui.judge(queries.INSTANCE_HIT_RATIO_DROP, rows, HIT_RATIO_OK)
+        st.markdown(f"`{name}`: :{verdict.color}[{verdict.text}]")
 
 
 def ratio_chart(
@@ -85,19 +84,18 @@ def shares(query: str, over: data.Span, empty: str, key: str, **bars) -> None:
     st.plotly_chart(figure, key=key)
 
 
-def engines(series: pd.DataFrame, config: pd.DataFrame) -> pd.DataFrame:
-    """Per instance: its engine, judged by the cache series it exports, and whether prefix caching is on."""
-    exported = series.groupby("instance")["series"].agg(set)
+def engines(series: pd.DataFrame, config: pd.DataFrame, cluster_label: str | None) -> pd.DataFrame:
+    """Per instance (of each cluster, where the series carry the label): its engine, judged by the cache
+    series it exports, and whether prefix caching is on."""
+    keys = [key for key in (cluster_label, "instance") if key in series]
+    exported = series.groupby(keys)["series"].agg(set).reset_index()
     caching = dict(zip(config.get("instance", []), config.get("enable_prefix_caching", []), strict=True))
-    return pd.DataFrame(
-        {
-            "instance": instance,
-            "engine": next((name for s, name in ENGINES.items() if s in names), "unknown"),
-            "prefix caching": PREFIX_CACHING.get(caching.get(instance), "not exported"),
-            "cache series": ", ".join(sorted(names)),
-        }
-        for instance, names in exported.items()
-    )
+    return exported[keys].assign(**{
+        "engine": [next((name for s, name in ENGINES.items() if s in names), "unknown")
+                   for names in exported["series"]],
+        "prefix caching": [PREFIX_CACHING.get(caching.get(i), "not exported") for i in exported["instance"]],
+        "cache series": [", ".join(sorted(names)) for names in exported["series"]],
+    })  # fmt: skip
 
 
 def router_figures(found: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -228,7 +226,8 @@ def replicas(seconds: int) -> None:
         if series.value.empty:
             ui.empty("No instance exports prefix-cache series yet: is Prometheus scraping the engines?")
         else:
-            st.dataframe(ui.named_replicas(engines(series.value, config.value), over), hide_index=True)
+            found = engines(series.value, config.value, data.cluster_label())
+            st.dataframe(ui.named_replicas(found, over), hide_index=True)
 
     routers(over, hit_ratios, marks)
 

@@ -4,6 +4,8 @@ test with a `location` runs against SQLite and against a real PostgreSQL server 
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import inspect
 import os
 import sqlite3
@@ -251,6 +253,28 @@ def test_an_sqlite_store_is_in_wal_mode(tmp_path):
 def test_busy_timeout_is_set(tmp_path):
     with Store(tmp_path / "kvwatch.db") as store:
         assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
+
+
+def sqlite_heap_bytes() -> int:
+    """What SQLite has allocated in this process, by its own count (tracemalloc does not see it)."""
+    library = ctypes.CDLL(ctypes.util.find_library("sqlite3"))
+    library.sqlite3_libversion.restype = ctypes.c_char_p
+    library.sqlite3_memory_used.restype = ctypes.c_int64
+    assert library.sqlite3_libversion().decode() == sqlite3.sqlite_version, "not the sqlite3 module's SQLite"
+    return library.sqlite3_memory_used()
+
+
+def test_the_writers_page_cache_stays_small_as_the_history_grows(tmp_path):
+    """kvwatch serve writes for months: its memory must not follow the size of the history."""
+    path = tmp_path / "kvwatch.db"
+    many_rounds = [round_result(n) for n in range(1, 41)]
+    with Store(path) as store:
+        before = sqlite_heap_bytes()
+        for n in range(300):
+            store.add_session(session("lab-affinity", 1000.0 + n, *many_rounds))
+        grown = sqlite_heap_bytes() - before
+    assert path.stat().st_size > 1 << 20  # far past the writer's cache
+    assert grown < 512 << 10, f"SQLite's heap grew by {grown >> 10} KiB"
 
 
 def test_a_postgresql_store_waits_for_a_lock_as_long_as_sqlite(postgres):

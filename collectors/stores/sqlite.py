@@ -20,6 +20,10 @@ from kvwatch.collectors.stores import base
 from kvwatch.collectors.stores.base import Database, StoreError
 
 WRITER_LOCK_SUFFIX = "-writer.lock"
+# The writer's page cache. It appends sessions and rewrites the one in flight, so the pages it touches
+# again are few (each B-tree's root, interior and last pages); SQLite's default of 2 MiB would instead
+# fill with the history over hours of probing, a resident set that grows as if it leaked.
+WRITER_CACHE_KIB = 128
 # SQLite's result codes worth trying again: a lock held elsewhere, a full disk, a failed read or write.
 RETRIED = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR})
 
@@ -84,6 +88,7 @@ class SQLite(Database):
             db.execute("PRAGMA foreign_keys = ON")
             if not self.readonly:
                 db.execute("PRAGMA journal_mode = WAL")  # kept in the file: readers use it too
+                db.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")  # negative: KiB, not pages
                 db.execute(
                     "PRAGMA synchronous = NORMAL"
                 )  # safe with WAL: a crash loses at most the last commit

@@ -73,6 +73,7 @@ class BlockSizeSources:
     override: BlockSize | None = None
     prometheus_url: str | None = None
     metrics_urls: tuple[str, ...] = ()
+    prometheus_query: str = PROMETHEUS_QUERY  # narrowed to one cluster where a caller reads one
 
 
 def sources_for(
@@ -97,7 +98,7 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
     if sources.override is not None:
         return sources.override
     async with http_client(timeout=TIMEOUT_S) as client:
-        if sources.prometheus_url and (found := await _from_prometheus(client, sources.prometheus_url)):
+        if sources.prometheus_url and (found := await _from_prometheus(client, sources)):
             return found
         for url in sources.metrics_urls:
             if found := await _from_metrics(client, url):
@@ -105,10 +106,11 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
     return from_granularity(sessions) or BlockSize(DEFAULT_TOKENS, "default; no engine evidence")
 
 
-async def _from_prometheus(client: httpx.AsyncClient, url: str) -> BlockSize | None:
+async def _from_prometheus(client: httpx.AsyncClient, sources: BlockSizeSources) -> BlockSize | None:
+    url = sources.prometheus_url
     try:
         query = f"{url.rstrip('/')}/api/v1/query"
-        response = await request(client, "GET", query, TIMEOUT_S, params={"query": PROMETHEUS_QUERY})
+        response = await request(client, "GET", query, TIMEOUT_S, params={"query": sources.prometheus_query})
         response.raise_for_status()
         series = response.json()["data"]["result"]
         return _smallest(

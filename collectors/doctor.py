@@ -27,8 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from kvwatch.collectors import affinity, blocksize, identity
+from kvwatch.collectors import affinity, blocksize, identity, promql, queries
 from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.config import label_name_problem
 from kvwatch.collectors.connections import http_client, request
 from kvwatch.collectors.probe import (
     HINTS,
@@ -128,6 +129,24 @@ class Diagnosis:
         return {"checks": [asdict(c) for c in self.checks], "causes": self.causes}
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The one cluster whose engines the doctor reads in a Prometheus that holds several: the value
+    `name` of the label `label`. Without one, it reads every cluster and names each instance's."""
+
+    name: str
+    label: str = CLUSTER_LABEL
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("the cluster needs a name")
+        if wrong := label_name_problem(self.label):
+            raise ValueError(f"the cluster label {wrong}")
+
+    def narrowed(self, expr: str) -> str:
+        return promql.with_matcher(expr, queries.one_cluster(self.label, self.name))
+
+
 @dataclass
 class _Route:
     """What the route's checks share: the base URL may be corrected by reachability, then each check
@@ -151,6 +170,7 @@ def diagnose(
     block_sources: BlockSizeSources | None = None,
     on_check: Callable[[Check], None] | None = None,
     gateway: str | None = None,
+    cluster: Cluster | None = None,
 ) -> Diagnosis:
     """Examine one route and, optionally, its engines in Prometheus and a sample of real request payloads.
 
@@ -162,9 +182,12 @@ def diagnose(
     URL's origin + /metrics, then the sessions' cached tokens). Never raises for what it finds: a problem
     is a failed check. Takes a few seconds, at most a few timeouts. `on_check` is told of each check
     (CHECKS of them) as it ends. `gateway` (one of affinity.SYSTEMS) is the gateway or router whose
-    settings the fixes name; by default the one an answer's headers show, else every one.
+    settings the fixes name; by default the one an answer's headers show, else every one. `cluster`
+    narrows what Prometheus is asked (the engines' prefix caching, their block size) to that cluster.
     """
-    return asyncio.run(examine(probe, prometheus_url, requests_sample, block_sources, on_check, gateway))
+    return asyncio.run(
+        examine(probe, prometheus_url, requests_sample, block_sources, on_check, gateway, cluster)
+    )
 
 
 async def examine(
@@ -174,10 +197,15 @@ async def examine(
     block_sources: BlockSizeSources | None = None,
     on_check: Callable[[Check], None] | None = None,
     gateway: str | None = None,
+    cluster: Cluster | None = None,
 ) -> Diagnosis:
     """`diagnose` for callers that run an event loop."""
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
     block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
+    if cluster is not None:
+        block_sources = replace(
+            block_sources, prometheus_query=cluster.narrowed(block_sources.prometheus_query)
+        )
     checks: list[Check] = []
 
     def found(check: Check) -> None:
@@ -194,7 +222,7 @@ async def examine(
                 continue
             found(await check(route))
             blocker = checks[-1] if _blocks(checks[-1]) else None
-        found(await prefix_caching(route, prometheus_url, blocker))
+        found(await prefix_caching(route, prometheus_url, blocker, cluster))
     found(prompt_prefix(requests_sample))
     return Diagnosis(tuple(checks))
 
@@ -426,12 +454,16 @@ CACHING_OFF_EVIDENCE = {
 }
 
 
-async def _caching_off_in_prometheus(client: httpx.AsyncClient, url: str) -> list[str]:
-    """Instances Prometheus sees without prefix caching; raises httpx.HTTPError or ValueError."""
+async def _caching_off_in_prometheus(
+    client: httpx.AsyncClient, url: str, cluster: Cluster | None = None
+) -> list[str]:
+    """Instances Prometheus sees without prefix caching, in `cluster` alone when given; raises
+    httpx.HTTPError or ValueError."""
     found = []
     for alert in CACHING_OFF_ALERTS:
         query = f"{url.rstrip('/')}/api/v1/query"
-        response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": alert.expr})
+        expr = cluster.narrowed(alert.expr) if cluster else alert.expr
+        response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
         response.raise_for_status()
         answer = response.json()
         if answer.get("status") != "success":
@@ -447,10 +479,13 @@ def _instance_in_cluster(labels: dict[str, str]) -> str:
     return f"{instance} in {CLUSTER_LABEL} {cluster}" if cluster else instance
 
 
-async def prefix_caching(route: _Route, prometheus_url: str | None, blocker: Check | None) -> Check:
+async def prefix_caching(
+    route: _Route, prometheus_url: str | None, blocker: Check | None, cluster: Cluster | None = None
+) -> Check:
     """A session pinned to one backend that reuses nothing of its history means the engine caches nothing.
 
-    Prometheus, when given, adds the engines' own word and covers replicas no session landed on.
+    Prometheus, when given, adds the engines' own word and covers replicas no session landed on: those
+    of `cluster` alone, when given, which its evidence names.
     """
     name, off, seen = "prefix caching", [], []
     pinned = [s for s in route.sessions if s.sticky]
@@ -481,13 +516,14 @@ async def prefix_caching(route: _Route, prometheus_url: str | None, blocker: Che
     flagged = None  # the engines Prometheus names, once it answered
     if prometheus_url:
         try:
-            flagged = await _caching_off_in_prometheus(route.client, prometheus_url)
+            flagged = await _caching_off_in_prometheus(route.client, prometheus_url, cluster)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             seen.append(
                 redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
             )
-    off += [f"Prometheus: {line}" for line in flagged or []]
-    seen += ["Prometheus: no engine has prefix caching off"] if flagged == [] else []
+    said = f"Prometheus ({cluster.label} {cluster.name})" if cluster else "Prometheus"
+    off += [f"{said}: {line}" for line in flagged or []]
+    seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)
     if off:
         fix = (
@@ -683,6 +719,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeout", type=float, default=15.0, metavar="S", help="seconds per request (default %(default)g)"
     )
+    parser.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="in a --prometheus of several clusters, read this cluster's engines only (default: every "
+        "cluster, each instance named with its own)",
+    )
+    parser.add_argument(
+        "--cluster-label",
+        default=CLUSTER_LABEL,
+        metavar="LABEL",
+        help="the label that tells clusters apart, as cluster_label in kvwatch.yaml (default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help='print {"checks": [...], "causes": [...]}')
     parser.set_defaults(handler=run_cli)
 
@@ -693,6 +741,9 @@ def run_cli(args: argparse.Namespace) -> int:
         block_sources = blocksize.sources_from_args(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
+        if args.cluster is not None and not args.prometheus:
+            raise ValueError("--cluster names a cluster in --prometheus: give --prometheus too")
+        cluster = None if args.cluster is None else Cluster(args.cluster, args.cluster_label)
         api_key = resolve_api_key(args.api_key_env, args.api_key_file)
         probe = ProbeSettings(
             base_url=args.base_url,
@@ -709,7 +760,13 @@ def run_cli(args: argparse.Namespace) -> int:
     with Progress.on_terminal("doctor", "checks", json=args.json) as progress:
         progress.start(CHECKS)
         diagnosis = diagnose(
-            probe, args.prometheus, args.requests_sample, block_sources, progress.advance, args.gateway
+            probe,
+            args.prometheus,
+            args.requests_sample,
+            block_sources,
+            progress.advance,
+            args.gateway,
+            cluster,
         )
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))

@@ -512,8 +512,9 @@ def run_experiment(
 
 
 def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
-    """`kvwatch doctor` against one configured target (and the configured Prometheus): its checks and
-    causes. Not cached: each run examines the route anew."""
+    """`kvwatch doctor` against one configured target (and the configured Prometheus, in the picked
+    cluster alone when one is picked): its checks and causes. Not cached: each run examines the route
+    anew."""
     config = settings()
     if config.error:
         return config
@@ -523,4 +524,7 @@ def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
         return Result(error=str(error))
     if requests_sample and not Path(requests_sample).is_file():
         return Result(error=f"No request sample at {requests_sample}.")
-    return Result(doctor.diagnose(probe, config.value.prometheus.url, requests_sample or None).as_json())
+    picked = picked_cluster()
+    cluster = None if picked is None else doctor.Cluster(picked, config.value.cluster_label)
+    prometheus = config.value.prometheus.url
+    return Result(doctor.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())

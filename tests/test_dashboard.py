@@ -4,6 +4,7 @@ config."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import json
@@ -26,9 +27,10 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, free_port, stop, wait_http
-from kvwatch.collectors import experiment, grafana, promql, queries
+from kvwatch.collectors import blocksize, doctor, experiment, grafana, promql, queries
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.collectors.probe import ProbeSettings
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.store import Store
 from kvwatch.dashboard import data, stats, ui
@@ -1244,13 +1246,16 @@ class Clusters(BaseHTTPRequestHandler):
 
     STICKY = {"a": 1.0, "b": 0.25}
     WARM_COLD = {"a": 0.4, "b": 0.9}
+    CACHING = {"a": ("True", 32), "b": ("False", 16)}  # each cluster's engine: prefix caching, block size
 
     def do_GET(self) -> None:
         cluster = self.path.strip("/").partition("/")[0]
         labels = 'target="lab-affinity",route_mode="affinity"'
+        caching, block = self.CACHING[cluster]
         body = (
             f"kvwatch_probe_sticky_ratio{{{labels}}} {self.STICKY[cluster]}\n"
             f"kvwatch_probe_warm_cold_ttft_ratio{{{labels}}} {self.WARM_COLD[cluster]}\n"
+            f'vllm:cache_config_info{{enable_prefix_caching="{caching}",block_size="{block}"}} 1\n'
         )
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -1264,7 +1269,8 @@ class Clusters(BaseHTTPRequestHandler):
 def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, monkeypatch):
     """One real Prometheus scraping two clusters (the target label `cluster`, as external_labels or
     relabelling set it): the clusters are listed, and each cluster's read holds its series alone. The
-    Grafana boards' per-route line, with All clusters picked, is one line per cluster, never their max."""
+    Grafana boards' per-route line, with All clusters picked, is one line per cluster, never their max.
+    The doctor of one cluster reads that cluster's engines alone, and says which it read."""
     exporters = ThreadingHTTPServer(("127.0.0.1", 0), Clusters)
     threading.Thread(target=exporters.serve_forever, daemon=True).start()
     address, port = f"127.0.0.1:{exporters.server_address[1]}", free_port()
@@ -1302,6 +1308,22 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
         assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
         board = data.instant_query(grafana.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
         assert dict(zip(board["cluster"], board["value"], strict=True)) == Clusters.WARM_COLD
+        prometheus_url = f"http://127.0.0.1:{port}"
+        route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)
+        found = {}
+        for name in (None, *Clusters.CACHING):
+            cluster = doctor.Cluster(name) if name else None
+            checks = doctor.diagnose(route, prometheus_url, cluster=cluster).checks
+            found[name] = next(c for c in checks if c.name == "prefix caching").evidence
+        off = f"{address} in cluster b reports enable_prefix_caching=False"
+        assert f"Prometheus: {off}" in found[None]
+        assert "Prometheus (cluster a): no engine has prefix caching off" in found["a"]
+        assert off not in found["a"]
+        assert f"Prometheus (cluster b): {off}" in found["b"]
+        for name, (_, block) in Clusters.CACHING.items():  # the block size the doctor learns, per cluster
+            narrowed = doctor.Cluster(name).narrowed(blocksize.PROMETHEUS_QUERY)
+            sources = blocksize.BlockSizeSources(prometheus_url=prometheus_url, prometheus_query=narrowed)
+            assert asyncio.run(blocksize.learn(sources, [])).tokens == block
     finally:
         stop(prometheus)
         exporters.shutdown()

@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -28,8 +29,10 @@ from aiohttp import web
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.doctor import (
+    CACHING_OFF_ALERTS,
     CAUSES,
     Check,
+    Cluster,
     Diagnosis,
     _base_url_variants,
     _caching_off_in_prometheus,
@@ -275,6 +278,12 @@ def test_an_api_key_on_the_command_line_is_refused_unrepeated(capsys):
         (["--requests-sample", "/nonexistent.jsonl"], "--requests-sample /nonexistent.jsonl: no such file"),
         (["--api-key-env", "KVW_UNSET_VARIABLE"], "environment variable KVW_UNSET_VARIABLE is not set"),
         (["--timeout", "0"], "timeout_seconds must be positive"),
+        (["--cluster", "a"], "--cluster names a cluster in --prometheus: give --prometheus too"),
+        (["--prometheus", "http://127.0.0.1:9", "--cluster", ""], "the cluster needs a name"),
+        (
+            ["--prometheus", "http://127.0.0.1:9", "--cluster", "a", "--cluster-label", "a-b"],
+            "the cluster label",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
@@ -638,3 +647,25 @@ def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds():
         "10.0.0.7:8000 in cluster b reports enable_prefix_caching=False",
         "10.0.0.9:8000 reports enable_prefix_caching=False",
     ]
+
+
+def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only():
+    """Every series selector of both caching-off queries narrowed to the cluster, by its label."""
+    asked = []
+
+    def prometheus(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.params["query"])
+        result = [{"metric": {"region": "eu", "instance": "10.0.0.7:8000"}, "value": [0, "1"]}]
+        return httpx.Response(
+            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
+
+    async def found() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
+            return await _caching_off_in_prometheus(client, "http://prometheus:9090", Cluster("eu", "region"))
+
+    asyncio.run(found())
+    assert len(asked) == len(CACHING_OFF_ALERTS)
+    for query in asked:
+        selectors = re.findall(r"(vllm:\w+)(\{[^}]*\})?", query)
+        assert selectors and all('region="eu"' in matchers for _, matchers in selectors), query

@@ -6,8 +6,9 @@ shipped, probes every 30 s, the lab's 5 s scrape and evaluation) and the lab's f
 faults one after another; before the next fault starts, every alert it or a later fault must raise
 has resolved at the webhook, whichever fault raised it: an alert still held by keep_firing_for when the
 next fault breaks the same thing never resolves, and Alertmanager sends an alert that stays firing again
-only after its route's repeat_interval (an hour for critical ones). Faults injected together touch
-disjoint replicas and alerts.
+only after its route's repeat_interval (an hour for critical ones). Its group must be gone too, so
+that the next alert waits group_wait as a first one does. Faults injected together touch disjoint
+replicas and alerts.
 
 The floor of each row comes from the config files the lab ran (read from its state directory): the
 rule's `for` and the Alertmanager route's group_wait, plus up to one probe interval (for alerts on probe
@@ -35,6 +36,7 @@ from kvwatch.collectors.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 QUIET_TIMEOUT_S = 600
+ALERTMANAGER_MAINTENANCE_S = 30  # how often Alertmanager drops the groups whose alerts all resolved
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _MATCHER = re.compile(r'\s*(\w+)\s*(=~|!~|!=|=)\s*"(.*)"\s*')
@@ -350,16 +352,26 @@ def awaited(run: LabRun, index: int) -> set[str]:
     return {case.alertname for batch in run.batches[index:] for case in batch if case.alertname}
 
 
+def groups_gone_at(alerts: list[dict]) -> float:
+    """When Alertmanager has dropped the groups of these resolved alerts: it drops an emptied group only at
+    its next maintenance. Until then an alert of the same group labels joins the old group and is sent at
+    its next group_interval tick instead of after group_wait, as a first alert is (a hash-request-id
+    after a break-affinity: both KVWatchSessionAffinityBroken on one target)."""
+    return max((a["received_at"] for a in alerts), default=0.0) + ALERTMANAGER_MAINTENANCE_S + 1
+
+
 def _heal_until_resolved(state_dir: Path, since: float, names: set[str]) -> None:
     """Heal, then wait until every alert of these names that fired since `since` has been sent resolved
-    to the webhook."""
+    to the webhook and Alertmanager has dropped its group."""
     if (result := _kvwatch("lab", "heal", "--state-dir", str(state_dir))).returncode != 0:
         raise RuntimeError(f"heal failed: {result.stderr[-2000:]}")
     deadline = time.monotonic() + QUIET_TIMEOUT_S
-    while left := unresolved([a for a in _alerts(state_dir, since) if a["alertname"] in names]):
+    while left := unresolved(alerts := [a for a in _alerts(state_dir, since) if a["alertname"] in names]):
         if time.monotonic() > deadline:
             raise RuntimeError(f"alerts still unresolved {QUIET_TIMEOUT_S} s after heal: {sorted(left)}")
         time.sleep(2)
+    if alerts:
+        time.sleep(max(0.0, groups_gone_at(alerts) - time.time()))
 
 
 def _run_lab(run: LabRun, rows: dict) -> None:

@@ -1,5 +1,5 @@
-"""The detection benchmark's floors come from the config a lab ran, and a fault waits until the previous
-fault's alert has resolved at the webhook."""
+"""The detection benchmark's floors come from the config a lab ran, and a fault waits until the alerts
+before it have resolved at the webhook and their Alertmanager groups are gone."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from benchmarks.bench_detection import (
     awaited,
     floor,
     group_wait,
+    groups_gone_at,
     seconds,
     unexpected,
     unresolved,
@@ -141,6 +142,11 @@ def test_a_later_faults_alert_raised_by_an_earlier_fault_must_resolve_before_the
     assert awaited(run, 0) == {"KVWatchSessionAffinityBroken", "KVWatchTargetDown"}
     assert awaited(run, 1) == {"KVWatchSessionAffinityBroken", "KVWatchTargetDown"}
     assert awaited(run, 2) == {"KVWatchTargetDown"}
+
+
+def test_the_next_fault_waits_until_alertmanager_has_dropped_the_resolved_alerts_group():
+    # Joining the old group, the next fault's alert of the same group labels would skip group_wait.
+    assert groups_gone_at([FIRING, RESOLVED]) == 105 + 30 + 1
 
 
 def test_an_unexpected_alert_is_named_with_the_replica_it_is_about():

@@ -57,7 +57,8 @@ def lab(start_lab):
 
 @pytest.fixture(scope="module")
 def busy_lab(start_lab):
-    """Two replicas and two background users, whose conversations the dynamic-prefix fault steers."""
+    """Two replicas and two background users, whose conversations the dynamic-prefix fault steers; the
+    module's last test then stops its Prometheus (a lab start less)."""
     return start_lab(
         "--replicas", "2", "--users", "2", "--think", "0.05", "--time-scale", "0.2", "--no-probes"
     )
@@ -328,8 +329,8 @@ def test_prometheus_takes_no_lifecycle_requests(lab):
     assert CLIENT.get(f"{prometheus}/-/ready").status_code == 200
 
 
-def test_without_prometheus_scale_out_and_heal_fail_in_one_line_and_log_what_changed(start_lab):
-    lab = start_lab("--replicas", "2", "--users", "0", "--no-probes", "--time-scale", "0.2")
+def test_without_prometheus_scale_out_and_heal_fail_in_one_line_and_log_what_changed(busy_lab):
+    lab = busy_lab
     os.kill(lab.status["processes"]["prometheus"], signal.SIGTERM)
     wait_until(lambda: lab.cli("status", "--json").json["prometheus"] is None)
 

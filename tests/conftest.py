@@ -343,9 +343,10 @@ def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
 class Lab:
     """A lab started with `kvwatch lab up --detach` in its own state directory."""
 
-    def __init__(self, state_dir: Path, base_port: int):
+    def __init__(self, state_dir: Path, base_port: int, up_output: str = ""):
         self.state_dir = state_dir
         self.base_port = base_port
+        self.up_output = up_output  # what `kvwatch lab up` printed
         self.started_at = time.time()
         self.status = self.cli("status", "--json").json
 
@@ -419,7 +420,7 @@ def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
     if result.returncode != 0:
         kill_lab_processes(state_dir)
         raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
-    return Lab(state_dir, base)
+    return Lab(state_dir, base, result.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -86,26 +86,6 @@ def test_a_replica_fault_and_its_heal_name_the_replica_by_id_and_address(lab):
     ]
 
 
-def test_down_leaves_no_process_and_no_listener(tmp_path):
-    state_dir, base = tmp_path / "state", free_base_port()
-    up = kvwatch("lab", "up", "--detach", "--fast", "--replicas", "2", "--users", "1", "--think", "0.1",
-                 "--time-scale", "0.1", "--base-port", str(base), "--state-dir", str(state_dir))  # fmt: skip
-    try:
-        assert up.returncode == 0, up.stderr
-        assert "affinity gateway" in up.stdout and f"http://127.0.0.1:{base}" in up.stdout
-        assert len(processes_mentioning(str(state_dir))) >= 6
-        assert all(listening(port) for port in lab_ports(base, 2))
-        down = kvwatch("lab", "down", "--state-dir", str(state_dir))
-        assert down.returncode == 0, down.stderr
-        assert processes_mentioning(str(state_dir)) == []
-        assert not any(listening(port) for port in lab_ports(base, 2))
-        status = kvwatch("lab", "status", "--json", "--state-dir", str(state_dir))
-        assert '"prometheus": null' in status.stdout
-    finally:
-        for pid in processes_mentioning(str(state_dir)):
-            os.kill(pid, signal.SIGKILL)
-
-
 def test_a_failed_start_stops_what_it_started(tmp_path):
     """Prometheus dies at start: the replicas and nginx already running must be stopped too."""
     fake_bin = tmp_path / "bin"
@@ -187,3 +167,16 @@ def test_a_command_waiting_too_long_for_the_lock_fails_naming_the_holder(tmp_pat
         pass
     with stack.locked(tmp_path, timeout_s=0.3):  # released: the next one takes it at once
         pass
+
+
+def test_down_leaves_no_process_and_no_listener(lab):
+    """The module's lab, last: down stops it."""
+    state_dir, base = lab.state_dir, lab.base_port
+    assert "affinity gateway" in lab.up_output and f"http://127.0.0.1:{base}" in lab.up_output
+    assert len(processes_mentioning(str(state_dir))) >= 6
+    assert all(listening(port) for port in lab_ports(base, 3))
+    down = lab.cli("down")
+    assert down.returncode == 0, down.stderr
+    assert processes_mentioning(str(state_dir)) == []
+    assert not any(listening(port) for port in lab_ports(base, 3))
+    assert '"prometheus": null' in lab.cli("status", "--json").stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -182,21 +183,41 @@ def test_kvwatch_runs_as_non_root_on_a_read_only_root_filesystem_and_keeps_its_s
     assert store.is_relative_to(mount["mountPath"])  # on the pod's own volume, kept across restarts
 
 
-def test_the_webhook_requires_a_token_mounted_from_a_secret(tmp_path):
-    exporter = deployed_config(tmp_path).exporter
-    assert exporter.webhook_token_env is None and exporter.webhook_token_file is not None
+def mounted_secrets() -> dict[Path, dict]:
+    """Each file the container sees from a Secret, by its path: the Secret volume it comes from."""
     pod = pod_spec()
     (container,) = pod["containers"]
     secrets = {volume["name"]: volume["secret"] for volume in pod["volumes"] if "secret" in volume}
-    mounted = {
+    return {
         Path(mount["mountPath"]) / item["path"]: secrets[mount["name"]]
         for mount in container["volumeMounts"]
-        if mount["name"] in secrets
+        if mount["name"] in secrets and mount.get("readOnly")
         for item in secrets[mount["name"]]["items"]
     }
-    secret = mounted[exporter.webhook_token_file]
+
+
+def test_the_webhook_requires_a_token_mounted_from_a_secret(tmp_path):
+    exporter = deployed_config(tmp_path).exporter
+    assert exporter.webhook_token_env is None and exporter.webhook_token_file is not None
+    secret = mounted_secrets()[exporter.webhook_token_file]
     assert secret["secretName"] == "kvwatch-webhook-token" and secret["defaultMode"] == 0o400
+    (container,) = pod_spec()["containers"]
     assert not any("token" in arg.lower() for arg in container["args"])  # never argv
+
+
+def test_the_shared_history_example_is_postgresql_with_its_password_from_a_secret_file(tmp_path):
+    """The ConfigMap's commented store: one PostgreSQL history for every shard, its password a file
+    from a Secret the pods start without while the history is SQLite."""
+    text = manifest("ConfigMap")["data"]["kvwatch.yaml"]
+    example = yaml.safe_load("\n".join(re.findall(r"^ *#   (\w+: .+)$", text, flags=re.MULTILINE)))
+    config = yaml.safe_load(text) | {"store": example}
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(yaml.safe_dump(config))
+    store = load_config(path).store
+    assert store.url.startswith("postgresql://") and store.password_env is None
+    secret = mounted_secrets()[store.password_file]
+    assert secret["secretName"] == "kvwatch-store-password" and secret["defaultMode"] == 0o400
+    assert secret["optional"] is True
 
 
 def test_only_the_exporter_port_is_exposed_and_only_to_prometheus_and_alertmanager(tmp_path):

@@ -2,6 +2,10 @@
 
 One process runs N sessions at once against a lab replica with room for all of them (time scale 0.05);
 each round's client-side TTFT is compared with the TTFT the replica itself recorded for that request.
+Each session streams its answer at 100 tokens/s, faster than an engine decodes for one sequence (10 ms
+between tokens); a last row streams at 1,000 tokens/s per session (1 ms between tokens, the replica's
+default decode rate at this time scale), which keeps both processes' event loops saturated at 64
+sessions and so shows where the floor goes under a storm of events no engine sends.
 The skew is what the client adds: the loopback hops, the replica's own HTTP handling around its clock,
 and the client's time. A raw asyncio socket client, which writes prepared bytes and finds the first
 token by a byte search in what arrives, runs the same sessions in the same run, batch for batch
@@ -30,7 +34,9 @@ from kvwatch.collectors.workload import Conversation, synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 28390
-LEVELS = (1, 4, 16, 64)
+TIME_SCALE = 0.05
+# (tokens/s each session's answer streams at, the concurrent sessions measured at it)
+RUNS = ((100, (1, 4, 16, 64)), (1000, (64,)))
 ROUNDS = 4
 ROUNDS_PER_LEVEL = 256  # per client: batches of `level` sessions until there are this many rounds
 MAX_TOKENS = 16
@@ -124,42 +130,54 @@ def _started(replica: subprocess.Popen, url: str, log: Path) -> None:
     raise RuntimeError(f"the lab replica did not start on {url}:\n{tail}")
 
 
-def _row(level: int, name: str, skews: list[float], floor: tuple[float, float] | None) -> str:
+def _row(level: int, decode: int, name: str, skews: list[float], floor: tuple[float, float] | None) -> str:
     median, p90 = statistics.median(skews), statistics.quantiles(skews, n=10)[-1]
-    times = f" | {median / floor[0]:.1f}x | {p90 / floor[1]:.1f}x" if floor else " | 1x | 1x"
-    return f"| {level} | {name} | {len(skews)} | {median * 1000:.2f} ms | {p90 * 1000:.2f} ms{times} |"
+    times = f" | {median / floor[0]:.2f}x | {p90 / floor[1]:.2f}x" if floor else " | 1x | 1x"
+    skew = f"{median * 1000:.2f} ms | {p90 * 1000:.2f} ms"
+    return f"| {level} | {decode} | {name} | {len(skews)} | {skew}{times} |"
+
+
+def _level(url: str, level: int, decode: int) -> list[str]:
+    """Both clients' rows at one level, batch for batch alternating between them."""
+    skews: dict[str, list[float]] = {"reference": [], "kvwatch": []}
+    for seed in range(max(1, ROUNDS_PER_LEVEL // (ROUNDS * level))):
+        conversations = synthetic(ROUNDS, 300, 100, seed=seed, sessions=level)
+        for name, batch in (("reference", _reference), ("kvwatch", _kvwatch)):
+            skews[name] += _skews(url, batch, conversations)
+    ref = skews["reference"]
+    floor = (statistics.median(ref), statistics.quantiles(ref, n=10)[-1])
+    return [
+        _row(level, decode, "raw socket", ref, None),
+        _row(level, decode, "kvwatch", skews["kvwatch"], floor),
+    ]
+
+
+def _replica(decode: int, log: Path) -> subprocess.Popen:
+    with log.open("w") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(PORT),
+             "--id", "r1", "--time-scale", str(TIME_SCALE), "--max-num-seqs", "256",
+             "--decode-rate", str(decode * TIME_SCALE)],
+            cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def run() -> str:
     url = f"http://127.0.0.1:{PORT}"
+    rows = [
+        "| concurrent sessions | tokens/s per session | client | rounds | median skew | p90 skew "
+        "| median / reference | p90 / reference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as scratch:
-        log = Path(scratch) / "replica.log"
-        with log.open("w") as output:
-            replica = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(PORT),
-                 "--id", "r1", "--time-scale", "0.05", "--max-num-seqs", "256"],
-                cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        try:
-            _started(replica, url, log)
-            rows = [
-                "| concurrent sessions | client | rounds | median skew | p90 skew | median / reference "
-                "| p90 / reference |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for level in LEVELS:
-                skews: dict[str, list[float]] = {"reference": [], "kvwatch": []}
-                for seed in range(max(1, ROUNDS_PER_LEVEL // (ROUNDS * level))):
-                    conversations = synthetic(ROUNDS, 300, 100, seed=seed, sessions=level)
-                    for name, batch in (("reference", _reference), ("kvwatch", _kvwatch)):
-                        skews[name] += _skews(url, batch, conversations)
-                ref = skews["reference"]
-                floor = (statistics.median(ref), statistics.quantiles(ref, n=10)[-1])
-                rows += [
-                    _row(level, "raw socket", ref, None),
-                    _row(level, "kvwatch", skews["kvwatch"], floor),
-                ]
-            return "\n".join(rows)
-        finally:
-            replica.terminate()
-            replica.wait(timeout=10)
+        for decode, levels in RUNS:
+            log = Path(scratch) / f"replica-{decode}.log"
+            replica = _replica(decode, log)
+            try:
+                _started(replica, url, log)
+                for level in levels:
+                    rows += _level(url, level, decode)
+            finally:
+                replica.terminate()
+                replica.wait(timeout=10)
+    return "\n".join(rows)

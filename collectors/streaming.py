@@ -1,9 +1,13 @@
 """The probe's HTTP/1.1 client, built so that its own overhead stays out of the TTFT it measures.
 
-Every received chunk is stamped with the time it arrived, in the event loop's read callback, before any
-parsing: a round's first token is dated by its bytes, not by when a busy loop got round to parsing them.
-The request goes out as one write of bytes prepared before the clock starts, on a kept-alive connection
-of the client's pool, so a round pays no set-up either. h11 does the HTTP/1.1 framing.
+Every received piece is dated by when the kernel received its bytes (SO_TIMESTAMPNS on Linux; where
+there is none, when the event loop read them), before any parsing or TLS: a round's first token is dated
+by its bytes, not by when a busy loop got round to reading and parsing them. A read that takes in
+several segments at once is dated by the last of them, so a late loop can only make a first token that
+arrived together with later ones look as late as those. The request goes out as one write of bytes
+prepared before the clock starts, on a kept-alive connection of the client's pool, so a round pays no
+set-up either. h11 does the HTTP/1.1 framing; TLS runs through memory buffers so that the bytes the
+kernel dated are the ones decrypted.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import asyncio
 import base64
 import functools
 import select
+import socket
+import ssl
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -23,8 +31,10 @@ import httpx
 
 from kvwatch.collectors.connections import connect_reason, tls_context
 
-READ_BYTES = 64 << 10  # how much h11 hands over at once: a streamed chunk is a few hundred bytes
+READ_BYTES = 64 << 10  # how much one read takes in: a streamed chunk is a few hundred bytes
 MAX_HEADER_BYTES = 64 << 10  # of the status line and headers; more is no HTTP server kvwatch probes
+SO_TIMESTAMPNS = 35 if sys.platform == "linux" else None  # Python names it on some builds only
+ANCILLARY_BYTES = socket.CMSG_SPACE(16)  # one struct timespec
 
 
 class ConnectFailed(Exception):
@@ -42,42 +52,116 @@ class _Origin:
     port: int
 
 
-class _Connection(asyncio.Protocol):
+@dataclass(frozen=True)
+class _Tls:
+    """A TLS session over memory buffers: what came from the socket goes in, what goes to it comes out."""
+
+    session: ssl.SSLObject
+    incoming: ssl.MemoryBIO
+    outgoing: ssl.MemoryBIO
+
+
+def received_at(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """The perf_counter time the kernel stamped on what one recvmsg read, or now when it stamped none."""
+    now = time.perf_counter()
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            seconds, nanoseconds = struct.unpack("qq", data[:16])
+            return now - max(0.0, time.time() - (seconds + nanoseconds * 1e-9))
+    return now
+
+
+class _Connection:
     """One connection: what arrived, each piece with its arrival time, and h11's view of the exchange."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket, tls: _Tls | None = None) -> None:
         self.http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-        self.transport: asyncio.Transport | None = None
+        self.sock = sock
         self.arrived: deque[tuple[float, bytes]] = deque()
         self.ended: BaseException | None = None  # why no more bytes will come
         self.fed_at = 0.0  # when the bytes h11 parses now arrived
         self._end_fed = False  # h11 was told that no more bytes will come
         self._wakeup = asyncio.Event()
+        self._tls = tls
+        self._loop = asyncio.get_running_loop()
+        if SO_TIMESTAMPNS is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        self._loop.add_reader(sock.fileno(), self._readable)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    @classmethod
+    async def open(cls, origin: _Origin) -> _Connection:
+        """Connected, and through the TLS handshake for https. Raises ConnectFailed."""
+        try:
+            sock = await _connected(origin)
+        except OSError as error:  # a name that does not resolve included
+            raise ConnectFailed(connect_reason(error)) from None
+        try:
+            tls = await _handshake(sock, origin) if origin.scheme == "https" else None
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, tls)
 
-    def data_received(self, data: bytes) -> None:
-        self.arrived.append((time.perf_counter(), data))
+    def _readable(self) -> None:
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(READ_BYTES, ANCILLARY_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as error:
+            self._end(StreamBroken(f"the connection was lost: {connect_reason(error)}"))
+            return
+        arrived_at = received_at(ancillary)
+        if not data:
+            self._end(StreamBroken("the server closed the connection"))
+            return
+        if self._tls is not None:
+            data = self._decrypted(data)
+        if data:
+            self.arrived.append((arrived_at, data))
+            self._wakeup.set()
+
+    def _decrypted(self, data: bytes) -> bytes:
+        self._tls.incoming.write(data)
+        pieces = []
+        try:
+            while piece := self._tls.session.read(READ_BYTES):
+                pieces.append(piece)
+            self._end(StreamBroken("the server closed the connection"))  # read b"": its close_notify
+        except ssl.SSLWantReadError:  # all of what came is decrypted
+            pass
+        except ssl.SSLZeroReturnError:
+            self._end(StreamBroken("the server closed the connection"))
+        except ssl.SSLError as error:
+            self._end(StreamBroken(f"TLS failed: {error.reason or error}"))
+        return b"".join(pieces)
+
+    def _end(self, reason: StreamBroken) -> None:
+        self._loop.remove_reader(self.sock.fileno())
+        self.ended = self.ended or reason
         self._wakeup.set()
 
-    def eof_received(self) -> bool:
-        self.ended = self.ended or StreamBroken("the server closed the connection")
-        self._wakeup.set()
-        return False
+    async def send(self, data: bytes) -> None:
+        """Write `data` whole (encrypted for https). Raises StreamBroken."""
+        if self._tls is not None:
+            self._tls.session.write(data)
+            data = self._tls.outgoing.read()
+        try:
+            await self._loop.sock_sendall(self.sock, data)
+        except OSError as error:
+            raise StreamBroken(f"the connection was lost: {connect_reason(error)}") from None
 
-    def connection_lost(self, error: Exception | None) -> None:
-        reason = f"the connection was lost: {connect_reason(error)}" if error else "the connection was closed"
-        self.ended = self.ended or StreamBroken(reason)
-        self._wakeup.set()
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
 
     @property
     def reusable(self) -> bool:
         """Idle and quiet: a server that closed a kept-alive connection (or sent something unasked) has
-        made its socket readable, which the loop may not have told this protocol yet."""
+        made its socket readable, which the loop may not have told this connection yet."""
         if self.ended is not None or self.arrived or self.http.our_state is not h11.IDLE:
             return False
-        readable, _, _ = select.select([self.transport.get_extra_info("socket")], [], [], 0)
+        readable, _, _ = select.select([self.sock], [], [], 0)
         return not readable
 
     async def next_event(self) -> tuple[h11.Event, float]:
@@ -100,6 +184,50 @@ class _Connection(asyncio.Protocol):
             else:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+
+
+async def _connected(origin: _Origin) -> socket.socket:
+    """A non-blocking socket connected to the first of the origin's addresses that answers."""
+    loop = asyncio.get_running_loop()
+    addresses = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
+    error: OSError = OSError(f"{origin.host} has no address")
+    for family, kind, protocol, _, address in addresses:
+        sock = socket.socket(family, kind, protocol)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+        except OSError as failed:
+            sock.close()
+            error = failed
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise error
+
+
+async def _handshake(sock: socket.socket, origin: _Origin) -> _Tls:
+    """TLS verified with the process's one context (collectors.connections). Raises ConnectFailed."""
+    loop = asyncio.get_running_loop()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    session = tls_context().wrap_bio(incoming, outgoing, server_hostname=origin.host)
+    try:
+        while True:
+            try:
+                session.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await loop.sock_sendall(sock, outgoing.read())
+                data = await loop.sock_recv(sock, READ_BYTES)
+                if not data:
+                    raise ConnectFailed("TLS handshake failed: the server closed the connection") from None
+                incoming.write(data)
+        await loop.sock_sendall(sock, outgoing.read())  # the handshake's last flight
+    except OSError as error:  # ssl.SSLError included
+        raise ConnectFailed(connect_reason(error)) from None
+    return _Tls(session, incoming, outgoing)
 
 
 class Response:
@@ -144,7 +272,7 @@ class StreamClient:
 
     async def aclose(self) -> None:
         for connection in self._open:
-            connection.transport.close()
+            connection.close()
         self._open.clear()
         self._idle.clear()
 
@@ -163,7 +291,7 @@ class StreamClient:
             )
             request += connection.http.send(h11.Data(data=body)) + connection.http.send(h11.EndOfMessage())
             sent_at = time.perf_counter()
-            connection.transport.write(request)
+            await connection.send(request)
             head, _ = await connection.next_event()
             while isinstance(head, h11.InformationalResponse):  # 100 Continue and the like
                 head, _ = await connection.next_event()
@@ -180,14 +308,7 @@ class StreamClient:
             if connection.reusable:
                 return connection
             self._discard(connection)
-        loop = asyncio.get_running_loop()
-        tls = tls_context() if origin.scheme == "https" else None
-        try:
-            _, connection = await loop.create_connection(
-                _Connection, origin.host, origin.port, ssl=tls, server_hostname=origin.host if tls else None
-            )
-        except OSError as error:  # ssl.SSLError and a name that does not resolve included
-            raise ConnectFailed(connect_reason(error)) from None
+        connection = await _Connection.open(origin)
         self._open.add(connection)
         return connection
 
@@ -201,7 +322,7 @@ class StreamClient:
             self._discard(connection)
 
     def _discard(self, connection: _Connection) -> None:
-        connection.transport.close()
+        connection.close()
         self._open.discard(connection)
 
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install the Debian packages kvwatch's lab runs (nginx, Prometheus, Alertmanager) and its tests use
-# (Chromium, PostgreSQL) when they are missing. Idempotent: does nothing when every binary is already there.
+# (Chromium, PostgreSQL, openssl) when they are missing. Idempotent: does nothing when every binary is already there.
 set -eu
 
 binary_for() {

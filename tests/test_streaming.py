@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
+import ssl
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -12,6 +15,7 @@ from contextlib import asynccontextmanager
 import h11
 import pytest
 
+from kvwatch.collectors import streaming
 from kvwatch.collectors.streaming import ConnectFailed, StreamBroken, StreamClient, _Connection
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -29,10 +33,10 @@ class Scripted:
 
 @asynccontextmanager
 async def scripted(
-    *answers: bytes | Callable[[asyncio.StreamWriter], None],
+    *answers: bytes | Callable[[asyncio.StreamWriter], None], tls: ssl.SSLContext | None = None
 ) -> AsyncIterator[tuple[str, Scripted]]:
     """A 127.0.0.1 server answering the n-th request with answers[n] (the last from there on): bytes to
-    write, or a function given the writer (to close it, say)."""
+    write, or a function given the writer (to close it, say); over TLS when given a server context."""
     seen = Scripted()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -59,9 +63,9 @@ async def scripted(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=tls)
     async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
 
 
 async def body_of(client: StreamClient, url: str, headers: dict | None = None) -> tuple[int, bytes]:
@@ -88,20 +92,32 @@ def test_a_chunked_stream_is_read_whole_and_the_request_goes_out_as_prepared():
     assert sent == b'{"q": 1}'
 
 
-def test_chunks_carry_the_time_their_bytes_arrived_not_the_time_they_were_parsed():
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Both ends of a loopback TCP connection, the first non-blocking (the kernel dates TCP segments)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+    ours.setblocking(False)
+    return ours, theirs
+
+
+def test_chunks_carry_the_time_the_kernel_received_their_bytes_not_when_the_loop_read_them():
     async def scenario():
-        connection = _Connection()
+        ours, theirs = tcp_pair()
+        connection = _Connection(ours)
         connection.http.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
         connection.http.send(h11.EndOfMessage())
-        connection.data_received(CHUNKED)
-        fed = time.perf_counter()
-        time.sleep(0.001)  # the loop busy elsewhere before the stream is parsed
+        theirs.sendall(CHUNKED)
+        sent = time.perf_counter()
+        time.sleep(0.05)  # the loop busy elsewhere before it reads the socket
         events = [await connection.next_event() for _ in range(4)]
-        return fed, events
+        connection.close()
+        theirs.close()
+        return sent, events
 
-    fed, events = run(scenario)
+    sent, events = run(scenario)
     assert [type(event).__name__ for event, _ in events] == ["Response", "Data", "Data", "EndOfMessage"]
-    assert all(arrived_at <= fed for _, arrived_at in events)
+    assert all(arrived_at <= sent for _, arrived_at in events)
 
 
 def test_sequential_requests_share_one_kept_alive_connection():
@@ -218,3 +234,61 @@ def test_a_user_and_password_in_the_url_are_sent_as_basic_auth_unless_a_key_is(h
 
     request = run(scenario)
     assert sent in request and request.count(b"authorization") == 1
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def server_tls(certificate) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+    return context
+
+
+@pytest.fixture
+def trusting(certificate, monkeypatch) -> None:
+    """The probe's TLS context trusts the test certificate, as SSL_CERT_FILE would make it."""
+    monkeypatch.setattr(streaming, "tls_context", lambda: ssl.create_default_context(cafile=certificate[0]))
+
+
+def test_https_streams_are_read_whole_on_one_kept_alive_connection(server_tls, trusting):
+    async def scenario():
+        async with scripted(CHUNKED, tls=server_tls) as (url, seen), StreamClient() as client:
+            answers = [await body_of(client, url) for _ in range(3)]
+        return answers, seen
+
+    answers, seen = run(scenario)
+    assert answers == [(200, b"".join(EVENTS))] * 3
+    assert seen.connections == 1 and seen.requests[0].endswith(b'\r\n\r\n{"q": 1}')
+
+
+def test_an_https_body_delimited_by_the_close_is_complete(server_tls, trusting):
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + b"".join(EVENTS)
+
+    async def scenario():
+        async with scripted(close_after(answer), tls=server_tls) as (url, _), StreamClient() as client:
+            return await body_of(client, url)
+
+    assert run(scenario) == (200, b"".join(EVENTS))
+
+
+def test_a_certificate_the_client_does_not_trust_is_a_connect_failure_saying_why(server_tls):
+    async def scenario():
+        async with scripted(CHUNKED, tls=server_tls) as (url, _), StreamClient() as client:
+            with pytest.raises(ConnectFailed) as failed:
+                await body_of(client, url)
+        return str(failed.value)
+
+    assert run(scenario) == "TLS handshake failed: CERTIFICATE_VERIFY_FAILED"

@@ -847,13 +847,18 @@ def test_a_picked_cluster_narrows_every_prometheus_read_and_its_alerts(fake):
     assert read and all('cluster="b"' in query for query in read)
 
 
-def test_a_picked_cluster_shows_only_its_alerts(fake, monkeypatch):
+def test_the_alerts_name_each_alerts_cluster_and_a_picked_cluster_shows_only_its_own(fake, monkeypatch):
     two_clusters(fake)
     held = pd.concat([alerts_frame(cluster="a"), alerts_frame(cluster="b", target="lab-round-robin")])
     monkeypatch.setattr(data, "alerts", lambda: Result(held))
     at = AppTest.from_file(str(APP), default_timeout=30).run()
     at.switch_page("app_pages/alerts.py").run()
-    assert len(at.dataframe[0].value) == 2
+    shown = at.dataframe[0].value  # each alert's cluster beside what it is about
+    assert list(shown.columns[:4]) == ["alertname", "severity", "state", "cluster"]
+    assert list(zip(shown["cluster"], shown["target"], strict=True)) == [
+        ("a", "lab-affinity"),
+        ("b", "lab-round-robin"),
+    ]
     at.sidebar.selectbox[0].select("b").run()
     assert not at.exception
     assert list(at.dataframe[0].value["target"]) == ["lab-round-robin"]
@@ -898,22 +903,9 @@ def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances
     assert [line["name"] for line in charts["replicas_hit_ratio"]] == [same]
 
 
-def test_the_alerts_tables_name_each_alerts_cluster_where_the_alerts_carry_it(fake, monkeypatch):
-    two_clusters(fake)
-    held = pd.concat([alerts_frame(cluster="a"), alerts_frame(cluster="b", target="lab-round-robin")])
-    monkeypatch.setattr(data, "alerts", lambda: Result(held))
-    at = AppTest.from_file(str(APP), default_timeout=30).run()
-    at.switch_page("app_pages/alerts.py").run()
-    shown = at.dataframe[0].value
-    assert list(shown.columns[:4]) == ["alertname", "severity", "state", "cluster"]
-    assert list(zip(shown["cluster"], shown["target"], strict=True)) == [
-        ("a", "lab-affinity"),
-        ("b", "lab-round-robin"),
-    ]
+def test_the_alerts_tables_show_no_cluster_column_without_the_label(fake, monkeypatch):
     monkeypatch.setattr(data, "alerts", lambda: Result(alerts_frame()))  # one cluster, without the label
-    at = AppTest.from_file(str(APP), default_timeout=30).run()
-    at.switch_page("app_pages/alerts.py").run()
-    assert "cluster" not in at.dataframe[0].value
+    assert "cluster" not in open_page("alerts").dataframe[0].value
 
 
 def test_experiment_shows_a_report_and_runs_one(fake):

@@ -37,22 +37,30 @@ if not CHROMIUM.exists():
 
 
 @pytest.fixture(scope="module")
-def lab(start_lab):
+def started(start_lab):
     # Rules at a tenth of production: the affinity alert keeps firing 12 s after its condition clears.
-    lab = start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
-                    "--time-scale", "0.2", "--rule-time-scale", "0.1", dashboard=True)  # fmt: skip
+    return start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
+                     "--time-scale", "0.2", "--rule-time-scale", "0.1", dashboard=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lab(started, page):
     # The dashboard shows what Prometheus held a few seconds ago (dashboard.data.now): wait for data then.
     both = {queries.STICKY_RATIO: 2, queries.WARM_COLD_RATIO: 2, queries.GATEWAY_SPREAD: 2}
-    wait_for_data(lab, both | {queries.CLUSTER_HIT_RATIO: 1})
-    return lab
+    wait_for_data(started, page, both | {queries.CLUSTER_HIT_RATIO: 1})
+    return started
 
 
-def wait_for_data(lab, expected: dict[str, int]) -> None:
-    """Until each query has as many series as expected (both targets, both logs) at the pages' time."""
+def wait_for_data(lab, page, expected: dict[str, int]) -> None:
+    """Until each query has as many series as expected (both targets, both logs) at the pages' time,
+    and the page's first run has drawn the sidebar the tests navigate by."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         at = data.now()
         if all(len(prometheus(lab, as_asked(q, at), at)) == n for q, n in expected.items()):
+            page.wait_for_selector(
+                '[data-testid="stSidebarNavLink"]', timeout=(deadline - time.monotonic()) * 1000
+            )
             return
         time.sleep(1)
     pytest.fail(f"no data for the Refresh in Prometheus within {WAIT_S} s")
@@ -81,8 +89,11 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def page(browser):
+def page(browser, started):
+    """The dashboard opening before the lab has data: its first run (imports, Chromium's first draw)
+    takes place while the lab fixture waits for the data."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(started.status["dashboard"], wait_until="commit")  # it loads on meanwhile
     yield page
     page.close()
 
@@ -112,13 +123,19 @@ def visit(page, lab, title: str, ready: str, name: str) -> str:
     return settle(page, ready, name)
 
 
+# Every Plotly chart and every tile's sparkline has drawn its picture.
+CHARTS_DRAWN = """() => [...document.querySelectorAll(
+    '[data-testid="stPlotlyChart"], [data-testid="stMetricChart"]'
+)].every(chart => chart.querySelector('svg, canvas'))"""
+
+
 def settle(page, ready: str, name: str) -> str:
     """Wait until the script has run and `ready` (a CSS selector) is drawn, and save a screenshot;
     returns the page's text."""
     try:
         page.wait_for_selector('[data-testid="stApp"][data-test-script-state="notRunning"]', timeout=60_000)
         page.wait_for_selector(ready, timeout=30_000)
-        page.wait_for_timeout(1000)  # let the charts draw for the screenshot
+        page.wait_for_function(CHARTS_DRAWN, timeout=30_000)  # for the screenshot
     finally:
         # The page scrolls inside the app, not the document: grow the window to show all of it.
         height = page.evaluate("document.querySelector('[data-testid=stMain]')?.scrollHeight")

@@ -37,11 +37,15 @@ LISTENER = {"log": "affinity", "listener": "affinity"}  # the lab's background u
 
 
 @pytest.fixture(scope="module")
-def lab(start_lab):
-    lab = start_lab("--replicas", "3", "--users", "4", "--think", "0.2", "--time-scale", "0.2",
-                    "--rule-time-scale", "0.05", "--no-probes", dashboard=True)  # fmt: skip
-    wait_for_data(lab, {queries.GATEWAY_SPREAD: 1})
-    return lab
+def started(start_lab):
+    return start_lab("--replicas", "3", "--users", "4", "--think", "0.2", "--time-scale", "0.2",
+                     "--rule-time-scale", "0.05", "--no-probes", dashboard=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lab(started, page):
+    wait_for_data(started, page, {queries.GATEWAY_SPREAD: 1})
+    return started
 
 
 def spread(shown: Refresh):

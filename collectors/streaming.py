@@ -35,6 +35,7 @@ READ_BYTES = 64 << 10  # how much one read takes in: a streamed chunk is a few h
 MAX_HEADER_BYTES = 64 << 10  # of the status line and headers; more is no HTTP server kvwatch probes
 SO_TIMESTAMPNS = 35 if sys.platform == "linux" else None  # Python names it on some builds only
 ANCILLARY_BYTES = socket.CMSG_SPACE(16)  # one struct timespec
+CLOSED = "the server closed the connection"
 
 
 class ConnectFailed(Exception):
@@ -112,7 +113,7 @@ class _Connection:
             return
         arrived_at = received_at(ancillary)
         if not data:
-            self._end(StreamBroken("the server closed the connection"))
+            self._end(StreamBroken(CLOSED))
             return
         if self._tls is not None:
             data = self._decrypted(data)
@@ -126,11 +127,11 @@ class _Connection:
         try:
             while piece := self._tls.session.read(READ_BYTES):
                 pieces.append(piece)
-            self._end(StreamBroken("the server closed the connection"))  # read b"": its close_notify
+            self._end(StreamBroken(CLOSED))  # read b"": the server's close_notify
         except ssl.SSLWantReadError:  # all of what came is decrypted
             pass
-        except ssl.SSLZeroReturnError:
-            self._end(StreamBroken("the server closed the connection"))
+        except ssl.SSLZeroReturnError:  # the same, as some reads report it
+            self._end(StreamBroken(CLOSED))
         except ssl.SSLError as error:
             self._end(StreamBroken(f"TLS failed: {error.reason or error}"))
         return b"".join(pieces)
@@ -296,7 +297,7 @@ class StreamClient:
             while isinstance(head, h11.InformationalResponse):  # 100 Continue and the like
                 head, _ = await connection.next_event()
             if not isinstance(head, h11.Response):  # h11.ConnectionClosed
-                raise connection.ended or StreamBroken("the server closed the connection")
+                raise connection.ended or StreamBroken(CLOSED)
             yield Response(connection, head, sent_at)
         finally:
             self._release(origin, connection)

@@ -23,6 +23,7 @@ log = logging.getLogger("kvwatch.lab.replica")
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
 LOOPBACK = {"127.0.0.1", "::1"}
 ENGINE_KEY = web.AppKey("engine", Engine)
+ARRIVAL_KEY = web.RequestKey("arrival", float)
 
 
 class ApiError(Exception):
@@ -248,7 +249,7 @@ def _fingerprint(settings: ReplicaSettings) -> str:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
+    arrival = request[ARRIVAL_KEY]
     engine = request.app[ENGINE_KEY]
     session_id = _session_id(request)
     try:
@@ -331,6 +332,65 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+class ArrivalDating(asyncio.Protocol):
+    """A connection's protocol in front of aiohttp's, dating each request at the loop's first read of it.
+
+    aiohttp hands a request to its handler at least one loop turn after reading it, behind every other
+    ready callback: at 64 streaming sessions that is milliseconds, which a clock started in the handler
+    would leave out of the replica's ground truth and so count against the client measuring TTFT.
+    A request that arrives while another is in flight on the connection (pipelining, which no client
+    here does) is dated when its handling starts.
+    """
+
+    def __init__(self, handler: asyncio.Protocol):
+        self._handler = handler
+        self._first_read: float | None = None
+        self._in_flight = False
+
+    def request_started(self) -> float:
+        """When this connection's current request arrived; its bytes are read from here on undated."""
+        arrival, self._first_read, self._in_flight = self._first_read, None, True
+        return arrival or time.monotonic()
+
+    def request_ended(self) -> None:
+        self._in_flight = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._first_read is None and not self._in_flight:
+            self._first_read = time.monotonic()
+        self._handler.data_received(data)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._handler.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self._handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+
+@web.middleware
+async def dated_arrival(request: web.Request, handler):
+    """Give each request its arrival as its connection's ArrivalDating saw it."""
+    transport = request.transport
+    dating = transport.get_protocol() if transport is not None else None
+    if not isinstance(dating, ArrivalDating):
+        request[ARRIVAL_KEY] = time.monotonic()
+        return await handler(request)
+    request[ARRIVAL_KEY] = dating.request_started()
+    try:
+        return await handler(request)
+    finally:
+        dating.request_ended()
+
+
 @web.middleware
 async def loopback_admin(request: web.Request, handler):
     if request.path.startswith("/lab/") and request.remote not in LOOPBACK:
@@ -376,7 +436,7 @@ async def lab_ground_truth(request: web.Request) -> web.Response:
 
 
 def make_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[loopback_admin], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[dated_arrival, loopback_admin], client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.add_routes(
         [
@@ -403,18 +463,19 @@ async def serve(settings: ReplicaSettings, port: int) -> None:
     """Serve one replica on 127.0.0.1:port until SIGINT or SIGTERM."""
     runner = web.AppRunner(make_app(Engine(settings)), access_log=log)
     await runner.setup()
+    loop = asyncio.get_running_loop()
     try:
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        server = await loop.create_server(lambda: ArrivalDating(runner.server()), "127.0.0.1", port)
     except OSError as error:
         await runner.cleanup()
         reason = "the port is already in use" if error.errno == errno.EADDRINUSE else error.strerror
         raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {reason}") from error
     log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id, settings.flavour, port)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
         await stop.wait()
     finally:
+        server.close()  # stop listening first, then finish what is in flight, as a TCPSite does
         await runner.cleanup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -10,12 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
 from conftest import REPO, free_port, http_get, http_post
 from kvwatch.collectors.probe import ProbeSettings, probe_once
 from kvwatch.collectors.workload import synthetic
+from kvwatch.lab.server import ARRIVAL_KEY, ArrivalDating, dated_arrival
 
 pytestmark = pytest.mark.integration
 
@@ -363,3 +366,48 @@ def test_bad_replica_options_are_named():
     assert result.returncode == 2
     assert "--cache-blocks must be positive" in result.stderr
     assert "--prefill-rate must be positive" in result.stderr
+
+
+def test_a_request_is_dated_when_its_bytes_are_read_not_when_its_handler_starts():
+    """The replica's ground-truth clock starts at the loop's read of a request, so a busy loop between
+    the read and aiohttp's handler (here a 50 ms stall) is not counted against the client; a second
+    request on the same kept-alive connection gets its own arrival, not the first one's."""
+
+    async def main() -> list[tuple[float, float, float]]:
+        seen = []
+
+        async def handler(request: web.Request) -> web.Response:
+            seen.append((request[ARRIVAL_KEY], time.monotonic()))
+            return web.Response(text="ok")
+
+        class StalledAfterRead(ArrivalDating):
+            def data_received(self, data: bytes) -> None:
+                loop.call_soon(time.sleep, 0.05)  # queued ahead of aiohttp's handler task
+                super().data_received(data)
+
+        app = web.Application(middlewares=[dated_arrival])
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: StalledAfterRead(runner.server()), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        timings = []
+        try:
+            for _ in range(2):
+                async with asyncio.timeout(10):
+                    sent_at = time.monotonic()
+                    writer.write(b"GET / HTTP/1.1\r\nHost: lab\r\n\r\n")
+                    await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(2)  # "ok"
+                timings.append(sent_at)
+        finally:
+            writer.close()
+            server.close()
+            await runner.cleanup()
+        return [(sent, arrival, started) for sent, (arrival, started) in zip(timings, seen, strict=True)]
+
+    (sent_1, arrival_1, started_1), (sent_2, arrival_2, started_2) = asyncio.run(main())
+    assert sent_1 <= arrival_1 and started_1 - arrival_1 >= 0.045
+    assert sent_2 <= arrival_2 and started_2 - arrival_2 >= 0.045

@@ -74,6 +74,7 @@ class BlockSizeSources:
     prometheus_url: str | None = None
     metrics_urls: tuple[str, ...] = ()
     prometheus_query: str = PROMETHEUS_QUERY  # narrowed to one cluster where a caller reads one
+    prometheus_cluster: str | None = None  # that cluster, as the source names it: "region eu"
 
 
 def sources_for(
@@ -113,8 +114,9 @@ async def _from_prometheus(client: httpx.AsyncClient, sources: BlockSizeSources)
         response = await request(client, "GET", query, TIMEOUT_S, params={"query": sources.prometheus_query})
         response.raise_for_status()
         series = response.json()["data"]["result"]
+        of = f"of {sources.prometheus_cluster} " if sources.prometheus_cluster else ""
         return _smallest(
-            (s["metric"].get("block_size", "") for s in series), f"in Prometheus at {redact(url)}"
+            (s["metric"].get("block_size", "") for s in series), f"{of}in Prometheus at {redact(url)}"
         )
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None

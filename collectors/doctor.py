@@ -45,7 +45,7 @@ from kvwatch.collectors.probe import (
     with_block_size,
 )
 from kvwatch.collectors.progress import Progress
-from kvwatch.collectors.queries import ALERTS, CLUSTER_LABEL
+from kvwatch.collectors.queries import CLUSTER_LABEL, THRESHOLDS, Alert, Grouping
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.streaming import StreamClient
@@ -143,6 +143,10 @@ class Cluster:
         if wrong := label_name_problem(self.label):
             raise ValueError(f"the cluster label {wrong}")
 
+    def __str__(self) -> str:
+        """As the evidence names it: `cluster a`, `region eu`."""
+        return f"{self.label} {self.name}"
+
     def narrowed(self, expr: str) -> str:
         return promql.with_matcher(expr, queries.one_cluster(self.label, self.name))
 
@@ -204,7 +208,9 @@ async def examine(
     block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
     if cluster is not None:
         block_sources = replace(
-            block_sources, prometheus_query=cluster.narrowed(block_sources.prometheus_query)
+            block_sources,
+            prometheus_query=cluster.narrowed(block_sources.prometheus_query),
+            prometheus_cluster=str(cluster),
         )
     checks: list[Check] = []
 
@@ -446,8 +452,14 @@ CHECKS = len(ROUTE_CHECKS) + 2  # the route's, prefix caching and the prompts' p
 
 # --- the engines: prefix caching --------------------------------------------------------------------
 
-# The alert rules' two kinds of evidence, queried as they are: the doctor and the alerts agree.
-CACHING_OFF_ALERTS = [a for a in ALERTS if a.name == "KVWatchPrefixCachingDisabled"]
+
+def caching_off_alerts(cluster_label: str = CLUSTER_LABEL) -> list[Alert]:
+    """The alert rules' two kinds of evidence, queried as they are, so that the doctor and the alerts
+    agree; aggregated by `cluster_label`, so that each instance keeps its cluster."""
+    alerts = queries.alerts(THRESHOLDS, Grouping(cluster_label))
+    return [a for a in alerts if a.name == "KVWatchPrefixCachingDisabled"]
+
+
 CACHING_OFF_EVIDENCE = {
     "lookups": "serves prompt tokens while its prefix-cache lookups stay flat",
     "config": "reports enable_prefix_caching=False",
@@ -460,7 +472,8 @@ async def _caching_off_in_prometheus(
     """Instances Prometheus sees without prefix caching, in `cluster` alone when given; raises
     httpx.HTTPError or ValueError."""
     found = []
-    for alert in CACHING_OFF_ALERTS:
+    label = cluster.label if cluster else CLUSTER_LABEL
+    for alert in caching_off_alerts(label):
         query = f"{url.rstrip('/')}/api/v1/query"
         expr = cluster.narrowed(alert.expr) if cluster else alert.expr
         response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
@@ -469,14 +482,16 @@ async def _caching_off_in_prometheus(
         if answer.get("status") != "success":
             raise ValueError(answer.get("error", "the query failed"))
         what = CACHING_OFF_EVIDENCE[alert.labels["evidence"]]
-        found += [f"{_instance_in_cluster(series['metric'])} {what}" for series in answer["data"]["result"]]
+        found += [
+            f"{_instance_in_cluster(series['metric'], label)} {what}" for series in answer["data"]["result"]
+        ]
     return found
 
 
-def _instance_in_cluster(labels: dict[str, str]) -> str:
+def _instance_in_cluster(labels: dict[str, str], cluster_label: str) -> str:
     """An instance as the alerts name it; with its cluster where Prometheus holds several."""
-    instance, cluster = labels.get("instance", "an instance"), labels.get(CLUSTER_LABEL)
-    return f"{instance} in {CLUSTER_LABEL} {cluster}" if cluster else instance
+    instance, cluster = labels.get("instance", "an instance"), labels.get(cluster_label)
+    return f"{instance} in {cluster_label} {cluster}" if cluster else instance
 
 
 async def prefix_caching(
@@ -521,7 +536,7 @@ async def prefix_caching(
             seen.append(
                 redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
             )
-    said = f"Prometheus ({cluster.label} {cluster.name})" if cluster else "Prometheus"
+    said = f"Prometheus ({cluster})" if cluster else "Prometheus"
     off += [f"{said}: {line}" for line in flagged or []]
     seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)

@@ -29,13 +29,13 @@ from aiohttp import web
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.doctor import (
-    CACHING_OFF_ALERTS,
     CAUSES,
     Check,
     Cluster,
     Diagnosis,
     _base_url_variants,
     _caching_off_in_prometheus,
+    caching_off_alerts,
     diagnose,
     examine,
     format_diagnosis,
@@ -198,9 +198,12 @@ def test_unreadable_or_too_small_samples_are_skipped_with_the_reason(tmp_path):
 
 
 @asynccontextmanager
-async def fake_server(chat):
+async def fake_server(chat, prometheus_query=None):
+    """A route answering with `chat`; with `prometheus_query`, a Prometheus at /prometheus too."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    if prometheus_query is not None:
+        app.router.add_get("/prometheus/api/v1/query", prometheus_query)
     app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": MODEL}]}))
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
@@ -665,7 +668,47 @@ def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only():
             return await _caching_off_in_prometheus(client, "http://prometheus:9090", Cluster("eu", "region"))
 
     asyncio.run(found())
-    assert len(asked) == len(CACHING_OFF_ALERTS)
+    assert len(asked) == len(caching_off_alerts())
     for query in asked:
         selectors = re.findall(r"(vllm:\w+)(\{[^}]*\})?", query)
         assert selectors and all('region="eu"' in matchers for _, matchers in selectors), query
+
+
+# Two clusters told apart by a label of the operator's own, with an engine of the same address each.
+REGIONS = [
+    {"region": "eu", "job": "replicas", "instance": "10.0.0.7:8000", "block_size": "32"},
+    {"region": "us", "job": "replicas", "instance": "10.0.0.7:8000", "block_size": "128"},
+]
+
+
+async def prometheus_of_regions(request: web.Request) -> web.Response:
+    """Each series as Prometheus answers it: the regions the query matches, with the labels its
+    aggregations keep (`by (...)`) alone."""
+    query = request.query["query"]
+    kept = {label.strip() for group in re.findall(r"by \(([^)]*)\)", query) for label in group.split(",")}
+    matching = [s for s in REGIONS if "region=" not in query or f'region="{s["region"]}"' in query]
+    result = [{"metric": {k: v for k, v in s.items() if k in kept}, "value": [0, "1"]} for s in matching]
+    return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+def test_the_doctor_of_one_cluster_by_a_custom_label_names_it_for_each_instance_and_the_block():
+    """With --cluster-label region, as with the default label: each instance Prometheus flags is named
+    with its region, and the block size's source says which region's engines it read."""
+
+    async def scenario() -> tuple[str, Diagnosis]:
+        async with fake_server(route({}, spread=False), prometheus_of_regions) as url:
+            prometheus = f"{url}/prometheus"
+            probe = ProbeSettings(base_url=url, model=MODEL, timeout_seconds=5)
+            return prometheus, await examine(probe, prometheus, cluster=Cluster("eu", "region"))
+
+    prometheus, diagnosis = asyncio.run(scenario())
+    evidence = check(diagnosis, "prefix caching").evidence
+    for what in (
+        "serves prompt tokens while its prefix-cache lookups stay flat",
+        "reports enable_prefix_caching=False",
+    ):
+        assert f"Prometheus (region eu): 10.0.0.7:8000 in region eu {what}" in evidence, evidence
+    assert "in region us" not in evidence
+    assert (
+        f"KV block: 32 tokens (vllm:cache_config_info of region eu in Prometheus at {prometheus})" in evidence
+    )

@@ -131,14 +131,15 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The one cluster whose engines the doctor reads in a Prometheus that holds several: the value
-    `name` of the label `label`. Without one, it reads every cluster and names each instance's."""
+    """Which clusters' engines the doctor reads in a Prometheus that holds several, told apart by the
+    label `label`: the one whose value is `name`, or without a name every one, each instance named with
+    its own."""
 
-    name: str
+    name: str | None
     label: str = CLUSTER_LABEL
 
     def __post_init__(self) -> None:
-        if not self.name:
+        if self.name == "":
             raise ValueError("the cluster needs a name")
         if wrong := label_name_problem(self.label):
             raise ValueError(f"the cluster label {wrong}")
@@ -148,7 +149,14 @@ class Cluster:
         return f"{self.label} {self.name}"
 
     def narrowed(self, expr: str) -> str:
-        return promql.with_matcher(expr, queries.one_cluster(self.label, self.name))
+        return (
+            expr
+            if self.name is None
+            else promql.with_matcher(expr, queries.one_cluster(self.label, self.name))
+        )
+
+
+EVERY_CLUSTER = Cluster(None)
 
 
 @dataclass
@@ -187,7 +195,8 @@ def diagnose(
     is a failed check. Takes a few seconds, at most a few timeouts. `on_check` is told of each check
     (CHECKS of them) as it ends. `gateway` (one of affinity.SYSTEMS) is the gateway or router whose
     settings the fixes name; by default the one an answer's headers show, else every one. `cluster`
-    narrows what Prometheus is asked (the engines' prefix caching, their block size) to that cluster.
+    narrows what Prometheus is asked (the engines' prefix caching, their block size) to one cluster, or
+    names the label that tells them apart; by default every one, by the label `cluster`.
     """
     return asyncio.run(
         examine(probe, prometheus_url, requests_sample, block_sources, on_check, gateway, cluster)
@@ -204,9 +213,10 @@ async def examine(
     cluster: Cluster | None = None,
 ) -> Diagnosis:
     """`diagnose` for callers that run an event loop."""
+    cluster = cluster or EVERY_CLUSTER
     probe = replace(probe, target="doctor", session_mode="client", max_tokens=ANSWER_TOKENS)
     block_sources = block_sources or blocksize.sources_for([probe.base_url], prometheus_url)
-    if cluster is not None:
+    if cluster.name is not None:
         block_sources = replace(
             block_sources,
             prometheus_query=cluster.narrowed(block_sources.prometheus_query),
@@ -467,15 +477,14 @@ CACHING_OFF_EVIDENCE = {
 
 
 async def _caching_off_in_prometheus(
-    client: httpx.AsyncClient, url: str, cluster: Cluster | None = None
+    client: httpx.AsyncClient, url: str, cluster: Cluster = EVERY_CLUSTER
 ) -> list[str]:
-    """Instances Prometheus sees without prefix caching, in `cluster` alone when given; raises
+    """Instances Prometheus sees without prefix caching, in `cluster` alone when it names one; raises
     httpx.HTTPError or ValueError."""
     found = []
-    label = cluster.label if cluster else CLUSTER_LABEL
-    for alert in caching_off_alerts(label):
+    for alert in caching_off_alerts(cluster.label):
         query = f"{url.rstrip('/')}/api/v1/query"
-        expr = cluster.narrowed(alert.expr) if cluster else alert.expr
+        expr = cluster.narrowed(alert.expr)
         response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
         response.raise_for_status()
         answer = response.json()
@@ -483,7 +492,8 @@ async def _caching_off_in_prometheus(
             raise ValueError(answer.get("error", "the query failed"))
         what = CACHING_OFF_EVIDENCE[alert.labels["evidence"]]
         found += [
-            f"{_instance_in_cluster(series['metric'], label)} {what}" for series in answer["data"]["result"]
+            f"{_instance_in_cluster(series['metric'], cluster.label)} {what}"
+            for series in answer["data"]["result"]
         ]
     return found
 
@@ -495,12 +505,12 @@ def _instance_in_cluster(labels: dict[str, str], cluster_label: str) -> str:
 
 
 async def prefix_caching(
-    route: _Route, prometheus_url: str | None, blocker: Check | None, cluster: Cluster | None = None
+    route: _Route, prometheus_url: str | None, blocker: Check | None, cluster: Cluster = EVERY_CLUSTER
 ) -> Check:
     """A session pinned to one backend that reuses nothing of its history means the engine caches nothing.
 
     Prometheus, when given, adds the engines' own word and covers replicas no session landed on: those
-    of `cluster` alone, when given, which its evidence names.
+    of `cluster` alone, when it names one, which its evidence names then.
     """
     name, off, seen = "prefix caching", [], []
     pinned = [s for s in route.sessions if s.sticky]
@@ -536,7 +546,7 @@ async def prefix_caching(
             seen.append(
                 redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
             )
-    said = f"Prometheus ({cluster})" if cluster else "Prometheus"
+    said = "Prometheus" if cluster.name is None else f"Prometheus ({cluster})"
     off += [f"{said}: {line}" for line in flagged or []]
     seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)
@@ -758,7 +768,7 @@ def run_cli(args: argparse.Namespace) -> int:
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
         if args.cluster is not None and not args.prometheus:
             raise ValueError("--cluster names a cluster in --prometheus: give --prometheus too")
-        cluster = None if args.cluster is None else Cluster(args.cluster, args.cluster_label)
+        cluster = Cluster(args.cluster, args.cluster_label)
         api_key = resolve_api_key(args.api_key_env, args.api_key_file)
         probe = ProbeSettings(
             base_url=args.base_url,

@@ -525,6 +525,6 @@ def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
     if requests_sample and not Path(requests_sample).is_file():
         return Result(error=f"No request sample at {requests_sample}.")
     picked = picked_cluster()
-    cluster = None if picked is None else doctor.Cluster(picked, config.value.cluster_label)
+    cluster = doctor.Cluster(picked, config.value.cluster_label)
     prometheus = config.value.prometheus.url
     return Result(doctor.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())

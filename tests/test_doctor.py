@@ -691,24 +691,43 @@ async def prometheus_of_regions(request: web.Request) -> web.Response:
     return web.json_response({"status": "success", "data": {"resultType": "vector", "result": result}})
 
 
-def test_the_doctor_of_one_cluster_by_a_custom_label_names_it_for_each_instance_and_the_block():
-    """With --cluster-label region, as with the default label: each instance Prometheus flags is named
-    with its region, and the block size's source says which region's engines it read."""
+def prefix_caching_of_regions(cluster: Cluster) -> tuple[str, str]:
+    """The prefix-caching evidence of a doctor reading `prometheus_of_regions`, and that Prometheus' URL."""
 
     async def scenario() -> tuple[str, Diagnosis]:
         async with fake_server(route({}, spread=False), prometheus_of_regions) as url:
             prometheus = f"{url}/prometheus"
             probe = ProbeSettings(base_url=url, model=MODEL, timeout_seconds=5)
-            return prometheus, await examine(probe, prometheus, cluster=Cluster("eu", "region"))
+            return prometheus, await examine(probe, prometheus, cluster=cluster)
 
     prometheus, diagnosis = asyncio.run(scenario())
-    evidence = check(diagnosis, "prefix caching").evidence
-    for what in (
-        "serves prompt tokens while its prefix-cache lookups stay flat",
-        "reports enable_prefix_caching=False",
-    ):
+    return check(diagnosis, "prefix caching").evidence, prometheus
+
+
+CACHING_OFF_WORDS = (
+    "serves prompt tokens while its prefix-cache lookups stay flat",
+    "reports enable_prefix_caching=False",
+)
+
+
+def test_the_doctor_of_one_cluster_by_a_custom_label_names_it_for_each_instance_and_the_block():
+    """With --cluster-label region, as with the default label: each instance Prometheus flags is named
+    with its region, and the block size's source says which region's engines it read."""
+    evidence, prometheus = prefix_caching_of_regions(Cluster("eu", "region"))
+    for what in CACHING_OFF_WORDS:
         assert f"Prometheus (region eu): 10.0.0.7:8000 in region eu {what}" in evidence, evidence
     assert "in region us" not in evidence
     assert (
         f"KV block: 32 tokens (vllm:cache_config_info of region eu in Prometheus at {prometheus})" in evidence
+    )
+
+
+def test_the_doctor_of_every_cluster_by_a_custom_label_names_each_instances():
+    """--cluster-label region without --cluster: every region read, each instance named with its own."""
+    evidence, prometheus = prefix_caching_of_regions(Cluster(None, "region"))
+    for region, what in itertools.product(("eu", "us"), CACHING_OFF_WORDS):
+        assert f"Prometheus: 10.0.0.7:8000 in region {region} {what}" in evidence, evidence
+    assert (
+        f"KV block: 32 tokens (smallest of 32, 128 in vllm:cache_config_info in Prometheus at {prometheus})"
+        in evidence
     )

@@ -6,10 +6,12 @@ Each session streams its answer at 100 tokens/s, faster than an engine decodes f
 between tokens); a last row streams at 1,000 tokens/s per session (1 ms between tokens, the replica's
 default decode rate at this time scale), which keeps both processes' event loops saturated at 64
 sessions and so shows where the floor goes under a storm of events no engine sends.
-The skew is what the client adds: the loopback hops, the replica's own HTTP handling around its clock,
-and the client's time. A raw asyncio socket client, which writes prepared bytes and finds the first
-token by a byte search in what arrives, runs the same sessions in the same run, batch for batch
-alternating with kvwatch's probe: its skew is the floor, and kvwatch's is given as a multiple of it.
+The skew is what the client adds: the loopback hops, the replica's HTTP layer between its clock and
+the socket (it dates a request when its loop first reads it, so a loop busy with other sessions still
+delays that read), and the client's time. A raw asyncio socket client, which writes prepared bytes and
+finds the first token by a byte search in what arrives, runs the same sessions in the same run, batch
+for batch alternating with kvwatch's probe: its skew is the floor, and kvwatch's is given as a multiple
+of it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ TIME_SCALE = 0.05
 # (tokens/s each session's answer streams at, the concurrent sessions measured at it)
 RUNS = ((100, (1, 4, 16, 64)), (1000, (64,)))
 ROUNDS = 4
-ROUNDS_PER_LEVEL = 256  # per client: batches of `level` sessions until there are this many rounds
+ROUNDS_PER_LEVEL = 256  # per client: batches of `level` sessions until there are this many rounds,
+MIN_BATCHES = 4  # and at least this many batches, so a p90 at 64 sessions is not one batch's
 MAX_TOKENS = 16
 FIRST_TOKEN = re.compile(rb'"content": "[^"]')  # the lab replica's first non-empty content delta
 CHUNKED_END = b"0\r\n\r\n"
@@ -140,7 +143,7 @@ def _row(level: int, decode: int, name: str, skews: list[float], floor: tuple[fl
 def _level(url: str, level: int, decode: int) -> list[str]:
     """Both clients' rows at one level, batch for batch alternating between them."""
     skews: dict[str, list[float]] = {"reference": [], "kvwatch": []}
-    for seed in range(max(1, ROUNDS_PER_LEVEL // (ROUNDS * level))):
+    for seed in range(max(MIN_BATCHES, ROUNDS_PER_LEVEL // (ROUNDS * level))):
         conversations = synthetic(ROUNDS, 300, 100, seed=seed, sessions=level)
         for name, batch in (("reference", _reference), ("kvwatch", _kvwatch)):
             skews[name] += _skews(url, batch, conversations)

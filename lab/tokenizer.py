@@ -7,6 +7,7 @@ token, so the prefix cache can reuse it. One word or punctuation mark is one tok
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import zlib
@@ -33,7 +34,14 @@ def split_words(text: str) -> list[str]:
 
 
 def tokenize(text: str) -> list[int]:
-    return [_FIRST_TEXT_ID + zlib.crc32(word.encode()) for word in split_words(text)]
+    return list(_text_ids(text))
+
+
+@functools.lru_cache(maxsize=256)
+def _text_ids(text: str) -> tuple[int, ...]:
+    """Remembered per text: each round of a conversation renders its whole history again, and the
+    replica tokenizes on its event loop, where the time delays reading the other sessions' requests."""
+    return tuple(_FIRST_TEXT_ID + zlib.crc32(word.encode()) for word in split_words(text))
 
 
 def message_text(message: Mapping) -> str:

@@ -212,11 +212,13 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
 
 
-def _stop(state: LabState, names: list[str]) -> None:
+def _stop(state: LabState, names: list[str]) -> float:
     """SIGTERM each named process that still runs, wait, then SIGKILL what is left; forget their PIDs.
-    Returns once they are gone."""
+    Returns once they are gone, with the wall time of the SIGTERM: a server stops listening at it but
+    exits only once its in-flight requests are done, seconds later."""
     pids = {name: state.processes[name] for name in names if name in state.processes}
     running = [pid for pid in pids.values() if is_ours(state, pid)]  # a dead one's PID may be reused
+    signalled = time.time()
     for pid in running:
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -234,6 +236,7 @@ def _stop(state: LabState, names: list[str]) -> None:
     for name in pids:
         del state.processes[name]
     state.save()
+    return signalled
 
 
 def _check_ports_free(ports: dict[str, int]) -> None:
@@ -314,12 +317,13 @@ def _reload_prometheus(state: LabState) -> None:
         time.sleep(0.1)
 
 
-def _reconfigure(state: LabState) -> None:
+def _reconfigure(state: LabState) -> float:
     """Save the state, write its configs and make the gateway serve them: the saved state always says what
-    the configs ask for, so that `kvwatch lab heal` undoes a change even when it did not take."""
+    the configs ask for, so that `kvwatch lab heal` undoes a change even when it did not take. Returns
+    once the gateway serves them, with the wall time from which new requests got them."""
     state.save()
     _write_configs(state)
-    GATEWAYS[state.gateway].apply(state)
+    return GATEWAYS[state.gateway].apply(state)
 
 
 @contextlib.contextmanager
@@ -522,13 +526,16 @@ def cluster(state: LabState, name: str | None) -> LabState:
     return state.member(name)
 
 
-def _log_fault(state: LabState, action: str, name: str, replica: ReplicaSpec | None = None) -> None:
+def _log_fault(
+    state: LabState, action: str, name: str, replica: ReplicaSpec | None = None, at: float | None = None
+) -> None:
     """Append to faults.log: the ground truth of when each fault started and ended, and on which replica
-    (its id and its address, as the dashboard names it)."""
-    now = time.time()
+    (its id and its address, as the dashboard names it). `at` is the wall time the change took effect
+    for clients, which a command that waits for it to serve learns before it is done; by default now."""
+    at = time.time() if at is None else at
     entry = {
-        "time": datetime.fromtimestamp(now, UTC).isoformat(),
-        "unix": now,
+        "time": datetime.fromtimestamp(at, UTC).isoformat(),
+        "unix": at,
         "action": action,
         "fault": name,
         "replica": replica.id if replica else None,
@@ -542,23 +549,29 @@ def _serves(state: LabState, replica: ReplicaSpec) -> bool:
     return f"replica-{replica.id}" in running_processes(state)
 
 
-def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool) -> None:
-    """At runtime where the replica can (the simulator), else by restarting it with other flags."""
+def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool) -> float:
+    """At runtime where the replica can (the simulator), else by restarting it with other flags. Returns
+    the wall time from which it answers so: as it is asked, or once it serves again restarted."""
     if KINDS[state.engine].live_prefix_caching:
         replica.prefix_caching = enabled
+        asked = time.time()
         _set_replica_faults(replica, prefix_caching=enabled)
-    elif replica.prefix_caching != enabled:
+        return asked
+    if replica.prefix_caching != enabled:
         replica.prefix_caching = enabled
         state.save()
         _stop_replica(state, replica)
         _start(state, replica_process(state, replica))
+    return time.time()
 
 
-def _stop_replica(state: LabState, replica: ReplicaSpec) -> None:
-    """Stop a replica; return once the gateway has let go of it too, so the next request fails over."""
-    _stop(state, [f"replica-{replica.id}"])
+def _stop_replica(state: LabState, replica: ReplicaSpec) -> float:
+    """Stop a replica; return once the gateway has let go of it too, so the next request fails over,
+    with the wall time it stopped listening (its SIGTERM)."""
+    stopped = _stop(state, [f"replica-{replica.id}"])
     if forget := GATEWAYS[state.gateway].forget_replica:
         forget(state, replica.port)
+    return stopped
 
 
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
@@ -571,7 +584,8 @@ def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
 
 
 def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
-    """Inject one fault and return, once it serves, a sentence saying what changed."""
+    """Inject one fault and return, once it serves, a sentence saying what changed. faults.log dates it
+    when it took effect for clients: a gateway's reload, a replica's SIGTERM, else once it serves."""
     if name in REPLICA_FAULTS and replica_id is None:
         raise LabError(f"fault {name} needs a replica: --replica ID")
     replica = state.replica(replica_id) if replica_id else None
@@ -582,24 +596,25 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         )
     if name in GATEWAY_FAULTS:
         state.faults = [f for f in state.faults if f not in GATEWAY_FAULTS] + [name]
-        _reconfigure(state)
+        began = _reconfigure(state)
         done = f"affinity gateway now: {name}"
     elif name == "disable-prefix-cache":
-        _switch_prefix_caching(state, replica, enabled=False)
+        began = _switch_prefix_caching(state, replica, enabled=False)
         state.faults.append(f"{name}:{replica.id}")
         done = f"prefix caching off on {replica.name}"
         if not KINDS[state.engine].live_prefix_caching:
             done += " (restarted with --no-enable-prefix-caching; its counters start from zero)"
     elif name == "dynamic-prefix":
         state.faults.append(name)
+        began = time.time()  # the users read their control file, written now, before each conversation
         _write_configs(state)
         done = "background users now put a timestamp at the top of their system prompt"
     elif name == "kill-replica":
-        _stop_replica(state, replica)
+        began = _stop_replica(state, replica)
         state.faults.append(f"{name}:{replica.id}")
         done = f"replica {replica.name} killed"
     elif name == "restart-replica":
-        _stop_replica(state, replica)
+        began = _stop_replica(state, replica)
         _start(state, replica_process(state, replica))
         state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
         done = f"replica {replica.name} restarted (its counters start from zero)"
@@ -611,12 +626,12 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         state.faults.append(f"{name}:{replica.id}")
         state.save()
         _start(state, replica_process(state, replica))
-        _reconfigure(state)
+        began = _reconfigure(state)
         done = f"replica {replica.name} added"
     else:
         raise LabError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
     state.save()
-    _log_fault(state, "fault", name, replica)
+    _log_fault(state, "fault", name, replica, began)
     if name == "scale-out":  # after the entry: the new replica serves, whether Prometheus scrapes it or not
         _reload_prometheus(state)
     return done
@@ -644,7 +659,7 @@ def heal(state: LabState) -> str:
         _switch_prefix_caching(state, replica, enabled=True)
     healed = list(state.faults)
     state.faults = []
-    _reconfigure(state)
-    _log_fault(state, "heal", ",".join(healed) or "none")
+    healed_at = _reconfigure(state)  # the last step to take effect: the replicas serve already
+    _log_fault(state, "heal", ",".join(healed) or "none", at=healed_at)
     _reload_prometheus(state)  # after the entry: the gateways and replicas are healed either way
     return f"healed: {', '.join(described) or 'nothing was broken'}"

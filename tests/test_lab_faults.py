@@ -10,13 +10,16 @@ baseline is back. The dynamic-prefix fault steers background users: it gets a la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,7 +40,7 @@ from conftest import (
 )
 from kvwatch.lab import stack
 from kvwatch.lab.gateways import nginx as nginx_gateway
-from kvwatch.lab.process import LabError
+from kvwatch.lab.process import LabError, is_ours
 from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
@@ -48,11 +51,17 @@ SESSIONS = [f"sess-{i}" for i in range(12)]
 # replica (12 sessions would come back to the same replica every round).
 ROUND_ROBIN_SESSIONS = [f"rr-{i}" for i in range(13)]
 SYSTEM_PROMPT_TOKENS = 800  # lab traffic default
+TIME_SCALE = 0.2  # of the replicas' timings, extra latency included
+# How long a request is held before its prefill: the kill's SIGTERM comes well within it, its end within
+# the 10 s a stop waits before SIGKILL.
+HELD_S = 6.0
 
 
 @pytest.fixture(scope="module")
 def lab(start_lab):
-    return start_lab("--replicas", str(REPLICAS), "--users", "0", "--no-probes", "--time-scale", "0.2")
+    return start_lab(
+        "--replicas", str(REPLICAS), "--users", "0", "--no-probes", "--time-scale", str(TIME_SCALE)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +225,50 @@ def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     assert r3 not in {rounds[0] for rounds in seen.values()}
     fault(lab, "restart-replica", "r3")
     assert replica_counter(url, "vllm:request_success_total") < served_before
+    heal(lab, SESSIONS)
+
+
+def first_refusal(port: int) -> float:
+    """The wall time a connection to the port came back refused, polling until one does."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return time.time()
+        assert time.monotonic() < deadline, f"127.0.0.1:{port} still accepted connections after 60 s"
+        time.sleep(0.01)
+
+
+def test_kill_replica_is_dated_when_the_replica_stopped_listening_not_when_it_exited(lab, tmp_path):
+    """A killed replica stops listening at its SIGTERM but exits only once the requests in flight are
+    answered: here one held HELD_S before its prefill (the replica's extra latency). faults.log dates
+    the fault at the SIGTERM: no later than the first refused connection, before the exit, which the
+    command waits for."""
+    url = lab.replica_url("r2")
+    status = lab.cli("status", "--json").json
+    port, pid = int(url.rsplit(":", 1)[1]), status["processes"]["replica-r2"]
+    CLIENT.post(f"{url}/lab/faults", json={"extra_latency_s": HELD_S / TIME_SCALE}).raise_for_status()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answered = pool.submit(chat, url)
+            wait_until(lambda: replica_counter(url, "vllm:num_requests_waiting") == 1)  # in flight
+            killing = lab_command(lab, tmp_path / "kill.err", "fault", "kill-replica", "r2")
+            try:
+                refused_at = first_refusal(port)
+                assert answered.result().status_code == 200
+                wait_until(lambda: not is_ours(LabState.load(lab.state_dir), pid))
+                exited_seen = time.time()
+                killing.wait(timeout=60)
+            finally:
+                stop(killing)
+    finally:
+        with contextlib.suppress(httpx.HTTPError):  # a replica the test did not kill must not stay slow
+            CLIENT.post(f"{url}/lab/faults", json={"extra_latency_s": 0})
+    assert killing.returncode == 0, (tmp_path / "kill.err").read_text()
+    entry = faults_log(lab)[-1]
+    assert (entry["action"], entry["fault"], entry["replica"]) == ("fault", "kill-replica", "r2")
+    assert entry["unix"] <= refused_at < exited_seen, (entry, refused_at, exited_seen)
     heal(lab, SESSIONS)
 
 

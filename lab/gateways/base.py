@@ -35,8 +35,10 @@ class Gateway:
     # Writes its config files for the state (replicas, gateway faults) into the state directory.
     write_configs: Callable[[LabState], None]
     # Makes the running gateway serve the written configs, the way an operator would; returns once it
-    # does, else raises LabError with the gateway's log tail.
-    apply: Callable[[LabState], None]
+    # does, with the wall time from which new requests got them (a reload is done only once the old
+    # workers have finished their in-flight requests, seconds later), else raises LabError with the
+    # gateway's log tail.
+    apply: Callable[[LabState], float]
     # Where its admin port (lab.state.Ports.gateway_admin) serves Prometheus metrics; None: no admin port.
     metrics_path: str | None = None
     # Returns once the gateway holds no connection to a stopped replica's port, else raises LabError;

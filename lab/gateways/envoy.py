@@ -257,8 +257,10 @@ def _loaded_versions(state: LabState) -> dict[str, object]:
     return versions
 
 
-def apply(state: LabState) -> None:
-    """The files are written: return once Envoy serves them, else raise LabError saying what it serves."""
+def apply(state: LabState) -> float:
+    """The files are written: return once Envoy serves them, with the time the first was written (Envoy
+    watches them and routes new requests by each once loaded), else raise LabError saying what it serves."""
+    written = min((state.directory / "envoy" / name).stat().st_mtime for name in render(state))
     pid = state.processes.get("envoy")
     if pid is None or not is_ours(state, pid):
         raise LabError("Envoy is not running; start the lab with `kvwatch lab up`")
@@ -280,6 +282,7 @@ def apply(state: LabState) -> None:
             f"Envoy did not load the new config within {RELOAD_TIMEOUT_S:.0f} s: {seen}; logs/envoy.log "
             f"ends:\n{log_tail(state, 'envoy')}"
         )
+    return written
 
 
 def forget_replica(state: LabState, port: int) -> None:

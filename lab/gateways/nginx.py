@@ -7,6 +7,7 @@ import os
 import signal
 import string
 import subprocess
+import time
 from pathlib import Path
 
 from kvwatch.lab.gateways.base import Gateway, generation, listener_generations, wait_for
@@ -92,9 +93,10 @@ def _workers(master: int) -> set[int]:
     return workers
 
 
-def apply(state: LabState) -> None:
+def apply(state: LabState) -> float:
     """Gracefully reload nginx with the written config, without dropping connections; return once only
-    workers of that config serve, else raise LabError saying what was seen."""
+    workers of that config serve, with the time of the SIGHUP (new workers take new requests from
+    then on), else raise LabError saying what was seen."""
     check = subprocess.run([*process(state).argv, "-t", "-q"], capture_output=True, text=True, timeout=30)
     if check.returncode != 0:
         raise LabError(f"generated nginx config is invalid:\n{check.stderr}")
@@ -103,6 +105,7 @@ def apply(state: LabState) -> None:
         raise LabError("nginx is not running; start the lab with `kvwatch lab up`")
     expected = config_generation(state)
     before = _workers(master)
+    reloaded = time.time()
     os.kill(master, signal.SIGHUP)
 
     def problem() -> str | None:
@@ -122,6 +125,7 @@ def apply(state: LabState) -> None:
             f"nginx did not reload within {RELOAD_TIMEOUT_S:.0f} s: {seen}; logs/nginx-error.log ends:\n"
             f"{log_tail(state, 'nginx-error')}"
         )
+    return reloaded
 
 
 GATEWAY = Gateway(

@@ -466,8 +466,9 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
         assert tuple(sessions) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
         returning, spread, moved = sessions
         assert moved == 0, "no replica failed"
-        time.sleep(3)
-        assert real_spread(prometheus) == pytest.approx(spread / returning)
+        share = pytest.approx(spread / returning)
+        shown = poll(lambda: real_spread(prometheus), lambda v: v == share, GATEWAY_POLL_SECONDS)
+        assert shown == share, f"Prometheus records {shown} of the poll's {spread} / {returning}"
         # Round robin still reuses the shared system prompt and the rule averages 2 minutes, so the hit
         # ratio sinks slowly: about 0.01 in 20 s in this lab.
         value = poll(lambda: cluster_hit_ratio(prometheus), lambda v: v < hit_ratio - 0.01, 45)
@@ -482,6 +483,7 @@ ROUTES = {"affinity": AFFINITY_TARGET, "round_robin": "lab-round-robin"}  # rout
 BACKEND_ROUNDS = "kvwatch_probe_backend_rounds_total"  # a backend's series starts at its first rounds
 LAST_POLL = "kvwatch_gateway_log_last_poll_timestamp_seconds"
 FAILED_OVER_SESSION = "kvwatch-board-test-failover"
+EXPORTER_UP = 'up{job="kvwatch"}'  # kvwatch serve's exporter, scraped or not
 # A listener's request counters start at the first poll that read one of its requests.
 GATEWAY_REQUESTS = ("kvwatch_gateway_requests_total", "kvwatch_gateway_requests_without_session_key_total")
 
@@ -506,12 +508,16 @@ def stop_serve(lab) -> None:
     os.kill(pid, signal.SIGTERM)
     left = poll(lambda: processes_in_group(pid), not_, 30)
     assert not left, f"kvwatch serve ({pid}) still runs 30 s after SIGTERM"
-    time.sleep(2)  # a failed scrape since: no sample of it is still on its way
+    # A failed scrape since: no sample of it is still on its way.
+    up = poll(
+        lambda: instant(lab.status["prometheus"], EXPORTER_UP), lambda found: found[0]["value"][1] == "0", 10
+    )
+    assert up[0]["value"][1] == "0", f"Prometheus still scrapes kvwatch serve ({pid}) 10 s after it stopped"
 
 
 def exporter_scrapes(prometheus: str) -> list[float]:
     """When Prometheus scraped kvwatch serve's exporter successfully."""
-    found = instant(prometheus, 'up{job="kvwatch"}[1h]')
+    found = instant(prometheus, f"{EXPORTER_UP}[1h]")
     return [float(at) for series in found for at, up in series["values"] if up == "1"]
 
 

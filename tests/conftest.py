@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from kvwatch.lab.state import LabState
@@ -291,6 +293,21 @@ def upstreams(url: str, sessions: list[str], rounds: int = 3) -> dict[str, list[
             assert response.status_code == 200, response.text
             seen[session].append(response.headers["X-Upstream"])
     return seen
+
+
+def decoded(values: list | dict) -> list[float]:
+    """A trace's values: plotly writes a numpy array as base64 of its bytes and their dtype."""
+    if isinstance(values, list):
+        return values
+    return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+
+
+def experiment_replica_bars(at) -> dict[str, dict[str, float]]:
+    """The Experiment page's chart of the requests each replica served, route: {replica: requests}; `at`
+    is its AppTest."""
+    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith("experiment_replicas")]
+    bars = json.loads(chart.proto.spec)["data"]
+    return {bar["name"]: dict(zip(decoded(bar["x"]), decoded(bar["y"]), strict=True)) for bar in bars}
 
 
 # The replicas' admin API by every spelling of its path.

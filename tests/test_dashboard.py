@@ -5,7 +5,6 @@ config."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime
 import json
 import math
@@ -26,7 +25,7 @@ import yaml
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, free_port, stop, wait_http
+from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
 from kvwatch.collectors import blocksize, doctor, experiment, grafana, promql, queries
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
@@ -587,13 +586,6 @@ def per_round_chart(at: AppTest) -> dict:
     return json.loads(chart.proto.spec)
 
 
-def decoded(values: list | dict) -> list[float]:
-    """A trace's values: plotly writes a numpy array as base64 of its bytes and their dtype."""
-    if isinstance(values, list):
-        return values
-    return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
-
-
 def chart_lines(at: AppTest) -> dict[tuple[str, str], list[float]]:
     """(panel's x axis, line name): y of every line of the per-round chart (its bands left out)."""
     lines = [t for t in per_round_chart(at)["data"] if t.get("fill") != "toself"]
@@ -948,10 +940,7 @@ def test_experiment_shows_each_routes_throughput_and_p99_and_each_replicas_load(
     assert shown["rr: TTFT p99 (ms)"] == ["250"] and shown["aff: TTFT p99 (ms)"] == ["-"]
     (p99,) = [m for m in at.metric if m.label == "rr: TTFT p99 (ms)"]
     assert "interval 200–310 ms; median 40 ms, p90 90 ms" in p99.help
-    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith("experiment_replicas")]
-    bars = json.loads(chart.proto.spec)["data"]
-    bars = {bar["name"]: dict(zip(decoded(bar["x"]), decoded(bar["y"]), strict=True)) for bar in bars}
-    assert bars == {"rr": {"r0": 60, "r1": 60}, "aff": {"r0": 120}}
+    assert experiment_replica_bars(at) == {"rr": {"r0": 60, "r1": 60}, "aff": {"r0": 120}}
 
 
 def test_an_older_report_without_load_files_shows_its_markdown_only(fake):

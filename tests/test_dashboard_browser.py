@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, http_get
+from conftest import REPO, http_get, processes_in_group
 from kvwatch.collectors import queries
 from kvwatch.collectors.config import load_config
 from kvwatch.collectors.naming import replica_name
 from kvwatch.collectors.records import SessionResult
 from kvwatch.collectors.store import Store
 from kvwatch.dashboard import data
+from kvwatch.lab.replicas import KINDS
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +32,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"
 EVALUATION_S = 1  # --fast: Prometheus scrapes and evaluates the rules every second
 WAIT_S = 240  # generous: the machine may be busy with other tests
+LAB_PAGE_CACHE_S = KINDS["sim"].fast_probe_interval_s  # --fast: the lab's pages refresh and cache this long
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
 if not CHROMIUM.exists():
     pytest.skip("Debian's chromium is not installed (make bootstrap installs it)", allow_module_level=True)
@@ -68,10 +70,15 @@ def wait_for_data(lab, page, expected: dict[str, int]) -> None:
 
 @pytest.fixture(scope="module")
 def frozen(lab):
-    """The lab with its probes stopped once the dashboard has refreshed after: the store-backed pages
-    and the test then read the same sessions."""
-    os.kill(lab.status["processes"]["serve"], signal.SIGTERM)
-    time.sleep(data.REFRESH_SECONDS - time.time() % data.REFRESH_SECONDS + 1)
+    """The lab with its probes stopped and what the pages had read of the store before expired from
+    their cache: the store-backed pages and the test then read the same sessions."""
+    serve = lab.status["processes"]["serve"]
+    os.kill(serve, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while processes_in_group(serve) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_in_group(serve), f"kvwatch serve ({serve}) still runs 30 s after SIGTERM"
+    time.sleep(LAB_PAGE_CACHE_S + 1)
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         yield lab, store
 

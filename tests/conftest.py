@@ -429,6 +429,17 @@ def processes_in_group(pgid: int) -> list[int]:
     return found
 
 
+def stop_lab_serve(lab: Lab) -> int:
+    """SIGTERM the lab's `kvwatch serve` and return its PID once its whole process group is gone."""
+    pid = lab.status["processes"]["serve"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while processes_in_group(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_in_group(pid), f"kvwatch serve ({pid}) still runs 30 s after SIGTERM"
+    return pid
+
+
 def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
     """`kvwatch lab up --detach` in its own state directory and port block; its output if it fails."""
     base = free_base_port()

@@ -6,9 +6,7 @@ test-artifacts/."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, http_get, processes_in_group
+from conftest import REPO, http_get, stop_lab_serve
 from kvwatch.collectors import queries
 from kvwatch.collectors.config import load_config
 from kvwatch.collectors.naming import replica_name
@@ -72,12 +70,7 @@ def wait_for_data(lab, page, expected: dict[str, int]) -> None:
 def frozen(lab):
     """The lab with its probes stopped and what the pages had read of the store before expired from
     their cache: the store-backed pages and the test then read the same sessions."""
-    serve = lab.status["processes"]["serve"]
-    os.kill(serve, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while processes_in_group(serve) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not processes_in_group(serve), f"kvwatch serve ({serve}) still runs 30 s after SIGTERM"
+    stop_lab_serve(lab)
     time.sleep(LAB_PAGE_CACHE_S + 1)
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         yield lab, store

@@ -36,7 +36,7 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
-from conftest import REPO, TLS, http_get, processes_in_group
+from conftest import REPO, TLS, http_get, stop_lab_serve
 from kvwatch.collectors import grafana, promql, queries
 from kvwatch.collectors.exporter import TTFT_BUCKETS
 from kvwatch.collectors.records import ERROR_KINDS
@@ -504,10 +504,7 @@ def paused(lab, *names: str) -> Iterator[None]:
 def stop_serve(lab) -> None:
     """Stop `kvwatch serve`, the lab's prober and exporter, so that neither the store nor the exported
     series move any more; returns once it is gone and Prometheus has recorded a failed scrape of it."""
-    pid = lab.status["processes"]["serve"]
-    os.kill(pid, signal.SIGTERM)
-    left = poll(lambda: processes_in_group(pid), not_, 30)
-    assert not left, f"kvwatch serve ({pid}) still runs 30 s after SIGTERM"
+    pid = stop_lab_serve(lab)
     # A failed scrape since: no sample of it is still on its way.
     up = poll(
         lambda: instant(lab.status["prometheus"], EXPORTER_UP), lambda found: found[0]["value"][1] == "0", 10

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import select
 import socket
 import ssl
+import struct
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
@@ -101,6 +103,23 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
     return ours, theirs
 
 
+def wait_until_the_kernel_stamps_arrivals() -> None:
+    """Linux turns receive timestamps on in a worker some time after a socket first asks for them (a
+    packet that arrives before is unstamped): wait, 2 s at most, until a new connection's are."""
+    deadline = time.monotonic() + 2
+    while True:
+        ours, theirs = tcp_pair()
+        ours.setsockopt(socket.SOL_SOCKET, streaming.SO_TIMESTAMPNS, 1)
+        with ours, theirs:
+            theirs.sendall(b"x")
+            select.select([ours], [], [], 1)
+            _, ancillary, _, _ = ours.recvmsg(1, streaming.ANCILLARY_BYTES)
+        if ancillary:
+            return
+        assert time.monotonic() < deadline, "the kernel stamped no received packet within 2 s"
+        time.sleep(0.01)
+
+
 def test_chunks_carry_the_time_the_kernel_received_their_bytes_not_when_the_loop_read_them():
     async def scenario():
         ours, theirs = tcp_pair()
@@ -115,9 +134,47 @@ def test_chunks_carry_the_time_the_kernel_received_their_bytes_not_when_the_loop
         theirs.close()
         return sent, events
 
-    sent, events = run(scenario)
+    with streaming.keep_kernel_timestamps_on():  # as every StreamClient does while it lives
+        wait_until_the_kernel_stamps_arrivals()
+        sent, events = run(scenario)
     assert [type(event).__name__ for event, _ in events] == ["Response", "Data", "Data", "EndOfMessage"]
-    assert all(arrived_at <= sent for _, arrived_at in events)
+    assert all(sent - 0.05 < arrived_at <= sent for _, arrived_at in events), (sent, events)
+
+
+def test_a_clients_timestamp_keeper_asks_for_stamps_while_it_lives():
+    async def scenario():
+        async with StreamClient() as client:
+            keeper = client._timestamps
+            asked = keeper.getsockopt(socket.SOL_SOCKET, streaming.SO_TIMESTAMPNS)
+        return asked, keeper.fileno()
+
+    assert run(scenario) == (1, -1)
+
+
+def test_a_stamp_is_dated_on_perf_counter_by_the_clocks_read_together(monkeypatch):
+    real_time_ns = time.time_ns
+    calls = []
+
+    def preempted_once() -> int:  # the process loses its core for 5 ms at the first read, only
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.005)
+        return real_time_ns()
+
+    before = time.perf_counter()
+    stamp = real_time_ns() - 20_000_000  # arrived 20 ms before now
+    after = time.perf_counter()
+    ancillary = [(socket.SOL_SOCKET, streaming.SO_TIMESTAMPNS, struct.pack("qq", *divmod(stamp, 10**9)))]
+    monkeypatch.setattr(streaming.time, "time_ns", preempted_once)
+    arrived_at = streaming.received_at(ancillary)
+    assert len(calls) >= 2
+    slack = streaming.CLOCK_READ_GAP_NS / 1e9
+    assert before - 0.02 - slack <= arrived_at <= after - 0.02 + slack, (before, arrived_at, after)
+
+
+def test_an_unstamped_read_is_dated_when_it_was_read():
+    before = time.perf_counter()
+    assert before <= streaming.received_at([]) <= time.perf_counter()
 
 
 def test_sequential_requests_share_one_kept_alive_connection():

@@ -98,9 +98,14 @@ def keep_kernel_timestamps_on() -> socket.socket:
     some time after the first one asks: a connection opened after all others closed would get its first
     answer unstamped, dated when the loop read it. One socket kept open keeps stamping on throughout."""
     keeper = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    if SO_TIMESTAMPNS is not None:
-        keeper.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    _ask_for_timestamps(keeper)
     return keeper
+
+
+def _ask_for_timestamps(sock: socket.socket) -> None:
+    """Have the kernel stamp what `sock` receives, where it can (SO_TIMESTAMPNS)."""
+    if SO_TIMESTAMPNS is not None:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
 
 class _Connection:
@@ -116,8 +121,7 @@ class _Connection:
         self._wakeup = asyncio.Event()
         self._tls = tls
         self._loop = asyncio.get_running_loop()
-        if SO_TIMESTAMPNS is not None:
-            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        _ask_for_timestamps(sock)
         self._loop.add_reader(sock.fileno(), self._readable)
 
     @classmethod

@@ -109,7 +109,7 @@ def wait_until_the_kernel_stamps_arrivals() -> None:
     deadline = time.monotonic() + 2
     while True:
         ours, theirs = tcp_pair()
-        ours.setsockopt(socket.SOL_SOCKET, streaming.SO_TIMESTAMPNS, 1)
+        streaming._ask_for_timestamps(ours)
         with ours, theirs:
             theirs.sendall(b"x")
             select.select([ours], [], [], 1)

@@ -5,7 +5,8 @@ A scheduler job calls `GatewayLogFollower.poll()`; it reads what the gateway app
 and publishes an immutable `GatewayLogSnapshot`. What a line means is up to the log's format
 (collectors/gatewaylogs/: nginx, Envoy); reading the file and counting are the same for all.
 `GatewayLogCollector` turns the latest snapshots into `kvwatch_gateway_*` metrics on every scrape.
-Session ids stay inside the follower: only counts leave it.
+Session ids stay inside the follower: only counts leave it, by listener and upstream names bounded per
+log by collectors/labels.py.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from kvwatch.collectors import gatewaylogs
 from kvwatch.collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
+from kvwatch.collectors.labels import BoundedLabel
 
 log = logging.getLogger("kvwatch.gatewaylog")
 
@@ -137,6 +139,7 @@ class GatewayLogSnapshot:
     active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
     tracked_sessions: int
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
+    folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
 
     @property
     def readable(self) -> bool:
@@ -201,6 +204,7 @@ class GatewayLogFollower:
         self._failovers: Counter[str] = Counter()
         self._without_key: Counter[str] = Counter()
         self._assigned_ids: Counter[str] = Counter()
+        self._labels = {"listener": BoundedLabel(), "upstream": BoundedLabel(always=(NO_UPSTREAM,))}
         # (listener, session id) -> its history, least recently seen first.
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
@@ -317,8 +321,9 @@ class GatewayLogFollower:
         except Malformed as malformed:
             self._malformed[malformed.reason] += 1
             return
-        listener, upstream, failover = request.listener, request.upstream, request.failover
-        self._requests[listener, upstream] += 1
+        listener, failover = self._labels["listener"](request.listener), request.failover
+        # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
+        self._requests[listener, self._labels["upstream"](request.upstream)] += 1
         self._responses[listener, f"{request.status // 100}xx"] += 1
         if failover:
             self._failovers[listener] += 1
@@ -328,10 +333,10 @@ class GatewayLogFollower:
             self._without_key[listener] += 1
             if session is None:
                 self._assigned_ids[listener] += 1
-        if upstream != NO_UPSTREAM:
+        if request.upstream != NO_UPSTREAM:
             if session is None:
                 session = self._sessions[key] = _Session()
-            session.served(upstream, request.time, failover)
+            session.served(request.upstream, request.time, failover)
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
@@ -382,6 +387,13 @@ class GatewayLogFollower:
             active_sessions=per_listener(active),
             tracked_sessions=len(self._sessions),
             evicted_sessions=self._evicted,
+            folded_labels=_frozen(
+                {
+                    (label, reason): n
+                    for label, bound in self._labels.items()
+                    for reason, n in bound.folded.items()
+                }
+            ),
         )
 
 
@@ -411,6 +423,8 @@ _FAMILIES = (
      "Access log lines that were skipped because they could not be read as a request."),
     ("kvwatch_gateway_lines", CounterMetricFamily, "lines", (),
      "Access log lines read, malformed ones included."),
+    ("kvwatch_gateway_label_values_folded", CounterMetricFamily, "folded_labels", ("label", "reason"),
+     'Requests whose listener or upstream was shown as "other": beyond 32 values per log, or too long.'),
     ("kvwatch_gateway_evicted_sessions", CounterMetricFamily, "evicted_sessions", (),
      "Sessions forgotten early to keep memory bounded; when rising, raise max_sessions."),
     ("kvwatch_gateway_log_readable", GaugeMetricFamily, "readable", (),

@@ -30,6 +30,7 @@ from kvwatch.collectors.gatewaylog import (
     GatewayLogSnapshot,
     unreadable_reason,
 )
+from kvwatch.collectors.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 
 T0 = 1_800_000_000.0
 R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -484,6 +485,45 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert families["kvwatch_gateway_requests"].type == "counter"
         assert families["kvwatch_gateway_active_sessions"].type == "gauge"
         assert all(name.startswith("kvwatch_gateway_") for name in families)
+
+
+def test_listener_and_upstream_labels_stay_bounded_per_log_and_say_what_they_folded(log, follow):
+    """10,000 upstreams or a 60 KB name must not become 10,000 series or a 60 KB label value."""
+    many = MAX_VALUES_PER_LABEL + 100
+    append(
+        log,
+        *(entry(f"s{i}", f"10.1.{i // 256}.{i % 256}:8000", listener=f"listener-{i}") for i in range(many)),
+        entry("long-upstream", "10.9.9.9:" + "9" * 60_000),
+        entry("long-listener", listener="l" * 60_000),
+        entry("no-upstream", ""),  # "none" is always itself, whatever came first
+        # Both upstreams are shown as "other", yet the session moved: it is spread.
+        entry("mover", "10.2.0.1:8000", msec=T0),
+        entry("mover", "10.2.0.2:8000", msec=T0 + 1),
+    )
+    follower = follow(clock=Clock(T0 + 2))
+    snapshot = follower.poll()
+    assert snapshot.lines == many + 5 and sum(snapshot.malformed.values()) == 0
+    assert snapshot.folded_labels == {
+        ("listener", "too_many_values"): many - MAX_VALUES_PER_LABEL + 4,
+        ("listener", "too_long"): 1,
+        ("upstream", "too_many_values"): many - MAX_VALUES_PER_LABEL + 3,
+        ("upstream", "too_long"): 1,
+    }
+    assert snapshot.spread_sessions[OTHER, "false"] == 1
+    registry = CollectorRegistry()
+    registry.register(GatewayLogCollector([follower]))
+    requests = next(
+        family
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if family.name == "kvwatch_gateway_requests"
+    )
+    listeners = {sample.labels["listener"] for sample in requests.samples}
+    upstreams = {sample.labels["upstream"] for sample in requests.samples}
+    assert len(listeners) == MAX_VALUES_PER_LABEL + 1 and len(upstreams) == MAX_VALUES_PER_LABEL + 2
+    assert OTHER in listeners and {OTHER, "none"} <= upstreams
+    assert max(map(len, listeners | upstreams)) <= MAX_LABEL_VALUE_LENGTH
+    folded = {"log": "lab", "label": "upstream", "reason": "too_long"}
+    assert registry.get_sample_value("kvwatch_gateway_label_values_folded_total", folded) == 1
 
 
 def test_the_collector_shows_the_latest_poll_only(log, follow):

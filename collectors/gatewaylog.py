@@ -45,6 +45,10 @@ MAX_BYTES_PER_POLL = 16 * 1024 * 1024
 # A file truncated in place (copytruncate) and written past the offset read up to by the next poll is
 # told only by its first bytes, which an appended file keeps: a line or more of them.
 HEAD_BYTES = 4096
+# The gateway writes the log kvwatch reads on the same host or node, so on about the same clock: a minute
+# covers a clock step and a late flush. A later time is no request's, and would keep its session active
+# for as long as it is ahead; it is taken as the time of the poll that read it.
+MAX_FUTURE_SECONDS = 60.0
 
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BOOLS = ("false", "true")  # label values, indexed by a bool
@@ -139,6 +143,7 @@ class GatewayLogSnapshot:
     active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
     tracked_sessions: int
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
+    future_times: int  # requests more than MAX_FUTURE_SECONDS ahead of the clock, taken as of their poll
     folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
 
     @property
@@ -208,10 +213,13 @@ class GatewayLogFollower:
         # (listener, session id) -> its history, least recently seen first.
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
+        self._future_times = 0
+        self._polled_at = -math.inf  # the clock's time when the current poll started
         self.latest = self._snapshot()
 
     def poll(self) -> GatewayLogSnapshot:
         """Read what was appended since the last poll and publish a new snapshot as `latest`."""
+        self._polled_at = self._clock()
         try:
             self._follow()
         except OSError as error:
@@ -321,6 +329,9 @@ class GatewayLogFollower:
         except Malformed as malformed:
             self._malformed[malformed.reason] += 1
             return
+        if request.time > self._polled_at + MAX_FUTURE_SECONDS:
+            self._future_times += 1
+            request = request._replace(time=self._polled_at)
         listener, failover = self._labels["listener"](request.listener), request.failover
         # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
         self._requests[listener, self._labels["upstream"](request.upstream)] += 1
@@ -387,6 +398,7 @@ class GatewayLogFollower:
             active_sessions=per_listener(active),
             tracked_sessions=len(self._sessions),
             evicted_sessions=self._evicted,
+            future_times=self._future_times,
             folded_labels=_frozen(
                 {
                     (label, reason): n
@@ -427,6 +439,8 @@ _FAMILIES = (
      'Requests whose listener or upstream was shown as "other": beyond 32 values per log, or too long.'),
     ("kvwatch_gateway_evicted_sessions", CounterMetricFamily, "evicted_sessions", (),
      "Sessions forgotten early to keep memory bounded; when rising, raise max_sessions."),
+    ("kvwatch_gateway_future_timestamps", CounterMetricFamily, "future_times", (),
+     "Requests logged more than 60 s ahead of kvwatch's clock, counted as of the poll that read them."),
     ("kvwatch_gateway_log_readable", GaugeMetricFamily, "readable", (),
      "Whether the last poll could read the access log (0: missing or unreadable)."),
     ("kvwatch_gateway_log_unreadable_polls", CounterMetricFamily, "unreadable_polls", ("reason",),

@@ -215,6 +215,17 @@ def test_sessions_stop_being_active_after_the_ttl(log, follow):
     assert snapshot.tracked_sessions == 0 and snapshot.evicted_sessions == 0
 
 
+def test_a_time_far_ahead_of_the_clock_is_counted_and_cannot_keep_a_session_active(log, follow):
+    clock = Clock()
+    follower = follow(clock=clock)  # the default TTL: 30 min
+    append(log, entry("skewed", msec=T0 + 30), entry("future", msec=T0 + 10 * 365 * 86400))
+    snapshot = follower.poll()
+    assert snapshot.future_times == 1 and snapshot.lines == 2 and snapshot.requests == {("affinity", R1): 2}
+    assert snapshot.active_sessions == {"affinity": 2}
+    clock.now = T0 + 1831  # the TTL after the poll that read it, and after the skewed line's time
+    assert follower.poll().active_sessions == {"affinity": 0}
+
+
 def test_a_missing_log_is_reported_and_read_once_it_appears(log, follow):
     follower = follow()
     snapshot = follower.poll()
@@ -397,6 +408,10 @@ def test_a_partial_line_cut_off_by_truncation_is_malformed(log, follow):
         (entry(source="cookie"), "bad_value"),
         (entry(session_id=""), "bad_value"),
         (entry(status=1000), "bad_value"),
+        # Python's json reads these; no request ended at such a time.
+        (entry().replace('"msec": 1800000000.0', '"msec": NaN'), "bad_value"),
+        (entry().replace('"msec": 1800000000.0', '"msec": Infinity'), "bad_value"),
+        (entry().replace('"msec": 1800000000.0', '"msec": -Infinity'), "bad_value"),
         ('{"pad": "' + "x" * (3 * MAX_LINE_BYTES) + '"}\n', "too_long"),
     ],
 )

@@ -233,6 +233,7 @@ def test_a_missing_log_is_reported_and_read_once_it_appears(log, follow):
     append(log, entry())
     snapshot = follower.poll()
     assert snapshot.readable and snapshot.lines == 1
+    assert snapshot.unread_files == {"rotated_unopened": 0}  # created, then opened: read
 
 
 def test_an_unreadable_log_is_reported_not_raised(log, follow):
@@ -305,8 +306,8 @@ def test_rotation_finishes_the_old_file_then_reads_the_new_one_from_its_start(lo
     snapshot = follower.poll()
     assert snapshot.lines == 3 and snapshot.readable  # nginx may still write the renamed file
     append(log, entry("d"), entry("e"))
-    # The first poll that sees the new file waits a poll for the old one, which had nothing new: done.
-    assert [follower.poll().lines for _ in range(2)] == [3, 5]
+    # The poll that sees the new file reads it at once, after the rest of the old one.
+    assert follower.poll().lines == 5
     assert follower.latest.active_sessions == {"affinity": 5}
 
 
@@ -317,7 +318,7 @@ def test_rotation_with_the_new_file_already_there(log, follow):
     append(log, entry("b"))
     log.rename(log.with_name("gateway.jsonl.1"))
     append(log, entry("c"), entry("d"))
-    assert [follower.poll().lines for _ in range(2)] == [2, 4]
+    assert follower.poll().lines == 4
 
 
 def test_what_nginx_writes_to_the_renamed_file_until_it_reopens_its_log_is_read(log, follow):
@@ -336,6 +337,65 @@ def test_what_nginx_writes_to_the_renamed_file_until_it_reopens_its_log_is_read(
     assert snapshot.lines == 3 and snapshot.active_sessions == {"affinity": 3}
 
 
+class RotatingWriter:
+    """A gateway writing its log through its own open file and rotating it as logrotate's `create` with
+    `nginx -s reopen` does: rename the file, then write a new one. Each rotation renames over the last
+    rotated file, so a file no one holds open is gone at the next rotation."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.out = path.open("a")
+        self.lines = 0
+
+    def write(self, *lines: str) -> None:
+        self.out.write("".join(lines))
+        self.out.flush()
+        self.lines += len(lines)
+
+    def rotate(self) -> None:
+        self.path.rename(self.path.with_name(self.path.name + ".1"))
+        self.out.close()
+        self.out = self.path.open("a")
+
+    def __enter__(self) -> RotatingWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.out.close()
+
+
+def test_a_log_rotated_faster_than_it_is_polled_loses_no_line_of_a_file_kvwatch_opened(log, follow):
+    """Rotations between two polls, in a fixed order: every file a poll found at the path is read to its
+    end, even once renamed over; each file created and rotated away between two polls is counted."""
+    follower = follow()
+    with RotatingWriter(log) as writer:
+        writer.write(entry("a1"), entry("a2"))
+        assert follower.poll().unread_files == {"rotated_unopened": 0}
+        writer.write(entry("a3"))
+        writer.rotate()  # A -> gateway.jsonl.1; B at the path
+        writer.write(entry("b1"), entry("b2"))
+        writer.rotate()  # B over A, which only the follower's open file keeps; C at the path
+        writer.write(entry("c1"))
+        snapshot = follower.poll()
+        assert snapshot.unread_files == {"rotated_unopened": 1}
+        assert snapshot.lines == writer.lines - 2  # all but B's
+        writer.write(entry("c2"))
+        for name in ("d", "e", "f"):
+            writer.rotate()
+            writer.write(entry(name))
+        snapshot = follower.poll()
+        assert snapshot.unread_files == {"rotated_unopened": 3}
+        assert snapshot.lines == writer.lines - 4  # all but B's, D's and E's
+        assert snapshot.active_sessions == {"affinity": snapshot.lines}  # each line its own session
+        assert snapshot.malformed == dict.fromkeys(MALFORMED_REASONS, 0)
+        writer.write(entry("f2"))
+        assert follower.poll().lines == writer.lines - 4
+    registry = CollectorRegistry()
+    registry.register(GatewayLogCollector([follower]))
+    unread = {"log": "lab", "reason": "rotated_unopened"}
+    assert registry.get_sample_value("kvwatch_gateway_log_unread_files_total", unread) == 3
+
+
 def test_truncation_restarts_from_the_beginning(log, follow):
     follower = follow()
     append(log, entry("a"), entry("b"), entry("c"))
@@ -352,8 +412,8 @@ def test_a_rotated_file_is_read_to_its_end_before_the_new_one_even_over_several_
     append(log, entry("b"), entry("c"), entry("d"))
     log.rename(log.with_name("gateway.jsonl.1"))
     append(log, entry("e"))
-    # b and c fill the second poll, d the third; the fourth finds nothing new in it, then reads e.
-    assert [follower.poll().lines for _ in range(3)] == [3, 4, 5]
+    # b and c fill the second poll, d and then the new file's e the third.
+    assert [follower.poll().lines for _ in range(2)] == [3, 5]
     assert follower.latest.active_sessions == {"affinity": 5}
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store, stores
 from kvwatch.collectors.connections import url_problem
+from kvwatch.collectors.labels import label_value_problem
 from kvwatch.collectors.redaction import redact
 
 
@@ -261,6 +262,8 @@ class ExporterSettings:
             f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{self.listen}"',
         )
         _check(_is_host(host.strip("[]")), "listen", f'"{host}" is not an IP address or host name')
+        wrong = label_value_problem(self.cluster or "")  # on every series: bounded as every label value is
+        _check(wrong is None, "cluster", wrong)
 
     @property
     def host(self) -> str:

@@ -20,13 +20,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvwatch.collectors.config import STICKY_ROUTE_MODES
+from kvwatch.collectors.labels import BoundedLabel
 from kvwatch.collectors.records import ERROR_KINDS, SessionResult
 
 log = logging.getLogger("kvwatch.exporter")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_BACKENDS_PER_ROUTE = 32  # beyond this, backends are counted as "other": labels stay bounded
-OTHER_BACKEND = "other"
 
 Route = tuple[str, str]  # (target, route_mode)
 
@@ -84,7 +83,7 @@ class ProbeResults:
         self._last: dict[Route, LastRun] = {}
         self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
-        self._backends: dict[Route, set[str]] = defaultdict(set)
+        self._backends: dict[Route, BoundedLabel] = {}
         self._routes: set[Route] = set()
 
     def declare(self, route: Route, rounds: int = 0) -> None:
@@ -119,13 +118,8 @@ class ProbeResults:
             for value in values:
                 self._totals[key, (*route, value)] += 0
         self._totals["switches", route] += 0
-
-    def _backend_label(self, route: Route, backend: str) -> str:
-        known = self._backends[route]
-        if backend in known or len(known) < MAX_BACKENDS_PER_ROUTE:
-            known.add(backend)
-            return backend
-        return OTHER_BACKEND
+        if route not in self._backends:  # its folded counts start at 0 too
+            self._backends[route] = BoundedLabel()
 
     def _count_session(self, route: Route, session: SessionResult) -> None:
         totals = self._totals
@@ -145,14 +139,18 @@ class ProbeResults:
             totals["cached", labels] += r.cached_tokens or 0
             totals["ideal", labels] += r.ideal_cached_tokens or 0
             if r.backend:
-                totals["backend", (*route, self._backend_label(route, r.backend))] += 1
+                totals["backend", (*route, self._backends[route](r.backend))] += 1
             if r.ttft_seconds is not None:
                 self._ttft[labels].observe(r.ttft_seconds)
 
     def snapshot(self) -> tuple[set[Route], dict[Route, LastRun], Counter, dict]:
         with self._lock:
             ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
-            return set(self._routes), dict(self._last), Counter(self._totals), ttft
+            totals = Counter(self._totals)
+            for route, backends in self._backends.items():
+                for reason, count in backends.folded.items():
+                    totals["folded", (*route, "backend", reason)] = count
+            return set(self._routes), dict(self._last), totals, ttft
 
 
 _ROUTE = ["target", "route_mode"]
@@ -185,6 +183,11 @@ _COUNTERS = {
         ["echoed"],
     ),
     "backend": ("kvwatch_probe_backend_rounds", "Successful probe rounds per serving backend.", ["backend"]),
+    "folded": (
+        "kvwatch_probe_label_values_folded",
+        'Probe rounds whose label value was shown as "other": beyond 32 values per route, or too long.',
+        ["label", "reason"],
+    ),
 }
 
 

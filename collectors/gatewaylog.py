@@ -5,7 +5,8 @@ A scheduler job calls `GatewayLogFollower.poll()`; it reads what the gateway app
 and publishes an immutable `GatewayLogSnapshot`. What a line means is up to the log's format
 (collectors/gatewaylogs/: nginx, Envoy); reading the file and counting are the same for all.
 `GatewayLogCollector` turns the latest snapshots into `kvwatch_gateway_*` metrics on every scrape.
-Session ids stay inside the follower: only counts leave it.
+Session ids stay inside the follower: only counts leave it, by listener and upstream names bounded per
+log by collectors/labels.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvwatch.collectors import gatewaylogs
+from kvwatch.collectors.creations import Creations
 from kvwatch.collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
+from kvwatch.collectors.labels import BoundedLabel
 
 log = logging.getLogger("kvwatch.gatewaylog")
 
@@ -43,6 +46,10 @@ MAX_BYTES_PER_POLL = 16 * 1024 * 1024
 # A file truncated in place (copytruncate) and written past the offset read up to by the next poll is
 # told only by its first bytes, which an appended file keeps: a line or more of them.
 HEAD_BYTES = 4096
+# The gateway writes the log kvwatch reads on the same host or node, so on about the same clock: a minute
+# covers a clock step and a late flush. A later time is no request's, and would keep its session active
+# for as long as it is ahead; it is taken as the time of the poll that read it.
+MAX_FUTURE_SECONDS = 60.0
 
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BOOLS = ("false", "true")  # label values, indexed by a bool
@@ -88,6 +95,22 @@ def _by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, i
     return _frozen({reason: counts[reason] for reason in reasons})
 
 
+class _HeldFile:
+    """A file of the log that the follower holds open: the one at the path, and renamed ones that the
+    gateway may still write. Each keeps its own unfinished line, so that two files' lines are never joined."""
+
+    __slots__ = ("file", "identity", "head", "pending", "skipping_long_line", "superseded")
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        status = os.fstat(file.fileno())
+        self.identity = (status.st_dev, status.st_ino)
+        self.head = b""  # the file's first bytes read, up to HEAD_BYTES: changed, it was truncated
+        self.pending = b""  # the start of a line the gateway has not finished writing yet
+        self.skipping_long_line = False
+        self.superseded = False  # whether a newer file was held at the end of the last poll
+
+
 class _Session:
     """What the follower remembers of one session: when each upstream last served it, its two latest
     requests, and when it last moved because of a failover."""
@@ -123,6 +146,9 @@ class GatewayLogSnapshot:
     problem: str | None  # a reason of UNREADABLE_REASONS, "not_polled" before the first poll, or None
     unreadable_polls: Mapping[str, int]  # reason -> polls that could not read the log, every reason
     unread_bytes: int  # left for the next polls by the bound on bytes per poll
+    # reason -> files of the log never read: "rotated_unopened", rotated away before a poll opened them;
+    # empty where they cannot be counted (no inotify: not Linux, or the log's directory never existed)
+    unread_files: Mapping[str, int]
     lines: int
     malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
     requests: Mapping[tuple[str, str], int]  # (listener, last upstream tried or NO_UPSTREAM) -> requests
@@ -137,6 +163,8 @@ class GatewayLogSnapshot:
     active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
     tracked_sessions: int
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
+    future_times: int  # requests more than MAX_FUTURE_SECONDS ahead of the clock, taken as of their poll
+    folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
 
     @property
     def readable(self) -> bool:
@@ -151,12 +179,13 @@ class GatewayLogFollower:
     """Reads a gateway's JSON access log incrementally and keeps its statistics in bounded memory.
 
     Owns no thread: one scheduler job at a time calls `poll()`; any thread may read `latest`, an
-    immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does, and no
-    line the gateway writes is lost to a rename rotation: the renamed file is read for as long as it may
-    still write it (until the new file is there and a whole poll interval brought nothing new), then
-    the new one from its start. A truncated file is read again from its start, and a missing file is
-    not an error. Anything but a regular file is refused, and a poll reads at most
-    `max_bytes_per_poll` of a log, so one log never stalls the others.
+    immutable snapshot that each poll swaps in whole. The file is followed as `tail -F` does: a new file
+    at the path is opened by the poll that sees it and read from its start, and a renamed one is held
+    open and read to its end for as long as the gateway may still write it (until a whole poll interval
+    after the new file appeared brought nothing new), even once it is renamed over or deleted. A file
+    created and rotated away between two polls is never seen: `Creations` counts it. A truncated file
+    is read again from its start, and a missing file is not an error. Anything but a regular file is
+    refused, and a poll reads at most `max_bytes_per_poll` of a log, so one log never stalls the others.
     `log_format` names the format of gatewaylogs.FORMATS its lines are in. Event times come from the
     log (nginx's `msec`); `clock` gives "now" for the window and the TTL.
     """
@@ -185,13 +214,12 @@ class GatewayLogFollower:
         self.expect_sticky = expect_sticky
         self.max_bytes_per_poll = max_bytes_per_poll
         self._clock = clock
-        self._file: BinaryIO | None = None
-        self._successor_seen = False  # whether the last poll found another file at the path already
-        self._head = b""  # the file's first bytes read, up to HEAD_BYTES: changed, it was truncated
+        self._held: list[_HeldFile] = []  # oldest first; the last one is the file at the path
+        self._creations = Creations(self.path)
+        self._unopened = 0  # files created at the path that no poll opened (one too few, for a while)
+        self._rotated_unopened = 0  # the most `_unopened` was: a count that never goes down
         self._budget = 0  # bytes this poll may still read
         self._unread_bytes = 0
-        self._pending = b""  # the start of a line the gateway has not finished writing yet
-        self._skipping_long_line = False
         self._problem: str | None = "not_polled"
         self._unreadable_polls: Counter[str] = Counter()
         self._lines = 0
@@ -201,13 +229,17 @@ class GatewayLogFollower:
         self._failovers: Counter[str] = Counter()
         self._without_key: Counter[str] = Counter()
         self._assigned_ids: Counter[str] = Counter()
+        self._labels = {"listener": BoundedLabel(), "upstream": BoundedLabel(always=(NO_UPSTREAM,))}
         # (listener, session id) -> its history, least recently seen first.
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
+        self._future_times = 0
+        self._polled_at = -math.inf  # the clock's time when the current poll started
         self.latest = self._snapshot()
 
     def poll(self) -> GatewayLogSnapshot:
         """Read what was appended since the last poll and publish a new snapshot as `latest`."""
+        self._polled_at = self._clock()
         try:
             self._follow()
         except OSError as error:
@@ -227,10 +259,10 @@ class GatewayLogFollower:
         return self.latest
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self._successor_seen = False
+        for held in self._held:
+            held.file.close()
+        self._held = []
+        self._creations.close()
 
     def __enter__(self) -> GatewayLogFollower:
         return self
@@ -242,71 +274,102 @@ class GatewayLogFollower:
 
     def _follow(self) -> None:
         self._budget, self._unread_bytes = self.max_bytes_per_poll, 0
-        if self._file is not None:
-            # Checked before reading, so whatever reached the old file until now is read.
-            replaced = self._replaced()
-            if self._truncated():
-                self._take_partial_line()
-                self._file.seek(0)
-                self._head = b""
-            self._read()
-            # The gateway writes the renamed file until it reopens its log, which can be after the new file
-            # appeared (logrotate's `create`): the old one is done once a whole poll brought nothing.
-            if replaced and self._successor_seen and self._budget == self.max_bytes_per_poll:
-                self._take_partial_line()
-                self.close()
-            else:
-                self._successor_seen = replaced
-        if self._file is None:
-            self._file = _open_regular_file(self.path)
-            self._head = b""
-            self._read()
-        fd = self._file.fileno()
-        if len(self._head) < HEAD_BYTES:
-            self._head = os.pread(fd, min(HEAD_BYTES, self._file.tell()), 0)
-        self._unread_bytes = max(0, os.fstat(fd).st_size - self._file.tell())
+        try:
+            self._count_created_files()  # before the path is opened: a file created since is counted later
+            self._hold_new_file()
+        finally:  # a path that cannot be opened (now) keeps no held file from being read
+            self._read_held_files()
 
-    def _replaced(self) -> bool:
-        """Whether the path names another file; while it names none, the gateway may still write ours."""
+    def _count_created_files(self) -> None:
+        """Files created at the path that no poll opened were rotated away unread: count them. A file
+        created between this count and the open below is opened before it is counted, so the count lags
+        by at most one file until the next poll, and never counts a file that was read."""
+        created = self._creations.take()
+        if created is None:
+            return
+        if self._creations.started:  # the file already there is opened like a new one, and counted so
+            self._unopened = self._rotated_unopened + self._new_file_at_path()
+        self._unopened += created
+
+    def _new_file_at_path(self) -> bool:
+        """Whether the path names a file none of the held ones is: the log was rotated."""
         try:
             current = os.stat(self.path)
-        except FileNotFoundError:
+        except FileNotFoundError:  # while it names none, the gateway may still write the renamed file
             return False
-        ours = os.fstat(self._file.fileno())
-        return (current.st_dev, current.st_ino) != (ours.st_dev, ours.st_ino)
+        return (current.st_dev, current.st_ino) not in {held.identity for held in self._held}
 
-    def _truncated(self) -> bool:
+    def _hold_new_file(self) -> None:
+        """Open the file at the path as soon as a poll sees it, so that it stays readable (and is read to
+        its end) whatever happens to the path before the next poll."""
+        if not self._held or self._new_file_at_path():  # nothing held: a missing file is not_found
+            self._held.append(_HeldFile(_open_regular_file(self.path)))
+            self._unopened -= 1
+        self._rotated_unopened = max(self._rotated_unopened, self._unopened)
+
+    def _read_held_files(self) -> None:
+        """Read the held files, oldest first. The gateway writes a renamed file until it reopens its log,
+        which can be after the new file appeared (logrotate's `create`): a renamed one is let go once a
+        whole poll brought nothing new to it."""
+        still_held = []
+        for held in self._held:
+            quiet = self._read(held)
+            if quiet and held.superseded:
+                self._take_partial_line(held)
+                held.file.close()
+            else:
+                held.superseded = held is not self._held[-1]
+                still_held.append(held)
+        self._held = still_held
+
+    def _read(self, held: _HeldFile) -> bool:
+        """Read to the end of the file or of this poll's byte budget; whether it had nothing new."""
+        if self._truncated(held):
+            self._take_partial_line(held)
+            held.file.seek(0)
+            held.head = b""
+        start = held.file.tell()
+        at_end = self._read_lines(held)
+        fd = held.file.fileno()
+        if len(held.head) < HEAD_BYTES:
+            held.head = os.pread(fd, min(HEAD_BYTES, held.file.tell()), 0)
+        self._unread_bytes += max(0, os.fstat(fd).st_size - held.file.tell())
+        return at_end and held.file.tell() == start
+
+    @staticmethod
+    def _truncated(held: _HeldFile) -> bool:
         """Shorter than what was read, or (copytruncate, then written again) not the same first bytes."""
-        fd = self._file.fileno()
-        return os.fstat(fd).st_size < self._file.tell() or os.pread(fd, len(self._head), 0) != self._head
+        fd = held.file.fileno()
+        return os.fstat(fd).st_size < held.file.tell() or os.pread(fd, len(held.head), 0) != held.head
 
-    def _read(self) -> None:
-        """Read to the end of the file or of this poll's byte budget."""
+    def _read_lines(self, held: _HeldFile) -> bool:
+        """Take the lines from where `held` was read up to; whether its end came before the budget's."""
         while self._budget > 0:
-            chunk = self._file.readline(min(MAX_LINE_BYTES, self._budget))
+            chunk = held.file.readline(min(MAX_LINE_BYTES, self._budget))
             if not chunk:
-                return
+                return True
             self._budget -= len(chunk)
             complete = chunk.endswith(b"\n")
-            if self._skipping_long_line:
-                self._skipping_long_line = not complete
+            if held.skipping_long_line:
+                held.skipping_long_line = not complete
                 continue
-            self._pending += chunk
+            held.pending += chunk
             if complete:
-                self._take(self._pending)
-                self._pending = b""
-            elif len(self._pending) >= MAX_LINE_BYTES:
+                self._take(held.pending)
+                held.pending = b""
+            elif len(held.pending) >= MAX_LINE_BYTES:
                 self._lines += 1
                 self._malformed["too_long"] += 1
-                self._pending = b""
-                self._skipping_long_line = True
+                held.pending = b""
+                held.skipping_long_line = True
+        return False
 
-    def _take_partial_line(self) -> None:
+    def _take_partial_line(self, held: _HeldFile) -> None:
         """Its file was rotated or truncated, so the partial line will never be completed: take it as is."""
-        if self._pending:
-            self._take(self._pending)
-        self._pending = b""
-        self._skipping_long_line = False
+        if held.pending:
+            self._take(held.pending)
+        held.pending = b""
+        held.skipping_long_line = False
 
     # --- statistics -------------------------------------------------------------------------------
 
@@ -317,8 +380,12 @@ class GatewayLogFollower:
         except Malformed as malformed:
             self._malformed[malformed.reason] += 1
             return
-        listener, upstream, failover = request.listener, request.upstream, request.failover
-        self._requests[listener, upstream] += 1
+        if request.time > self._polled_at + MAX_FUTURE_SECONDS:
+            self._future_times += 1
+            request = request._replace(time=self._polled_at)
+        listener, failover = self._labels["listener"](request.listener), request.failover
+        # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
+        self._requests[listener, self._labels["upstream"](request.upstream)] += 1
         self._responses[listener, f"{request.status // 100}xx"] += 1
         if failover:
             self._failovers[listener] += 1
@@ -328,10 +395,10 @@ class GatewayLogFollower:
             self._without_key[listener] += 1
             if session is None:
                 self._assigned_ids[listener] += 1
-        if upstream != NO_UPSTREAM:
+        if request.upstream != NO_UPSTREAM:
             if session is None:
                 session = self._sessions[key] = _Session()
-            session.served(upstream, request.time, failover)
+            session.served(request.upstream, request.time, failover)
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
@@ -368,6 +435,9 @@ class GatewayLogFollower:
             problem=self._problem,
             unreadable_polls=_by_reason(self._unreadable_polls, UNREADABLE_REASONS),
             unread_bytes=self._unread_bytes,
+            unread_files=_frozen(
+                {"rotated_unopened": self._rotated_unopened} if self._creations.watched else {}
+            ),
             lines=self._lines,
             malformed=_by_reason(self._malformed, MALFORMED_REASONS),
             requests=_frozen(self._requests),
@@ -382,6 +452,14 @@ class GatewayLogFollower:
             active_sessions=per_listener(active),
             tracked_sessions=len(self._sessions),
             evicted_sessions=self._evicted,
+            future_times=self._future_times,
+            folded_labels=_frozen(
+                {
+                    (label, reason): n
+                    for label, bound in self._labels.items()
+                    for reason, n in bound.folded.items()
+                }
+            ),
         )
 
 
@@ -411,8 +489,12 @@ _FAMILIES = (
      "Access log lines that were skipped because they could not be read as a request."),
     ("kvwatch_gateway_lines", CounterMetricFamily, "lines", (),
      "Access log lines read, malformed ones included."),
+    ("kvwatch_gateway_label_values_folded", CounterMetricFamily, "folded_labels", ("label", "reason"),
+     'Requests whose listener or upstream was shown as "other": beyond 32 values per log, or too long.'),
     ("kvwatch_gateway_evicted_sessions", CounterMetricFamily, "evicted_sessions", (),
      "Sessions forgotten early to keep memory bounded; when rising, raise max_sessions."),
+    ("kvwatch_gateway_future_timestamps", CounterMetricFamily, "future_times", (),
+     "Requests logged more than 60 s ahead of kvwatch's clock, counted as of the poll that read them."),
     ("kvwatch_gateway_log_readable", GaugeMetricFamily, "readable", (),
      "Whether the last poll could read the access log (0: missing or unreadable)."),
     ("kvwatch_gateway_log_unreadable_polls", CounterMetricFamily, "unreadable_polls", ("reason",),
@@ -420,6 +502,9 @@ _FAMILIES = (
     ("kvwatch_gateway_log_unread_bytes", GaugeMetricFamily, "unread_bytes", (),
      "Bytes of the access log left for later polls by the bound on bytes read per poll, as of the last "
      "poll; when rising, kvwatch falls behind the log."),
+    ("kvwatch_gateway_log_unread_files", CounterMetricFamily, "unread_files", ("reason",),
+     "Files of the access log that were never read, by reason: rotated_unopened, rotated away before a "
+     "poll opened them (the log rotates more than once per poll). Linux only."),
     ("kvwatch_gateway_log_last_poll_timestamp_seconds", GaugeMetricFamily, "taken_at", (),
      "Unix time of the last poll of the access log by the scheduler."),
     ("kvwatch_gateway_log_info", GaugeMetricFamily, "info", ("expect_sticky",),

@@ -84,6 +84,7 @@ INVALID = [
         'got "__cluster"',
     ),
     ("exporter-cluster-empty", "exporter.cluster: must not be empty"),
+    ("exporter-cluster-too-long", "exporter.cluster: must be at most 128 characters, got 129"),
     ("block-size", "targets[0].block_size: must be >= 1, got 0"),
     ("block-size-too-large", "targets[0].block_size: must be <= 1048576 (1 << 20), got 2097152"),
     ("block-size-float", "targets[0].block_size: expected an integer, got the number 16.5"),

@@ -13,12 +13,8 @@ from test_store import webhook
 
 from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.collectors.endpoints import make_app, open_webhook_warning
-from kvwatch.collectors.exporter import (
-    MAX_BACKENDS_PER_ROUTE,
-    OTHER_BACKEND,
-    ProbeCollector,
-    ProbeResults,
-)
+from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
+from kvwatch.collectors.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.scheduler import Service
 from kvwatch.collectors.store import Store
@@ -92,14 +88,23 @@ def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1030
 
 
-def test_backend_labels_stay_bounded(exporter):
+def folded(registry, reason: str) -> float | None:
+    return value(registry, "kvwatch_probe_label_values_folded_total", label="backend", reason=reason)
+
+
+def test_backend_labels_stay_bounded_in_number_and_length_and_say_what_they_folded(exporter):
     results, registry = exporter
-    many = [session(round_result(1, backend=f"pod-{i}")) for i in range(MAX_BACKENDS_PER_ROUTE + 10)]
-    results.add_run(("lab-affinity", "affinity"), many, 1000, 1010)
+    results.declare(("lab-affinity", "affinity"))
+    assert folded(registry, "too_many_values") == 0 and folded(registry, "too_long") == 0
+    many = [session(round_result(1, backend=f"pod-{i}")) for i in range(MAX_VALUES_PER_LABEL + 10)]
+    huge = session(round_result(1, backend="x" * 60_000), round_result(2, backend="y" * 129))
+    results.add_run(("lab-affinity", "affinity"), [huge, *many], 1000, 1010)
     text = generate_latest(registry).decode()
     backends = {line.split('backend="')[1].split('"')[0] for line in text.splitlines() if 'backend="' in line}
-    assert len(backends) == MAX_BACKENDS_PER_ROUTE + 1 and OTHER_BACKEND in backends
-    assert value(registry, "kvwatch_probe_backend_rounds_total", backend=OTHER_BACKEND) == 10
+    assert len(backends) == MAX_VALUES_PER_LABEL + 1 and OTHER in backends
+    assert max(len(backend) for backend in backends) <= MAX_LABEL_VALUE_LENGTH
+    assert value(registry, "kvwatch_probe_backend_rounds_total", backend=OTHER) == 12
+    assert folded(registry, "too_many_values") == 10 and folded(registry, "too_long") == 2
 
 
 def test_session_ids_never_become_labels(exporter):

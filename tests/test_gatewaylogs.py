@@ -149,6 +149,16 @@ def test_malformed_envoy_lines_are_counted_by_reason_and_reading_goes_on(tmp_pat
     assert snapshot.requests == {("affinity", R1): 2}
 
 
+def test_an_envoy_start_time_far_ahead_of_the_clock_cannot_keep_a_session_active(tmp_path):
+    log = tmp_path / "envoy.jsonl"
+    log.write_text(envoy_line(start_time="9999-12-31T23:59:59.999Z"))
+    now = [STARTED]
+    with GatewayLogFollower(log, "envoy", log_format="envoy", clock=lambda: now[0]) as follower:
+        assert follower.poll().future_times == 1
+        now[0] += 1801  # past the default TTL of 30 min
+        assert follower.poll().active_sessions == {"affinity": 0}
+
+
 def test_malformed_is_a_value_error_with_its_reason():
     with pytest.raises(Malformed) as raised:
         parse("nginx", ENVOY_LINE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ def check_fields(record: Mapping[str, object], types: Mapping[str, type | tuple[
 def request(
     *, time: float, listener: str, upstream: str, failover: bool, status: int, session_id: str, assigned: bool
 ) -> Request:
-    """The request of a checked line, refused when it has no session id or an impossible status."""
-    if not session_id or not 100 <= status <= 599:
+    """The request of a checked line, refused when it has no session id, an impossible status, or a time
+    that is no time (JSON's NaN or Infinity, which Python reads)."""
+    if not session_id or not 100 <= status <= 599 or not math.isfinite(time):
         raise Malformed("bad_value")
     # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
     return Request(

@@ -779,3 +779,17 @@ def test_the_doctor_of_every_cluster_by_a_custom_label_names_each_instances():
         f"KV block: 32 tokens (smallest of 32, 128 in vllm:cache_config_info in Prometheus at {prometheus})"
         in evidence
     )
+
+
+def test_a_prometheus_without_engine_series_says_so_rather_than_that_none_has_caching_off():
+    async def no_series(request: web.Request) -> web.Response:
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": []}})
+
+    async def scenario() -> Diagnosis:
+        async with fake_server(route({}, spread=False), no_series) as url:
+            probe = ProbeSettings(base_url=url, model=MODEL, timeout_seconds=5)
+            return await examine(probe, f"{url}/prometheus")
+
+    evidence = check(asyncio.run(scenario()), "prefix caching").evidence
+    assert "Prometheus: holds no engine series (vllm:prompt_tokens_total, " in evidence, evidence
+    assert "no engine has prefix caching off" not in evidence

@@ -241,10 +241,17 @@ def _hit_ratio(record: Normalised) -> str:
 
 
 def _local_hit_ratio(record: Normalised) -> str:
-    """The local cache's own lookups: an engine with prefix caching off looks nothing up."""
+    """The local cache's own lookups: an engine with prefix caching off looks nothing up. "None" only when
+    a usable counter says so: a missing or invalid one is no evidence of zero."""
     if record.local_hit_ratio is not None:
         return f"{record.local_hit_ratio:.1%}  (prefix-cache hits / lookups)"
-    return "none " + _scope(record)
+    if record.local_lookups is None:
+        return "unknown: no usable lookup counter"
+    if record.local_lookups == 0:
+        return "none " + _scope(record)
+    if record.local_hits is None:
+        return "unknown: no usable hit counter"
+    return "unknown: more hits than lookups, which no engine counts"
 
 
 def _scope(record: Normalised) -> str:

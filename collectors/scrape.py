@@ -207,7 +207,7 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
     workers = [
         f"{worker:<{width}}  {_count(count):>7}" + (f"  ({count / total:.0%})" if total else "")
         for worker, count in sorted(record.per_worker.items())
-    ] or ["none counted by this router"]
+    ] or ["unknown: see invalid series" if record.invalid else "none counted by this router"]
     # One line per worker; the label only on the first.
     rows = [("requests per worker" if i == 0 else "", line) for i, line in enumerate(workers)]
     if record.requests_running is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
+from test_engines import sgl_router_0_2
 
 from conftest import free_port, kvwatch
 from kvwatch.collectors.cli import build_parser, main
@@ -269,6 +270,7 @@ BROKEN = {
     + 'vllm:kv_cache_usage_perc{engine="1"} 3\n',
     "/duplicate": VLLM.format(hits=64, queries=100, running=2) + 'vllm:prompt_tokens_total{engine="0"} 5\n',
     "/no-lookups-yet": VLLM.format(hits=0, queries=0, running=0),
+    "/router-invalid": sgl_router_0_2({"http://w1:8000": "NaN", "http://w2:8000": 5}, 0, 0),
 }
 
 
@@ -310,6 +312,12 @@ def test_a_figure_built_on_an_invalid_or_duplicated_series_is_unknown_and_the_se
     assert rows[row] == shown
     named = ", ".join(f"{name} = {value}" for name, value in invalid.items())
     assert rows["invalid series"] == f"{named} (no measurement: not counted)"
+
+
+def test_a_routers_invalid_per_worker_counter_is_no_count_of_none(broken, capsys):
+    record, rows = scraped(f"{broken}/router-invalid", capsys)
+    assert record["per_worker"] == {} and record["invalid"]["sgl_router_processed_requests_total"] == "NaN"
+    assert rows["requests per worker"] == "unknown: see invalid series"
 
 
 def test_no_lookups_is_said_only_when_the_lookup_counter_says_so(broken, capsys):

@@ -543,7 +543,8 @@ async def prefix_caching(
     """A session pinned to one backend that reuses nothing of its history means the engine caches nothing.
 
     Prometheus, when given, adds the engines' own word and covers replicas no session landed on: those
-    of `cluster` alone, when it names one, which its evidence names then.
+    of `cluster` alone, when it names one, which its evidence names then. A cluster Prometheus holds no
+    engine of fails as cluster_not_found: its empty answer would otherwise pass.
     """
     name, off, seen = "prefix caching", [], []
     pinned = [s for s in route.sessions if s.sticky]

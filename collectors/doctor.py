@@ -64,6 +64,7 @@ CAUSES = (
     "hash_key_not_session",
     "prefix_cache_disabled",
     "dynamic_prompt_prefix",
+    "cluster_not_found",
 )
 UNREACHABLE = ("connection_refused", "timeout")
 
@@ -476,24 +477,56 @@ CACHING_OFF_EVIDENCE = {
 }
 
 
+class NoEngineSeries(ValueError):
+    """Prometheus holds no engine series that the caching-off queries could read (in the cluster named):
+    their silence would say nothing of the engines."""
+
+
+async def _query(client: httpx.AsyncClient, url: str, expr: str) -> list[dict]:
+    """The series of an instant query; raises httpx.HTTPError or ValueError."""
+    query = f"{url.rstrip('/')}/api/v1/query"
+    response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
+    response.raise_for_status()
+    answer = response.json()
+    if answer.get("status") != "success":
+        raise ValueError(answer.get("error", "the query failed"))
+    return answer["data"]["result"]
+
+
+async def _engines_there(client: httpx.AsyncClient, url: str, cluster: Cluster) -> None:
+    """Raises NoEngineSeries, naming the clusters that do hold engines, when Prometheus holds none of the
+    series the caching-off queries read, or none in `cluster`."""
+    alerts = caching_off_alerts(cluster.label)
+    names = list(dict.fromkeys(name for alert in alerts for name in promql.series_names(alert.expr)))
+    expr = f"group by ({cluster.label}) ({{__name__=~{promql.string('|'.join(names))}}})"
+    values = {series["metric"].get(cluster.label, "") for series in await _query(client, url, expr)}
+    if not values:
+        raise NoEngineSeries(f"holds no engine series ({', '.join(names)}) to judge")
+    if cluster.name is None or cluster.name in values:
+        return
+    named = sorted(values - {""})
+    there = (
+        f"its engines' {cluster.label} values are {', '.join(named)}"
+        if named
+        else f"no engine series there carries the label {cluster.label}"
+    )
+    raise NoEngineSeries(
+        f"no engine series has {queries.one_cluster(cluster.label, cluster.name)}, so none is judged; {there}"
+    )
+
+
 async def _caching_off_in_prometheus(
     client: httpx.AsyncClient, url: str, cluster: Cluster = EVERY_CLUSTER
 ) -> list[str]:
     """Instances Prometheus sees without prefix caching, in `cluster` alone when it names one; raises
-    httpx.HTTPError or ValueError."""
+    httpx.HTTPError or ValueError, NoEngineSeries when the queries would read no engine."""
+    await _engines_there(client, url, cluster)
     found = []
     for alert in caching_off_alerts(cluster.label):
-        query = f"{url.rstrip('/')}/api/v1/query"
-        expr = cluster.narrowed(alert.expr)
-        response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
-        response.raise_for_status()
-        answer = response.json()
-        if answer.get("status") != "success":
-            raise ValueError(answer.get("error", "the query failed"))
         what = CACHING_OFF_EVIDENCE[alert.labels["evidence"]]
         found += [
             f"{_instance_in_cluster(series['metric'], cluster.label)} {what}"
-            for series in answer["data"]["result"]
+            for series in await _query(client, url, cluster.narrowed(alert.expr))
         ]
     return found
 
@@ -510,7 +543,8 @@ async def prefix_caching(
     """A session pinned to one backend that reuses nothing of its history means the engine caches nothing.
 
     Prometheus, when given, adds the engines' own word and covers replicas no session landed on: those
-    of `cluster` alone, when it names one, which its evidence names then.
+    of `cluster` alone, when it names one, which its evidence names then. A cluster Prometheus holds no
+    engine of fails as cluster_not_found: its empty answer would otherwise pass.
     """
     name, off, seen = "prefix caching", [], []
     pinned = [s for s in route.sessions if s.sticky]
@@ -538,15 +572,18 @@ async def prefix_caching(
         seen.append("the engine reports no cached_tokens in usage")
     if reuse:  # the blocks its cached / ideal tokens count
         seen.append(route.block.describe())
-    flagged = None  # the engines Prometheus names, once it answered
+    flagged, selects_nothing = None, False  # the engines Prometheus names, once it answered
+    said = "Prometheus" if cluster.name is None else f"Prometheus ({cluster})"
     if prometheus_url:
         try:
             flagged = await _caching_off_in_prometheus(route.client, prometheus_url, cluster)
+        except NoEngineSeries as error:
+            seen.append(f"{said}: {error}")
+            selects_nothing = cluster.name is not None
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             seen.append(
                 redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
             )
-    said = "Prometheus" if cluster.name is None else f"Prometheus ({cluster})"
     off += [f"{said}: {line}" for line in flagged or []]
     seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)
@@ -557,6 +594,12 @@ async def prefix_caching(
             "--disable-radix-cache"
         )
         return Check(name, "fail", evidence, fix, "prefix_cache_disabled")
+    if selects_nothing:
+        fix = (
+            "name a cluster that holds engines (--cluster, the dashboard's cluster picker), or the label "
+            "that tells clusters apart (--cluster-label, cluster_label in kvwatch.yaml)"
+        )
+        return Check(name, "fail", evidence, fix, "cluster_not_found")
     if ratios and min(ratios) < 0.5:
         return Check(name, "warn", evidence, "a cache too small for the working set evicts: check KV usage")
     if ratios or flagged is not None:

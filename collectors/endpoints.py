@@ -10,6 +10,8 @@ import hmac
 import ipaddress
 import json
 import logging
+import time
+from collections import Counter
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -26,6 +28,48 @@ WEBHOOK_TOKEN_KEY = web.AppKey("webhook_token", object)
 REJECTED_ALERTS_KEY = web.AppKey("rejected_alerts", MetricCounter)
 MAX_WEBHOOK_BYTES = 4 * 1024 * 1024
 MAX_LOGGED_REJECTIONS = 3  # per post: a post of many bad alerts is one warning line, not thousands
+# Why a post is refused whole, the reason label of kvwatch_webhook_posts_refused_total.
+REFUSALS = ("unauthorized", "too_large", "bad_payload", "store_unavailable")
+REFUSAL_LOG_INTERVAL_S = 60.0
+
+
+class RefusedPosts:
+    """Counts every refused webhook post by reason, and logs the first, then at most one line a minute
+    with how many were refused since: a sender that retries a bad post cannot flood the log."""
+
+    def __init__(self, registry: CollectorRegistry, clock=time.monotonic) -> None:
+        self.counter = MetricCounter(
+            "kvwatch_webhook_posts_refused",
+            "Webhook posts refused whole (none of their alerts stored), by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REFUSALS:
+            self.counter.labels(reason)
+        self.clock = clock
+        self.logged_at: float | None = None
+        self.since: Counter[str] = Counter()  # refused since the last line, by reason
+
+    def refused(self, reason: str, request: web.Request, detail: str) -> None:
+        self.counter.labels(reason).inc()
+        self.since[reason] += 1
+        now = self.clock()
+        if self.logged_at is not None and now - self.logged_at < REFUSAL_LOG_INTERVAL_S:
+            return
+        count = self.since.total()
+        if count == 1:
+            log.warning("refused a webhook post from %s: %s", request.remote, detail)
+        else:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(self.since.items()))
+            log.warning(
+                "refused %d webhook posts in the last %.0f s (%s); the latest from %s: %s",
+                count, now - self.logged_at, reasons, request.remote, detail,
+            )  # fmt: skip
+        self.logged_at = now
+        self.since.clear()
+
+
+REFUSED_POSTS_KEY = web.AppKey("refused_posts", RefusedPosts)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -49,25 +93,41 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(presented, token.encode())
 
 
+def _parsed(body: bytes) -> object:
+    """The post's JSON. Python's parser recurses, so a document nested deeper than its recursion limit
+    is refused as bad JSON (ValueError) rather than escaping as a RecursionError."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError(
+            "JSON nested too deep to parse (an Alertmanager payload is a few levels deep)"
+        ) from None
+
+
 async def _alerts(request: web.Request) -> web.Response:
     """Alertmanager's webhook: store the alerts so the dashboard can show them next to the data.
 
     A malformed alert is skipped and counted, and the post still answers 200: Alertmanager does not
     resend a notification refused with a 4xx, so refusing it whole would lose its good alerts."""
+    refused = request.app[REFUSED_POSTS_KEY].refused
     if not _authorized(request):
-        log.warning("refused a webhook post from %s: no or wrong bearer token", request.remote)
+        refused("unauthorized", request, "no or wrong bearer token")
         return web.json_response(
             {"error": "POST /alerts needs Authorization: Bearer with the configured webhook token"},
             status=401,
             headers={"WWW-Authenticate": "Bearer"},
         )
     try:
-        payload = json.loads(await request.read())
+        payload = _parsed(await request.read())
         added = await asyncio.to_thread(request.app[ALERT_SINK_KEY], payload)  # it waits for the store
+    except web.HTTPRequestEntityTooLarge:
+        refused("too_large", request, f"a body over {MAX_WEBHOOK_BYTES} bytes")
+        raise
     except (ValueError, TypeError) as error:
-        log.warning("rejected webhook payload: %s", error)
+        refused("bad_payload", request, f"bad Alertmanager webhook payload: {error}")
         return web.json_response({"error": f"bad Alertmanager webhook payload: {error}"}, status=400)
     except WriteDropped as error:  # Alertmanager sends the notification again after a 5xx
+        refused("store_unavailable", request, f"cannot store the alerts now: {error}")
         return web.json_response({"error": f"cannot store the alerts now: {error}"}, status=503)
     if added.rejected:
         request.app[REJECTED_ALERTS_KEY].inc(len(added.rejected))
@@ -111,6 +171,7 @@ def make_app(registry: CollectorRegistry, alert_sink, webhook_token: str | None 
         "Malformed alerts skipped by the webhook (the well-formed alerts of their post are stored).",
         registry=registry,
     )
+    app[REFUSED_POSTS_KEY] = RefusedPosts(registry)
     app.add_routes(
         [web.get("/metrics", _metrics), web.get("/-/healthy", _healthy), web.post("/alerts", _alerts)]
     )

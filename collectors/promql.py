@@ -28,6 +28,7 @@ _KEYWORDS = {"and", "or", "unless", "bool", "offset", "atan2", "inf", "nan"}
 _LABEL_LIST = re.compile(r"(\s*)\(([^)]*)\)")
 # What follows a name that is not a series: a call's arguments, or an aggregation's `by` or `without`.
 _NOT_A_SERIES = re.compile(r"\s*(\(|\{|(by|without)\b)", re.IGNORECASE)
+_A_CALL = re.compile(r"\s*(\(|(by|without)\b)", re.IGNORECASE)
 
 
 def string(value: str) -> str:
@@ -52,6 +53,21 @@ def with_matcher(expr: str, matcher: str) -> str:
             text += "{" + matcher + "}"
         out.append(text)
     return "".join(out)
+
+
+def series_names(expr: str) -> list[str]:
+    """The metric names `expr` selects by name, each once, in order: what a Prometheus must hold for
+    `expr` to read anything."""
+    names, at = [], 0
+    while at < len(expr):
+        token = _TOKENS.match(expr, at)
+        kind, text, at = token.lastgroup, token[0], token.end()
+        if kind == "name" and text.lower() in _LABEL_LIST_AFTER:
+            labels = _LABEL_LIST.match(expr, at)
+            at = labels.end() if labels else at
+        elif kind == "name" and text.lower() not in _KEYWORDS and not _A_CALL.match(expr, at):
+            names.append(text)
+    return list(dict.fromkeys(names))
 
 
 def keeping(expr: str, label: str) -> str:

@@ -207,7 +207,7 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
     workers = [
         f"{worker:<{width}}  {_count(count):>7}" + (f"  ({count / total:.0%})" if total else "")
         for worker, count in sorted(record.per_worker.items())
-    ] or ["none counted by this router"]
+    ] or ["unknown: see invalid series" if record.invalid else "none counted by this router"]
     # One line per worker; the label only on the first.
     rows = [("requests per worker" if i == 0 else "", line) for i, line in enumerate(workers)]
     if record.requests_running is not None:
@@ -241,10 +241,17 @@ def _hit_ratio(record: Normalised) -> str:
 
 
 def _local_hit_ratio(record: Normalised) -> str:
-    """The local cache's own lookups: an engine with prefix caching off looks nothing up."""
+    """The local cache's own lookups: an engine with prefix caching off looks nothing up. "None" only when
+    a usable counter says so: a missing or invalid one is no evidence of zero."""
     if record.local_hit_ratio is not None:
         return f"{record.local_hit_ratio:.1%}  (prefix-cache hits / lookups)"
-    return "none " + _scope(record)
+    if record.local_lookups is None:
+        return "unknown: no usable lookup counter"
+    if record.local_lookups == 0:
+        return "none " + _scope(record)
+    if record.local_hits is None:
+        return "unknown: no usable hit counter"
+    return "unknown: more hits than lookups, which no engine counts"
 
 
 def _scope(record: Normalised) -> str:

@@ -448,9 +448,21 @@ class Report:
     replicas: pd.DataFrame | None = None  # replicas.csv: the requests each replica served per route
 
 
+MAX_SHOWN_NAME = 80  # characters of a report directory's name in a message
+
+
+def _shown_name(name: str) -> str:
+    """A name as a message quotes it: cut, with its length, when it is long."""
+    if len(name) <= MAX_SHOWN_NAME:
+        return f'"{name}"'
+    return f'"{name[: MAX_SHOWN_NAME - 1]}…" ({len(name):,} characters)'
+
+
 def report_directory(name: str) -> Result:
     """The directory `name` under the configured report directory, resolved; an error when `name` leads
-    out of it (`..`, an absolute path, a symlink): viewers read and write reports there only."""
+    out of it (`..`, an absolute path, a symlink): viewers read and write reports there only. A name the
+    file system cannot hold (a component over 255 bytes, a path over 4096) is an error here too, not an
+    OSError where the report is read."""
     config = settings()
     if config.error:
         return config
@@ -458,10 +470,15 @@ def report_directory(name: str) -> Result:
     try:
         path = (root / name).resolve()
         inside = path.is_relative_to(root.resolve())
-    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a symlink loop
-        return Result(error=f'"{name}" cannot be a report directory: {error}')
+        path.exists()  # raises for a name too long; the answer itself is the report reader's concern
+    except OSError as error:
+        return Result(error=f"{_shown_name(name)} cannot be a report directory: {error.strerror or error}.")
+    except (ValueError, RuntimeError) as error:  # a NUL byte, a symlink loop
+        return Result(error=f"{_shown_name(name)} cannot be a report directory: {error}")
     if not inside:
-        return Result(error=f'"{name}" is outside the report directory {root}: name a directory under it.')
+        return Result(
+            error=f"{_shown_name(name)} is outside the report directory {root}: name a directory under it."
+        )
     return Result(path)
 
 
@@ -469,9 +486,9 @@ def report_directory(name: str) -> Result:
 def experiment_report(directory: Path) -> Result:
     """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
     files = {name: directory / experiment.FILES[name] for name in ("report", "png", "load", "replicas")}
-    if not files["report"].exists():
-        return Result(None)
     try:
+        if not files["report"].exists():
+            return Result(None)
         markdown = files["report"].read_text(encoding="utf-8")
         plot = files["png"].read_bytes() if files["png"].is_file() else None
         load, replicas = (pd.read_csv(files[n]) if files[n].is_file() else None for n in ("load", "replicas"))

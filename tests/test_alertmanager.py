@@ -206,6 +206,8 @@ def test_a_notification_the_store_cannot_take_is_sent_again_until_stored(tmp_pat
             failed = "alertmanager_notification_requests_failed_total"
             wait_until(lambda: metric_sum(alertmanager, failed, **webhook) >= 2, "two refused posts")
             assert metric_sum(exporter, "kvwatch_store_writes_dropped_total", reason="queue_full") >= 2
+            refused = metric_sum(exporter, "kvwatch_webhook_posts_refused_total", reason="store_unavailable")
+            assert refused >= 2
             locker.execute("COMMIT")
             with Store(path, readonly=True) as reader:
                 wait_until(lambda: reader.alerts(), "the alert stored once the lock went")

@@ -995,6 +995,36 @@ def test_a_report_directory_that_cannot_be_resolved_is_named(fake, tmp_path):
     assert data.report_directory("a\0b").error == '"a\0b" cannot be a report directory: embedded null byte'
 
 
+LONG_NAME = "r" * 5000
+TOO_LONG = f'"{"r" * 79}…" (5,000 characters) cannot be a report directory: File name too long.'
+
+
+def test_a_report_name_too_long_for_the_file_system_is_named_cut_and_the_page_goes_on(fake, tmp_path):
+    fake.settings = Result(replace(CONFIG, dashboard=DashboardSettings(tmp_path)))
+    at = open_page("experiment")
+    at.text_input(key="experiment_dir").set_value(LONG_NAME).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == [TOO_LONG]
+    assert not at.button and fake.reports_read == [tmp_path]  # nothing read or run there
+    at.text_input(key="experiment_dir").set_value("ab-1").run()
+    assert not at.error and fake.reports_read == [tmp_path, tmp_path / "ab-1"]
+
+
+def test_the_report_reader_names_a_directory_it_cannot_look_into(monkeypatch, tmp_path):
+    """The real data layer on a real directory: a name over 255 bytes, or a path over 4096, is refused
+    with its length; the reader itself answers an error, not an OSError, for such a directory."""
+    monkeypatch.setattr(
+        data, "settings", lambda: Result(replace(CONFIG, dashboard=DashboardSettings(tmp_path)))
+    )
+    assert data.report_directory(LONG_NAME).error == TOO_LONG
+    deep = "/".join(["d" * 200] * 25)
+    assert data.report_directory(deep).error.endswith(
+        "(5,024 characters) cannot be a report directory: File name too long."
+    )
+    st.cache_data.clear()
+    assert data.experiment_report(tmp_path / LONG_NAME).error.startswith("Cannot read the experiment report")
+
+
 def test_doctor_runs_and_lists_its_findings(fake):
     fake.doctor = Result(
         {"checks": [{"name": "reachability", "status": "pass", "evidence": "200", "fix": ""},
@@ -1292,10 +1322,15 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
         prometheus_url = f"http://127.0.0.1:{port}"
         route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)
         found = {}
-        for name in (None, *Clusters.CACHING):
+        for name in (None, *Clusters.CACHING, "c"):
             cluster = doctor.Cluster(name) if name else None
             checks = doctor.diagnose(route, prometheus_url, cluster=cluster).checks
-            found[name] = next(c for c in checks if c.name == "prefix caching").evidence
+            found[name] = next(c for c in checks if c.name == "prefix caching")
+        unknown = found.pop("c")  # a cluster Prometheus holds no engine of: named, with those it holds
+        assert unknown.cause == "cluster_not_found"
+        said = 'no engine series has cluster="c", so none is judged; its engines\' cluster values are a, b'
+        assert said in unknown.evidence
+        found = {name: check.evidence for name, check in found.items()}
         off = f"{address} in cluster b reports enable_prefix_caching=False"
         assert f"Prometheus: {off}" in found[None]
         assert "Prometheus (cluster a): no engine has prefix caching off" in found["a"]

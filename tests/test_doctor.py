@@ -392,16 +392,23 @@ def fault(lab):
     stack.heal(LabState.load(lab.state_dir))
 
 
+def wait_for_every_engine_in_prometheus(lab) -> None:
+    """Until Prometheus has scraped every engine's cache config."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = http_get(
+            f"{lab.status['prometheus']}/api/v1/query", params={"query": "vllm:cache_config_info"}, timeout=5
+        )
+        if len(found.json()["data"]["result"]) == len(lab.status["replicas"]):
+            return
+        assert time.monotonic() < deadline, "Prometheus never scraped every engine's cache config"
+        time.sleep(0.5)
+
+
 @integration
 def test_a_healthy_route_passes_every_check(lab, capsys):
     prometheus = lab.status["prometheus"]
-    # The block size comes from Prometheus once it has scraped every engine's cache config.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = http_get(f"{prometheus}/api/v1/query", params={"query": "vllm:cache_config_info"}, timeout=5)
-        if len(found.json()["data"]["result"]) == len(lab.status["replicas"]):
-            break
-        time.sleep(0.5)
+    wait_for_every_engine_in_prometheus(lab)  # the block size comes from Prometheus then
     code = main(
         ["doctor", "--base-url", lab.affinity, "--model", MODEL, "--prometheus", prometheus, "--json"]
     )
@@ -480,6 +487,45 @@ def test_prefix_caching_off_everywhere_shows_in_the_sessions_alone(lab, fault):
     found = check(diagnosis, "prefix caching")
     assert diagnosis.causes == ["prefix_cache_disabled"]
     assert "reused 0 of" in found.evidence and "--no-enable-prefix-caching" in found.fix
+
+
+def doctor_json(lab, capsys, *flags: str) -> tuple[int, dict[str, dict]]:
+    """`kvwatch doctor --json` of the lab's route and Prometheus: its exit code and its checks by name."""
+    code = main(["doctor", "--base-url", lab.affinity, "--model", MODEL,
+                 "--prometheus", lab.status["prometheus"], "--json", *flags])  # fmt: skip
+    return code, {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+
+
+@integration
+@pytest.mark.parametrize(
+    "flags, selector, there",
+    [
+        (["--cluster", "nope"], 'cluster="nope"', "no engine series there carries the label cluster"),
+        (["--cluster-label", "replica", "--cluster", "r9"], 'replica="r9"',
+         "its engines' replica values are r1, r2, r3"),
+    ],
+)  # fmt: skip
+def test_a_cluster_selector_that_matches_no_engine_fails_naming_those_that_exist(
+    lab, capsys, flags, selector, there
+):
+    """The lab's engines carry a replica label and no cluster label: a selector that matches none of
+    them judges no engine, says so with the values that exist, and fails."""
+    wait_for_every_engine_in_prometheus(lab)
+    code, checks = doctor_json(lab, capsys, *flags)
+    found = checks["prefix caching"]
+    assert (code, found["status"], found["cause"]) == (1, "fail", "cluster_not_found"), found
+    assert f"no engine series has {selector}, so none is judged; {there}" in found["evidence"]
+    assert "no engine has prefix caching off" not in found["evidence"]
+    assert "--cluster-label" in found["fix"]
+
+
+@integration
+def test_a_cluster_selector_that_matches_an_engine_judges_it(lab, capsys):
+    wait_for_every_engine_in_prometheus(lab)
+    code, checks = doctor_json(lab, capsys, "--cluster-label", "replica", "--cluster", "r2")
+    found = checks["prefix caching"]
+    assert (code, found["status"]) == (0, "pass"), found
+    assert "Prometheus (replica r2): no engine has prefix caching off" in found["evidence"]
 
 
 @integration
@@ -668,8 +714,10 @@ def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only():
             return await _caching_off_in_prometheus(client, "http://prometheus:9090", Cluster("eu", "region"))
 
     asyncio.run(found())
-    assert len(asked) == len(caching_off_alerts())
-    for query in asked:
+    engines, *caching_off = asked  # first whether the cluster holds engines at all, over every cluster
+    assert engines.startswith('group by (region) ({__name__=~"vllm:prompt_tokens_total|')
+    assert len(caching_off) == len(caching_off_alerts())
+    for query in caching_off:
         selectors = re.findall(r"(vllm:\w+)(\{[^}]*\})?", query)
         assert selectors and all('region="eu"' in matchers for _, matchers in selectors), query
 
@@ -731,3 +779,17 @@ def test_the_doctor_of_every_cluster_by_a_custom_label_names_each_instances():
         f"KV block: 32 tokens (smallest of 32, 128 in vllm:cache_config_info in Prometheus at {prometheus})"
         in evidence
     )
+
+
+def test_a_prometheus_without_engine_series_says_so_rather_than_that_none_has_caching_off():
+    async def no_series(request: web.Request) -> web.Response:
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": []}})
+
+    async def scenario() -> Diagnosis:
+        async with fake_server(route({}, spread=False), no_series) as url:
+            probe = ProbeSettings(base_url=url, model=MODEL, timeout_seconds=5)
+            return await examine(probe, f"{url}/prometheus")
+
+    evidence = check(asyncio.run(scenario()), "prefix caching").evidence
+    assert "Prometheus: holds no engine series (vllm:prompt_tokens_total, " in evidence, evidence
+    assert "no engine has prefix caching off" not in evidence

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import io
+import json
 import logging
 
 import pytest
@@ -12,7 +14,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
 from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
-from kvwatch.collectors.endpoints import make_app, open_webhook_warning
+from kvwatch.collectors.endpoints import (
+    MAX_WEBHOOK_BYTES,
+    REFUSED_POSTS_KEY,
+    make_app,
+    open_webhook_warning,
+)
 from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
 from kvwatch.collectors.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 from kvwatch.collectors.records import RoundResult, SessionResult
@@ -234,6 +241,67 @@ def test_one_bad_alert_is_skipped_counted_and_named_and_the_good_one_stored(tmp_
     assert not_an_object[0] == 400 and "must be a JSON object" in not_an_object[1]
     assert "kvwatch_webhook_alerts_rejected_total 1.0" in metrics_text
     assert "alerts[0].status: must be firing or resolved, got 'pending'" in caplog.text
+
+
+def test_json_nested_too_deep_is_a_bad_payload_and_the_webhook_goes_on(tmp_path, caplog):
+    """200,000 levels overflow Python's recursive JSON parser: a 400 naming the nesting, no traceback;
+    nesting the parser takes, in an alert's label, skips that alert alone."""
+    deep_label = copy.deepcopy(webhook())
+    deep_label["alerts"][0]["labels"]["target"] = json.loads("[" * 900 + "]" * 900)
+    with Store(tmp_path / "kvwatch.db") as store:
+        too_deep, one_bad, good, metrics_text = exchange(
+            store,
+            [("POST", "/alerts", {"data": b"[" * 200_000 + b"]" * 200_000, **bearer(TOKEN)}),
+             ("POST", "/alerts", {"json": deep_label, **bearer(TOKEN)}),
+             ("POST", "/alerts", {"json": webhook(), **bearer(TOKEN)})],
+        )  # fmt: skip
+        assert sorted(a["alertname"] for a in store.alerts()) == ["KVWatchSessionAffinityBroken", "Watchdog"]
+    assert too_deep[0] == 400 and "JSON nested too deep to parse" in json.loads(too_deep[1])["error"]
+    assert one_bad == (200, '{"stored": 1, "rejected": 1}') and good[0] == 200
+    assert "RecursionError" not in caplog.text and "Traceback" not in caplog.text
+    assert 'kvwatch_webhook_posts_refused_total{reason="bad_payload"} 1.0' in metrics_text
+
+
+def refusal_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+
+
+def test_refused_posts_are_each_counted_and_logged_once_a_minute_at_most(tmp_path, caplog):
+    """A sender retrying a bad post: the first refusal is logged, the rest only counted until a minute
+    has passed on the webhook's clock; then one line sums up the refusals since."""
+    now = [1000.0]
+
+    async def run() -> str:
+        with Store(tmp_path / "kvwatch.db") as store:
+            app = make_app(CollectorRegistry(), store.add_alerts, TOKEN)
+            app[REFUSED_POSTS_KEY].clock = lambda: now[0]
+            async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+                for _ in range(50):
+                    assert (await client.post("/alerts", json=webhook())).status == 401
+                for _ in range(3):
+                    assert (await client.post("/alerts", data=b"{not json", **bearer(TOKEN))).status == 400
+                huge = io.BytesIO(b" " * (MAX_WEBHOOK_BYTES + 1))
+                assert (await client.post("/alerts", data=huge, **bearer(TOKEN))).status == 413
+                assert len(refusal_lines(caplog)) == 1
+                now[0] += 61
+                assert (await client.post("/alerts", json=webhook())).status == 401
+                assert (await client.post("/alerts", json=webhook(), **bearer(TOKEN))).status == 200
+                return await (await client.get("/metrics")).text()
+
+    caplog.set_level(logging.INFO)
+    metrics_text = asyncio.run(run())
+    assert refusal_lines(caplog) == [
+        "refused a webhook post from 127.0.0.1: no or wrong bearer token",
+        "refused 54 webhook posts in the last 61 s (bad_payload 3, too_large 1, unauthorized 50); the latest "
+        "from 127.0.0.1: no or wrong bearer token",
+    ]
+    for reason, count in (
+        ("unauthorized", 51),
+        ("bad_payload", 3),
+        ("too_large", 1),
+        ("store_unavailable", 0),
+    ):
+        assert f'kvwatch_webhook_posts_refused_total{{reason="{reason}"}} {count}.0' in metrics_text
 
 
 def test_serve_warns_when_anyone_beyond_this_machine_may_post_alerts():

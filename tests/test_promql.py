@@ -67,3 +67,9 @@ def test_every_query_kvwatch_runs_is_narrowed_selector_by_selector(expr):
 
 def test_a_value_is_quoted_as_a_promql_string():
     assert promql.string('eu "west"\\1') == '"eu \\"west\\"\\\\1"'
+
+
+@pytest.mark.parametrize("expr", sorted(every_query()))
+def test_the_series_names_of_a_query_are_its_named_selectors(expr):
+    named = [s.name for s in selectors(expr) if s.name]
+    assert promql.series_names(expr) == list(dict.fromkeys(named))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
+from test_engines import sgl_router_0_2
 
 from conftest import free_port, kvwatch
 from kvwatch.collectors.cli import build_parser, main
@@ -31,6 +32,8 @@ JSON_KEYS = [
     "hit_ratio",
     "hit_ratio_source",
     "local_hit_ratio",
+    "local_hits",
+    "local_lookups",
     "prompt_tokens",
     "cached_tokens",
     "ttft_p50_seconds",
@@ -257,13 +260,79 @@ def test_a_nan_infinite_or_negative_series_is_named_invalid_and_never_printed_as
     assert not re.search(r"\b(nan|inf)\b|-\d|\d{3}\.\d%", figures), figures
 
 
+# Expositions a broken exporter serves: each breaks what one figure is built on.
+BROKEN = {
+    "/invalid-lookups": VLLM.format(hits="NaN", queries=-5, running=2),
+    "/usage-negative": VLLM.format(hits=64, queries=100, running=2)
+    + '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} -0.5\n',
+    "/usage-over-one": VLLM.format(hits=64, queries=100, running=2)
+    + '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.2\n'
+    + 'vllm:kv_cache_usage_perc{engine="1"} 3\n',
+    "/duplicate": VLLM.format(hits=64, queries=100, running=2) + 'vllm:prompt_tokens_total{engine="0"} 5\n',
+    "/no-lookups-yet": VLLM.format(hits=0, queries=0, running=0),
+    "/router-invalid": sgl_router_0_2({"http://w1:8000": "NaN", "http://w2:8000": 5}, 0, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def broken() -> Iterator[str]:
+    class Handler(QuietHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+            self.answer(200, BROKEN[self.path].encode(), "text/plain; version=0.0.4")
+
+    with loopback_http(Handler) as url:
+        yield url
+
+
+def scraped(url: str, capsys) -> tuple[dict, dict[str, str]]:
+    """`kvwatch scrape` of one URL: its --json record and its text rows by label."""
+    assert main(["scrape", "--json", url]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert main(["scrape", url]) == 0
+    rows = dict(line.strip().split("  ", 1) for line in capsys.readouterr().out.splitlines()[1:])
+    return record, {label: value.strip() for label, value in rows.items()}
+
+
+@pytest.mark.parametrize(
+    "path, invalid, figure, row, shown",
+    [
+        ("/invalid-lookups", {HITS: "NaN", "vllm:prefix_cache_queries_total": "-5.0"}, "local_hit_ratio",
+         "local lookups", "unknown: no usable lookup counter"),
+        ("/usage-negative", {"vllm:kv_cache_usage_perc": "-0.5"}, "kv_cache_usage", "KV cache usage", "n/a"),
+        ("/usage-over-one", {"vllm:kv_cache_usage_perc": "3.0"}, "kv_cache_usage", "KV cache usage", "n/a"),
+        ("/duplicate", {"vllm:prompt_tokens_total": 'duplicate {engine="0"}'}, "prompt_tokens", "tokens",
+         "n/a prompt, 64 cached"),
+    ],
+)  # fmt: skip
+def test_a_figure_built_on_an_invalid_or_duplicated_series_is_unknown_and_the_series_named(
+    broken, capsys, path, invalid, figure, row, shown
+):
+    record, rows = scraped(f"{broken}{path}", capsys)
+    assert record["invalid"] == invalid and record[figure] is None, record
+    assert rows[row] == shown
+    named = ", ".join(f"{name} = {value}" for name, value in invalid.items())
+    assert rows["invalid series"] == f"{named} (no measurement: not counted)"
+
+
+def test_a_routers_invalid_per_worker_counter_is_no_count_of_none(broken, capsys):
+    record, rows = scraped(f"{broken}/router-invalid", capsys)
+    assert record["per_worker"] == {} and record["invalid"]["sgl_router_processed_requests_total"] == "NaN"
+    assert rows["requests per worker"] == "unknown: see invalid series"
+
+
+def test_no_lookups_is_said_only_when_the_lookup_counter_says_so(broken, capsys):
+    record, rows = scraped(f"{broken}/no-lookups-yet", capsys)
+    assert (record["local_lookups"], record["invalid"]) == (0, {})
+    assert rows["local lookups"] == "none since start"
+
+
 def test_the_size_cap_applies_to_files(tmp_path):
     path = tmp_path / "metrics.prom"
-    path.write_text("vllm:kv_cache_usage_perc 0.1\n" * 10)
+    path.write_text("".join(f'vllm:kv_cache_usage_perc{{engine="{i}"}} 0.1\n' for i in range(10)))
     (result,) = asyncio.run(scrape([str(path)], max_bytes=100))
     assert result.error == f"{path}: more than 100 bytes (the size cap; see --max-bytes)"
     (result,) = asyncio.run(scrape([str(path)], max_bytes=1000))
-    assert result.error is None and result.record.kv_cache_usage == 0.1
+    assert result.error is None and result.record.kv_cache_usage == pytest.approx(0.1)
 
 
 def test_an_explicit_flavour_reads_what_detection_would_refuse(tmp_path):

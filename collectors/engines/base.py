@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +23,7 @@ EXPOSED_SUFFIXES = {
 }
 # Series that count from 0 up, whatever their declared type: a negative sample is no count.
 COUNT_SUFFIXES = ("_total", "_bucket", "_count")
+MAX_SHOWN_LABELS = 120  # characters of a duplicated series' label set, as `invalid` names it
 
 
 class Exposition:
@@ -36,16 +38,18 @@ class Exposition:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         # Series a family declares even before it has samples, e.g. a labelled counter with no children.
         self.declared: set[str] = set()
-        # Series with a sample that is no measurement (NaN, infinite, a negative count): its first one.
+        # Series with a sample that is no measurement (NaN, infinite, a negative count) or a label set
+        # exposed twice: its first such value, or "duplicate {labels}".
         self.invalid: dict[str, str] = {}
+        seen: set[tuple] = set()
         for family in text_string_to_metric_families(text):
             self.declared.update(family.name + suffix for suffix in EXPOSED_SUFFIXES.get(family.type, ("",)))
             for sample in family.samples:
                 self.samples[sample.name].append(sample)
-                if not math.isfinite(sample.value) or (
-                    sample.value < 0 and sample.name.endswith(COUNT_SUFFIXES)
-                ):
-                    self.invalid.setdefault(sample.name, floatToGoString(sample.value))
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if problem := _problem(sample, key in seen):
+                    self.invalid.setdefault(sample.name, problem)
+                seen.add(key)
 
     def has(self, name: str) -> bool:
         return name in self.declared or name in self.samples
@@ -57,6 +61,18 @@ class Exposition:
     def count_prefixed(self, *prefixes: str) -> int:
         """How many series start with one of `prefixes`: a detection score for lazily created series."""
         return sum(name.startswith(prefixes) for name in self.declared | self.samples.keys())
+
+
+def _problem(sample: Sample, duplicate: bool) -> str | None:
+    """Why a sample is no measurement, or None. A label set seen twice has two values and no way to tell
+    which one is true: keeping either would make a figure up."""
+    if duplicate:
+        labels = ", ".join(f"{name}={json.dumps(value)}" for name, value in sorted(sample.labels.items()))
+        shown = labels if len(labels) <= MAX_SHOWN_LABELS else labels[: MAX_SHOWN_LABELS - 1] + "…"
+        return f"duplicate {{{shown}}}"
+    if not math.isfinite(sample.value) or (sample.value < 0 and sample.name.endswith(COUNT_SUFFIXES)):
+        return floatToGoString(sample.value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,9 +152,18 @@ class Reader:
         values = self._values(names, optional, duplicated_by)
         return None if values is None else sum(values)
 
-    def mean(self, *names: str, optional: bool = False, duplicated_by: tuple[str, ...] = ()) -> float | None:
-        """The mean over label sets, for fractions such as KV-cache usage of several engines."""
-        values = self._values(names, optional, duplicated_by)
+    def fraction(
+        self, *names: str, duplicated_by: tuple[str, ...] = (), no_data: float | None = None
+    ) -> float | None:
+        """The mean over label sets of a gauge from 0 to 1, such as KV-cache usage of several engines.
+
+        A sample outside [0, 1] (but `no_data`, an engine's own word for "nothing to say") is no
+        fraction: the series reads as absent and goes to `invalid`, never as -50 % or 300 %."""
+        found = self._pick(names, optional=False)
+        values = [] if found is None else self._grouped(found, duplicated_by)
+        if (wrong := next((v for v in values if not 0 <= v <= 1 and v != no_data), None)) is not None:
+            self.invalid[found] = floatToGoString(wrong)
+            return None
         return sum(values) / len(values) if values else None
 
     def by_label(self, name: str, label: str, optional: bool = False) -> dict[str, float]:
@@ -171,8 +196,10 @@ class Reader:
 
     def _values(self, names: tuple[str, ...], optional: bool, duplicated_by: tuple[str, ...]) -> list | None:
         found = self._pick(names, optional)
-        if found is None:
-            return None
+        return None if found is None else self._grouped(found, duplicated_by)
+
+    def _grouped(self, found: str, duplicated_by: tuple[str, ...]) -> list[float]:
+        """One value per label set, but for the `duplicated_by` labels."""
         groups: dict[tuple, float] = {}
         for sample in self.exposition.samples[found]:
             key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in duplicated_by))

@@ -26,8 +26,9 @@ class Normalised:
     (named with its first bad value: NaN, an infinity, a negative count). `hit_ratio_source` says where
     the ratio came from: "tokens" (cached / prompt tokens), "lookups" (hits / lookups, when there are no
     token counters), or an engine-computed gauge ("v0-gauge", "sglang-batch-gauge-fallback") that covers
-    a window the engine chose, not this one. `local_hit_ratio` is hits / lookups beside it, None when
-    nothing was looked up. More cached than prompt tokens is no measurement: the ratio is unknown.
+    a window the engine chose, not this one. `local_hit_ratio` is hits / lookups beside it (`local_hits`,
+    `local_lookups`: prefix-cache tokens found and looked up), None when nothing was looked up or either
+    count is unknown. More cached than prompt tokens is no measurement: the ratio is unknown.
     Router cache predictions and `predicted_hit_ratio` (the mean of the router's per-request predicted
     hit ratios) are the router's guess of where a prefix is cached, not what any engine found; a router
     that forwards the engines' usage also has a delivered `hit_ratio`, as its clients saw it.
@@ -38,6 +39,8 @@ class Normalised:
     hit_ratio: float | None
     hit_ratio_source: str | None
     local_hit_ratio: float | None
+    local_hits: float | None
+    local_lookups: float | None
     prompt_tokens: float | None
     cached_tokens: float | None
     ttft_p50_seconds: float | None
@@ -90,6 +93,8 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         hit_ratio=ratio,
         hit_ratio_source=source,
         local_hit_ratio=local,
+        local_hits=hits,
+        local_lookups=queries,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         ttft_p50_seconds=p50,

@@ -27,7 +27,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
     cached = reader.total("sglang:cached_tokens_total")
     gauge = None
     if cached is None or prompt is None:
-        hit_rate = reader.mean("sglang:cache_hit_rate", duplicated_by=SAME_BATCH_RANKS)
+        hit_rate = reader.fraction("sglang:cache_hit_rate", duplicated_by=SAME_BATCH_RANKS)
         gauge = None if hit_rate is None else RatioGauge(HIT_RATIO_FALLBACK, hit_rate)
     return Snapshot(
         flavour="sglang",
@@ -40,7 +40,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         ttft_buckets=reader.histogram("sglang:time_to_first_token_seconds"),
         requests_running=reader.total("sglang:num_running_reqs", duplicated_by=SAME_BATCH_RANKS),
         requests_waiting=reader.total("sglang:num_queue_reqs", duplicated_by=SAME_BATCH_RANKS),
-        kv_cache_usage=reader.mean("sglang:token_usage", duplicated_by=SAME_BATCH_RANKS),
+        kv_cache_usage=reader.fraction("sglang:token_usage", duplicated_by=SAME_BATCH_RANKS),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

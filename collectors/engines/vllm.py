@@ -46,7 +46,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         ttft_buckets=reader.histogram("vllm:time_to_first_token_seconds"),
         requests_running=reader.total("vllm:num_requests_running"),
         requests_waiting=reader.total("vllm:num_requests_waiting"),
-        kv_cache_usage=reader.mean("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        kv_cache_usage=reader.fraction("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         prefix_caching_enabled=caching,
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),

@@ -25,7 +25,7 @@ def detect(exposition: Exposition) -> int:
 
 def read(exposition: Exposition, scraped_at: float) -> Snapshot:
     reader = Reader(exposition)
-    hit_rate = reader.mean("vllm:gpu_prefix_cache_hit_rate")
+    hit_rate = reader.fraction("vllm:gpu_prefix_cache_hit_rate", no_data=-1.0)
     return Snapshot(
         flavour="vllm-legacy",
         scraped_at=scraped_at,
@@ -34,7 +34,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         ttft_buckets=reader.histogram("vllm:time_to_first_token_seconds"),
         requests_running=reader.total("vllm:num_requests_running"),
         requests_waiting=reader.total("vllm:num_requests_waiting"),
-        kv_cache_usage=reader.mean("vllm:gpu_cache_usage_perc"),
+        kv_cache_usage=reader.fraction("vllm:gpu_cache_usage_perc"),
         prefix_caching_enabled=prefix_caching(reader, "vllm:cache_config_info"),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),

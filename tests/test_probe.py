@@ -786,17 +786,18 @@ def leaks(text: str, forms: Iterable[str], size: int = 10) -> set[str]:
 
 
 def echoing(forms: list[str]):
-    """Session n gets form n of the key echoed: as its backend header and its session id (round 1), as the
-    JSON field naming the backend (round 2), and in the error that ends it (round 3)."""
+    """Session n gets form n of the key echoed: as its backend header and its session id (round 1; a form
+    that is no ASCII, which no header carries, as in round 2), as the JSON field naming the backend
+    (round 2), and in the error that ends it (round 3)."""
     requests: dict[str, int] = {}  # by session id, in the order the sessions came
 
     async def handler(request: web.Request) -> web.StreamResponse:
         session = request.headers["X-Session-Id"]
         requests[session] = requests.get(session, 0) + 1
         form = forms[list(requests).index(session) % len(forms)]
-        if requests[session] == 1:
+        if requests[session] == 1 and form.isascii():
             return await sse(request, ANSWER, {"X-Worker-Id": f"worker-{form}", "X-Session-Id": form})
-        if requests[session] == 2:
+        if requests[session] <= 2:
             named = json.dumps({"choices": [], "nvext": {"worker_id": f"worker-{form}"}})
             return await sse(request, [*ANSWER[:-1], named, "[DONE]"], {"X-Session-Id": session})
         return await sse(request, ['{"error": {"message": "Incorrect API key provided: ' + form + '"}}'])
@@ -814,20 +815,57 @@ async def run_kvwatch(*args: str, env: dict | None = None) -> tuple[int | None, 
     return process.returncode, out.decode(), err.decode()
 
 
-def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(tmp_path):
-    forms = echoed_forms(ECHOED_KEY)
+# A key with a well-known prefix: a server may echo the rest of it alone, or escape it character by character.
+PREFIXED_KEY = "sk-proj-Kv7wQ2mZ9xR4tB8nL3pD"
+
+
+def prefixed_forms(key: str) -> list[str]:
+    """The key's core (its prefix cut), and the key escaped, encoded or split as a server may echo it."""
+    core = key.removeprefix("sk-proj-")
+    escaped = "".join(f"\\u{ord(c):04x}" for c in key)
+    half_escaped = "".join(f"\\u{ord(c):04X}" if i % 3 else c for i, c in enumerate(key))
+    entities = "".join(f"&#{ord(c)};" if i % 2 else f"&#x{ord(c):x};" for i, c in enumerate(key))
+    return [
+        core,
+        f"sk-{core}",  # another prefix
+        escaped,
+        half_escaped,
+        "".join(f"\\u{ord(c):04x}" for c in core),
+        key.encode().hex(),
+        entities,
+        base64.b32encode(key.encode()).decode(),
+        base64.b32encode(f"user:{key}".encode()).decode().rstrip("="),
+        "\u200b".join(key),
+    ]
+
+
+def strings(value: object) -> Iterator[str]:
+    """Every string in a parsed JSON document: `--json` escapes what the grep must see unescaped."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from strings(item)
+
+
+@pytest.mark.parametrize(
+    "key, forms",
+    [(ECHOED_KEY, echoed_forms(ECHOED_KEY)), (PREFIXED_KEY, prefixed_forms(PREFIXED_KEY))],
+    ids=["encoded", "core-and-escaped"],
+)
+def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(key, forms, tmp_path):
     sessions = ["--sessions", str(len(forms)), "--rounds", "3"]
 
     async def scenario() -> tuple[list[tuple], list[SessionResult]]:
         async with fake_server(echoing(forms)) as url:
             flags = ["probe", "--base-url", url, *SMALL, *sessions, "--api-key-env", "KVW_TEST_KEY"]
-            env = {"KVW_TEST_KEY": ECHOED_KEY}
+            env = {"KVW_TEST_KEY": key}
             runs = [await run_kvwatch(*flags, *json_flag, env=env) for json_flag in ([], ["--json"])]
-            settings = ProbeSettings(base_url=url, model=MODEL, api_key=ECHOED_KEY, max_tokens=8)
+            settings = ProbeSettings(base_url=url, model=MODEL, api_key=key, max_tokens=8)
             return runs, await run_sessions(settings, synthetic(3, 50, 10, 0, len(forms)))
 
     runs, results = asyncio.run(scenario())
-    assert [code for code, _, _ in runs] == [1, 1]  # every session fails in round 3
+    assert [code for code, _, _ in runs] == [1, 1], runs  # every session fails in round 3
     report = json.loads(runs[1][1])
     assert [s["backends"] for s in report["sessions"]] == [["[redacted]", "[redacted]"]] * len(forms)
     assert all("[redacted]" in s["rounds"][2]["error_detail"] for s in report["sessions"])
@@ -840,7 +878,7 @@ def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(tmp_path):
     exporter.add_run(("probe", "unknown"), results, 0, 1)
 
     stored = "\n".join(str(value) for row in rows for value in row.values())
-    printed = [out + err for _, out, err in runs]
+    printed = [out + err for _, out, err in runs] + ["\n".join(strings(report))]
     for output in (*printed, stored, generate_latest(registry).decode()):
         assert not leaks(output, forms), output
 

@@ -25,6 +25,7 @@ import yaml
 
 from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store, stores
 from kvwatch.collectors.connections import url_problem
+from kvwatch.collectors.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.collectors.redaction import redact
 
 
@@ -567,30 +568,15 @@ def resolve_store_password(settings: StoreSettings) -> str | None:
 
 
 def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) -> str | None:
-    if env:
-        value = os.environ.get(env)
-        if value is None:
-            raise ConfigError(f"{owner}: environment variable {env} is not set")
-        return _one_secret(value, owner, f"environment variable {env}", secret)
-    if file:
-        source = f"{secret} file {file}"
-        try:
-            value = file.read_text(encoding="utf-8")
-        except OSError as error:
-            raise ConfigError(f"{owner}: cannot read {source}: {error.strerror}") from None
-        except UnicodeDecodeError:  # its message would quote bytes of the secret
-            raise ConfigError(f"{owner}: {source} is not UTF-8 text") from None
-        return _one_secret(value, owner, source, secret)
-    return None
-
-
-def _one_secret(text: str, owner: str, source: str, secret: str) -> str:
-    value = text.strip()  # a secret file usually ends with a newline
-    if not value:
-        raise ConfigError(f"{owner}: {source} is empty")
-    if any(c.isspace() for c in value):
-        raise ConfigError(f"{owner}: {source} must hold one {secret}, without spaces or line breaks")
-    return value
+    try:
+        if env:
+            value = os.environ.get(env)
+            if value is None:
+                raise CredentialError(f"environment variable {env} is not set")
+            return one_secret(value, f"environment variable {env}", secret)
+        return read_secret_file(file, secret) if file else None
+    except CredentialError as error:
+        raise ConfigError(f"{owner}: {error}") from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -32,6 +32,7 @@ from kvwatch.collectors import blocksize, identity
 from kvwatch.collectors.blocksize import BlockSize
 from kvwatch.collectors.config import Target, Workload
 from kvwatch.collectors.connections import connect_reason, http_client, request, url_problem
+from kvwatch.collectors.credentials import read_secret_file
 from kvwatch.collectors.progress import Progress
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact, redacted_name
@@ -104,19 +105,7 @@ def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> s
             named = env if _ENV_NAME.fullmatch(env) else "named for the API key (name not shown)"
             raise ValueError(f"environment variable {named} is not set or empty")
         return key
-    if file:
-        try:
-            key = Path(file).read_text().strip()
-        except FileNotFoundError:
-            raise ValueError(f"API key file {file}: no such file") from None
-        except UnicodeDecodeError:  # its message would quote a byte of the key
-            raise ValueError(f"API key file {file}: not UTF-8 text") from None
-        except OSError as error:
-            raise ValueError(f"API key file {file}: cannot read it ({error.strerror})") from None
-        if not key:
-            raise ValueError(f"API key file {file} is empty")
-        return key
-    return None
+    return read_secret_file(file, "API key") if file else None
 
 
 @dataclass(frozen=True)

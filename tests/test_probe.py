@@ -22,7 +22,7 @@ from aiohttp import web
 from loopback import QuietHandler, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import REPO, free_port, http_get, http_post
+from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
 from kvwatch.collectors.probe import (
@@ -108,7 +108,7 @@ def test_api_key_comes_from_an_environment_variable_or_a_file(tmp_path, monkeypa
     [
         ("KVW_TEST_UNSET", None, "environment variable KVW_TEST_UNSET is not set or empty"),
         (KEY, None, "environment variable named for the API key (name not shown) is not set or empty"),
-        (None, "missing", "API key file {tmp}/missing: no such file"),
+        (None, "missing", "cannot read API key file {tmp}/missing: No such file or directory"),
         (None, "empty", "API key file {tmp}/empty is empty"),
         ("KVW_TEST_UNSET", "empty", "take the API key from an environment variable or from a file, not both"),
     ],
@@ -1119,4 +1119,11 @@ def test_a_key_file_that_is_not_text_is_named_without_quoting_the_key(tmp_path):
     (tmp_path / "binary").write_bytes(b"sk-\xff\xfe-secret")
     with pytest.raises(ValueError) as raised:
         resolve_api_key(None, tmp_path / "binary")
-    assert str(raised.value) == f"API key file {tmp_path}/binary: not UTF-8 text"
+    assert str(raised.value) == f"API key file {tmp_path}/binary is not UTF-8 text"
+
+
+def test_an_api_key_file_that_holds_no_key_is_refused_at_once_in_one_line(not_a_secret_file):
+    path, problem = not_a_secret_file
+    probed = kvwatch_bounded("probe", "--base-url", "http://127.0.0.1:9", *SMALL, "--api-key-file", str(path))
+    said = f"kvwatch probe: API key file {path} {problem.format(secret='API key')}\n"
+    assert (probed.returncode, probed.stderr) == (2, said)  # a bad argument

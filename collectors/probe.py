@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -84,11 +85,13 @@ def api_url(base_url: str, path: str) -> str:
     """`path` under an OpenAI-compatible base URL: one ending in /v1 is used as is, any other gets /v1.
 
     So both https://example.net/api and https://example.net/api/v1 reach https://example.net/api/v1/...
+    A query (`?token=...`, for a gateway that takes one) stays at the end, after the path.
     """
-    base = base_url.rstrip("/")
+    parts = urlsplit(base_url)
+    base = parts.path.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    return f"{base}/{path.lstrip('/')}"
+    return urlunsplit(parts._replace(path=f"{base}/{path.lstrip('/')}"))
 
 
 def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> str | None:

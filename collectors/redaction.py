@@ -4,7 +4,7 @@ A server may echo the key it was sent, and rarely as it is: without its `sk-` pr
 to every character as `\\u0073`) in an error object, as HTML entities, URL-encoded in a redirect,
 upper-cased, in hex, base32 or base64 inside `Authorization: Basic ...`, a token or a cookie, even split
 by zero-width characters. `redact` removes every such form, anything else that looks like a key, and the
-password of any URL in the text.
+password and secret query parameters of any URL in the text.
 """
 
 from __future__ import annotations
@@ -28,14 +28,22 @@ _INVISIBLE = "[\u00ad\u200b-\u200d\u2060\ufeff]*"  # soft hyphen, zero-width spa
 _ENCODINGS = ((base64.b64encode, 3, 4), (base64.urlsafe_b64encode, 3, 4), (base64.b32encode, 5, 8))
 _KEY_LIKE = re.compile(r"(Bearer\s+)[\w.~+/=-]+|\bsk-[\w*.-]+", re.IGNORECASE)
 _URL_PASSWORD = re.compile(r"(://[^/?#@\s:]*:)[^/?#\s]*@")  # scheme://user:password@host, to the last @
+# A query parameter whose name says it holds a secret (`?password=`, `&access_token=`, `&sslpassword=`,
+# `&X-Amz-Signature=`, `&api_key=`), up to its end; `key` only as a word of the name: `sslkey` is a path.
+_SECRET_PARAMETER = re.compile(
+    r"([?&;](?:[\w.-]*(?:password|passwd|secret|token|signature)|(?:[\w.-]*[_.-])?"
+    r"(?:key|apikey|sig|pwd|pass|auth|authorization|credentials?))=)[^&#;\s\"'<>]*",
+    re.IGNORECASE,
+)
 
 
 def redact(text: str, secret: str | None = None) -> str:
-    """`text` without `secret` in any form a server may echo it in, key-like strings or URL passwords."""
+    """`text` without `secret` in any form a server may echo it in, key-like strings or URL secrets."""
     if secret:
         text = _forms_of(secret).sub(REDACTED, text)
     text = _KEY_LIKE.sub(lambda m: f"{m.group(1) or ''}{REDACTED}", text)
-    return _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    return _SECRET_PARAMETER.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
 
 
 def redacted_name(value: str | None, secret: str | None) -> str | None:

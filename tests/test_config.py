@@ -204,6 +204,11 @@ INVALID = [
         "name an environment variable (password_env) or a file (password_file) that holds it",
     ),
     (
+        "store-url-query-password",
+        "store.url: the password does not belong in the URL; "
+        "name an environment variable (password_env) or a file (password_file) that holds it",
+    ),
+    (
         "store-url-scheme",
         'store.url: must be a URL of postgresql://, postgres://, got "mysql://kvwatch@127.0.0.1/kvwatch"; '
         "a file goes in path",

@@ -95,6 +95,11 @@ def test_base_url_gets_v1_unless_it_ends_in_it(base):
     assert api_url(base, "/models") == "https://example.net/api/v1/models"
 
 
+def test_a_base_urls_query_stays_after_the_path():
+    assert api_url("https://h/api?token=x", "chat/completions") == "https://h/api/v1/chat/completions?token=x"
+    assert api_url("https://h/api/v1/?token=x&a=b", "/models") == "https://h/api/v1/models?token=x&a=b"
+
+
 def test_api_key_comes_from_an_environment_variable_or_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVW_TEST_KEY", f"  {KEY}\n")
     (tmp_path / "key").write_text(f"{KEY}\n")
@@ -1113,6 +1118,27 @@ def test_a_password_in_the_base_url_is_never_printed(tmp_path):
     assert "kvw:[redacted]@127.0.0.1:" in runs[0][1].splitlines()[0]
     written = [path.read_bytes().decode(errors="replace") for path in tmp_path.iterdir()]
     assert not [text for _, out, err in runs for text in (out, err, *written) if password in text]
+
+
+def test_a_token_in_the_base_urls_query_is_sent_after_the_path_and_never_printed():
+    token = "tk-3e8a1c5f9b7d"
+    received: list[str] = []  # each request's path and query, as the server got them
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        received.append(request.path_qs)
+        return await sse(request, ANSWER)
+
+    async def scenario() -> list[tuple[int | None, str, str]]:
+        async with fake_server(handler) as url:
+            base = f"{url}/?token={token}"
+            probe = ["probe", "--base-url", base, *SMALL, "--sessions", "1", "--rounds", "2"]
+            return [await run_kvwatch(*probe, *flags) for flags in ([], ["--json"])]
+
+    runs = asyncio.run(scenario())
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    assert set(received) == {f"/v1/chat/completions?token={token}"}
+    assert "/v1/chat/completions?token=[redacted]" in runs[0][1].splitlines()[0]
+    assert not [text for _, out, err in runs for text in (out, err) if token in text]
 
 
 def test_a_key_file_that_is_not_text_is_named_without_quoting_the_key(tmp_path):

@@ -80,6 +80,24 @@ def label_name_problem(name: str) -> str | None:
     return f'must be a Prometheus label name (letters, digits and _, not starting with "__"), got "{name}"'
 
 
+# Labels Prometheus gives a meaning of its own: histogram buckets, summary quantiles, the scrape's target.
+PROMETHEUS_LABELS = frozenset({"le", "quantile", "job", "instance"})
+
+
+def cluster_label_problem(name: str) -> str | None:
+    """What keeps `name` from telling clusters apart: it must be a label name of the user's, and not one
+    that kvwatch's series or Prometheus already use, which it would overwrite on every sample."""
+    from kvwatch.collectors.exporter import label_names  # the exporter imports this module
+
+    if wrong := label_name_problem(name):
+        return wrong
+    taken = label_names() | PROMETHEUS_LABELS
+    if name not in taken:
+        return None
+    listed = ", ".join(sorted(taken))
+    return f'"{name}" is taken by kvwatch\'s own series or by Prometheus ({listed}): pick another'
+
+
 def _url(value: str | None, where: str) -> None:
     """A URL the HTTP client can request: checked here, since the client takes a port of 99999 and fails
     only when it connects. Its password, if any, is not repeated."""
@@ -382,7 +400,7 @@ class Config:
     cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
 
     def __post_init__(self):
-        wrong = label_name_problem(self.cluster_label)
+        wrong = cluster_label_problem(self.cluster_label)
         _check(wrong is None, "cluster_label", wrong)
         _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
         for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):

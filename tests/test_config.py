@@ -35,6 +35,11 @@ from kvwatch.collectors.credentials import MAX_SECRET_FILE_BYTES
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
+# Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
+TAKEN_LABELS = (
+    "backend, echoed, expect_sticky, failover, instance, job, kind, le, listener, log, outcome, quantile, "
+    "reason, round, route_mode, status_class, sticky, target, upstream"
+)
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
 # (<what> of tests/testdata/config/invalid-<what>.yml, the exact message after "error in <file>: ")
@@ -85,6 +90,16 @@ INVALID = [
         "cluster-label-reserved",
         'cluster_label: must be a Prometheus label name (letters, digits and _, not starting with "__"), '
         'got "__cluster"',
+    ),
+    (
+        "cluster-label-kvwatch",
+        f'cluster_label: "target" is taken by kvwatch\'s own series or by Prometheus ({TAKEN_LABELS}): '
+        "pick another",
+    ),
+    (
+        "cluster-label-prometheus",
+        f'cluster_label: "le" is taken by kvwatch\'s own series or by Prometheus ({TAKEN_LABELS}): '
+        "pick another",
     ),
     ("exporter-cluster-empty", "exporter.cluster: must not be empty"),
     ("block-size", "targets[0].block_size: must be >= 1, got 0"),

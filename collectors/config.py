@@ -25,6 +25,7 @@ import yaml
 
 from kvwatch.collectors import blocksize, gatewaylogs, identity, queries, store, stores
 from kvwatch.collectors.connections import url_problem
+from kvwatch.collectors.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.collectors.labels import label_value_problem
 from kvwatch.collectors.redaction import redact
 
@@ -78,6 +79,24 @@ def label_name_problem(name: str) -> str | None:
     if _LABEL_NAME.fullmatch(name) and not name.startswith("__"):
         return None
     return f'must be a Prometheus label name (letters, digits and _, not starting with "__"), got "{name}"'
+
+
+# Labels Prometheus gives a meaning of its own: histogram buckets, summary quantiles, the scrape's target.
+PROMETHEUS_LABELS = frozenset({"le", "quantile", "job", "instance"})
+
+
+def cluster_label_problem(name: str) -> str | None:
+    """What keeps `name` from telling clusters apart: it must be a label name of the user's, and not one
+    that kvwatch's series or Prometheus already use, which it would overwrite on every sample."""
+    from kvwatch.collectors.exporter import label_names  # the exporter imports this module
+
+    if wrong := label_name_problem(name):
+        return wrong
+    taken = label_names() | PROMETHEUS_LABELS
+    if name not in taken:
+        return None
+    listed = ", ".join(sorted(taken))
+    return f'"{name}" is taken by kvwatch\'s own series or by Prometheus ({listed}): pick another'
 
 
 def _url(value: str | None, where: str) -> None:
@@ -384,7 +403,7 @@ class Config:
     cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
 
     def __post_init__(self):
-        wrong = label_name_problem(self.cluster_label)
+        wrong = cluster_label_problem(self.cluster_label)
         _check(wrong is None, "cluster_label", wrong)
         _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
         for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
@@ -570,30 +589,15 @@ def resolve_store_password(settings: StoreSettings) -> str | None:
 
 
 def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) -> str | None:
-    if env:
-        value = os.environ.get(env)
-        if value is None:
-            raise ConfigError(f"{owner}: environment variable {env} is not set")
-        return _one_secret(value, owner, f"environment variable {env}", secret)
-    if file:
-        source = f"{secret} file {file}"
-        try:
-            value = file.read_text(encoding="utf-8")
-        except OSError as error:
-            raise ConfigError(f"{owner}: cannot read {source}: {error.strerror}") from None
-        except UnicodeDecodeError:  # its message would quote bytes of the secret
-            raise ConfigError(f"{owner}: {source} is not UTF-8 text") from None
-        return _one_secret(value, owner, source, secret)
-    return None
-
-
-def _one_secret(text: str, owner: str, source: str, secret: str) -> str:
-    value = text.strip()  # a secret file usually ends with a newline
-    if not value:
-        raise ConfigError(f"{owner}: {source} is empty")
-    if any(c.isspace() for c in value):
-        raise ConfigError(f"{owner}: {source} must hold one {secret}, without spaces or line breaks")
-    return value
+    try:
+        if env:
+            value = os.environ.get(env)
+            if value is None:
+                raise CredentialError(f"environment variable {env} is not set")
+            return one_secret(value, f"environment variable {env}", secret)
+        return read_secret_file(file, secret) if file else None
+    except CredentialError as error:
+        raise ConfigError(f"{owner}: {error}") from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

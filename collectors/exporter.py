@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvwatch.collectors import gatewaylog
 from kvwatch.collectors.config import STICKY_ROUTE_MODES
 from kvwatch.collectors.labels import BoundedLabel
 from kvwatch.collectors.records import ERROR_KINDS, SessionResult
@@ -189,6 +190,13 @@ _COUNTERS = {
         ["label", "reason"],
     ),
 }
+
+
+def label_names() -> frozenset[str]:
+    """Every label of kvwatch's own series (probes, gateway logs, the store's writer): a cluster label of
+    the same name would overwrite it on every sample (collectors.config refuses one)."""
+    probes = {*_ROUTE, "expect_sticky", *(label for _, _, extra in _COUNTERS.values() for label in extra)}
+    return frozenset(probes | gatewaylog.LABEL_NAMES | {"reason"})  # the store's kvwatch_store_writes_dropped
 
 
 class ProbeCollector(Collector):

@@ -510,6 +510,7 @@ _FAMILIES = (
     ("kvwatch_gateway_log_info", GaugeMetricFamily, "info", ("expect_sticky",),
      "The followed log's settings: whether its listeners are meant to keep each session on one upstream."),
 )  # fmt: skip
+LABEL_NAMES = frozenset({"log", *(label for _, _, _, labels, _ in _FAMILIES for label in labels)})
 
 
 def _samples(value: Mapping | float) -> Iterator[tuple[tuple[str, ...], float]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from kvwatch.collectors import grafana, queries
-from kvwatch.collectors.config import label_name_problem
+from kvwatch.collectors.config import cluster_label_problem
 from kvwatch.collectors.connections import url_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,8 +109,8 @@ def runbook_url(text: str) -> str:
 
 
 def label_name(text: str) -> str:
-    """A Prometheus label name, as the config's cluster_label."""
-    if wrong := label_name_problem(text):
+    """A label name that may tell clusters apart, as the config's cluster_label."""
+    if wrong := cluster_label_problem(text):
         raise argparse.ArgumentTypeError(wrong)
     return text
 

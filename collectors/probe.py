@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -32,6 +33,7 @@ from kvwatch.collectors import blocksize, identity
 from kvwatch.collectors.blocksize import BlockSize
 from kvwatch.collectors.config import Target, Workload
 from kvwatch.collectors.connections import connect_reason, http_client, request, url_problem
+from kvwatch.collectors.credentials import read_secret_file
 from kvwatch.collectors.progress import Progress
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact, redacted_name
@@ -83,11 +85,13 @@ def api_url(base_url: str, path: str) -> str:
     """`path` under an OpenAI-compatible base URL: one ending in /v1 is used as is, any other gets /v1.
 
     So both https://example.net/api and https://example.net/api/v1 reach https://example.net/api/v1/...
+    A query (`?token=...`, for a gateway that takes one) stays at the end, after the path.
     """
-    base = base_url.rstrip("/")
+    parts = urlsplit(base_url)
+    base = parts.path.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    return f"{base}/{path.lstrip('/')}"
+    return urlunsplit(parts._replace(path=f"{base}/{path.lstrip('/')}"))
 
 
 def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> str | None:
@@ -104,19 +108,7 @@ def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> s
             named = env if _ENV_NAME.fullmatch(env) else "named for the API key (name not shown)"
             raise ValueError(f"environment variable {named} is not set or empty")
         return key
-    if file:
-        try:
-            key = Path(file).read_text().strip()
-        except FileNotFoundError:
-            raise ValueError(f"API key file {file}: no such file") from None
-        except UnicodeDecodeError:  # its message would quote a byte of the key
-            raise ValueError(f"API key file {file}: not UTF-8 text") from None
-        except OSError as error:
-            raise ValueError(f"API key file {file}: cannot read it ({error.strerror})") from None
-        if not key:
-            raise ValueError(f"API key file {file} is empty")
-        return key
-    return None
+    return read_secret_file(file, "API key") if file else None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvwatch.collectors.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,6 +272,32 @@ def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
         [sys.executable, "-m", "kvwatch.collectors.cli", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
+
+
+def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:
+    """`kvwatch ARGS` with 60 s and 2 GiB of address space: one that would read a FIFO forever or
+    /dev/zero into memory fails its test (a timeout, a MemoryError) instead of the machine."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=limit_memory,
+    )  # fmt: skip
+
+
+@pytest.fixture(params=["dev-zero", "fifo", "oversize"])
+def not_a_secret_file(request, tmp_path: Path) -> tuple[Path, str]:
+    """A path a secret file key may name by mistake, and what reading it as one must say."""
+    if request.param == "dev-zero":
+        return Path("/dev/zero"), "is not a regular file (a FIFO, socket or device)"
+    path = tmp_path / request.param
+    if request.param == "fifo":
+        os.mkfifo(path)
+        return path, "is not a regular file (a FIFO, socket or device)"
+    path.write_bytes(b"x" * (MAX_SECRET_FILE_BYTES + 1))
+    return path, "is larger than 64 KiB: not one {secret}"
 
 
 # Kept-alive connections to the labs' gateways and replicas: both gateways apply a change to new requests

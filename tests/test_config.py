@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from conftest import free_port, kvwatch_bounded
 from kvwatch.collectors import cli, queries
 from kvwatch.collectors.config import (
     BackendIdentity,
@@ -28,10 +30,16 @@ from kvwatch.collectors.config import (
     resolve_store_password,
     resolve_webhook_token,
 )
+from kvwatch.collectors.credentials import MAX_SECRET_FILE_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
+# Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
+TAKEN_LABELS = (
+    "backend, echoed, expect_sticky, failover, instance, job, kind, le, listener, log, outcome, quantile, "
+    "reason, round, route_mode, status_class, sticky, target, upstream"
+)
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
 # (<what> of tests/testdata/config/invalid-<what>.yml, the exact message after "error in <file>: ")
@@ -82,6 +90,16 @@ INVALID = [
         "cluster-label-reserved",
         'cluster_label: must be a Prometheus label name (letters, digits and _, not starting with "__"), '
         'got "__cluster"',
+    ),
+    (
+        "cluster-label-kvwatch",
+        f'cluster_label: "target" is taken by kvwatch\'s own series or by Prometheus ({TAKEN_LABELS}): '
+        "pick another",
+    ),
+    (
+        "cluster-label-prometheus",
+        f'cluster_label: "le" is taken by kvwatch\'s own series or by Prometheus ({TAKEN_LABELS}): '
+        "pick another",
     ),
     ("exporter-cluster-empty", "exporter.cluster: must not be empty"),
     ("exporter-cluster-too-long", "exporter.cluster: must be at most 128 characters, got 129"),
@@ -198,6 +216,11 @@ INVALID = [
     ("store-retry-seconds-too-long", "store.retry_seconds: must be >= 0 and <= 3600, got inf"),
     (
         "store-url-password",
+        "store.url: the password does not belong in the URL; "
+        "name an environment variable (password_env) or a file (password_file) that holds it",
+    ),
+    (
+        "store-url-query-password",
         "store.url: the password does not belong in the URL; "
         "name an environment variable (password_env) or a file (password_file) that holds it",
     ),
@@ -620,6 +643,37 @@ def test_webhook_token_errors(tmp_path, source, message):
     with pytest.raises(ConfigError) as error:
         resolve_webhook_token(ExporterSettings(**source))
     assert str(error.value) == "exporter: " + message.format(path=source.get("webhook_token_file"))
+
+
+@pytest.mark.parametrize(
+    "key, owner, secret",
+    [
+        ("api_key_file", "target chat", "API key"),
+        ("webhook_token_file", "exporter", "webhook token"),
+        ("password_file", "store", "password"),
+    ],
+)
+def test_serve_refuses_a_secret_file_that_holds_no_secret_at_once_in_one_line(
+    tmp_path, not_a_secret_file, key, owner, secret
+):
+    path, problem = not_a_secret_file
+    target = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
+    exporter = {"listen": f"127.0.0.1:{free_port()}"}
+    # The password is read before the store is opened: nothing need listen on port 9.
+    store = {"url": "postgresql://kvwatch@127.0.0.1:9/kvwatch"} if key == "password_file" else {}
+    {"api_key_file": target, "webhook_token_file": exporter, "password_file": store}[key][key] = str(path)
+    config = tmp_path / "kvwatch.yaml"
+    store.setdefault("path", str(tmp_path / "kvwatch.db"))
+    config.write_text(yaml.safe_dump({"targets": [target], "exporter": exporter, "store": store}))
+
+    served = kvwatch_bounded("serve", "--config", str(config))
+    said = f"kvwatch serve: {owner}: {secret} file {path} {problem.format(secret=secret)}\n"
+    assert (served.returncode, served.stderr) == (1, said)
+
+
+def test_a_secret_file_at_the_size_limit_is_read(tmp_path):
+    (tmp_path / "key").write_text("k" * MAX_SECRET_FILE_BYTES)
+    assert resolve_api_key(target(api_key_file=tmp_path / "key")) == "k" * MAX_SECRET_FILE_BYTES
 
 
 def readme_configuration_section() -> str:

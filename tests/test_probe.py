@@ -22,7 +22,7 @@ from aiohttp import web
 from loopback import QuietHandler, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import REPO, free_port, http_get, http_post
+from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
 from kvwatch.collectors.probe import (
@@ -95,6 +95,11 @@ def test_base_url_gets_v1_unless_it_ends_in_it(base):
     assert api_url(base, "/models") == "https://example.net/api/v1/models"
 
 
+def test_a_base_urls_query_stays_after_the_path():
+    assert api_url("https://h/api?token=x", "chat/completions") == "https://h/api/v1/chat/completions?token=x"
+    assert api_url("https://h/api/v1/?token=x&a=b", "/models") == "https://h/api/v1/models?token=x&a=b"
+
+
 def test_api_key_comes_from_an_environment_variable_or_a_file(tmp_path, monkeypatch):
     monkeypatch.setenv("KVW_TEST_KEY", f"  {KEY}\n")
     (tmp_path / "key").write_text(f"{KEY}\n")
@@ -108,7 +113,7 @@ def test_api_key_comes_from_an_environment_variable_or_a_file(tmp_path, monkeypa
     [
         ("KVW_TEST_UNSET", None, "environment variable KVW_TEST_UNSET is not set or empty"),
         (KEY, None, "environment variable named for the API key (name not shown) is not set or empty"),
-        (None, "missing", "API key file {tmp}/missing: no such file"),
+        (None, "missing", "cannot read API key file {tmp}/missing: No such file or directory"),
         (None, "empty", "API key file {tmp}/empty is empty"),
         ("KVW_TEST_UNSET", "empty", "take the API key from an environment variable or from a file, not both"),
     ],
@@ -786,17 +791,18 @@ def leaks(text: str, forms: Iterable[str], size: int = 10) -> set[str]:
 
 
 def echoing(forms: list[str]):
-    """Session n gets form n of the key echoed: as its backend header and its session id (round 1), as the
-    JSON field naming the backend (round 2), and in the error that ends it (round 3)."""
+    """Session n gets form n of the key echoed: as its backend header and its session id (round 1; a form
+    that is no ASCII, which no header carries, as in round 2), as the JSON field naming the backend
+    (round 2), and in the error that ends it (round 3)."""
     requests: dict[str, int] = {}  # by session id, in the order the sessions came
 
     async def handler(request: web.Request) -> web.StreamResponse:
         session = request.headers["X-Session-Id"]
         requests[session] = requests.get(session, 0) + 1
         form = forms[list(requests).index(session) % len(forms)]
-        if requests[session] == 1:
+        if requests[session] == 1 and form.isascii():
             return await sse(request, ANSWER, {"X-Worker-Id": f"worker-{form}", "X-Session-Id": form})
-        if requests[session] == 2:
+        if requests[session] <= 2:
             named = json.dumps({"choices": [], "nvext": {"worker_id": f"worker-{form}"}})
             return await sse(request, [*ANSWER[:-1], named, "[DONE]"], {"X-Session-Id": session})
         return await sse(request, ['{"error": {"message": "Incorrect API key provided: ' + form + '"}}'])
@@ -814,20 +820,57 @@ async def run_kvwatch(*args: str, env: dict | None = None) -> tuple[int | None, 
     return process.returncode, out.decode(), err.decode()
 
 
-def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(tmp_path):
-    forms = echoed_forms(ECHOED_KEY)
+# A key with a well-known prefix: a server may echo the rest of it alone, or escape it character by character.
+PREFIXED_KEY = "sk-proj-Kv7wQ2mZ9xR4tB8nL3pD"
+
+
+def prefixed_forms(key: str) -> list[str]:
+    """The key's core (its prefix cut), and the key escaped, encoded or split as a server may echo it."""
+    core = key.removeprefix("sk-proj-")
+    escaped = "".join(f"\\u{ord(c):04x}" for c in key)
+    half_escaped = "".join(f"\\u{ord(c):04X}" if i % 3 else c for i, c in enumerate(key))
+    entities = "".join(f"&#{ord(c)};" if i % 2 else f"&#x{ord(c):x};" for i, c in enumerate(key))
+    return [
+        core,
+        f"sk-{core}",  # another prefix
+        escaped,
+        half_escaped,
+        "".join(f"\\u{ord(c):04x}" for c in core),
+        key.encode().hex(),
+        entities,
+        base64.b32encode(key.encode()).decode(),
+        base64.b32encode(f"user:{key}".encode()).decode().rstrip("="),
+        "\u200b".join(key),
+    ]
+
+
+def strings(value: object) -> Iterator[str]:
+    """Every string in a parsed JSON document: `--json` escapes what the grep must see unescaped."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from strings(item)
+
+
+@pytest.mark.parametrize(
+    "key, forms",
+    [(ECHOED_KEY, echoed_forms(ECHOED_KEY)), (PREFIXED_KEY, prefixed_forms(PREFIXED_KEY))],
+    ids=["encoded", "core-and-escaped"],
+)
+def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(key, forms, tmp_path):
     sessions = ["--sessions", str(len(forms)), "--rounds", "3"]
 
     async def scenario() -> tuple[list[tuple], list[SessionResult]]:
         async with fake_server(echoing(forms)) as url:
             flags = ["probe", "--base-url", url, *SMALL, *sessions, "--api-key-env", "KVW_TEST_KEY"]
-            env = {"KVW_TEST_KEY": ECHOED_KEY}
+            env = {"KVW_TEST_KEY": key}
             runs = [await run_kvwatch(*flags, *json_flag, env=env) for json_flag in ([], ["--json"])]
-            settings = ProbeSettings(base_url=url, model=MODEL, api_key=ECHOED_KEY, max_tokens=8)
+            settings = ProbeSettings(base_url=url, model=MODEL, api_key=key, max_tokens=8)
             return runs, await run_sessions(settings, synthetic(3, 50, 10, 0, len(forms)))
 
     runs, results = asyncio.run(scenario())
-    assert [code for code, _, _ in runs] == [1, 1]  # every session fails in round 3
+    assert [code for code, _, _ in runs] == [1, 1], runs  # every session fails in round 3
     report = json.loads(runs[1][1])
     assert [s["backends"] for s in report["sessions"]] == [["[redacted]", "[redacted]"]] * len(forms)
     assert all("[redacted]" in s["rounds"][2]["error_detail"] for s in report["sessions"])
@@ -840,7 +883,7 @@ def test_a_key_echoed_in_any_form_reaches_no_output_label_or_store(tmp_path):
     exporter.add_run(("probe", "unknown"), results, 0, 1)
 
     stored = "\n".join(str(value) for row in rows for value in row.values())
-    printed = [out + err for _, out, err in runs]
+    printed = [out + err for _, out, err in runs] + ["\n".join(strings(report))]
     for output in (*printed, stored, generate_latest(registry).decode()):
         assert not leaks(output, forms), output
 
@@ -1077,8 +1120,36 @@ def test_a_password_in_the_base_url_is_never_printed(tmp_path):
     assert not [text for _, out, err in runs for text in (out, err, *written) if password in text]
 
 
+def test_a_token_in_the_base_urls_query_is_sent_after_the_path_and_never_printed():
+    token = "tk-3e8a1c5f9b7d"
+    received: list[str] = []  # each request's path and query, as the server got them
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        received.append(request.path_qs)
+        return await sse(request, ANSWER)
+
+    async def scenario() -> list[tuple[int | None, str, str]]:
+        async with fake_server(handler) as url:
+            base = f"{url}/?token={token}"
+            probe = ["probe", "--base-url", base, *SMALL, "--sessions", "1", "--rounds", "2"]
+            return [await run_kvwatch(*probe, *flags) for flags in ([], ["--json"])]
+
+    runs = asyncio.run(scenario())
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    assert set(received) == {f"/v1/chat/completions?token={token}"}
+    assert "/v1/chat/completions?token=[redacted]" in runs[0][1].splitlines()[0]
+    assert not [text for _, out, err in runs for text in (out, err) if token in text]
+
+
 def test_a_key_file_that_is_not_text_is_named_without_quoting_the_key(tmp_path):
     (tmp_path / "binary").write_bytes(b"sk-\xff\xfe-secret")
     with pytest.raises(ValueError) as raised:
         resolve_api_key(None, tmp_path / "binary")
-    assert str(raised.value) == f"API key file {tmp_path}/binary: not UTF-8 text"
+    assert str(raised.value) == f"API key file {tmp_path}/binary is not UTF-8 text"
+
+
+def test_an_api_key_file_that_holds_no_key_is_refused_at_once_in_one_line(not_a_secret_file):
+    path, problem = not_a_secret_file
+    probed = kvwatch_bounded("probe", "--base-url", "http://127.0.0.1:9", *SMALL, "--api-key-file", str(path))
+    said = f"kvwatch probe: API key file {path} {problem.format(secret='API key')}\n"
+    assert (probed.returncode, probed.stderr) == (2, said)  # a bad argument

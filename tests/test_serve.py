@@ -27,7 +27,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
 from kvwatch.collectors import shard
-from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target, Workload
+from kvwatch.collectors.config import (
+    PROMETHEUS_LABELS,
+    Config,
+    ExporterSettings,
+    StoreSettings,
+    Target,
+    Workload,
+)
+from kvwatch.collectors.exporter import label_names
 from kvwatch.collectors.scheduler import Service
 from kvwatch.collectors.store import Store
 from kvwatch.dashboard import data
@@ -125,16 +133,18 @@ def test_the_webhook_takes_alerts_with_the_labs_token_and_rejects_garbage(lab):
 
 
 def start_serve(
-    tmp_path: Path, target: dict | list[dict], *options: str, store: dict | None = None
+    tmp_path: Path, target: dict | list[dict], *options: str, store: dict | None = None, **sections
 ) -> tuple[subprocess.Popen, str, Path]:
     """A real `kvwatch serve` of a target or several on a free loopback port: its process, its URL and its
-    log. Its store is an SQLite file in `tmp_path` unless `store` says otherwise."""
+    log. Its store is an SQLite file in `tmp_path` unless `store` says otherwise; `sections` are more of
+    the config (`exporter` adds to the listen address)."""
     port = free_port()
     config = tmp_path / "kvwatch.yaml"
     config.write_text(
         yaml.safe_dump({
             "targets": target if isinstance(target, list) else [target],
-            "exporter": {"listen": f"127.0.0.1:{port}"},
+            **sections,
+            "exporter": {"listen": f"127.0.0.1:{port}", **sections.get("exporter", {})},
             "store": store or {"path": str(tmp_path / "kvwatch.db")},
         })
     )  # fmt: skip
@@ -183,6 +193,46 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert bad.returncode == 1 and "targets[0].base_url" in bad.stderr
+
+
+def test_the_cluster_label_overwrites_none_of_kvwatchs_own(tmp_path: Path):
+    """Every label a real `kvwatch serve` exports, for probes and a gateway log alike, is one the config
+    refuses as cluster_label, and the cluster's is on every sample besides them."""
+    engine = StallingEngine()
+    access_log = tmp_path / "access.log"
+    line = {"time": "2027-01-15T08:00:00+00:00", "msec": time.time(), "listener": "affinity",
+            "request": "POST /v1/chat/completions", "status": 200, "upstream_addr": "127.0.0.1:18001",
+            "upstream_status": "200", "session_id": "s1", "session_source": "client", "request_time": 0.01,
+            "upstream_response_time": "0.01"}  # fmt: skip
+    access_log.write_text(json.dumps(line) + "\nnot json\n")
+    gateway_log = {"name": "lab", "path": str(access_log)}
+    try:
+        process, url, log = start_serve(
+            tmp_path, stalling_target(engine), gateway_logs=[gateway_log], exporter={"cluster": "c1"}
+        )
+        try:
+            deadline = time.monotonic() + 30
+            found = samples(url)
+            while time.monotonic() < deadline and not (
+                total(found, "kvwatch_probe_sessions_total") and total(found, "kvwatch_gateway_lines_total")
+            ):
+                time.sleep(0.3)
+                found = samples(url)
+            terminate(process, log)
+        finally:
+            stop(process)
+    finally:
+        engine.close()
+    labels = [dict(pairs) for _, pairs in found]
+    exported = {name for pairs in labels for name in pairs} - {"cluster"}
+    own = {"target", "route_mode", "outcome", "log", "listener", "reason"}
+    assert own <= exported <= label_names() | PROMETHEUS_LABELS
+    assert all(pairs.get("cluster") == "c1" for pairs in labels)
+
+
+def total(found: dict[tuple, float], name: str) -> float:
+    """The sum of a metric's samples, whatever their labels."""
+    return sum(value for (sample_name, _), value in found.items() if sample_name == name)
 
 
 # --- durable measurements ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import copy
 import ctypes
 import ctypes.util
 import inspect
+import logging
 import os
 import sqlite3
 import subprocess
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from postgres import PASSWORD, postgres_server  # noqa: F401 (the session's PostgreSQL server)
+from postgres import PASSWORD, USER, postgres_server  # noqa: F401 (the session's PostgreSQL server)
 from prometheus_client import CollectorRegistry
 
+from conftest import free_port
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 
@@ -761,6 +763,39 @@ def test_a_write_the_store_refuses_goes_back_to_its_caller_uncounted(store):
 
 
 # --- secrets ---------------------------------------------------------------------------------------
+
+
+def test_a_password_in_the_store_urls_query_shows_in_no_store_error_or_dropped_write(postgres, caplog):
+    """libpq takes `?password=` from the URL (`kvwatch config check` refuses it in store.url; a URL given
+    elsewhere may still carry it): every line that names the store shows it as [redacted]."""
+    role, secret = f"kvw_url_{os.getpid()}", "pw-url-4c9e1b7f3a"
+    url = postgres.new_database()  # …/postgres?options=-csearch_path%3D<its schema>
+    with postgres.connect() as admin:
+        admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{secret}'")
+        admin.execute(f"ALTER SCHEMA {url.rsplit('%3D', 1)[1]} OWNER TO {role}")
+    with_password = url.replace(f"//{USER}@", f"//{role}@") + f"&password={secret}"
+    shown = []
+    for unusable in (
+        f"postgresql://{role}@127.0.0.1:{free_port()}/postgres?password={secret}",  # nothing listens
+        with_password.replace("/postgres?", "/no_such_database?"),
+    ):
+        with pytest.raises(StoreError) as refused:
+            Store(unusable)
+        shown.append(str(refused.value))
+    with caplog.at_level(logging.WARNING), Store(with_password) as store:
+        writer = StoreWriter(retry_seconds=0.5)
+        with postgres.connect() as admin:  # the store's connection is cut, and it may not log in again
+            admin.execute(f"ALTER ROLE {role} NOLOGIN")
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+            )
+        with pytest.raises(WriteDropped) as dropped:
+            writer.submit(store.add_session, session()).result(timeout=30)
+        writer.close()
+    shown += [str(dropped.value), caplog.text]
+    assert all("password=[redacted]" in line for line in shown[:3]), shown
+    assert "store write add_session dropped" in caplog.text
+    assert not [line for line in shown if secret in line]
 
 
 def test_nothing_in_the_store_takes_an_api_key(location):

@@ -300,7 +300,7 @@ async def reachability(route: _Route) -> Check:
         answer = await _one_round(route.streams, candidate)
         if answer.error_kind not in (*UNREACHABLE, "not_found") or await _models(route.client, candidate):
             route.probe, route.first = candidate, answer
-            root = redact(api_url(variant, "").rstrip("/"))
+            root = redact(api_url(variant, ""))
             works = redact(api_url(variant, "chat/completions"))
             evidence = (
                 f"{url} answers HTTP 404; {works} answers HTTP {answer.status} (the later checks use it)"

@@ -91,7 +91,9 @@ def api_url(base_url: str, path: str) -> str:
     base = parts.path.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    return urlunsplit(parts._replace(path=f"{base}/{path.lstrip('/')}"))
+    if path.strip("/"):
+        base += f"/{path.lstrip('/')}"
+    return urlunsplit(parts._replace(path=base))
 
 
 def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> str | None:

@@ -97,6 +97,7 @@ def test_base_url_gets_v1_unless_it_ends_in_it(base):
 
 def test_a_base_urls_query_stays_after_the_path():
     assert api_url("https://h/api?token=x", "chat/completions") == "https://h/api/v1/chat/completions?token=x"
+    assert api_url("https://h/api/?token=x", "") == "https://h/api/v1?token=x"
     assert api_url("https://h/api/v1/?token=x&a=b", "/models") == "https://h/api/v1/models?token=x&a=b"
 
 

@@ -65,7 +65,7 @@ CAUSES = (
     "prefix_cache_disabled",
     "dynamic_prompt_prefix",
 )
-UNREACHABLE = ("connection_refused", "timeout")
+UNREACHABLE = ("connection_refused", "tls_error", "protocol_error", "timeout")
 
 # Sessions run one after another: behind round robin, as many sessions in lockstep as there are replicas
 # would look sticky. Three sessions of four rounds leave a gateway that hashes on something else, over n

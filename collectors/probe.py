@@ -344,9 +344,10 @@ async def _round(
         kind, detail = failure.kind, failure.detail
     except TimeoutError:
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
+    except TlsFailed as error:
+        kind, detail = "tls_error", f"{_origin(settings.base_url)}: {error}"
     except ConnectFailed as error:
-        kind = "tls_error" if isinstance(error, TlsFailed) else "connection_refused"
-        detail = f"cannot connect to {_origin(settings.base_url)}: {error}"
+        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
     except ProtocolError as error:
         kind, detail = "protocol_error", str(error)
     except StreamBroken as error:

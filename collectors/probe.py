@@ -85,8 +85,8 @@ HINTS = {
     "stream_error": "the event stream broke: check that no proxy buffers or cuts it "
     "(nginx: proxy_buffering off, proxy_read_timeout)",
     "http_error": "the server answered with an error status: read the excerpt and the server's logs",
-    "tls_error": "TLS failed (the detail gives OpenSSL's reason): trust the server's CA (SSL_CERT_FILE), "
-    "use the host name its certificate names, and match the scheme to the port (https:// for TLS)",
+    "tls_error": "TLS failed, for the reason the detail gives: trust the server's CA (SSL_CERT_FILE), "
+    "use the host name its certificate names, and match the scheme to the port (https:// for a TLS port)",
     "protocol_error": "the server's answer is not valid HTTP/1.1 (the detail names what): check what "
     "listens at the base URL and every proxy in front of it",
     "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "

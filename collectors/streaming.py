@@ -405,9 +405,9 @@ class StreamClient:
         fields = {**fields, **headers, "Content-Length": str(len(body))}  # an API key's beats the URL's
         connection = await self._connection(origin)
         try:
-            request = connection.http.send(
-                h11.Request(method="POST", target=target, headers=list(fields.items()))
-            )
+            # In UTF-8, as header values are read: a gateway's non-ASCII session id goes back as it came.
+            lines = [(name, value.encode()) for name, value in fields.items()]
+            request = connection.http.send(h11.Request(method="POST", target=target, headers=lines))
             request += connection.http.send(h11.Data(data=body)) + connection.http.send(h11.EndOfMessage())
             sent_at = time.perf_counter()
             await connection.send(request)

@@ -581,6 +581,19 @@ def test_server_mode_sends_no_session_header_when_no_gateway_assigns_one():
     assert seen == [None, None, None] and session.session_id is None and session.ok
 
 
+def test_server_mode_sends_a_non_ascii_session_id_back_as_the_gateway_sent_it():
+    seen = []
+
+    async def gateway(request: web.Request) -> web.StreamResponse:
+        seen.append(request.raw_headers)
+        return await sse(request, ANSWER, headers={"X-Session-Id": "sé-1"})  # aiohttp writes it in UTF-8
+
+    session = against(gateway, session_mode="server")
+    sent = [{name.lower(): value for name, value in raw}.get(b"x-session-id") for raw in seen]
+    assert sent == [None, "sé-1".encode(), "sé-1".encode()]
+    assert session.ok and session.session_id == "sé-1" and session.session_id_echoed
+
+
 # Dynamo's worker id object: the decode worker holds the KV cache after a disaggregated prefill.
 DYNAMO_WORKER = {
     "prefill_worker_id": 7587889719553542,

@@ -31,6 +31,8 @@ def connect_reason(error: BaseException) -> str:
     """The operating system's or TLS's reason under httpx's generic "All connection attempts failed"."""
     while (cause := error.__cause__ or error.__context__) is not None:
         error = cause
+    if isinstance(error, ssl.SSLCertVerificationError):  # OpenSSL's why: self-signed, hostname mismatch
+        return f"TLS handshake failed: certificate verify failed: {error.verify_message}"
     if isinstance(error, ssl.SSLError):  # an OSError whose errno 1 would read "Operation not permitted"
         if error.reason == "WRONG_VERSION_NUMBER":  # the answer to its hello was no TLS record
             return "TLS handshake failed: is the server speaking plain HTTP?"

@@ -66,7 +66,7 @@ CAUSES = (
     "dynamic_prompt_prefix",
     "cluster_not_found",
 )
-UNREACHABLE = ("connection_refused", "timeout")
+UNREACHABLE = ("connection_refused", "tls_error", "protocol_error", "timeout")
 
 # Sessions run one after another: behind round robin, as many sessions in lockstep as there are replicas
 # would look sticky. Three sessions of four rounds leave a gateway that hashes on something else, over n

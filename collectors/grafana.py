@@ -819,7 +819,8 @@ def overview(cluster_label: str = queries.CLUSTER_LABEL) -> JSON:
             "Failed probe rounds per second, by error kind. Every kind is exported from 0, so a flat 0 is "
             "a real zero.\n\n"
             "Good: 0. Bad: unauthorized or forbidden (the API key), not_found (model id or base URL), "
-            "connection_refused, timeout, bad_response (an error object instead of choices), stream_error.",
+            "connection_refused, timeout, bad_response (an error object instead of choices), stream_error, "
+            "http_error, tls_error, protocol_error (an answer that is no HTTP/1.1), internal_error (a bug).",
             [target(queries.PROBE_ERRORS_BY_KIND, "{{kind}}")],
             unit="reqps",
             no_value=NO_PROBE_DATA,

@@ -19,6 +19,7 @@ import re
 import statistics
 import sys
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
@@ -37,7 +38,15 @@ from kvwatch.collectors.credentials import read_secret_file
 from kvwatch.collectors.progress import Progress
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.redaction import redact, redacted_name
-from kvwatch.collectors.streaming import ConnectFailed, Response, StreamBroken, StreamClient
+from kvwatch.collectors.streaming import (
+    SPEAKS_TLS,
+    ConnectFailed,
+    ProtocolError,
+    Response,
+    StreamBroken,
+    StreamClient,
+    TlsFailed,
+)
 from kvwatch.collectors.workload import Conversation, load_sharegpt, synthetic
 
 SESSION_MODES = ("client", "server", "none")
@@ -78,7 +87,15 @@ HINTS = {
     "stream_error": "the event stream broke: check that no proxy buffers or cuts it "
     "(nginx: proxy_buffering off, proxy_read_timeout)",
     "http_error": "the server answered with an error status: read the excerpt and the server's logs",
+    "tls_error": "TLS failed, for the reason the detail gives: trust the server's CA (SSL_CERT_FILE), "
+    "use the host name its certificate names, and match the scheme to the port (https:// for a TLS port)",
+    "protocol_error": "the server's answer is not valid HTTP/1.1 (the detail names what): check what "
+    "listens at the base URL and every proxy in front of it",
+    "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "
+    "and where it was raised",
 }
+# What servers answer plain HTTP sent to their TLS port with: nginx's 400 page, Go's net/http.
+TLS_PORT_ANSWERS = ("plain HTTP request was sent to HTTPS port", "HTTP request to an HTTPS server")
 
 
 def api_url(base_url: str, path: str) -> str:
@@ -321,10 +338,16 @@ async def _round(
         kind, detail = failure.kind, failure.detail
     except TimeoutError:
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
+    except TlsFailed as error:
+        kind, detail = "tls_error", f"{_origin(settings.base_url)}: {error}"
     except ConnectFailed as error:
         kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
+    except ProtocolError as error:
+        kind, detail = "protocol_error", str(error)
     except StreamBroken as error:
         kind, detail = "stream_error" if reply.status == 200 else "http_error", str(error)
+    except Exception as error:  # a bug: the round still ends as a result, counted and stored
+        kind, detail = "internal_error", unforeseen(error)
     usage = reply.usage
     return (
         RoundResult(
@@ -469,6 +492,8 @@ async def _body(response: Response) -> str:
 
 
 def _status_failure(status: int, body: str) -> _Failure:
+    if status == 400 and any(answer in body for answer in TLS_PORT_ANSWERS):
+        return _Failure("tls_error", f"{SPEAKS_TLS} (HTTP 400: {body})")
     if status == 401:
         return _Failure("unauthorized", f"HTTP 401: {body}")
     if status == 403:
@@ -528,6 +553,36 @@ def _excerpt(text: str, api_key: str | None) -> str:
     """One short line of `text`, redacted before it is cut, so that no piece of a key survives the cut."""
     text = " ".join(redact(text, api_key).split())
     return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
+
+
+def unforeseen(error: Exception) -> str:
+    """An exception no code path expected, by its type and where it was raised: what a bug report needs.
+    Its message goes through the round's redaction like every detail."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}{where}: {error}"
+
+
+def failed_run(settings: ProbeSettings, error: Exception, started_at: float) -> SessionResult:
+    """The record of a run that broke outside its rounds (its workload, say): one session whose round 1
+    failed as internal_error, so that the run is counted, stored and dated like any other."""
+    failure = RoundResult(
+        round=1,
+        started_at=started_at,
+        status=None,
+        error_kind="internal_error",
+        error_detail=_excerpt(unforeseen(error), settings.api_key),
+        ttft_seconds=None,
+        total_seconds=None,
+        prompt_tokens=None,
+        cached_tokens=None,
+        ideal_cached_tokens=None,
+        completion_tokens=None,
+        backend=None,
+        session_id_sent=None,
+        session_id_returned=None,
+    )
+    return SessionResult(settings.target, settings.route_mode, None, started_at, time.time(), (failure,))
 
 
 def _origin(base_url: str) -> str:

@@ -17,6 +17,9 @@ ERROR_KINDS = (
     "bad_response",  # 200 without `choices`: an error object came back instead of a completion
     "stream_error",  # the SSE stream was malformed, carried an error, or ended before [DONE]
     "http_error",  # any other HTTP status
+    "tls_error",  # TLS failed (OpenSSL's reason), or plain HTTP went to a TLS port
+    "protocol_error",  # the answer is not valid HTTP/1.1 (status line, header block, framing, coding)
+    "internal_error",  # an exception no code path expected (a bug), recorded instead of lost
 )
 
 

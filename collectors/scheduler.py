@@ -38,8 +38,9 @@ from kvwatch.collectors.config import (
 )
 from kvwatch.collectors.exporter import LabelledRegistry, ProbeCollector, ProbeResults
 from kvwatch.collectors.gatewaylog import GatewayLogCollector, GatewayLogFollower
-from kvwatch.collectors.probe import ProbeSettings, run_session, with_block_size
+from kvwatch.collectors.probe import ProbeSettings, failed_run, run_session, unforeseen, with_block_size
 from kvwatch.collectors.records import SessionResult
+from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.store import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 from kvwatch.collectors.streaming import StreamClient
 
@@ -213,13 +214,14 @@ class Service:
             # a stop are served meanwhile.
             conversations = await asyncio.to_thread(self.conversations[target.name].next_run)
             ran = await asyncio.gather(*map(one, conversations))
-            ran = [(uid, s) for uid, s in ran if s.rounds]  # stopped before round 1 ended: nothing measured
-            uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
-            block = await blocksize.learn(self.block_sources[target.name], sessions)
-            sessions = with_block_size(sessions, block.tokens)
-        except Exception:  # a probe never raises; this guards the scheduler against a bug
-            log.exception("probe run of %s failed", target.name)
-            return
+        except Exception as error:  # a bug outside the rounds (which never raise): recorded as the run
+            failed = failed_run(settings, error, started)
+            log.error("probe run of %s failed: %s", target.name, failed.rounds[0].error_detail)
+            ran = [(uuid.uuid4().hex, failed)]
+        ran = [(uid, s) for uid, s in ran if s.rounds]  # stopped before round 1 ended: nothing measured
+        uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
+        block = await self._block_size(target, sessions)
+        sessions = with_block_size(sessions, block.tokens)
         self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
         for uid, session in zip(uids, sessions, strict=True):
             self.writer.submit(self.store.add_session, session, uid)
@@ -234,6 +236,16 @@ class Service:
             f", {interrupted} cut short by the stop" if interrupted else "",
             block.describe(),
         )
+
+    async def _block_size(self, target: Target, sessions: list[SessionResult]) -> blocksize.BlockSize:
+        """The engine's block size, or the default when learning it failed unforeseen: the run's sessions
+        are recorded either way."""
+        try:
+            return await blocksize.learn(self.block_sources[target.name], sessions)
+        except Exception as error:  # learn never raises: a bug
+            reason = redact(unforeseen(error), self.probes[target.name].api_key)
+            log.error("learning the block size of %s failed: %s", target.name, reason)
+            return blocksize.BlockSize(blocksize.DEFAULT_TOKENS, "default; learning it failed")
 
     def poll_gateway_logs(self) -> None:
         for follower in self.followers:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import re
 import select
 import socket
 import ssl
@@ -38,14 +39,29 @@ ANCILLARY_BYTES = socket.CMSG_SPACE(16)  # one struct timespec
 CLOCK_READ_TRIES = 3  # at reading the wall clock and perf_counter together
 CLOCK_READ_GAP_NS = 10_000  # perf_counter's reads around the wall clock this close are one moment
 CLOSED = "the server closed the connection"
+SPEAKS_TLS = "the port speaks TLS: use https://"
+# What a TLS server may write to a plain-HTTP client: an alert or handshake record of TLS 1.x.
+_TLS_RECORD = re.compile(rb"[\x15\x16]\x03[\x00-\x04]")
+_STATUS_LINE = re.compile(rb"HTTP/[0-9]\.[0-9][ \t]+[0-9]{3}(?:[ \t][^\r\n]*)?")
+_CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([^\r\n]*)", re.IGNORECASE)
+SHOWN_CHARS = 60  # of a bad status line or header value, in an error message
 
 
 class ConnectFailed(Exception):
     """No connection to the origin; the message is the operating system's or TLS's reason."""
 
 
+class TlsFailed(ConnectFailed):
+    """No usable connection because of TLS: a failed handshake (OpenSSL's reason, a certificate's
+    included), or a port that answered plain HTTP with TLS."""
+
+
 class StreamBroken(Exception):
     """The server broke HTTP/1.1 or the connection before the response was complete."""
+
+
+class ProtocolError(StreamBroken):
+    """The server's answer is not valid HTTP/1.1; the message names what is wrong with it."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,7 @@ class _Connection:
         self.arrived: deque[tuple[float, bytes]] = deque()
         self.ended: BaseException | None = None  # why no more bytes will come
         self.fed_at = 0.0  # when the bytes h11 parses now arrived
+        self.head: bytearray | None = None  # what came of a response head being read, to name its fault
         self._end_fed = False  # h11 was told that no more bytes will come
         self._wakeup = asyncio.Event()
         self._tls = tls
@@ -200,6 +217,26 @@ class _Connection:
         readable, _, _ = select.select([self.sock], [], [], 0)
         return not readable
 
+    async def response_head(self) -> h11.Response:
+        """The response's status line and headers, informational responses (100 Continue) skipped.
+
+        Raises ProtocolError naming what is wrong when the head is no HTTP/1.1 or never completes, and
+        TlsFailed when TLS came back to plain HTTP."""
+        self.head = bytearray()
+        try:
+            while True:
+                event, _ = await self.next_event()
+                if isinstance(event, h11.Response):
+                    return event
+                if not isinstance(event, h11.InformationalResponse):  # h11.ConnectionClosed
+                    raise self.ended or StreamBroken(CLOSED)
+        except ProtocolError:
+            raise
+        except StreamBroken as broken:
+            raise ProtocolError(_unfinished_head(broken, self.head)) from None
+        finally:
+            self.head = None
+
     async def next_event(self) -> tuple[h11.Event, float]:
         """h11's next event of the response, with the arrival time of the bytes that completed it."""
         while True:
@@ -208,11 +245,13 @@ class _Connection:
             except h11.RemoteProtocolError as error:
                 if self._end_fed:  # h11 found the answer incomplete at the close
                     raise self.ended from None
-                raise StreamBroken(f"not HTTP/1.1: {error}") from None
+                raise self._refusal(error) from None
             if event is not h11.NEED_DATA:
                 return event, self.fed_at
             if self.arrived:
                 self.fed_at, data = self.arrived.popleft()
+                if self.head is not None:
+                    self.head += data
                 self.http.receive_data(data)
             elif self.ended is not None:
                 self.http.receive_data(b"")  # h11 tells a complete close-delimited body from a cut one
@@ -220,6 +259,39 @@ class _Connection:
             else:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+
+    def _refusal(self, error: h11.RemoteProtocolError) -> ProtocolError | TlsFailed:
+        """What h11 refused, named for whoever reads the round's error (h11 says "bad Content-Length")."""
+        if self.head is None:
+            return ProtocolError(f"invalid body: {error}")
+        if _TLS_RECORD.match(self.head):
+            return TlsFailed(SPEAKS_TLS)
+        return ProtocolError(_head_fault(bytes(self.head)) or f"invalid response head: {error}")
+
+
+def _head_fault(head: bytes) -> str | None:
+    """What makes `head` no HTTP/1.1 response head, when it is one of the faults servers are known for."""
+    if len(head) > MAX_HEADER_BYTES:
+        return f"a header block over {MAX_HEADER_BYTES} bytes"
+    line = head.split(b"\n", 1)[0].removesuffix(b"\r")
+    if not _STATUS_LINE.fullmatch(line):
+        return f"invalid status line {_shown(line.decode('latin-1'))}"
+    for value in _CONTENT_LENGTH.findall(head.split(b"\r\n\r\n", 1)[0]):
+        if not value.strip().isdigit():
+            return f"invalid Content-Length {_shown(value.strip().decode('latin-1'))}"
+    return None
+
+
+def _unfinished_head(broken: StreamBroken, head: bytearray) -> str:
+    """Why no response head came: a server that closes without a word may be a TLS port asked plain HTTP."""
+    if not head and str(broken) == CLOSED:
+        return f"{CLOSED} without answering (a TLS port does so to plain HTTP: is the URL https://?)"
+    return f"{broken}, before the response head was complete"
+
+
+def _shown(text: str) -> str:
+    """What a server sent, short and quoted: no character of it can break a line."""
+    return repr(text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…")
 
 
 async def _connected(origin: _Origin) -> socket.socket:
@@ -258,10 +330,12 @@ async def _handshake(sock: socket.socket, origin: _Origin) -> _Tls:
                 await loop.sock_sendall(sock, outgoing.read())
                 data = await loop.sock_recv(sock, READ_BYTES)
                 if not data:
-                    raise ConnectFailed("TLS handshake failed: the server closed the connection") from None
+                    raise TlsFailed("TLS handshake failed: the server closed the connection") from None
                 incoming.write(data)
         await loop.sock_sendall(sock, outgoing.read())  # the handshake's last flight
-    except OSError as error:  # ssl.SSLError included
+    except ssl.SSLError as error:
+        raise TlsFailed(connect_reason(error)) from None
+    except OSError as error:
         raise ConnectFailed(connect_reason(error)) from None
     return _Tls(session, incoming, outgoing)
 
@@ -271,14 +345,20 @@ class Response:
 
     def __init__(self, connection: _Connection, head: h11.Response, sent_at: float) -> None:
         self.status = head.status_code
+        # Given as text and UTF-8, so that httpx neither re-encodes a value as ASCII (which raised on
+        # `Server: café`) nor decodes all of them by the guess one odd byte makes for every header.
         self.headers = httpx.Headers(
-            [(name.decode("latin-1"), value.decode("latin-1")) for name, value in head.headers]
+            [(name.decode("ascii"), _header_text(value)) for name, value in head.headers], encoding="utf-8"
         )
         self.sent_at = sent_at  # perf_counter when the request was written
         self._connection = connection
 
     async def chunks(self) -> AsyncIterator[tuple[bytes, float]]:
-        """The body's pieces, each with the perf_counter time its bytes arrived."""
+        """The body's pieces, each with the perf_counter time its bytes arrived. Raises ProtocolError for
+        a body in a content coding: the client asks for none (it sends no Accept-Encoding)."""
+        coding = self.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            raise ProtocolError(f"a body in Content-Encoding {_shown(coding)}, which was not asked for")
         while True:
             event, arrived_at = await self._connection.next_event()
             if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
@@ -319,23 +399,19 @@ class StreamClient:
         """POST `body` to `url` and yield the response once its head has arrived.
 
         The clock (Response.sent_at) starts when the prepared request is written, on a connection that
-        is already open. Raises ConnectFailed or StreamBroken; a timeout is the caller's to set."""
+        is already open. Raises ConnectFailed (TlsFailed for TLS) or StreamBroken (ProtocolError for an
+        answer that is no HTTP/1.1); a timeout is the caller's to set."""
         origin, target, fields = _request_line(url)
         fields = {**fields, **headers, "Content-Length": str(len(body))}  # an API key's beats the URL's
         connection = await self._connection(origin)
         try:
-            request = connection.http.send(
-                h11.Request(method="POST", target=target, headers=list(fields.items()))
-            )
+            # In UTF-8, as header values are read: a gateway's non-ASCII session id goes back as it came.
+            lines = [(name, value.encode()) for name, value in fields.items()]
+            request = connection.http.send(h11.Request(method="POST", target=target, headers=lines))
             request += connection.http.send(h11.Data(data=body)) + connection.http.send(h11.EndOfMessage())
             sent_at = time.perf_counter()
             await connection.send(request)
-            head, _ = await connection.next_event()
-            while isinstance(head, h11.InformationalResponse):  # 100 Continue and the like
-                head, _ = await connection.next_event()
-            if not isinstance(head, h11.Response):  # h11.ConnectionClosed
-                raise connection.ended or StreamBroken(CLOSED)
-            yield Response(connection, head, sent_at)
+            yield Response(connection, await connection.response_head(), sent_at)
         finally:
             self._release(origin, connection)
 
@@ -362,6 +438,14 @@ class StreamClient:
     def _discard(self, connection: _Connection) -> None:
         connection.close()
         self._open.discard(connection)
+
+
+def _header_text(value: bytes) -> str:
+    """A header value as text: UTF-8 when it is, else Latin-1, in which every byte is a character."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 _PORTS = {"http": 80, "https": 443}

@@ -36,3 +36,16 @@ def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+def answering_bytes(answer: bytes) -> type[QuietHandler]:
+    """A handler for `loopback_http` that answers every POST with `answer`, byte for byte, whatever HTTP
+    allows, and then closes the connection (a body without a length ends there)."""
+
+    class RawAnswer(QuietHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.wfile.write(answer)
+            self.close_connection = True
+
+    return RawAnswer

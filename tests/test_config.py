@@ -37,8 +37,8 @@ TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
-    "backend, echoed, expect_sticky, failover, instance, job, kind, label, le, listener, log, outcome, quantile, "
-    "reason, round, route_mode, status_class, sticky, target, upstream"
+    "backend, echoed, expect_sticky, failover, instance, job, kind, label, le, listener, log, outcome, "
+    "quantile, reason, round, route_mode, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from aiohttp import web
+from loopback import answering_bytes, loopback_http
 
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.collectors.cli import main
@@ -41,7 +42,7 @@ from kvwatch.collectors.doctor import (
     format_diagnosis,
     prompt_prefix,
 )
-from kvwatch.collectors.probe import ProbeSettings, api_url
+from kvwatch.collectors.probe import HINTS, ProbeSettings, api_url
 from kvwatch.collectors.workload import system_prompt, user_turns
 from kvwatch.lab import stack
 from kvwatch.lab.state import LabState
@@ -266,6 +267,22 @@ def test_nothing_listening_is_connection_refused_with_the_container_hint():
     assert diagnosis.causes == ["connection_refused"] and found.evidence.startswith("cannot connect to")
     assert "inside a container, localhost is the container itself" in found.fix
     assert statuses(diagnosis)["prefix caching"] == "skipped"
+
+
+@pytest.mark.parametrize(
+    "answer, kind, evidence",
+    [
+        (b"HTTP/1.1 abc OK\r\n\r\n", "protocol_error", "invalid status line 'HTTP/1.1 abc OK'"),
+        (b"\x15\x03\x01\x00\x02\x02\x46", "tls_error", "the port speaks TLS: use https://"),
+    ],
+    ids=["status-abc", "tls-port"],
+)
+def test_an_answer_that_is_no_http_fails_reachability_with_its_kinds_hint(answer, kind, evidence):
+    with loopback_http(answering_bytes(answer)) as url:
+        diagnosis = doctor(url)
+    found = check(diagnosis, "reachability")
+    assert (found.status, evidence in found.evidence) == ("fail", True), found
+    assert found.fix.startswith(HINTS[kind]) and statuses(diagnosis)["auth"] == "skipped"
 
 
 def test_an_api_key_on_the_command_line_is_refused_unrepeated(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import os
 import re
@@ -19,10 +20,11 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 from aiohttp import web
-from loopback import QuietHandler, loopback_http
+from loopback import QuietHandler, answering_bytes, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
+from kvwatch.collectors import probe as probe_module
 from kvwatch.collectors.cli import main
 from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
 from kvwatch.collectors.probe import (
@@ -38,7 +40,7 @@ from kvwatch.collectors.probe import (
     run_session,
     run_sessions,
 )
-from kvwatch.collectors.records import ERROR_KINDS, SessionResult
+from kvwatch.collectors.records import ERROR_KINDS, RoundResult, SessionResult
 from kvwatch.collectors.store import Store
 from kvwatch.collectors.streaming import StreamClient
 from kvwatch.collectors.workload import Conversation, synthetic
@@ -435,8 +437,78 @@ def test_a_hanging_server_times_out_within_the_round_cap():
 
 def test_tls_to_a_plain_http_port_is_said_to_be_so():
     (failed,) = against(answering(ANSWER), scheme="https").rounds
-    assert failed.error_kind == "connection_refused"
+    assert failed.error_kind == "tls_error"
     assert failed.error_detail.endswith(": TLS handshake failed: is the server speaking plain HTTP?")
+
+
+NGINX_TLS_PORT = (
+    b"<html><head><title>400 The plain HTTP request was sent to HTTPS port</title></head><body>"
+    b"<center><h1>400 Bad Request</h1></center></body></html>"
+)
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+STREAM_BODY = b"".join(b"data: %s\n\n" % event.encode() for event in ANSWER)
+
+
+def raw_round(answer: bytes, **settings) -> RoundResult:
+    """The one round of a session through a server that answers `answer`, byte for byte."""
+    with loopback_http(answering_bytes(answer)) as url:
+        (session,) = probe(url, [Conversation("Be brief.", ("a question",))], **settings)
+    return session.rounds[0]
+
+
+@pytest.mark.parametrize(
+    "answer, status, kind, detail",
+    [
+        pytest.param(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (200 << 10) + b"\r\n\r\n", None, "protocol_error",
+                     "a header block over 65536 bytes", id="200-KB-head"),
+        pytest.param(b"HTTP/1.1 abc OK\r\n\r\n", None, "protocol_error",
+                     "invalid status line 'HTTP/1.1 abc OK'", id="status-abc"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", None, "protocol_error",
+                     "invalid Content-Length '-1'", id="content-length-minus-1"),
+        pytest.param(STREAM_HEAD + b"Content-Encoding: gzip\r\n\r\n" + gzip.compress(STREAM_BODY), 200,
+                     "protocol_error", "a body in Content-Encoding 'gzip', which was not asked", id="gzip"),
+        pytest.param(b"\x15\x03\x01\x00\x02\x02\x46", None, "tls_error", ": the port speaks TLS: use https://",
+                     id="tls-alert"),
+        pytest.param(
+            b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(NGINX_TLS_PORT), NGINX_TLS_PORT),
+            400,
+            "tls_error",
+            "the port speaks TLS: use https:// (HTTP 400: <html><head><title>400 The plain HTTP request",
+            id="nginx-400",
+        ),
+    ],
+)  # fmt: skip
+def test_an_answer_that_is_no_http_or_comes_from_a_tls_port_is_named_so(answer, status, kind, detail):
+    failed = raw_round(answer)
+    assert (failed.status, failed.error_kind) == (status, kind)
+    assert detail in failed.error_detail, failed.error_detail
+
+
+def test_a_gateway_sending_non_ascii_headers_is_probed_and_its_backend_named(capsys):
+    head = STREAM_HEAD + b"Server: caf\xc3\xa9-gateway\r\nX-Upstream: r\xff1\r\n\r\n"
+    with loopback_http(answering_bytes(head + STREAM_BODY)) as url:
+        code = main(
+            ["probe", "--base-url", url, "--model", MODEL, "--sessions", "1", "--rounds", "2", "--json"]
+        )
+    (session,) = json.loads(capsys.readouterr().out)["sessions"]
+    assert code == 0 and session["ok"] and session["backends"] == ["r\xff1", "r\xff1"]
+
+
+def test_a_secret_in_a_header_with_odd_bytes_is_still_redacted():
+    head = STREAM_HEAD + f"X-Upstream: {KEY}".encode() + b"\xff\r\nX-Session-Id: \xe9" + KEY.encode()
+    round_ = raw_round(head + b"\r\n\r\n" + STREAM_BODY, api_key=KEY)
+    assert round_.ok and (round_.backend, round_.session_id_returned) == ("[redacted]", "[redacted]")
+
+
+def test_an_unforeseen_exception_in_a_round_is_an_internal_error_saying_where(monkeypatch):
+    def broken(*args) -> None:
+        raise RuntimeError(f"a bug, near {KEY}")
+
+    monkeypatch.setattr(probe_module, "_read_chunk", broken)
+    failed = raw_round(STREAM_HEAD + b"\r\n" + STREAM_BODY, api_key=KEY)
+    assert (failed.error_kind, failed.status) == ("internal_error", 200)
+    assert re.fullmatch(r"RuntimeError at test_probe\.py:\d+: a bug, near \[redacted\]", failed.error_detail)
 
 
 def test_each_round_sends_the_system_prompt_the_history_and_the_answers_received():
@@ -513,6 +585,19 @@ def test_server_mode_sends_no_session_header_when_no_gateway_assigns_one():
 
     session = against(engine, session_mode="server")
     assert seen == [None, None, None] and session.session_id is None and session.ok
+
+
+def test_server_mode_sends_a_non_ascii_session_id_back_as_the_gateway_sent_it():
+    seen = []
+
+    async def gateway(request: web.Request) -> web.StreamResponse:
+        seen.append(request.raw_headers)
+        return await sse(request, ANSWER, headers={"X-Session-Id": "sé-1"})  # aiohttp writes it in UTF-8
+
+    session = against(gateway, session_mode="server")
+    sent = [{name.lower(): value for name, value in raw}.get(b"x-session-id") for raw in seen]
+    assert sent == [None, "sé-1".encode(), "sé-1".encode()]
+    assert session.ok and session.session_id == "sé-1" and session.session_id_echoed
 
 
 # Dynamo's worker id object: the decode worker holds the KV cache after a disaggregated prefill.

@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 import streamlit as st
 import yaml
+from loopback import answering_bytes, loopback_http
 from postgres import PASSWORD, postgres_server  # noqa: F401 (the session's PostgreSQL server)
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
-from kvwatch.collectors import shard
+from kvwatch.collectors import blocksize, shard
+from kvwatch.collectors import probe as probe_module
 from kvwatch.collectors.config import (
     PROMETHEUS_LABELS,
     Config,
@@ -38,6 +40,7 @@ from kvwatch.collectors.config import (
 from kvwatch.collectors.exporter import label_names
 from kvwatch.collectors.scheduler import Service
 from kvwatch.collectors.store import Store
+from kvwatch.collectors.streaming import StreamClient
 from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
@@ -540,6 +543,84 @@ def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_
 
     asyncio.run(scenario())
     assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+STREAM_BODY = b"".join(b"data: %s\n\n" % event.encode() for event in [*map(json.dumps, ANSWER), "[DONE]"])
+
+
+def test_a_gateway_sending_non_ascii_headers_is_probed_stored_and_exported(tmp_path: Path):
+    head = STREAM_HEAD + b"Server: caf\xc3\xa9-gateway\r\nX-Upstream: r\xff1\r\n\r\n"
+    target = {"name": "direct", "base_url": "", "model": "m", "interval_seconds": 1, "sessions_per_run": 1,
+              "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
+    with loopback_http(answering_bytes(head + STREAM_BODY)) as engine:
+        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
+        try:
+            assert probed_targets(url) == {"direct"}, log.read_text()
+            found = samples(url)
+            terminate(process, log)
+        finally:
+            stop(process)
+    route = {"target": "direct", "route_mode": "affinity"}
+    assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
+    assert sample(found, "kvwatch_probe_last_run_timestamp_seconds", **route) > time.time() - 60
+    assert sample(found, "kvwatch_probe_backend_rounds_total", backend="r\xff1", **route) >= 2
+    with Store(tmp_path / "kvwatch.db", readonly=True) as store:
+        rounds = store.rounds(target="direct")
+    assert rounds and {(r["error_kind"], r["backend"]) for r in rounds} == {(None, "r\xff1")}
+
+
+def broken_read_chunk(*args) -> None:
+    raise RuntimeError("a bug in reading a chunk")
+
+
+def broken_next_run() -> None:
+    raise RuntimeError("a bug in building the workload")
+
+
+async def broken_learn(*args) -> None:
+    raise RuntimeError("a bug in learning the block size")
+
+
+@pytest.mark.parametrize(
+    "module, name, broken, kinds",
+    [
+        pytest.param(probe_module, "_read_chunk", broken_read_chunk, ["internal_error"], id="in-a-round"),
+        pytest.param(None, "next_run", broken_next_run, ["internal_error"], id="building-the-workload"),
+        pytest.param(blocksize, "learn", broken_learn, [None, None], id="learning-the-block-size"),
+    ],
+)
+def test_a_run_failing_unforeseen_is_recorded_counted_stored_and_dated(
+    tmp_path, monkeypatch, module, name, broken, kinds
+):
+    workload = Workload(system_tokens=20, turn_tokens=5, max_tokens=1)
+    with loopback_http(answering_bytes(STREAM_HEAD + b"\r\n" + STREAM_BODY)) as engine:
+        target = Target(
+            "direct", engine, "m", interval_seconds=60, sessions_per_run=1, rounds=2, workload=workload
+        )
+        config = Config(targets=(target,), exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),
+                        store=StoreSettings(tmp_path / "kvwatch.db"))  # fmt: skip
+        service = Service(config)
+        monkeypatch.setattr(module or service.conversations["direct"], name, broken)
+
+        async def one_run() -> None:
+            service._gate, service._stop = asyncio.Semaphore(1), asyncio.Event()
+            async with StreamClient() as service._client:
+                await service.probe(target)
+
+        before = time.time()
+        asyncio.run(asyncio.wait_for(one_run(), timeout=30))  # a guard against a hang, not a timing
+    service.writer.close(5)
+    route = {"target": "direct", "route_mode": "affinity"}
+    registry = service.registry
+    assert registry.get_sample_value("kvwatch_probe_last_run_timestamp_seconds", route) >= before
+    errors = registry.get_sample_value("kvwatch_probe_errors_total", {**route, "kind": "internal_error"})
+    assert errors == kinds.count("internal_error")
+    (stored,) = service.store.sessions(target="direct")
+    rounds = service.store.rounds(target="direct")
+    assert [r["error_kind"] for r in rounds] == kinds and stored["ok"] == (None in kinds)
+    assert all("RuntimeError at" in r["error_detail"] for r in rounds if r["error_kind"])
+    service.store.close()
 
 
 def test_the_store_settings_reach_the_writer(tmp_path, monkeypatch):

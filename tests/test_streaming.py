@@ -5,20 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import gzip
 import select
 import socket
 import ssl
 import struct
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import h11
 import pytest
 
+from conftest import free_port, stop
 from kvwatch.collectors import streaming
-from kvwatch.collectors.streaming import ConnectFailed, StreamBroken, StreamClient, _Connection
+from kvwatch.collectors.streaming import (
+    SPEAKS_TLS,
+    ConnectFailed,
+    ProtocolError,
+    StreamBroken,
+    StreamClient,
+    TlsFailed,
+    _Connection,
+)
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b"data: one\n\n", b"data: two\n\n"]
@@ -245,24 +256,109 @@ def test_informational_responses_are_skipped():
     assert run(scenario) == (200, b"".join(EVENTS))
 
 
+def reset_after(answer: bytes) -> Callable[[asyncio.StreamWriter], None]:
+    """Write `answer`, then reset the connection (an RST, as a crashing proxy's kernel sends)."""
+
+    def answer_and_reset(writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)  # written at once: the transport's buffer is empty
+        writer.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+        )
+        writer.transport.abort()
+
+    return answer_and_reset
+
+
+GZIP_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
+
+
 @pytest.mark.parametrize(
-    "answer, message",
+    "answer, broken, message",
     [
-        pytest.param(close_after(CHUNKED[:-20]), "the server closed the connection", id="cut-mid-body"),
-        pytest.param(close_after(b""), "the server closed the connection", id="closed-unanswered"),
-        pytest.param(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not HTTP/1.1", id="no-http"),
-        pytest.param(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (80 << 10), "not HTTP/1.1", id="endless-head"),
-        pytest.param(OK_HEAD + b"zz\r\n", "not HTTP/1.1", id="bad-chunk-size"),
+        pytest.param(
+            close_after(CHUNKED[:-20]), StreamBroken, "the server closed the connection", id="cut-mid-body"
+        ),
+        pytest.param(
+            close_after(b""),
+            ProtocolError,
+            "the server closed the connection without answering (a TLS port does so to plain HTTP: is the "
+            "URL https://?)",
+            id="closed-unanswered",
+        ),
+        pytest.param(
+            b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+            ProtocolError,
+            "invalid status line 'SSH-2.0-OpenSSH_9.6'",
+            id="no-http",
+        ),
+        pytest.param(
+            b"HTTP/1.1 abc OK\r\n\r\n",
+            ProtocolError,
+            "invalid status line 'HTTP/1.1 abc OK'",
+            id="status-abc",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+            ProtocolError,
+            "invalid Content-Length '-1'",
+            id="content-length-minus-1",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (200 << 10) + b"\r\n\r\n",
+            ProtocolError,
+            "a header block over 65536 bytes",
+            id="200-KB-head",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (80 << 10),
+            ProtocolError,
+            "a header block over 65536 bytes",
+            id="endless-head",
+        ),
+        pytest.param(
+            reset_after(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev"),
+            ProtocolError,
+            "the connection was lost: Connection reset by peer, before the response head was complete",
+            id="reset-mid-head",
+        ),
+        pytest.param(
+            OK_HEAD + b"zz\r\n", ProtocolError, "invalid body: illegal chunk header", id="bad-chunk-size"
+        ),
+        pytest.param(
+            close_after(GZIP_HEAD + b"\r\n" + gzip.compress(b"".join(EVENTS))),
+            ProtocolError,
+            "a body in Content-Encoding 'gzip', which was not asked for",
+            id="unasked-gzip",
+        ),
     ],
 )
-def test_a_broken_answer_is_a_stream_broken_error(answer, message):
+def test_a_broken_answer_is_a_stream_broken_error_naming_the_fault(answer, broken, message):
     async def scenario():
         async with scripted(answer) as (url, _), StreamClient() as client:
-            with pytest.raises(StreamBroken) as broken:
+            with pytest.raises(StreamBroken) as failed:
                 await body_of(client, url)
-        return str(broken.value)
+        return failed.value
 
-    assert message in run(scenario)
+    error = run(scenario)
+    assert type(error) is broken and str(error).startswith(message), repr(error)
+
+
+def test_header_values_are_read_as_utf_8_or_byte_for_byte_whatever_their_bytes():
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nServer: caf\xc3\xa9-gateway\r\nX-Upstream: r\xff1\r\n\r\nok"
+    )
+
+    async def scenario():
+        async with (
+            scripted(head) as (url, _),
+            StreamClient() as client,
+            client.stream(url, b"{}", {}) as answer,
+        ):
+            await answer.finish()
+            return answer.headers
+
+    headers = run(scenario)
+    assert (headers["server"], headers["x-upstream"]) == ("café-gateway", "r\xff1")
 
 
 def test_nothing_listening_is_a_connect_failure_with_the_systems_reason():
@@ -341,11 +437,74 @@ def test_an_https_body_delimited_by_the_close_is_complete(server_tls, trusting):
     assert run(scenario) == (200, b"".join(EVENTS))
 
 
-def test_a_certificate_the_client_does_not_trust_is_a_connect_failure_saying_why(server_tls):
+async def failure_of(url: str) -> ConnectFailed:
+    async with StreamClient() as client:
+        with pytest.raises(ConnectFailed) as failed:
+            await body_of(client, url)
+    return failed.value
+
+
+def served_over_tls(tls: ssl.SSLContext, host: str = "127.0.0.1") -> ConnectFailed:
+    """How a request to a TLS server on 127.0.0.1, addressed as `host`, fails."""
+
     async def scenario():
-        async with scripted(CHUNKED, tls=server_tls) as (url, _), StreamClient() as client:
-            with pytest.raises(ConnectFailed) as failed:
+        async with scripted(CHUNKED, tls=tls) as (url, _):
+            return await failure_of(url.replace("127.0.0.1", host))
+
+    return run(scenario)
+
+
+def test_a_self_signed_certificate_is_a_tls_failure_with_openssls_reason(server_tls):
+    failed = served_over_tls(server_tls)
+    assert type(failed) is TlsFailed
+    assert str(failed) == "TLS handshake failed: certificate verify failed: self-signed certificate"
+
+
+def test_a_certificate_for_another_name_is_a_tls_failure_naming_the_mismatch(server_tls, trusting):
+    failed = served_over_tls(server_tls, host="localhost")
+    assert type(failed) is TlsFailed
+    assert str(failed) == (
+        "TLS handshake failed: certificate verify failed: Hostname mismatch, certificate is not valid for "
+        "'localhost'."
+    )
+
+
+@contextlib.contextmanager
+def openssl_server(certificate: tuple[str, str], *options: str) -> Iterator[str]:
+    """`openssl s_server` on a free 127.0.0.1 port with the test certificate: its https URL; stopped by
+    its PID on leaving."""
+    port = free_port()
+    server = subprocess.Popen(
+        ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", certificate[0], "-key",
+         certificate[1], "-www", "-quiet", *options],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while server.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.05)  # polling for the listener, within the deadline
+        else:
+            raise AssertionError(f"openssl s_server did not listen on 127.0.0.1:{port}")
+        yield f"https://127.0.0.1:{port}"
+    finally:
+        stop(server)
+
+
+def test_a_server_of_an_old_tls_version_only_is_a_tls_failure_naming_the_version(certificate, trusting):
+    with openssl_server(certificate, "-tls1", "-cipher", "DEFAULT:@SECLEVEL=0") as url:
+        failed = run(lambda: failure_of(url))
+    assert type(failed) is TlsFailed and str(failed) == "TLS handshake failed: TLSV1_ALERT_PROTOCOL_VERSION"
+
+
+def test_plain_http_to_a_port_answering_with_a_tls_alert_is_said_to_speak_tls():
+    alert = b"\x15\x03\x01\x00\x02\x02\x46"  # TLS 1.0 fatal protocol_version: what older TLS servers send
+
+    async def scenario():
+        async with scripted(close_after(alert)) as (url, _), StreamClient() as client:
+            with pytest.raises(TlsFailed) as failed:
                 await body_of(client, url)
         return str(failed.value)
 
-    assert run(scenario) == "TLS handshake failed: CERTIFICATE_VERIFY_FAILED"
+    assert run(scenario) == SPEAKS_TLS

@@ -152,7 +152,9 @@ class Service:
         self.targets = part.select(config.targets)
         password = resolve_store_password(config.store)
         self.store = Store(config.store.location, config.store.retention_days, password=password)
-        self.writer = StoreWriter(config.store.queue_capacity, config.store.retry_seconds)
+        self.writer = StoreWriter(
+            config.store.queue_capacity, config.store.retry_seconds, self.store.location
+        )
         self.results = ProbeResults()
         self.followers = [
             GatewayLogFollower(

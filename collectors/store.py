@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.stores import BUSY_TIMEOUT_SECONDS, Database, StoreError, open_database, transient
+from kvwatch.collectors.stores.base import first_line
 
 log = logging.getLogger("kvwatch.store")
 
@@ -354,23 +355,33 @@ class WriteDropped(Exception):
 
 
 class StoreWriter:
-    """The one thread that writes to the store, fed by a bounded queue, so that a locked, slow or full
-    SQLite file never holds up `kvwatch serve`'s event loop (its /metrics answers, its probes' timing).
+    """The one thread that writes to the store, fed by a bounded queue, so that a locked, slow, full or
+    unreachable store never holds up `kvwatch serve`'s event loop (its /metrics answers, its probes' timing).
 
-    A write that fails on a lock or a full disk is retried with backoff for up to `retry_seconds`. When
-    `capacity` writes are waiting, the newest is dropped and the queued ones kept: they are older
-    measurements the writer accepted already, and the newest's caller learns it at once (the webhook
-    answers 503, so that Alertmanager sends the alerts again). Every drop is logged and counted in
+    A write that fails for a while (a lock, a full disk, an I/O error; a PostgreSQL server down,
+    restarting or whose connection broke, connected to again by the next try) is retried with backoff for
+    up to `retry_seconds`; one that would fail the same way every time (a constraint) is dropped at once.
+    One warning says when writes start failing and why, one line when they succeed again. When `capacity`
+    writes are waiting, the newest is dropped and the queued ones kept: they are older measurements the
+    writer accepted already, and the newest's caller learns it at once (the webhook answers 503, so that
+    Alertmanager sends the alerts again). Every drop is logged and counted in
     kvwatch_store_writes_dropped_total.
     """
 
-    def __init__(self, capacity: int = QUEUE_CAPACITY, retry_seconds: float = RETRY_SECONDS) -> None:
+    def __init__(
+        self,
+        capacity: int = QUEUE_CAPACITY,
+        retry_seconds: float = RETRY_SECONDS,
+        location: str = "the store",
+    ) -> None:
         self.capacity = capacity
         self.retry_seconds = retry_seconds
+        self.location = location  # of the store, as its log lines name it: a URL without its password
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._counts_lock = threading.Lock()
         self._dropped: Counter[str] = Counter()
         self._retries = 0
+        self._failing_since: float | None = None  # monotonic: writes have failed since, none succeeded
         self._give_up_at = float("inf")  # monotonic; set by close()
         self._closing = threading.Event()  # wakes a retry's backoff at close
         self._thread = threading.Thread(target=self._run, name="kvwatch-store-writer", daemon=True)
@@ -400,14 +411,16 @@ class StoreWriter:
         lost = CounterMetricFamily(
             "kvwatch_store_writes_dropped",
             "Store writes (sessions, alerts, pruning) lost: the write queue was full, or retries after a "
-            "lock or a full disk ran out.",
+            "lock, a full disk or a lost database connection ran out.",
             labels=["reason"],
         )
         for reason in DROP_REASONS:
             lost.add_metric([reason], dropped.get(reason, 0))
         yield lost
         yield CounterMetricFamily(
-            "kvwatch_store_write_retries", "Store writes tried again after a lock or a full disk.", retries
+            "kvwatch_store_write_retries",
+            "Store writes tried again after a lock, a full disk or a lost database connection.",
+            retries,
         )
         yield GaugeMetricFamily(
             "kvwatch_store_writes_queued", "Store writes waiting for the writer thread.", self._queue.qsize()
@@ -421,30 +434,56 @@ class StoreWriter:
         delay, deadline = FIRST_RETRY_DELAY_SECONDS, time.monotonic() + self.retry_seconds
         while True:
             try:
-                future.set_result(write(*args))
-                return
+                result = write(*args)
             except (ValueError, TypeError) as refused:  # a malformed webhook payload: its caller says so
                 future.set_exception(refused)
                 return
             except Exception as error:
-                give_up_at = min(deadline, self._give_up_at)
                 if not transient(error):
                     log.exception("store write %s failed", write.__name__)
-                    self._drop(future, write, "failed", f"{type(error).__name__}: {error}")
+                    self._drop(future, write, "failed", f"{type(error).__name__}: {first_line(error)}")
                     return
+                self._failing(error)
+                give_up_at = min(deadline, self._give_up_at)
                 if time.monotonic() >= give_up_at:
-                    self._drop(future, write, "failed", str(error))
+                    self._drop(future, write, "failed", first_line(error))
                     return
-                if delay == FIRST_RETRY_DELAY_SECONDS:
-                    log.warning("store write %s failed (%s); trying again", write.__name__, error)
                 with self._counts_lock:
                     self._retries += 1
-                pause = max(0.0, min(delay, give_up_at - time.monotonic()))
-                if self._closing.is_set():  # give_up_at has the close's deadline in it now
-                    time.sleep(pause)
-                else:
-                    self._closing.wait(pause)
+                self._back_off(min(delay, give_up_at - time.monotonic()))
                 delay = min(2 * delay, MAX_RETRY_DELAY_SECONDS)
+            else:
+                self._succeeded()
+                future.set_result(result)
+                return
+
+    def _failing(self, error: Exception) -> None:
+        """Says once, as writes start failing, why; not at each try of each write while they fail."""
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.warning(
+                "store writes to %s fail (%s): each is tried again for up to %g s",
+                self.location,
+                first_line(error),
+                self.retry_seconds,
+            )
+
+    def _succeeded(self) -> None:
+        if self._failing_since is not None:
+            log.info(
+                "store writes to %s succeed again, after %.1f s",
+                self.location,
+                time.monotonic() - self._failing_since,
+            )
+            self._failing_since = None
+
+    def _back_off(self, seconds: float) -> None:
+        """Waits before the next try; a close cuts the wait short once, to its own deadline."""
+        seconds = max(0.0, seconds)
+        if self._closing.is_set():  # give_up_at has the close's deadline in it now
+            time.sleep(seconds)
+        else:
+            self._closing.wait(seconds)
 
     def _drop(self, future: Future, write: Callable, reason: str, why: str) -> None:
         with self._counts_lock:

@@ -23,7 +23,11 @@ import pytest
 import streamlit as st
 import yaml
 from loopback import answering_bytes, loopback_http
-from postgres import PASSWORD, postgres_server  # noqa: F401 (the session's PostgreSQL server)
+from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a test's own to stop)
+    PASSWORD,
+    own_postgres_server,
+    postgres_server,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
@@ -498,6 +502,62 @@ def test_a_sigkill_mid_session_keeps_its_finished_rounds_cut_short(tmp_path: Pat
         engine.close()
     assert stored_sessions(path) == [cut, cut]
     assert "1 sessions were in flight when their writer of" in log.read_text()
+
+
+OUTAGE_SECONDS = 20.0  # PostgreSQL down: four times the writer's longest backoff (5 s)
+DROPPED = "kvwatch_store_writes_dropped_total"
+
+
+def wait_until_stored(url: str, history: str, sessions: int, log: Path) -> dict:
+    """Until a PostgreSQL history holds `sessions` that ended (not in flight), or a write was dropped;
+    then the exporter's /metrics."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = samples(url)
+        with Store(history, readonly=True, password=PASSWORD) as store:
+            stored = sum(not s["in_flight"] for s in store.sessions())
+        if stored >= sessions or sample(found, DROPPED, reason="failed"):
+            return found
+        assert time.monotonic() < deadline, f"{stored} of {sessions} sessions stored:\n{log.read_text()}"
+        time.sleep(0.3)
+
+
+def test_a_postgresql_outage_loses_no_session(tmp_path: Path, postgres_to_stop):
+    """PostgreSQL stops for OUTAGE_SECONDS (an immediate shutdown cuts the writer's connection) and starts
+    again on its data directory and port while `kvwatch serve` probes each second: /metrics answers all
+    along, every write is retried until it connects again, and every round the engine answered is stored,
+    none dropped. The log says once that writes fail and once that they succeed again, no traceback."""
+    server = postgres_to_stop
+    password_file = tmp_path / "store-password"
+    password_file.write_text(f"{PASSWORD}\n")
+    history = {"url": server.new_database(), "password_file": str(password_file)}
+    engine = StallingEngine()
+    try:
+        process, url, log = start_serve(tmp_path, stalling_target(engine), store=history)
+        try:
+            assert probed_targets(url) == {"direct"}, log.read_text()
+            server.stop()
+            outage_ends, before = time.monotonic() + OUTAGE_SECONDS, exported_sessions(url)
+            while time.monotonic() < outage_ends:  # the outage itself: its length is the fault
+                time.sleep(0.5)
+                during = exported_sessions(url)
+            server.start()
+            assert during > before, log.read_text()  # probes went on, and /metrics answered
+            found = wait_until_stored(url, history["url"], during, log)
+            terminate(process, log)
+        finally:
+            stop(process)
+    finally:
+        engine.close()
+    assert sample(found, DROPPED, reason="failed") == 0, log.read_text()
+    assert sample(found, "kvwatch_store_write_retries_total") > 0
+    with Store(history["url"], readonly=True, password=PASSWORD) as store:
+        stored = Counter({"/v1/chat/completions": len(store.rounds(columns=("round",)))})
+    assert_stored_all_but_the_rounds_cut_off(engine.asked, stored)
+    said = log.read_text()
+    assert said.count("kvwatch.store WARNING store writes to") == 1, said
+    assert said.count("kvwatch.store INFO store writes to") == 1 and "succeed again" in said, said
+    assert "Traceback" not in said and PASSWORD not in said
 
 
 def step_wall_clock(monkeypatch, seconds: float) -> None:

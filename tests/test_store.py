@@ -19,12 +19,18 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from postgres import PASSWORD, USER, postgres_server  # noqa: F401 (the session's PostgreSQL server)
+from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a test's own to stop)
+    PASSWORD,
+    USER,
+    own_postgres_server,
+    postgres_server,
+)
 from prometheus_client import CollectorRegistry
 
 from conftest import free_port
 from kvwatch.collectors.records import RoundResult, SessionResult
 from kvwatch.collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from kvwatch.collectors.stores.postgres import LOCK_SPACE
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -752,6 +758,75 @@ def test_the_writer_connects_to_postgresql_again_and_keeps_its_sessions_alive(po
         with open_store(url, readonly=True) as reader:
             assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(True, False)]
             assert reader.session(1) == two
+
+
+def test_a_writer_whose_old_connection_still_holds_its_id_goes_on_under_a_new_one(postgres):
+    """The server has not seen the writer's old connection break (a network cut) and still holds its
+    writer id: the writer connects again under a new id, and its session in flight stays alive."""
+    url = postgres.new_database()
+    with open_store(url) as store:
+        writer = StoreWriter(retry_seconds=5)
+        one, two = (
+            session("t", 1000.0, round_result(1)),
+            session("t", 1000.0, round_result(1), round_result(2)),
+        )
+        writer.submit(store.add_session, one, "uid-1", True).result(timeout=5)
+        old_id, backend = store._db.writer, store._db._db.info.backend_pid
+        with psycopg.connect(url, password=PASSWORD, autocommit=True) as old_connection:
+            old_connection.execute("SELECT pg_terminate_backend(%s, 5000)", (backend,))
+            old_connection.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_SPACE, old_id))  # as if alive
+            writer.submit(store.add_session, two, "uid-1", True).result(timeout=10)
+            assert store._db.writer not in (None, old_id)
+            with open_store(url, readonly=True) as reader:
+                assert [(s["in_flight"], s["interrupted"]) for s in reader.sessions()] == [(True, False)]
+                assert reader.session(1) == two
+        writer.close()
+    assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 0
+
+
+def test_the_writer_retries_through_a_postgresql_outage_and_says_so_twice(postgres_to_stop, caplog):
+    """The server stops (an immediate shutdown cuts every connection) and starts again on its port: the
+    writes made meanwhile are retried, connecting again, and all stored. One warning says that writes
+    fail and why, one line that they succeed again: no traceback, and not the password in the URL."""
+    caplog.set_level(logging.INFO, logger="kvwatch.store")
+    server = postgres_to_stop
+    url = server.new_database().replace(f"{USER}@", f"{USER}:{PASSWORD}@")
+    with Store(url) as store:
+        writer = StoreWriter(location=store.location)
+        written = [writer.submit(store.add_session, session("t", 0.0), "uid-0")]
+        written[0].result(timeout=5)
+        server.stop()
+        for n in range(1, 4):  # writes keep coming while the server is down, each after a failed try
+            written.append(writer.submit(store.add_session, session("t", float(n)), f"uid-{n}"))
+            wait_for_a_retry(writer)
+        server.start()
+        for future in written:
+            future.result(timeout=30)
+        writer.close()
+        assert [s["started_at"] for s in store.sessions()] == [3.0, 2.0, 1.0, 0.0]
+    assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 0
+    assert metric(writer, RETRIES) >= 3
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kvwatch.store"]
+    shown = f"postgresql://{USER}:[redacted]@127.0.0.1:{server.port}/"
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert said[0][1].startswith(f"store writes to {shown}") and "fail (" in said[0][1], said
+    assert said[1][1].startswith(f"store writes to {shown}") and "succeed again" in said[1][1], said
+    assert PASSWORD not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_write_the_database_refuses_is_dropped_at_once_and_the_next_one_stored(location, caplog):
+    """A constraint the write breaks (a session without a target) fails the same way every time: it is
+    dropped and counted at once, not retried, and the writer goes on."""
+    with open_store(location) as store:
+        writer = StoreWriter()
+        with pytest.raises(WriteDropped, match="IntegrityError|NotNullViolation"):
+            writer.submit(store.add_session, replace(session(), target=None)).result(timeout=5)
+        assert writer.submit(store.add_session, session()).result(timeout=5)
+        writer.close()
+        assert [s["target"] for s in store.sessions()] == ["lab-affinity"]
+    assert metric(writer, "kvwatch_store_writes_dropped_total", reason="failed") == 1
+    assert metric(writer, RETRIES) == 0
+    assert "store write add_session dropped" in caplog.text
 
 
 def test_a_write_the_store_refuses_goes_back_to_its_caller_uncounted(store):

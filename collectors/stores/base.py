@@ -70,3 +70,8 @@ class Database(ABC):
     def transient(error: Exception) -> bool:
         """The driver's error is worth trying again (a lock, a full disk, a lost connection)."""
         return False
+
+
+def first_line(error: Exception) -> str:
+    """What a driver's error says, in one line (libpq adds hints on lines of their own)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -3,7 +3,8 @@
 Any number of processes write at once. Each writer holds a PostgreSQL advisory lock on its own writer
 id for as long as its connection lives and stores that id with each session: a session in flight whose
 writer's lock nobody holds was cut short by the writer's death. A lost connection is opened again at
-the next transaction (the StoreWriter retries the write that saw it go), and the writer's lock with it.
+the next transaction, and the writer's lock with it: the StoreWriter retries the write that saw it go, and
+every write while the server is down or restarting (an OperationalError).
 The password comes from the caller (store.password_env / store.password_file) or libpq's own PGPASSFILE,
 never from the URL.
 """
@@ -22,7 +23,7 @@ from psycopg.rows import dict_row
 
 from kvwatch.collectors.redaction import redact
 from kvwatch.collectors.stores import base
-from kvwatch.collectors.stores.base import Database, StoreError
+from kvwatch.collectors.stores.base import Database, StoreError, first_line
 
 CONNECT_TIMEOUT_SECONDS = 5
 LOCK_SPACE = 0x6B76  # the first key of kvwatch's advisory locks ("kv"); the second is a writer id
@@ -51,28 +52,34 @@ class PostgreSQL(Database):
         super().__init__(redact(location), readonly)
         self._url, self._password = location, password
         self._writer: int | None = None
-        self._db = self._connect()
+        try:
+            self._db = self._connect()
+        except psycopg.Error as error:
+            raise StoreError(f"cannot open the kvwatch store {self.location}: {first_line(error)}") from None
 
     def _connect(self) -> psycopg.Connection:
-        """A connection with the URL's own options (a search_path, say) and the store's."""
+        """A connection with the URL's own options (a search_path, say) and the store's; a writer that
+        lost its connection takes its writer id again. Raises psycopg's error: a server that is down or
+        restarting raises an OperationalError, which the StoreWriter retries."""
         options = [f"-c lock_timeout={int(base.BUSY_TIMEOUT_SECONDS * 1000)}"]
         if self.readonly:
             options.append("-c default_transaction_read_only=on")
-        try:
-            given = conninfo_to_dict(self._url).get("options")
-            db = psycopg.connect(
-                self._url,
-                password=self._password,
-                autocommit=True,  # every transaction is explicit, see transaction()
-                row_factory=dict_row,
-                connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                options=" ".join([*([given] if given else []), *options]),
-                application_name="kvwatch",
-            )
-        except psycopg.Error as error:
-            raise StoreError(f"cannot open the kvwatch store {self.location}: {_first_line(error)}") from None
-        if self._writer is not None:  # a writer that lost its connection takes its lock again
-            db.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_SPACE, self._writer))
+        given = conninfo_to_dict(self._url).get("options")
+        db = psycopg.connect(
+            self._url,
+            password=self._password,
+            autocommit=True,  # every transaction is explicit, see transaction()
+            row_factory=dict_row,
+            connect_timeout=CONNECT_TIMEOUT_SECONDS,
+            options=" ".join([*([given] if given else []), *options]),
+            application_name="kvwatch",
+        )
+        if self._writer is not None:
+            try:
+                self._writer = _lock_writer_id(db, self._writer)
+            except BaseException:
+                db.close()
+                raise
         return db
 
     def execute(self, sql: str, params: Sequence = ()) -> psycopg.Cursor:
@@ -111,16 +118,12 @@ class PostgreSQL(Database):
         self._db.execute(f"INSERT INTO {_VERSION_TABLE} (version) VALUES (%s)", (version,))
 
     def cut_short(self) -> int:
-        """Marks the dead writers' sessions, then takes a writer id of its own: one no live writer holds."""
+        """Marks the dead writers' sessions, then takes a writer id of its own."""
         cut = self._db.execute(
             "UPDATE sessions SET in_flight = 0, interrupted = 1 WHERE in_flight = 1 "
             f"AND writer NOT IN ({_HELD_WRITER_LOCKS})"
         ).rowcount
-        while self._writer is None:
-            candidate = random.randint(1, MAX_WRITER_ID)
-            taken = self._db.execute("SELECT pg_try_advisory_lock(%s, %s) AS t", (LOCK_SPACE, candidate))
-            if taken.fetchone()["t"]:
-                self._writer = candidate
+        self._writer = _lock_writer_id(self._db)
         return cut
 
     def writer_gone(self) -> Callable[[int | None], bool]:
@@ -143,8 +146,14 @@ class PostgreSQL(Database):
         return isinstance(error, TRANSIENT)
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def _lock_writer_id(db: psycopg.Connection, wanted: int | None = None) -> int:
+    """A writer id that no live writer holds, locked by `db` for as long as it lives: `wanted` if it is
+    free. A writer's old connection may hold it still on a server that has not seen it break (a network
+    cut): its sessions then go on under a new id, each rewritten with it at its next write."""
+    candidate = wanted or random.randint(1, MAX_WRITER_ID)
+    while not db.execute("SELECT pg_try_advisory_lock(%s, %s) AS t", (LOCK_SPACE, candidate)).fetchone()["t"]:
+        candidate = random.randint(1, MAX_WRITER_ID)
+    return candidate
 
 
 DATABASE = PostgreSQL

@@ -63,7 +63,7 @@ bench: bootstrap
 	$(BIN)/python -m benchmarks
 
 generate: bootstrap
-	$(BIN)/python -m kvwatch.collectors.generate $(if $(RUNBOOK_URL),--runbook-url $(RUNBOOK_URL))
+	$(BIN)/python -m kvwatch.cli.generate $(if $(RUNBOOK_URL),--runbook-url $(RUNBOOK_URL))
 
 lint: bootstrap
 	$(BIN)/ruff check .

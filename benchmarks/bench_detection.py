@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.collectors.store import Store
+from kvwatch.store.history import Store
 
 REPO = Path(__file__).resolve().parent.parent
 QUIET_TIMEOUT_S = 600
@@ -229,7 +229,7 @@ def floor(state_dir: Path, case: Case) -> Floor:
 
 def _kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        [sys.executable, "-m", "kvwatch.cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -24,8 +24,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvwatch.collectors.experiment import Load, Workload, load_rows, round_rows, run_experiment
-from kvwatch.collectors.probe import ProbeSettings
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.experiment.runner import Load, Workload, load_rows, round_rows, run_experiment
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_PORTS = (28400, 28500)  # one block per lab
@@ -35,7 +35,7 @@ WORKLOAD = Workload(sessions=32, rounds=6, system_tokens=200, turn_tokens=600, s
 
 def _kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", "lab", *args],
+        [sys.executable, "-m", "kvwatch.cli.main", "lab", *args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 

@@ -15,7 +15,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from kvwatch.collectors.gatewaylog import GatewayLogFollower, GatewayLogSnapshot
+from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower, GatewayLogSnapshot
 
 LINES = 300_000
 SESSIONS = 100_000

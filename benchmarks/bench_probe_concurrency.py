@@ -30,9 +30,9 @@ from pathlib import Path
 
 import httpx
 
-from kvwatch.collectors.probe import ProbeSettings, run_session
-from kvwatch.collectors.streaming import StreamClient
-from kvwatch.collectors.workload import Conversation, synthetic
+from kvwatch.collectors.probe.session import ProbeSettings, run_session
+from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.workload import Conversation, synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 28390
@@ -158,7 +158,7 @@ def _level(url: str, level: int, decode: int) -> list[str]:
 def _replica(decode: int, log: Path) -> subprocess.Popen:
     with log.open("w") as output:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(PORT),
+            [sys.executable, "-m", "kvwatch.cli.main", "lab", "replica", "--port", str(PORT),
              "--id", "r1", "--time-scale", str(TIME_SCALE), "--max-num-seqs", "256",
              "--decode-rate", str(decode * TIME_SCALE)],
             cwd=REPO, stdout=output, stderr=subprocess.STDOUT,

@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from kvwatch.collectors.scheduler import MAX_CONCURRENT_SESSIONS
-from kvwatch.collectors.store import Store
+from kvwatch.serve.scheduler import MAX_CONCURRENT_SESSIONS
+from kvwatch.store.history import Store
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA_PORT = 28391
@@ -171,7 +171,7 @@ def run() -> str:
         log = Path(scratch) / "replica.log"
         with log.open("w") as output:
             replica = subprocess.Popen(
-                [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica",
+                [sys.executable, "-m", "kvwatch.cli.main", "lab", "replica",
                  "--port", str(REPLICA_PORT), "--id", "r1", "--time-scale", "0.05", "--max-num-seqs", "256"],
                 cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
             )  # fmt: skip

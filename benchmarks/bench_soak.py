@@ -32,8 +32,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_detection import _kvwatch, _lab_up
-from kvwatch.collectors.config import GatewayLog
-from kvwatch.collectors.store import Store
+from kvwatch.core.config import GatewayLog
+from kvwatch.store.history import Store
 
 # The second half, over which memory is judged, starts 5 minutes past the follower's session TTL.
 MINUTES = 2 * (GatewayLog.session_ttl_seconds / 60 + 5)

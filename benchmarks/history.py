@@ -14,9 +14,9 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
-from kvwatch.collectors.queries import Rule
-from kvwatch.collectors.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.prometheus.queries import Rule
+from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 
 DAY = 86400
 # vLLM's own TTFT bucket bounds (seconds).

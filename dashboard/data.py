@@ -23,21 +23,24 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from kvwatch.collectors import blocksize, doctor, experiment, promql, queries
-from kvwatch.collectors.config import (
+from kvwatch.cli.dashboard import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
+from kvwatch.collectors.probe import blocksize
+from kvwatch.core.config import (
     ConfigError,
     Target,
     load_config,
     resolve_api_key,
     resolve_store_password,
 )
-from kvwatch.collectors.connections import connect_reason, request_sync
-from kvwatch.collectors.redaction import redact
-from kvwatch.collectors.scheduler import probe_settings
-from kvwatch.collectors.store import ROUND_FIELDS, Store, StoreError
-from kvwatch.collectors.stores import ERRORS as STORE_ERRORS
+from kvwatch.core.connections import connect_reason, request_sync
+from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
-from kvwatch.dashboard.cli import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
+from kvwatch.doctor import checks
+from kvwatch.experiment import runner
+from kvwatch.prometheus import promql, queries
+from kvwatch.serve.scheduler import probe_settings
+from kvwatch.store.databases import ERRORS as STORE_ERRORS
+from kvwatch.store.history import ROUND_FIELDS, Store, StoreError
 
 
 def app_options(argv: list[str]) -> argparse.Namespace:
@@ -485,7 +488,7 @@ def report_directory(name: str) -> Result:
 @_cached
 def experiment_report(directory: Path) -> Result:
     """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
-    files = {name: directory / experiment.FILES[name] for name in ("report", "png", "load", "replicas")}
+    files = {name: directory / runner.FILES[name] for name in ("report", "png", "load", "replicas")}
     try:
         if not files["report"].exists():
             return Result(None)
@@ -516,15 +519,15 @@ def run_experiment(
         return config
     try:
         routes = [probe_settings(target, resolve_api_key(target)) for target in (a, b)]
-        workload = experiment.Workload(sessions, rounds, seed=seed)
-        load = experiment.Load(concurrency, request_rate, seed)
+        workload = runner.Workload(sessions, rounds, seed=seed)
+        load = runner.Load(concurrency, request_rate, seed)
         sources = blocksize.sources_for([a.base_url, b.base_url], config.value.prometheus.url)
-        ran, markdown = experiment.run_into(*routes, workload, out, load, block_sources=sources)
+        ran, markdown = runner.run_into(*routes, workload, out, load, block_sources=sources)
     except (ConfigError, ValueError, OSError) as error:
         return Result(error=f"The experiment cannot run: {error}")
     finally:
         experiment_report.clear()
-    said = experiment.failures(ran)
+    said = runner.failures(ran)
     return Result(said) if markdown is not None else Result(error="; ".join(said))
 
 
@@ -542,6 +545,6 @@ def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
     if requests_sample and not Path(requests_sample).is_file():
         return Result(error=f"No request sample at {requests_sample}.")
     picked = picked_cluster()
-    cluster = doctor.Cluster(picked, config.value.cluster_label)
+    cluster = checks.Cluster(picked, config.value.cluster_label)
     prometheus = config.value.prometheus.url
-    return Result(doctor.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())
+    return Result(checks.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())

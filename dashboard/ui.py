@@ -10,9 +10,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kvwatch.collectors import queries
-from kvwatch.collectors.naming import replica_name
+from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
+from kvwatch.prometheus import queries
 
 TIME_FORMAT = "YYYY-MM-DD HH:mm:ss"  # for st.column_config.DatetimeColumn; times are UTC
 RANGES = {"15 min": 900, "1 hour": 3600, "6 hours": 6 * 3600, "1 day": 86400, "1 week": 7 * 86400}

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.collectors.config import GatewayLog
-from kvwatch.collectors.queries import CLUSTER_LABEL
+from kvwatch.core.config import GatewayLog
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import KINDS
 from kvwatch.lab.state import LabState
+from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 REPO = Path(__file__).resolve().parent.parent
 

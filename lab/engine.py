@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from kvwatch.core.tokenizer import answer_words, tokenize
 from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
 from kvwatch.lab.prefix_cache import PrefixCache
-from kvwatch.lab.tokenizer import answer_words, tokenize
 
 # content: answer text only; reasoning: a reasoning model's thinking first, then text; tool-call: a tool
 # call's arguments and no text.

@@ -26,7 +26,7 @@ class Process:
 
 def kvwatch_command(*args: str) -> list[str]:
     """kvwatch itself, run by the interpreter the lab runs in."""
-    return [sys.executable, "-m", "kvwatch.collectors.cli", *args]
+    return [sys.executable, "-m", "kvwatch.cli.main", *args]
 
 
 class LabError(RuntimeError):

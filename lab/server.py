@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvwatch.core.tokenizer import TemplateError, render_chat, tokenize
 from kvwatch.lab.engine import Engine, ReplicaSettings, Sequence, faults_from_json
-from kvwatch.lab.tokenizer import TemplateError, render_chat, tokenize
 
 log = logging.getLogger("kvwatch.lab.replica")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from kvwatch.collectors.connections import request_sync
+from kvwatch.core.connections import request_sync
 from kvwatch.lab.configs import (
     REPO,
     render_alertmanager,

@@ -10,9 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvwatch.collectors.naming import replica_name
+from kvwatch.core.naming import replica_name
 
-DEFAULT_DIRECTORY = Path(".kvwatch/lab")
 REPLICA_PORT_OFFSET = 10
 # A lab of several clusters: the central part on the base port's block, cluster i (from 0) this many ports
 # further on per cluster, each with room for ten replicas; four clusters stay inside a block of 100.

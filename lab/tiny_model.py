@@ -42,7 +42,7 @@ _SYLLABLES = (
 ).split()
 
 
-WORKLOAD = Path(__file__).resolve().parent.parent / "collectors" / "workload.py"
+WORKLOAD = Path(__file__).resolve().parent.parent / "collectors" / "probe" / "workload.py"
 
 
 def fingerprint() -> str:
@@ -52,7 +52,7 @@ def fingerprint() -> str:
 
 
 def _workload_words() -> list[str]:
-    """The probe's own vocabulary (collectors/workload.py), so each of its words is one token."""
+    """The probe's own vocabulary (collectors/probe/workload.py), so each of its words is one token."""
     spec = importlib.util.spec_from_file_location("kvwatch_workload", WORKLOAD)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

@@ -19,10 +19,12 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kvwatch.collectors.probe import SESSION_MODES as SESSION_MODES  # the choices of `kvwatch lab traffic`
-from kvwatch.collectors.probe import ProbeSettings, api_url, run_session
-from kvwatch.collectors.streaming import StreamClient
-from kvwatch.collectors.workload import Conversation, system_prompt, user_turns
+from kvwatch.collectors.probe.session import (
+    SESSION_MODES as SESSION_MODES,  # the choices of `kvwatch lab traffic`
+)
+from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session
+from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.workload import Conversation, system_prompt, user_turns
 from kvwatch.lab.engine import ReplicaSettings
 
 log = logging.getLogger("kvwatch.lab.traffic")

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvwatch.collectors.credentials import MAX_SECRET_FILE_BYTES
+from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,7 +101,7 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
         command = [
             sys.executable,
             "-m",
-            "kvwatch.collectors.cli",
+            "kvwatch.cli.main",
             "lab",
             "replica",
             "--port",
@@ -269,7 +269,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        [sys.executable, "-m", "kvwatch.cli.main", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
 
@@ -282,7 +282,7 @@ def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        [sys.executable, "-m", "kvwatch.cli.main", *args],
         cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=limit_memory,
     )  # fmt: skip
 

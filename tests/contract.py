@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# What kvwatch reads from a vLLM V1 engine (collectors/engines/vllm.py, collectors/queries.py); both sides
+# What kvwatch reads from a vLLM V1 engine (collectors/engines/vllm.py, prometheus/queries.py); both sides
 # must export it. Deprecated fallbacks such as vllm:gpu_prefix_cache_* are not required.
 REQUIRED_FAMILIES = (
     "vllm:prefix_cache_queries",

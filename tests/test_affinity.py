@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvwatch.collectors import affinity
-from kvwatch.collectors.affinity import SYSTEMS, recognised
+from kvwatch.doctor import affinity
+from kvwatch.doctor.affinity import SYSTEMS, recognised
 
 ENVOY_HASH = (
     "Envoy / Istio: the Istio DestinationRule's `trafficPolicy.loadBalancer.consistentHash.httpHeaderName: "

@@ -21,14 +21,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, stop, wait_http
-from kvwatch.collectors import queries, scheduler
-from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target
-from kvwatch.collectors.scheduler import Service
-from kvwatch.collectors.store import Store
+from kvwatch.core.config import Config, ExporterSettings, StoreSettings, Target
 from kvwatch.lab import configs
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
+from kvwatch.prometheus import queries
+from kvwatch.serve import scheduler
+from kvwatch.serve.scheduler import Service
+from kvwatch.store.history import Store
 
 CONFIG = REPO / "alerts" / "alertmanager.yml"
 

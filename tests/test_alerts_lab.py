@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import Lab
-from kvwatch.collectors.store import Store
+from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
 

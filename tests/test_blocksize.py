@@ -18,12 +18,18 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from conftest import REPO, free_port, stop, wait_http
-from kvwatch.collectors import blocksize
-from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources, from_granularity, learn, sources_for
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.probe import _ideal, with_block_size
-from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.store import Store
+from kvwatch.cli.main import main
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.blocksize import (
+    BlockSize,
+    BlockSizeSources,
+    from_granularity,
+    learn,
+    sources_for,
+)
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.session import _ideal, with_block_size
+from kvwatch.store.history import Store
 
 MODEL = "lab-model"
 DEFAULT = BlockSize(16, "default; no engine evidence")
@@ -298,7 +304,7 @@ def test_serve_learns_the_block_size_per_target_unless_the_config_sets_it(tmp_pa
     }))  # fmt: skip
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        serve = [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config)]
+        serve = [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config)]
         process = subprocess.Popen(serve, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{port}/-/healthy", process, log)

@@ -6,7 +6,7 @@ import tomllib
 import pytest
 
 from conftest import REPO
-from kvwatch.collectors.cli import EXIT_CODES, build_parser, main, runnable_commands
+from kvwatch.cli.main import EXIT_CODES, build_parser, main, runnable_commands
 
 
 def subcommand_paths(parser: argparse.ArgumentParser, prefix=()):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.collectors.cli import build_parser
-from kvwatch.collectors.completion import script
+from kvwatch.cli.completion import script
+from kvwatch.cli.main import build_parser
 from kvwatch.lab.stack import FAULTS
 
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from conftest import free_port, kvwatch_bounded
-from kvwatch.collectors import cli, queries
-from kvwatch.collectors.config import (
+from kvwatch.cli import main
+from kvwatch.core.config import (
     BackendIdentity,
     Config,
     ConfigError,
@@ -30,7 +30,8 @@ from kvwatch.collectors.config import (
     resolve_store_password,
     resolve_webhook_token,
 )
-from kvwatch.collectors.credentials import MAX_SECRET_FILE_BYTES
+from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
+from kvwatch.prometheus import queries
 
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "tests" / "testdata" / "config"
@@ -490,7 +491,7 @@ def test_a_store_path_no_one_can_create_is_one_line(tmp_path, store, problem):
 def test_serve_says_in_one_line_that_it_cannot_open_the_store(tmp_path, capsys):
     # /proc takes no new files, even from root; the config cannot know, only opening the store does.
     path = with_store_path(tmp_path, Path("/proc/kvwatch.db"))
-    assert cli.main(["serve", "--config", str(path)]) == 1
+    assert main.main(["serve", "--config", str(path)]) == 1
     assert capsys.readouterr().err == (
         "kvwatch serve: cannot open the kvwatch store /proc/kvwatch.db: "
         "cannot create /proc/kvwatch.db-writer.lock: No such file or directory\n"
@@ -504,7 +505,7 @@ def test_direct_construction_is_checked_too():
 
 def kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", *args],
+        [sys.executable, "-m", "kvwatch.cli.main", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

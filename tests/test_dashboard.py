@@ -26,14 +26,18 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
-from kvwatch.collectors import blocksize, doctor, experiment, grafana, promql, queries
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
-from kvwatch.collectors.probe import ProbeSettings
-from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.store import Store
+from kvwatch.cli.main import main
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
+from kvwatch.doctor import checks
+from kvwatch.experiment import runner
+from kvwatch.grafana import boards
+from kvwatch.prometheus import promql, queries
+from kvwatch.store.history import Store
 
 APP = REPO / "dashboard" / "app.py"
 PAGES = ("overview", "per_round", "replicas", "sessions", "alerts", "experiment", "doctor")
@@ -1317,15 +1321,15 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
             time.sleep(0.2)
         assert data.clusters().value == ["a", "b"]
         assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
-        board = data.instant_query(grafana.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
+        board = data.instant_query(boards.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
         assert dict(zip(board["cluster"], board["value"], strict=True)) == Clusters.WARM_COLD
         prometheus_url = f"http://127.0.0.1:{port}"
         route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)
         found = {}
         for name in (None, *Clusters.CACHING, "c"):
-            cluster = doctor.Cluster(name) if name else None
-            checks = doctor.diagnose(route, prometheus_url, cluster=cluster).checks
-            found[name] = next(c for c in checks if c.name == "prefix caching")
+            cluster = checks.Cluster(name) if name else None
+            judged = checks.diagnose(route, prometheus_url, cluster=cluster).checks
+            found[name] = next(c for c in judged if c.name == "prefix caching")
         unknown = found.pop("c")  # a cluster Prometheus holds no engine of: named, with those it holds
         assert unknown.cause == "cluster_not_found"
         said = 'no engine series has cluster="c", so none is judged; its engines\' cluster values are a, b'
@@ -1337,7 +1341,7 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
         assert off not in found["a"]
         assert f"Prometheus (cluster b): {off}" in found["b"]
         for name, (_, block) in Clusters.CACHING.items():  # the block size the doctor learns, per cluster
-            narrowed = doctor.Cluster(name).narrowed(blocksize.PROMETHEUS_QUERY)
+            narrowed = checks.Cluster(name).narrowed(blocksize.PROMETHEUS_QUERY)
             sources = blocksize.BlockSizeSources(prometheus_url=prometheus_url, prometheus_query=narrowed)
             assert asyncio.run(blocksize.learn(sources, [])).tokens == block
     finally:
@@ -1354,7 +1358,7 @@ def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
 
 
 def test_an_experiment_report_reads_the_load_and_replica_files_the_experiment_wrote(tmp_path):
-    files = {name: tmp_path / experiment.FILES[name] for name in ("report", "load", "replicas")}
+    files = {name: tmp_path / runner.FILES[name] for name in ("report", "load", "replicas")}
     files["report"].write_text("## A/B experiment: rr vs aff\n")
     assert data.experiment_report(tmp_path).value == data.Report(
         tmp_path, "## A/B experiment: rr vs aff\n", None

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, http_get, stop_lab_serve
-from kvwatch.collectors import queries
-from kvwatch.collectors.config import load_config
-from kvwatch.collectors.naming import replica_name
-from kvwatch.collectors.records import SessionResult
-from kvwatch.collectors.store import Store
+from kvwatch.collectors.probe.records import SessionResult
+from kvwatch.core.config import load_config
+from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
 from kvwatch.lab.replicas import KINDS
+from kvwatch.prometheus import queries
+from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
 

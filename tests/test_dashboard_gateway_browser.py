@@ -26,8 +26,8 @@ from test_dashboard_browser import (
     wait_for_data,
 )
 
-from kvwatch.collectors import queries
-from kvwatch.collectors.store import Store
+from kvwatch.prometheus import queries
+from kvwatch.store.history import Store
 
 browser, page = dashboard_browser.browser, dashboard_browser.page  # the same Chromium fixtures
 pytestmark = pytest.mark.integration

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.collectors import queries, shard
-from kvwatch.collectors.config import Config, load_config
+from kvwatch.core.config import Config, load_config
+from kvwatch.prometheus import queries
+from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

@@ -28,8 +28,10 @@ from aiohttp import web
 from loopback import answering_bytes, loopback_http
 
 from conftest import REPO, free_port, http_get, stop
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.doctor import (
+from kvwatch.cli.main import main
+from kvwatch.collectors.probe.session import HINTS, ProbeSettings, api_url
+from kvwatch.collectors.probe.workload import system_prompt, user_turns
+from kvwatch.doctor.checks import (
     CAUSES,
     Check,
     Cluster,
@@ -42,8 +44,6 @@ from kvwatch.collectors.doctor import (
     format_diagnosis,
     prompt_prefix,
 )
-from kvwatch.collectors.probe import HINTS, ProbeSettings, api_url
-from kvwatch.collectors.workload import system_prompt, user_turns
 from kvwatch.lab import stack
 from kvwatch.lab.state import LabState
 
@@ -558,7 +558,7 @@ def test_dynamic_prefix_is_found_in_a_sample_the_lab_traffic_wrote(lab, request,
     request.getfixturevalue("fault")("dynamic-prefix")
     sample = tmp_path / "requests.jsonl"
     control = lab.state_dir / "traffic.json"  # the lab's: the fault switched it on
-    command = [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "traffic", "--url", lab.affinity,
+    command = [sys.executable, "-m", "kvwatch.cli.main", "lab", "traffic", "--url", lab.affinity,
                "--users", "2", "--rounds", "2", "--think", "0", "--control", str(control),
                "--requests-sample", str(sample)]  # fmt: skip
     traffic = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -15,11 +15,15 @@ import pandas as pd
 import pytest
 
 from conftest import free_port, kvwatch
-from kvwatch.collectors import experiment as experiment_module
-from kvwatch.collectors import experiment_plot
-from kvwatch.collectors.blocksize import BlockSize, BlockSizeSources
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.experiment import (
+from kvwatch.cli.main import main
+from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.session import HINTS, ProbeSettings
+from kvwatch.collectors.probe.workload import Conversation, synthetic
+from kvwatch.core.tokenizer import split_words
+from kvwatch.experiment import plot
+from kvwatch.experiment import runner as experiment_module
+from kvwatch.experiment.runner import (
     FILES,
     Experiment,
     Load,
@@ -35,10 +39,6 @@ from kvwatch.collectors.experiment import (
     run_experiment,
     tag,
 )
-from kvwatch.collectors.probe import HINTS, ProbeSettings
-from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.workload import Conversation, synthetic
-from kvwatch.lab.tokenizer import split_words
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
 SESSIONS, ROUNDS = 6, 4
@@ -239,7 +239,7 @@ def bounds(rows: list[dict], route: str, stat: str) -> tuple[list, list]:
 
 def test_the_plot_shows_median_p90_and_p99_with_intervals_and_cached_ratio_and_cached_over_ideal(plotted):
     run, rows = plotted
-    png = experiment_plot.png_figure(plot_panels(run, rows), "title")
+    png = plot.png_figure(plot_panels(run, rows), "title")
     ttft, reuse = png.axes
     drawn = {line.get_label(): shown(line.get_ydata()) for axes in png.axes for line in axes.lines}
     assert drawn == expected_lines(rows)
@@ -261,7 +261,7 @@ def test_the_plot_shows_median_p90_and_p99_with_intervals_and_cached_ratio_and_c
 
 def test_the_interactive_plot_shows_what_the_png_does(plotted):
     run, rows = plotted
-    html = experiment_plot.html_figure(plot_panels(run, rows), "title")
+    html = plot.html_figure(plot_panels(run, rows), "title")
     lines = [trace for trace in html.data if trace.showlegend is not False]
     assert {t.name: shown(t.y) for t in lines} == expected_lines(rows)
     assert [t.line.dash for t in lines if t.name.startswith("B: affinity p")] == ["dash", "dot"]

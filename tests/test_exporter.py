@@ -13,18 +13,18 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
-from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
-from kvwatch.collectors.endpoints import (
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.core.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
+from kvwatch.serve.endpoints import (
     MAX_WEBHOOK_BYTES,
     REFUSED_POSTS_KEY,
     make_app,
     open_webhook_warning,
 )
-from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
-from kvwatch.collectors.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
-from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.scheduler import Service
-from kvwatch.collectors.store import Store
+from kvwatch.serve.exporter import ProbeCollector, ProbeResults
+from kvwatch.serve.scheduler import Service
+from kvwatch.store.history import Store
 
 ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, stop, wait_http
-from kvwatch.collectors.gatewaylog import (
+from kvwatch.collectors.gatewaylogs.follower import (
     MALFORMED_REASONS,
     MAX_LINE_BYTES,
     GatewayLogCollector,
@@ -30,7 +30,7 @@ from kvwatch.collectors.gatewaylog import (
     GatewayLogSnapshot,
     unreadable_reason,
 )
-from kvwatch.collectors.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
+from kvwatch.core.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 
 T0 = 1_800_000_000.0
 R1, R2, R3 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -647,7 +647,7 @@ def test_serve_counts_a_normal_log_beside_a_fifo_and_stops_on_sigterm(tmp_path):
     output = tmp_path / "serve.log"
     with output.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -10,8 +10,6 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port
-from kvwatch.collectors.config import Config, ExporterSettings, GatewayLog, StoreSettings
-from kvwatch.collectors.gatewaylog import MALFORMED_REASONS, GatewayLogFollower
 from kvwatch.collectors.gatewaylogs import (
     FORMATS,
     NO_UPSTREAM,
@@ -22,7 +20,9 @@ from kvwatch.collectors.gatewaylogs import (
     log_format,
     nginx,
 )
-from kvwatch.collectors.scheduler import Service
+from kvwatch.collectors.gatewaylogs.follower import MALFORMED_REASONS, GatewayLogFollower
+from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings
+from kvwatch.serve.scheduler import Service
 
 R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"
 

@@ -1,4 +1,4 @@
-"""The Grafana boards: generated from collectors/queries.py and committed up to date, linted the way
+"""The Grafana boards: generated from prometheus/queries.py and committed up to date, linted the way
 Grafana's dashboard-linter would (it cannot be installed here), and every panel's PromQL proven against
 the lab's real Prometheus, before and after the gateway's session affinity breaks: the verdict panels
 turn to the alert's state, and real sessions spread. Once kvwatch serve stops, the probe panels (and the
@@ -37,12 +37,13 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, stop_lab_serve
-from kvwatch.collectors import grafana, promql, queries
-from kvwatch.collectors.exporter import TTFT_BUCKETS
-from kvwatch.collectors.records import ERROR_KINDS
-from kvwatch.collectors.scheduler import GATEWAY_POLL_SECONDS
-from kvwatch.collectors.store import Store
+from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.dashboard.stats import CONFIDENCE
+from kvwatch.grafana import boards
+from kvwatch.prometheus import promql, queries
+from kvwatch.serve.exporter import TTFT_BUCKETS
+from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS
+from kvwatch.store.history import Store
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 IMPORTED = sorted((REPO / "grafana" / "import").glob("*.json"))
@@ -67,9 +68,9 @@ def every_query() -> dict[str, str]:
 
 
 def in_clusters(expr: str) -> str:
-    """A query of collectors/queries.py as the boards' time series and stats run it: narrowed to the
+    """A query of prometheus/queries.py as the boards' time series and stats run it: narrowed to the
     picked clusters, one series per cluster."""
-    return grafana.as_board_runs(expr, queries.CLUSTER_LABEL)
+    return boards.as_board_runs(expr, queries.CLUSTER_LABEL)
 
 
 def filled(expr: str) -> str:
@@ -77,9 +78,9 @@ def filled(expr: str) -> str:
 
 
 def test_committed_boards_are_exactly_the_generated_ones():
-    generated = grafana.dashboard_files()
+    generated = boards.dashboard_files()
     committed = {str(path.relative_to(REPO)) for path in PROVISIONED + IMPORTED}
-    assert committed == set(generated), "boards not produced by collectors/grafana.py, or missing"
+    assert committed == set(generated), "boards not produced by grafana/boards.py, or missing"
     for relative, text in generated.items():
         assert (REPO / relative).read_text() == text, f"{relative} is stale: run `make generate`"
 
@@ -87,15 +88,15 @@ def test_committed_boards_are_exactly_the_generated_ones():
 @pytest.mark.parametrize("path", PROVISIONED + IMPORTED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_board_structure(path: Path):
     board = load(path)
-    assert board["id"] is None and board["uid"] == grafana.uid(path.name) and 8 <= len(board["uid"]) <= 40
-    assert board["schemaVersion"] == grafana.SCHEMA_VERSION and board["title"]
+    assert board["id"] is None and board["uid"] == boards.uid(path.name) and 8 <= len(board["uid"]) <= 40
+    assert board["schemaVersion"] == boards.SCHEMA_VERSION and board["title"]
     ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids)), "panel ids repeat"
     cells: dict[tuple[int, int], str] = {}
     for panel in board["panels"]:
         pos = panel["gridPos"]
         assert set(pos) == {"h", "w", "x", "y"} and pos["w"] > 0 and pos["h"] > 0, panel["title"]
-        assert pos["x"] + pos["w"] <= grafana.GRID_WIDTH, panel["title"]
+        assert pos["x"] + pos["w"] <= boards.GRID_WIDTH, panel["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[x, y]}"
@@ -124,10 +125,10 @@ def test_every_panel_and_query_uses_the_datasource_variable(path: Path):
     (source,) = [v for v in variables if v["type"] == "datasource"]
     assert (source["name"], source["label"], source["query"]) == ("datasource", "Data source", "prometheus")
     for panel in panels(board):
-        assert panel["datasource"] == grafana.DATASOURCE, panel["title"]
-        assert panel["targets"] and all(t["datasource"] == grafana.DATASOURCE for t in panel["targets"])
+        assert panel["datasource"] == boards.DATASOURCE, panel["title"]
+        assert panel["targets"] and all(t["datasource"] == boards.DATASOURCE for t in panel["targets"])
     builtin = {"type": "grafana", "uid": "-- Grafana --"}  # the built-in annotations, in every board
-    hard_coded = [ref for ref in datasource_refs(board) if ref not in (grafana.DATASOURCE, builtin)]
+    hard_coded = [ref for ref in datasource_refs(board) if ref not in (boards.DATASOURCE, builtin)]
     assert not hard_coded, f"hard-coded data sources: {hard_coded}"
     for variable in variables:
         if variable["type"] == "query":
@@ -158,7 +159,7 @@ def test_panels_on_recording_rules_say_their_window_is_fixed():
     for path in PROVISIONED:
         for panel in panels(load(path)):
             reads_a_rule = any(name in t["expr"] for t in panel["targets"] for name in recorded)
-            assert reads_a_rule == (grafana.FIXED_WINDOW in panel["description"]), panel["title"]
+            assert reads_a_rule == (boards.FIXED_WINDOW in panel["description"]), panel["title"]
 
 
 def test_every_panel_query_is_a_named_dashboard_query():
@@ -168,7 +169,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
         values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
         for per_cluster in named:
             named[per_cluster] |= {
-                grafana.as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
+                boards.as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
                 for v in values
                 if name.isupper()
             }
@@ -177,7 +178,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
             for query in panel["targets"]:
                 per_cluster = query["format"] == "time_series"
                 assert query["expr"] in named[per_cluster], (
-                    f"{panel['title']}: PromQL typed in the board instead of collectors/queries.py"
+                    f"{panel['title']}: PromQL typed in the board instead of prometheus/queries.py"
                 )
 
 
@@ -199,13 +200,13 @@ def test_with_all_clusters_every_line_and_stat_keeps_its_cluster_and_names_it(pa
 def test_cluster_legends_read_well_without_the_label():
     """Grafana shows a label the series lacks as its name: one cluster without the label reads
     "cluster" for the cluster's line and "cluster / ..." before an instance's."""
-    assert grafana.cluster_legend("cluster", "cluster") == "{{cluster}}"
-    assert grafana.cluster_legend("{{instance}}", "region") == "{{region}} / {{instance}}"
+    assert boards.cluster_legend("cluster", "cluster") == "{{cluster}}"
+    assert boards.cluster_legend("{{instance}}", "region") == "{{region}} / {{instance}}"
     one_cluster = {"instance": "10.0.0.7:8000"}
-    assert grafana._legend(grafana.cluster_legend("{{instance}}", "cluster"), one_cluster) == (
+    assert boards._legend(boards.cluster_legend("{{instance}}", "cluster"), one_cluster) == (
         "cluster / 10.0.0.7:8000"
     )
-    assert grafana._legend(grafana.cluster_legend("cluster", "cluster"), one_cluster) == "cluster"
+    assert boards._legend(boards.cluster_legend("cluster", "cluster"), one_cluster) == "cluster"
 
 
 def test_board_queries_keep_every_grouping_and_match_per_cluster():
@@ -221,12 +222,12 @@ def test_board_queries_keep_every_grouping_and_match_per_cluster():
 
 def test_every_verdict_is_shown_as_its_alerts_state():
     """One stat per verdict on the overview, its query the alert's own, coloured by the alert's state."""
-    board = load(REPO / "grafana" / "dashboards" / grafana.OVERVIEW)
+    board = load(REPO / "grafana" / "dashboards" / boards.OVERVIEW)
     verdicts = [p for p in panels(board) if p["type"] == "stat" and p["targets"][0]["expr"] in VERDICT_STATES]
     assert sorted(p["targets"][0]["expr"] for p in verdicts) == sorted(VERDICT_STATES)
     for panel in verdicts:
         verdict = VERDICT_STATES[panel["targets"][0]["expr"]]
-        assert panel["links"] == [grafana.runbook_link(verdict.alert.name)], panel["title"]
+        assert panel["links"] == [boards.runbook_link(verdict.alert.name)], panel["title"]
         assert "the alert's own expression" in panel["description"], panel["title"]
         (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
         words = {int(value): (shown["text"], shown["color"]) for value, shown in mapping["options"].items()}
@@ -239,8 +240,8 @@ def test_every_board_marks_the_kvwatch_alerts():
         marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
         assert [(a["expr"], a["datasource"]) for a in marks] == [
             (
-                grafana.as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
-                grafana.DATASOURCE,
+                boards.as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
+                boards.DATASOURCE,
             )
         ], path.name
 

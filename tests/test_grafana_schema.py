@@ -25,8 +25,9 @@ import promql_parser
 import pytest
 
 from conftest import REPO
-from kvwatch.collectors import grafana, promql, queries
-from kvwatch.collectors.generate import generated_files
+from kvwatch.cli.generate import generated_files
+from kvwatch.grafana import boards
+from kvwatch.prometheus import promql, queries
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -42,7 +43,7 @@ def load(path: Path) -> dict:
 
 def broken_board() -> tuple[str, dict[str, int]]:
     """The drill-down with three mistakes the schema knows, and the line of each."""
-    board = grafana.drilldown()
+    board = boards.drilldown()
     panel = next(p for p in board["panels"] if p["type"] == "timeseries")
     panel["options"]["tooltip"]["mode"] = "several"  # not a tooltip mode
     panel["fieldConfig"]["defaults"]["custom"]["lineWidht"] = 1  # no such option
@@ -114,8 +115,8 @@ NO_ENGINE_JOB_OR_INSTANCE = {
     "numerator, which picks its series",
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
-# board's filters do not narrow (see grafana.verdict_stat).
-VERDICTS = {grafana.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in queries.VERDICTS}
+# board's filters do not narrow (see boards.verdict_stat).
+VERDICTS = {boards.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in queries.VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
     promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
@@ -242,7 +243,7 @@ def lint_variables(board: dict) -> list[str]:
             problems.append(f"template-{name}-rule: no {name} variable")
             continue
         label = JOB_LABEL if name == "job" else name.title()
-        wanted = {"datasource": grafana.DATASOURCE, "type": "query", "label": label, "multi": True,
+        wanted = {"datasource": boards.DATASOURCE, "type": "query", "label": label, "multi": True,
                   "allValue": ".+"}  # fmt: skip
         for key, value in wanted.items():
             if variable.get(key) != value:
@@ -293,7 +294,7 @@ def test_every_exclusion_is_still_needed():
 
 
 def test_the_linter_rules_find_each_mistake():
-    board = grafana.drilldown()
+    board = boards.drilldown()
     variables = {v["name"]: v for v in board["templating"]["list"]}
     variables["job"]["allValue"] = ".*"
     variables["instance"]["multi"] = False
@@ -349,7 +350,7 @@ def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
 
 def test_the_cluster_label_is_the_generators_to_set():
     boards = {name: text for name, text in generated_files(cluster_label="region").items() if ".json" in name}
-    assert len(boards) == 2 * len(grafana.BOARDS)
+    assert len(boards) == 2 * len(boards.BOARDS)
     for name, text in boards.items():
         board = json.loads(text)
         assert unnarrowed(board, "region") == [], name

@@ -18,13 +18,17 @@ import httpx
 import pytest
 import streamlit as st
 
-from kvwatch.collectors import blocksize, connections, doctor, grafana, queries
-from kvwatch.collectors.blocksize import BlockSizeSources
-from kvwatch.collectors.probe import ProbeSettings
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.blocksize import BlockSizeSources
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.core import connections
 from kvwatch.dashboard import data
+from kvwatch.doctor import checks
+from kvwatch.grafana import boards
 from kvwatch.lab import stack
 from kvwatch.lab.process import LabError, Process
 from kvwatch.lab.state import LabState
+from kvwatch.prometheus import queries
 
 TRICKLE_S = 0.04  # well inside every per-read timeout below: only a deadline over the whole exchange ends it
 DEADLINE_S = 0.2
@@ -99,26 +103,26 @@ def test_learning_the_block_size_gives_up_on_a_trickling_prometheus_and_metrics(
 
 @HANGS_WITHOUT_A_DEADLINE
 def test_the_doctor_gives_up_on_trickling_models_and_prometheus(trickle, monkeypatch):
-    monkeypatch.setattr(doctor, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
+    monkeypatch.setattr(checks, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
     probe = ProbeSettings(base_url=trickle, model="m", timeout_seconds=DEADLINE_S)
 
     async def ask(question):
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
             return await question(client)
 
-    assert within_deadline(lambda: asyncio.run(ask(lambda client: doctor._models(client, probe)))) is None
+    assert within_deadline(lambda: asyncio.run(ask(lambda client: checks._models(client, probe)))) is None
     with pytest.raises(httpx.TimeoutException):
         within_deadline(
-            lambda: asyncio.run(ask(lambda client: doctor._caching_off_in_prometheus(client, trickle)))
+            lambda: asyncio.run(ask(lambda client: checks._caching_off_in_prometheus(client, trickle)))
         )
 
 
 @HANGS_WITHOUT_A_DEADLINE
 def test_the_readme_picture_gives_up_on_a_trickling_prometheus(trickle, monkeypatch):
-    monkeypatch.setattr(grafana, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
+    monkeypatch.setattr(boards, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
     query = {"expr": "up", "instant": True}
     with pytest.raises(httpx.TimeoutException):
-        within_deadline(lambda: grafana.evaluate(trickle, query, start=0.0, end=60.0, window="5m"))
+        within_deadline(lambda: boards.evaluate(trickle, query, start=0.0, end=60.0, window="5m"))
 
 
 @HANGS_WITHOUT_A_DEADLINE

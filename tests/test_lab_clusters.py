@@ -18,9 +18,9 @@ from test_alerts_lab import received, wait_for
 from test_rules_lab import Served, Window, reuse
 
 from conftest import Lab, free_base_port, http_get, kill_lab_processes, kvwatch
-from kvwatch.collectors import queries
 from kvwatch.lab.configs import scale_durations
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE
+from kvwatch.prometheus import queries
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, http_get
-from kvwatch.collectors.config import load_config
-from kvwatch.collectors.store import Store
-from kvwatch.lab.cli import DEFAULT_REPLICAS
+from kvwatch.cli.lab import DEFAULT_REPLICAS
+from kvwatch.core.config import load_config
+from kvwatch.store.history import Store
 
 WAIT_S = 30.0
 SESSIONS_PER_TARGET = 4  # two probe runs of each target

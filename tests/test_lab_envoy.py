@@ -29,7 +29,7 @@ from conftest import (
     heal_if_faulted,
     upstreams,
 )
-from kvwatch.collectors.cli import main
+from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import log_format
 from kvwatch.lab import stack
 from kvwatch.lab.gateways import envoy

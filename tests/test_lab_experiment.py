@@ -19,8 +19,10 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, experiment_replica_bars, http_get, http_post, kvwatch
-from kvwatch.collectors.config import Config, DashboardSettings, Target
-from kvwatch.collectors.experiment import (
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.core.config import Config, DashboardSettings, Target
+from kvwatch.dashboard import data
+from kvwatch.experiment.runner import (
     FILES,
     TTFT_QUANTILES,
     Load,
@@ -31,8 +33,6 @@ from kvwatch.collectors.experiment import (
     run_experiment,
     write_outputs,
 )
-from kvwatch.collectors.probe import ProbeSettings
-from kvwatch.dashboard import data
 
 pytestmark = pytest.mark.integration
 

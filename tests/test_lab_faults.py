@@ -334,7 +334,7 @@ def lab_command(lab, stderr: Path, *args: str) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
-        "kvwatch.collectors.cli",
+        "kvwatch.cli.main",
         "lab",
         *args,
         "--state-dir",

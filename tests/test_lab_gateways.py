@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from conftest import free_base_port
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.config import load_config
+from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import FORMATS
+from kvwatch.core.config import load_config
 from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
 from kvwatch.lab.gateways import GATEWAYS, envoy
 from kvwatch.lab.state import LabState, ReplicaSpec

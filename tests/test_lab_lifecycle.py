@@ -118,7 +118,7 @@ def test_a_taken_port_is_named_and_nothing_starts(tmp_path):
 def test_ctrl_c_on_a_foreground_lab_stops_everything(tmp_path):
     state_dir, base = tmp_path / "state", free_base_port()
     command = [
-        *(sys.executable, "-m", "kvwatch.collectors.cli", "lab", "up", "--replicas", "1", "--users", "1"),
+        *(sys.executable, "-m", "kvwatch.cli.main", "lab", "up", "--replicas", "1", "--users", "1"),
         *("--think", "0.1", "--time-scale", "0.1", "--base-port", str(base), "--state-dir", str(state_dir)),
     ]
     log = tmp_path / "up.log"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvwatch.collectors.cli import main
+from kvwatch.cli.main import main
 from kvwatch.lab import stack
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, render_prometheus
 from kvwatch.lab.process import LabError

@@ -8,12 +8,12 @@ import time
 
 import pandas as pd
 
-from kvwatch.collectors.config import Config, GatewayLog, StoreSettings
-from kvwatch.collectors.naming import replica_name
+from kvwatch.cli.lab import _print_status
+from kvwatch.core.config import Config, GatewayLog, StoreSettings
+from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.data import Result
 from kvwatch.lab import stack
-from kvwatch.lab.cli import _print_status
 from kvwatch.lab.state import LabState, ReplicaSpec
 
 

@@ -24,10 +24,10 @@ from loopback import QuietHandler, answering_bytes, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
-from kvwatch.collectors import probe as probe_module
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.exporter import ProbeCollector, ProbeResults
-from kvwatch.collectors.probe import (
+from kvwatch.cli.main import main
+from kvwatch.collectors.probe import session as probe_module
+from kvwatch.collectors.probe.records import ERROR_KINDS, RoundResult, SessionResult
+from kvwatch.collectors.probe.session import (
     HINTS,
     MAX_ANSWER_BYTES,
     MAX_STREAM_LINES,
@@ -40,10 +40,10 @@ from kvwatch.collectors.probe import (
     run_session,
     run_sessions,
 )
-from kvwatch.collectors.records import ERROR_KINDS, RoundResult, SessionResult
-from kvwatch.collectors.store import Store
-from kvwatch.collectors.streaming import StreamClient
-from kvwatch.collectors.workload import Conversation, synthetic
+from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.workload import Conversation, synthetic
+from kvwatch.serve.exporter import ProbeCollector, ProbeResults
+from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
 
@@ -562,7 +562,7 @@ def test_a_sessions_rounds_share_one_kept_alive_connection():
 
 def test_a_stream_held_open_after_done_still_answers_its_round(monkeypatch):
     """[DONE] ends the round; a server that then keeps the response open costs the connection only."""
-    monkeypatch.setattr("kvwatch.collectors.probe.END_GRACE_SECONDS", 0.05)
+    monkeypatch.setattr("kvwatch.collectors.probe.session.END_GRACE_SECONDS", 0.05)
     clients = []
 
     async def gateway(request: web.Request) -> web.StreamResponse:
@@ -899,7 +899,7 @@ def echoing(forms: list[str]):
 async def run_kvwatch(*args: str, env: dict | None = None) -> tuple[int | None, str, str]:
     """`kvwatch ARGS` in a process of its own: its exit code, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvwatch.collectors.cli", *args, cwd=REPO, env={**os.environ, **(env or {})},
+        sys.executable, "-m", "kvwatch.cli.main", *args, cwd=REPO, env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)

@@ -14,9 +14,9 @@ import pytest
 from loopback import QuietHandler, loopback_http
 
 from conftest import REPO, free_port
-from kvwatch.collectors.cli import main
-from kvwatch.collectors.doctor import CHECKS
-from kvwatch.collectors.progress import Progress
+from kvwatch.cli.main import main
+from kvwatch.core.progress import Progress
+from kvwatch.doctor.checks import CHECKS
 
 USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
 STREAM = "".join(
@@ -84,7 +84,7 @@ def on_a_terminal(args: list[str]) -> tuple[int, str]:
 
     async def run() -> int:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvwatch.collectors.cli", *args, cwd=REPO,
+            sys.executable, "-m", "kvwatch.cli.main", *args, cwd=REPO,
             stdout=asyncio.subprocess.DEVNULL, stderr=terminal,
         )  # fmt: skip
         return await asyncio.wait_for(process.wait(), timeout=60)

@@ -7,7 +7,7 @@ import promql_parser
 import pytest
 from test_grafana_schema import expand, selectors
 
-from kvwatch.collectors import promql, queries
+from kvwatch.prometheus import promql, queries
 
 MATCHER = 'cluster=~"$cluster"'
 

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
 from conftest import REPO, free_port, http_get, http_post
-from kvwatch.collectors.probe import ProbeSettings, probe_once
-from kvwatch.collectors.workload import synthetic
+from kvwatch.collectors.probe.session import ProbeSettings, probe_once
+from kvwatch.collectors.probe.workload import synthetic
 from kvwatch.lab.server import ARRIVAL_KEY, ArrivalDating, dated_arrival
 
 pytestmark = pytest.mark.integration
@@ -340,7 +340,7 @@ def test_taken_port_gives_a_clear_message(start_replica):
         [
             sys.executable,
             "-m",
-            "kvwatch.collectors.cli",
+            "kvwatch.cli.main",
             "lab",
             "replica",
             "--port",
@@ -359,7 +359,7 @@ def test_taken_port_gives_a_clear_message(start_replica):
 
 def test_bad_replica_options_are_named():
     result = subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "replica", "--port", str(free_port()),
+        [sys.executable, "-m", "kvwatch.cli.main", "lab", "replica", "--port", str(free_port()),
          "--id", "r1", "--cache-blocks", "0", "--prefill-rate", "-1"],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip

@@ -18,11 +18,12 @@ import pytest
 import yaml
 
 from conftest import free_base_port, free_port, http_get, stop, wait_http
-from kvwatch.collectors import grafana, queries
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
+from kvwatch.grafana import boards
 from kvwatch.lab.configs import rule_files
 from kvwatch.lab.stack import prometheus_process
 from kvwatch.lab.state import LabState
+from kvwatch.prometheus import queries
 
 ROUTERS = Path(__file__).parent / "testdata" / "routers"
 # Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky
@@ -106,8 +107,8 @@ def value(prometheus: str, expr: str) -> float | None:
 
 def router_panel_queries() -> set[str]:
     """The queries of the overview's router row and of its router verdict panel."""
-    layout = grafana.Layout()
-    grafana.router_row(layout)
+    layout = boards.Layout()
+    boards.router_row(layout)
     row = {t["expr"] for panel in layout.panels for t in panel.get("targets", [])}
     return row | {queries.ROUTER_PREDICTION_MISS.state}
 

@@ -1,4 +1,4 @@
-"""Recording rules: generated from collectors/queries.py, valid for promtool, and unit-tested by it."""
+"""Recording rules: generated from prometheus/queries.py, valid for promtool, and unit-tested by it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.collectors import generate, queries
+from kvwatch.cli import generate
+from kvwatch.prometheus import queries
 
 RULE_FILES = sorted((REPO / "prometheus" / "rules").glob("*.yml")) + sorted(
     (REPO / "alerts").glob("*.rules.yml")
@@ -71,7 +72,7 @@ def test_make_generate_passes_its_runbook_url_variable_to_the_generator():
     wiki = "https://wiki.example.net/sre/kvwatch-runbook"
     planned = subprocess.run(["make", "-n", "generate", f"RUNBOOK_URL={wiki}"], cwd=REPO,
                              capture_output=True, text=True, timeout=30).stdout  # fmt: skip
-    assert f"-m kvwatch.collectors.generate --runbook-url {wiki}\n" in planned
+    assert f"-m kvwatch.cli.generate --runbook-url {wiki}\n" in planned
 
 
 @pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)

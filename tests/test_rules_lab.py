@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import http_get
-from kvwatch.collectors import queries
 from kvwatch.lab.configs import scale_durations
+from kvwatch.prometheus import queries
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
 
-from kvwatch.collectors.config import Config, ExporterSettings, StoreSettings, Target
-from kvwatch.collectors.scheduler import Service, every
+from kvwatch.core.config import Config, ExporterSettings, StoreSettings, Target
+from kvwatch.serve.scheduler import Service, every
 
 INTERVAL = 30.0
 

@@ -19,9 +19,9 @@ from prometheus_client import generate_latest
 from test_engines import sgl_router_0_2
 
 from conftest import free_port, kvwatch
-from kvwatch.collectors.cli import build_parser, main
+from kvwatch.cli.main import build_parser, main
 from kvwatch.collectors.engines import FLAVOURS
-from kvwatch.collectors.scrape import metrics_url, scrape
+from kvwatch.collectors.engines.scrape import metrics_url, scrape
 from kvwatch.lab.flavours import CacheConfig, Prefill, make_metrics
 
 TESTDATA = Path(__file__).parent / "testdata"

@@ -31,9 +31,11 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, stop, wait_http
-from kvwatch.collectors import blocksize, shard
-from kvwatch.collectors import probe as probe_module
-from kvwatch.collectors.config import (
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe import session as probe_module
+from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.core.config import (
+    LAB_DIRECTORY,
     PROMETHEUS_LABELS,
     Config,
     ExporterSettings,
@@ -41,13 +43,13 @@ from kvwatch.collectors.config import (
     Target,
     Workload,
 )
-from kvwatch.collectors.exporter import label_names
-from kvwatch.collectors.scheduler import Service
-from kvwatch.collectors.store import Store
-from kvwatch.collectors.streaming import StreamClient
 from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
-from kvwatch.lab.state import DEFAULT_DIRECTORY, LabState
+from kvwatch.lab.state import LabState
+from kvwatch.serve import shard
+from kvwatch.serve.exporter import label_names
+from kvwatch.serve.scheduler import Service
+from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +68,7 @@ def sample(found: dict, name: str, **labels) -> float | None:
 
 
 def test_the_lab_runs_the_shipped_example_config():
-    state = LabState(DEFAULT_DIRECTORY, 18000)
+    state = LabState(LAB_DIRECTORY, 18000)
     rendered = yaml.safe_load(render_kvwatch_config(state))
     assert rendered == yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
 
@@ -158,7 +160,7 @@ def start_serve(
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config), *options],
+            [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -196,7 +198,7 @@ def test_serve_stops_cleanly_on_sigterm_and_names_a_bad_config(tmp_path: Path, s
 
     config.write_text("targets: [{name: x, base_url: 'ftp://nope', model: m}]\n")
     bad = subprocess.run(
-        [sys.executable, "-m", "kvwatch.collectors.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config)],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert bad.returncode == 1 and "targets[0].base_url" in bad.stderr

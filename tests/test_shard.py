@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from kvwatch.collectors import shard
-from kvwatch.collectors.cli import build_parser
-from kvwatch.collectors.config import Config, StoreSettings, Target
-from kvwatch.collectors.scheduler import Service
+from kvwatch.cli.main import build_parser
+from kvwatch.core.config import Config, StoreSettings, Target
+from kvwatch.serve import shard
+from kvwatch.serve.scheduler import Service
 
 NAMES = [f"route-{i}" for i in range(60)]
 

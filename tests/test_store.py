@@ -28,9 +28,9 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 from prometheus_client import CollectorRegistry
 
 from conftest import free_port
-from kvwatch.collectors.records import RoundResult, SessionResult
-from kvwatch.collectors.store import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
-from kvwatch.collectors.stores.postgres import LOCK_SPACE
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.store.history import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from kvwatch.store.postgres import LOCK_SPACE
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -563,7 +563,7 @@ def test_writer_is_not_blocked_by_an_open_read_transaction(tmp_path):
 
 READER = """
 import os, sys, time
-from kvwatch.collectors.store import Store
+from kvwatch.store.history import Store
 
 store = Store(sys.argv[1], readonly=True, password=os.environ["STORE_PASSWORD"])
 total, seen = int(sys.argv[2]), None
@@ -623,7 +623,7 @@ def test_threads_share_one_store(store):
 def short_busy_timeout(monkeypatch):
     """The database's own wait for a lock, shortened so that the writer's retries take over within the
     test."""
-    monkeypatch.setattr("kvwatch.collectors.stores.base.BUSY_TIMEOUT_SECONDS", 0.05)
+    monkeypatch.setattr("kvwatch.store.base.BUSY_TIMEOUT_SECONDS", 0.05)
 
 
 LOCKED = "database is locked|canceling statement due to lock timeout"  # SQLite's, PostgreSQL's
@@ -868,7 +868,9 @@ def test_a_password_in_the_store_urls_query_shows_in_no_store_error_or_dropped_w
             writer.submit(store.add_session, session()).result(timeout=30)
         writer.close()
     shown += [str(dropped.value), caplog.text]
-    assert all("password=[redacted]" in line for line in shown[:3]), shown
+    naming_the_store = [line for line in shown if "postgresql://" in line]
+    assert len(naming_the_store) >= 2, shown
+    assert all("password=[redacted]" in line for line in naming_the_store), shown
     assert "store write add_session dropped" in caplog.text
     assert not [line for line in shown if secret in line]
 

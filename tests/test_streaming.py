@@ -20,8 +20,8 @@ import h11
 import pytest
 
 from conftest import free_port, stop
-from kvwatch.collectors import streaming
-from kvwatch.collectors.streaming import (
+from kvwatch.collectors.probe import streaming
+from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
     ConnectFailed,
     ProtocolError,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvwatch.lab.tokenizer import TemplateError, answer_words, render_chat, tokenize
+from kvwatch.core.tokenizer import TemplateError, answer_words, render_chat, tokenize
 
 
 def test_tokenize_is_deterministic_one_token_per_word_or_mark():

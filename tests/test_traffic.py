@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from conftest import REPO, free_port, http_post, stop
-from kvwatch.collectors.cli import main
+from kvwatch.cli.main import main
 from kvwatch.lab.traffic import TrafficSettings, run_users
 
 pytestmark = pytest.mark.integration
@@ -136,7 +136,7 @@ def test_users_stop_promptly_even_mid_request():
 def test_cli_sends_traffic_and_exits_0_on_sigterm(start_replica, tmp_path):
     replica = start_replica("r1", "vllm", *FAST)
     log = tmp_path / "traffic.log"
-    command = [sys.executable, "-m", "kvwatch.collectors.cli", "lab", "traffic", "--url", replica.url]
+    command = [sys.executable, "-m", "kvwatch.cli.main", "lab", "traffic", "--url", replica.url]
     command += ["--users", "2", "--rounds", "2", "--think", "0.05", "--system-tokens", "50"]
     command += ["--turn-tokens", "10", "--max-tokens", "8", "--session-mode", "client"]
     with log.open("w") as out:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.collectors import queries
-from kvwatch.collectors.queries import FIRING, OK, PENDING
+from kvwatch.prometheus import queries
+from kvwatch.prometheus.queries import FIRING, OK, PENDING
 
 EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
 ENGINE = 'job="replicas", instance="127.0.0.1:18010"'

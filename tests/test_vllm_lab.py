@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group
-from kvwatch.collectors import queries
 from kvwatch.lab.configs import scale_durations
+from kvwatch.prometheus import queries
 
 pytestmark = pytest.mark.integration
 

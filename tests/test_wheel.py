@@ -65,7 +65,7 @@ def test_the_wheel_installs_the_kvwatch_namespace_only(installed, tmp_path):
     version = run(installed, tmp_path, "kvwatch", "--version")
     assert version.returncode == 0 and version.stdout.startswith("kvwatch "), version.stderr
     imports = run(
-        installed, tmp_path, "python", "-c", "import kvwatch.collectors.cli, kvwatch.lab, kvwatch.dashboard"
+        installed, tmp_path, "python", "-c", "import kvwatch.cli.main, kvwatch.lab, kvwatch.dashboard"
     )
     assert imports.returncode == 0, imports.stderr
     for package in ("collectors", "lab", "dashboard"):

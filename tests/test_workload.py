@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwatch.collectors import workload
-from kvwatch.collectors.workload import (
+from kvwatch.collectors.probe import workload
+from kvwatch.collectors.probe.workload import (
     DEFAULT_SYSTEM_PROMPT,
     Conversation,
     load_sharegpt,
@@ -19,7 +19,7 @@ from kvwatch.collectors.workload import (
     system_prompt,
     user_turns,
 )
-from kvwatch.lab.tokenizer import split_words
+from kvwatch.core.tokenizer import split_words
 
 SAMPLE = Path(__file__).parent / "testdata" / "sharegpt-sample.json"
 

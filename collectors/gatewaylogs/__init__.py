@@ -1,6 +1,6 @@
 """Gateway access-log formats behind one interface: one module per format (`nginx`, `envoy`).
 
-Each turns one decoded JSON line into the `Request` that the follower (collectors/gatewaylog.py)
+Each turns one decoded JSON line into the `Request` that the follower (collectors/gatewaylogs/follower.py)
 counts; a gateway log's `format` in the config picks one by name.
 """
 

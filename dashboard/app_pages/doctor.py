@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvwatch.collectors.redaction import redact
+from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 
 SAMPLE = "Request sample (optional): a JSONL file of real request payloads, to find dynamic prompt prefixes"

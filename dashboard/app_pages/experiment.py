@@ -13,8 +13,8 @@ from pathlib import Path
 import plotly.express as px
 import streamlit as st
 
-from kvwatch.collectors.config import Target
-from kvwatch.collectors.redaction import redact
+from kvwatch.core.config import Target
+from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 
 

@@ -10,11 +10,11 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from kvwatch.collectors import queries
-from kvwatch.collectors.config import Config, GatewayLog, Target
-from kvwatch.collectors.redaction import redact
+from kvwatch.core.config import Config, GatewayLog, Target
+from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.ui import Verdict
+from kvwatch.prometheus import queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
 LAST_RUN = "in the last probe run, as the alert judges it"

@@ -10,8 +10,8 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
-from kvwatch.collectors import queries
 from kvwatch.dashboard import data, ui
+from kvwatch.prometheus import queries
 
 # The first cache series an instance exports names its engine (the order of collectors.queries).
 ENGINES = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvwatch.collectors.connections import request_sync
+from kvwatch.core.connections import request_sync
 from kvwatch.lab.process import Process
 from kvwatch.lab.state import LabState
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from kvwatch.collectors.connections import request_sync
+from kvwatch.core.connections import request_sync
 from kvwatch.lab.gateways.base import (
     GENERATION_PATH,
     LISTENERS,

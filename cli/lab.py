@@ -1,0 +1,509 @@
+"""`kvwatch lab ...`: run the simulated cluster and its parts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvwatch.core.config import LAB_DIRECTORY
+from kvwatch.lab import stack
+from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
+from kvwatch.lab.flavours import FLAVOURS
+from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
+from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.stack import FAULTS
+from kvwatch.lab.state import (
+    CLUSTER_PORT_STRIDE,
+    MAX_CLUSTER_REPLICAS,
+    MAX_CLUSTERS,
+    LabState,
+)
+
+# Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
+# (interleaved) and six rounds, 5 replicas bring a session back to a replica holding its history only in
+# round 6, so round robin's warm rounds pay the prefill; 4 replicas gave every round from 3 on round
+# n - 2's cache, and round robin looked as warm as affinity. Real vLLM on CPU: two replicas, one core
+# each on a 2-core machine, and lighter background traffic.
+DEFAULT_REPLICAS = {"sim": 5, "vllm": 2}
+DEFAULT_USERS = {"sim": 4, "vllm": 2}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    lab = subparsers.add_parser(
+        "lab", help="run the simulated cluster (the lab)", description="Run the simulated cluster."
+    )
+    commands = lab.add_subparsers(dest="lab_command", metavar="COMMAND", required=True)
+    _add_stack_commands(commands)
+    _add_replica(commands)
+    _add_traffic(commands)
+
+
+def _add_replica(commands: argparse._SubParsersAction) -> None:
+    defaults = ReplicaSettings(replica_id="")
+    replica = commands.add_parser(
+        "replica",
+        help="serve one simulated vLLM / SGLang replica on 127.0.0.1",
+        description="Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
+        "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults.",
+    )
+    replica.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
+    replica.add_argument("--id", required=True, dest="replica_id", help="replica name, e.g. r1")
+    replica.add_argument(
+        "--flavour",
+        choices=sorted(FLAVOURS),
+        default=defaults.flavour,
+        help="engine whose metrics to expose (default %(default)s)",
+    )
+    replica.add_argument("--model", default=defaults.model, help="served model name")
+    replica.add_argument(
+        "--block-size",
+        type=int,
+        default=defaults.block_size,
+        help="prefix-cache block size in tokens (default %(default)s)",
+    )
+    replica.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=defaults.cache_blocks,
+        help="prefix-cache capacity in blocks (default %(default)s)",
+    )
+    replica.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=defaults.prefill_tokens_per_s,
+        dest="prefill_tokens_per_s",
+        help="prefill tokens per second (default %(default)s)",
+    )
+    replica.add_argument(
+        "--decode-rate",
+        type=float,
+        default=defaults.decode_tokens_per_s,
+        dest="decode_tokens_per_s",
+        help="decode tokens per second per sequence (default %(default)s)",
+    )
+    replica.add_argument(
+        "--overhead",
+        type=float,
+        default=defaults.request_overhead_s,
+        dest="request_overhead_s",
+        help="fixed seconds per request (default %(default)s)",
+    )
+    replica.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        help="concurrent sequences before requests wait (default %(default)s)",
+    )
+    replica.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=defaults.answer_tokens,
+        help="tokens per answer unless max_tokens is lower (default %(default)s)",
+    )
+    replica.add_argument(
+        "--time-scale",
+        type=float,
+        default=defaults.time_scale,
+        help="multiply every simulated delay, e.g. 0.1 for fast tests",
+    )
+    replica.add_argument(
+        "--answer-style",
+        choices=ANSWER_STYLES,
+        default=defaults.answer_style,
+        help="content: answer text; reasoning: a reasoning model's thinking (delta.reasoning in the vllm "
+        "flavour, else delta.reasoning_content) before the text; tool-call: delta.tool_calls and no "
+        "text (default %(default)s)",
+    )
+    replica.add_argument(
+        "--no-identity-header",
+        action="store_false",
+        dest="identity_header",
+        help="do not send X-Worker-Id (like a real engine, which names no replica)",
+    )
+    replica.add_argument(
+        "--ground-truth",
+        type=Path,
+        dest="ground_truth_path",
+        help="also append every request's ground truth to this JSONL file",
+    )
+    replica.add_argument(
+        "--ground-truth-max-bytes",
+        type=int,
+        default=defaults.ground_truth_max_bytes,
+        metavar="BYTES",
+        help="rename the ground-truth file to FILE.1 (replacing the one before) at this size "
+        "(default %(default)s: 64 MiB)",
+    )
+    replica.add_argument("--seed", type=int, default=defaults.seed, help="seed of the error fault")
+    replica.set_defaults(handler=_run_replica)
+
+
+def _add_traffic(commands: argparse._SubParsersAction) -> None:
+    from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
+
+    defaults = TrafficSettings(url="")
+    traffic = commands.add_parser(
+        "traffic",
+        help="simulate users holding multi-turn conversations through a gateway",
+        description="Run concurrent simulated users, each holding one multi-turn conversation after "
+        "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM.",
+    )
+    traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
+    for flag, dest, kind, text in (
+        ("--users", "users", int, "concurrent users"),
+        ("--rounds", "rounds", int, "rounds per conversation"),
+        ("--think", "think_seconds", float, "seconds a user thinks between rounds"),
+        ("--system-tokens", "system_tokens", int, "tokens of the shared system prompt"),
+        ("--turn-tokens", "turn_tokens", int, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, "max_tokens of each request"),
+        ("--seed", "seed", int, "seed of the prompts and pauses"),
+        ("--timeout", "timeout_seconds", float, "seconds before a round counts as failed"),
+    ):
+        traffic.add_argument(
+            flag,
+            type=kind,
+            dest=dest,
+            default=getattr(defaults, dest),
+            metavar="N" if kind is int else "SECONDS",
+            help=f"{text} (default %(default)s)",
+        )
+    traffic.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=defaults.session_mode,
+        help="server: adopt the X-Session-Id the gateway returns; client: one new id per conversation; "
+        "none: send no session header (default %(default)s)",
+    )
+    traffic.add_argument(
+        "--control",
+        type=Path,
+        dest="control_path",
+        metavar="FILE",
+        help='JSON file read before each conversation, e.g. {"dynamic_prefix": true}',
+    )
+    traffic.add_argument(
+        "--requests-sample",
+        type=Path,
+        dest="requests_sample",
+        metavar="FILE",
+        help='append every request\'s {"messages": [...]} to this JSONL file',
+    )
+    traffic.set_defaults(handler=run_cli)
+
+
+def _run_replica(args: argparse.Namespace) -> int:
+    from kvwatch.lab.server import PortInUse, serve
+
+    fields = ReplicaSettings.__dataclass_fields__
+    settings = ReplicaSettings(**{k: v for k, v in vars(args).items() if k in fields})
+    problems = [
+        f"--{name.replace('_', '-')} must be positive"
+        for name in ("block_size", "cache_blocks", "max_num_seqs", "answer_tokens", "ground_truth_max_bytes")
+        if getattr(settings, name) < 1
+    ] + [
+        f"{flag} must be positive"
+        for flag, value in (
+            ("--prefill-rate", settings.prefill_tokens_per_s),
+            ("--decode-rate", settings.decode_tokens_per_s),
+            ("--time-scale", settings.time_scale),
+        )
+        if value <= 0
+    ]
+    if settings.request_overhead_s < 0:
+        problems.append("--overhead must not be negative")
+    if problems:
+        print("kvwatch lab replica: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        asyncio.run(serve(settings, args.port))
+    except PortInUse as error:
+        print(f"kvwatch lab replica: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _state_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=LAB_DIRECTORY,
+        help="where the lab keeps configs, logs and PIDs (default %(default)s)",
+    )
+
+
+def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, default: str) -> None:
+    """A choice of one member of a family (a registry of kinds), each member's help in the option's."""
+    parser.add_argument(
+        flag,
+        choices=sorted(family),
+        default=default,
+        help="; ".join(f"{name}: {member.help}" for name, member in sorted(family.items()))
+        + " (default %(default)s)",
+    )
+
+
+def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser(
+        "up",
+        help="start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users",
+        description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
+        "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
+    )
+    _family_argument(up, "--engine", KINDS, "sim")
+    _family_argument(up, "--gateway", GATEWAYS, "nginx")
+    up.add_argument(
+        "--envoy-lb",
+        choices=sorted(LOAD_BALANCERS),
+        help="the consistent hash of Envoy's affinity cluster: ring-hash (RING_HASH, Istio's default) or "
+        "maglev (MAGLEV); with --gateway envoy (default ring-hash)",
+    )
+    up.add_argument(
+        "--replicas",
+        type=int,
+        help=f"number of replicas (default {DEFAULT_REPLICAS['sim']}, or {DEFAULT_REPLICAS['vllm']} "
+        "with --engine vllm)",
+    )
+    up.add_argument(
+        "--flavours",
+        help="comma-separated metric flavours of simulated replicas, assigned in turn (default vllm)",
+    )
+    up.add_argument("--fast", action="store_true", help="1 s scrape and rule evaluation (for tests)")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=18000,
+        help="first of the lab's ports; replicas start at base + 10 (default %(default)s)",
+    )
+    up.add_argument("--time-scale", type=float, default=1.0, help="replica delay multiplier (default 1)")
+    up.add_argument(
+        "--users",
+        type=int,
+        help=f"concurrent background users through the affinity gateway; 0 for none (default "
+        f"{DEFAULT_USERS['sim']}, or {DEFAULT_USERS['vllm']} with --engine vllm)",
+    )
+    up.add_argument(
+        "--think",
+        type=float,
+        default=1.0,
+        help="seconds a background user thinks between rounds (default %(default)s)",
+    )
+    up.add_argument(
+        "--rule-time-scale",
+        type=float,
+        default=1.0,
+        help="run rule windows, `for` and Alertmanager timers at this fraction of production, e.g. 0.1",
+    )
+    up.add_argument(
+        "--no-probes",
+        dest="probes",
+        action="store_false",
+        help="kvwatch serve runs without its scheduled probes (for measurements that want no extra traffic)",
+    )
+    up.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not start the Streamlit dashboard (Prometheus, Alertmanager and kvwatch serve still run)",
+    )
+    up.add_argument(
+        "--clusters",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N clusters a, b, ... (each with its replicas, gateway, kvwatch and an agent Prometheus "
+        "remote-writing with external label cluster) feeding one central Prometheus, which evaluates "
+        "kvwatch's rules and alerts the lab's Alertmanager; cluster i takes the ports from base + "
+        f"{CLUSTER_PORT_STRIDE} * (i + 1) (default %(default)s)",
+    )
+    up.add_argument("--detach", action="store_true", help="return once the lab is up")
+    _state_dir_argument(up)
+    up.set_defaults(handler=_run_up)
+
+    down = commands.add_parser("down", help="stop every process of the lab, by PID")
+    _state_dir_argument(down)
+    down.set_defaults(handler=_run_down)
+
+    status = commands.add_parser("status", help="print every URL of the running lab")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _state_dir_argument(status)
+    status.set_defaults(handler=_run_status)
+
+    fault = commands.add_parser(
+        "fault", help="break the lab on purpose", description="Inject a fault; `kvwatch lab heal` undoes all."
+    )
+    fault.add_argument("name", choices=FAULTS, metavar="NAME", help=", ".join(FAULTS))
+    fault.add_argument("replica_id", nargs="?", help="replica for kill-replica / restart-replica")
+    fault.add_argument("--replica", help="replica id, e.g. r2")
+    fault.add_argument("--cluster", help="the cluster to break, in a lab of several (lab up --clusters)")
+    _state_dir_argument(fault)
+    fault.set_defaults(handler=_run_fault)
+
+    heal = commands.add_parser("heal", help="undo every fault")
+    heal.add_argument("--cluster", help="heal only this cluster, in a lab of several (default: every one)")
+    _state_dir_argument(heal)
+    heal.set_defaults(handler=_run_heal)
+
+
+def _fail(message: str) -> int:
+    print(f"kvwatch lab: {message}", file=sys.stderr)
+    return 1
+
+
+def _print_status(info: dict) -> None:
+    if "clusters" in info:
+        for name in ("prometheus", "alertmanager"):
+            print(f"central {name:<12} {info[name] or '-'}")
+        print(f"state and logs       {info['state_dir']}")
+        for name, cluster in info["clusters"].items():
+            print(f"\ncluster {name}")
+            _print_status(cluster)
+        return
+    print(f"engine               {info['engine']}, model {info['model']}")
+    print(f"gateway              {info['gateway']}")
+    print(f"affinity gateway     {info['gateways']['affinity']}")
+    print(f"round-robin gateway  {info['gateways']['round_robin']}")
+    for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
+        print(f"{name:<20} {info[name] or '-'}")
+    for replica in info["replicas"]:
+        caching = "" if replica["prefix_caching"] else ", prefix caching off"
+        print(f"replica {replica['name']:<28} {replica['url'] or 'down'} ({replica['flavour']}{caching})")
+    print(f"background users     {info['traffic_users']}")
+    print(f"faults               {', '.join(info['faults_described']) or 'none'}")
+    print(f"state and logs       {info['state_dir']}")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    kind = KINDS[args.engine]
+    if kind.flavour and args.flavours is not None:
+        return _fail(
+            f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
+        )
+    if args.envoy_lb and args.gateway != "envoy":
+        return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
+    flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
+    unknown = sorted(set(flavours) - set(FLAVOURS))
+    if unknown or not flavours:
+        return _fail(
+            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
+        )
+    args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
+    args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users
+    if (
+        args.replicas < 1
+        or args.users < 0
+        or args.time_scale <= 0
+        or args.think < 0
+        or args.rule_time_scale <= 0
+    ):
+        return _fail(
+            "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
+        )
+    if not 1 <= args.clusters <= MAX_CLUSTERS:
+        return _fail(f"--clusters must be from 1 to {MAX_CLUSTERS}: their ports share one block of 100")
+    if args.clusters > 1 and args.replicas > MAX_CLUSTER_REPLICAS:
+        return _fail(f"--replicas must be at most {MAX_CLUSTER_REPLICAS} a cluster with --clusters")
+    try:
+        with stack.locked(args.state_dir.resolve(), _say_waiting):
+            state = stack.up(
+                args.state_dir,
+                args.base_port,
+                args.replicas,
+                flavours,
+                args.clusters,
+                fast=args.fast,
+                time_scale=args.time_scale,
+                users=args.users,
+                think_seconds=args.think,
+                rule_time_scale=args.rule_time_scale,
+                probes=args.probes,
+                dashboard=args.dashboard,
+                engine=kind.name,
+                gateway=args.gateway,
+                envoy_lb=args.envoy_lb or "ring-hash",
+            )
+    except stack.LabError as error:
+        return _fail(str(error))
+    except KeyboardInterrupt:
+        print("Interrupted while starting; everything started was stopped.", file=sys.stderr)
+        return 130
+    _print_status(stack.status(state))
+    if args.detach:
+        print("The lab runs in the background; stop it with `kvwatch lab down`.")
+        return 0
+    print("The lab is up. Press Ctrl-C to stop it.")
+    stop = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.append(True))
+    while not stop:
+        stack.idle()
+    try:
+        with stack.locked(state.directory, _say_waiting):
+            stack.down(LabState.load(state.directory))  # as other commands left it: scale-out adds replicas
+    except stack.LabError as error:
+        return _fail(str(error))
+    print("The lab is down.")
+    return 0
+
+
+def _say_waiting(holder: str) -> None:
+    print(f"kvwatch lab: waiting for process {holder}, which is changing this lab", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _changing(args: argparse.Namespace) -> Iterator[LabState]:
+    """The lab's state, loaded under the lab's lock and changed before it is released."""
+    directory = args.state_dir.resolve()
+    LabState.load(directory)  # no lab here: say how to start one, before a lock file is made
+    with stack.locked(directory, _say_waiting):
+        yield LabState.load(directory)
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    try:
+        with _changing(args) as state:
+            stack.down(state)
+    except (FileNotFoundError, stack.LabError) as error:
+        return _fail(str(error))
+    print("The lab is down.")
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    try:
+        info = stack.status(LabState.load(args.state_dir.resolve()))
+    except FileNotFoundError as error:
+        return _fail(str(error))
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_status(info)
+    return 0
+
+
+def _run_fault(args: argparse.Namespace) -> int:
+    try:
+        with _changing(args) as state:
+            print(stack.fault(stack.cluster(state, args.cluster), args.name, args.replica or args.replica_id))
+    except (FileNotFoundError, LookupError, stack.LabError) as error:
+        return _fail(str(error))
+    return 0
+
+
+def _run_heal(args: argparse.Namespace) -> int:
+    try:
+        with _changing(args) as state:
+            every = args.cluster is None and state.clusters  # heal every cluster unless one is named
+            for lab in stack.labs(state)[1:] if every else [stack.cluster(state, args.cluster)]:
+                print(f"cluster {lab.cluster}: {stack.heal(lab)}" if lab.cluster else stack.heal(lab))
+    except (FileNotFoundError, stack.LabError) as error:
+        return _fail(str(error))
+    return 0

@@ -1,0 +1,106 @@
+"""The `kvwatch` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvwatch.cli import completion
+from kvwatch.cli import dashboard as dashboard_cli
+from kvwatch.cli import lab as lab_cli
+from kvwatch.collectors.engines import scrape
+from kvwatch.collectors.probe import session
+from kvwatch.core import config
+from kvwatch.doctor import checks
+from kvwatch.experiment import runner
+from kvwatch.serve import scheduler
+
+# What each command's exit code means, in one place: under the command's --help and in the README, for
+# the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
+BAD_ARGUMENTS = "2 on bad arguments"
+NO_MODEL = "or without --model when GET <base URL>/models does not list exactly one model"
+EXIT_CODES = {
+    "lab replica": f"0 after SIGINT or SIGTERM; 1 when its port is taken; {BAD_ARGUMENTS}",
+    "lab traffic": f"0 after SIGINT or SIGTERM; {BAD_ARGUMENTS}",
+    "lab up": "0 once the lab is up (--detach) or after a stop (in the foreground); 1 when options conflict "
+    f"or the lab cannot start or stop, the reason on stderr; {BAD_ARGUMENTS}; 130 when interrupted while "
+    "starting (everything started is stopped)",
+    "lab down": f"0 once every process of the lab is stopped; 1 when there is no lab there; {BAD_ARGUMENTS}",
+    "lab status": f"0 with the lab's URLs; 1 when there is no lab there; {BAD_ARGUMENTS}",
+    "lab fault": "0 once the fault is in effect; 1 when there is no lab there, no such replica, or the fault "
+    f"did not take effect; {BAD_ARGUMENTS}",
+    "lab heal": f"0 once every fault is undone; 1 when there is no lab there or one is not; {BAD_ARGUMENTS}",
+    "scrape": "0 when every source was read; 1 when one was not (the others are still reported); "
+    f"{BAD_ARGUMENTS}",
+    "probe": f"0 when every session succeeded; 1 when one failed; {BAD_ARGUMENTS}, {NO_MODEL}",
+    "config check": "0 when the file is a valid config; 1 when it is not, the first error on stderr; "
+    f"{BAD_ARGUMENTS}",
+    "serve": "0 after SIGINT or SIGTERM; 1 when the config or the store cannot be used or the exporter "
+    f"cannot listen; {BAD_ARGUMENTS}",
+    "experiment": "0 when it ran, whatever it found; 1 when every session failed; "
+    f"{BAD_ARGUMENTS}, {NO_MODEL}",
+    "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
+    "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
+    "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
+}
+
+
+def runnable_commands(
+    parser: argparse.ArgumentParser, prefix: str = ""
+) -> dict[str, argparse.ArgumentParser]:
+    """Every command that runs something (a leaf of the subcommand tree) by its path, e.g. "lab up"."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= runnable_commands(sub, f"{prefix}{name} ") or {f"{prefix}{name}": sub}
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvwatch",
+        description="Watch whether a multi-replica LLM cluster keeps each conversation on the "
+        "replica that holds its KV cache.",
+    )
+    parser.add_argument("--version", action=_Version, nargs=0, help="show kvwatch's version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    lab_cli.add_parser(commands)
+    scrape.add_parser(commands)
+    session.add_parser(commands)
+    config.add_parser(commands)
+    scheduler.add_parser(commands)
+    runner.add_parser(commands)
+    checks.add_parser(commands)
+    dashboard_cli.add_parser(commands)
+    completion.add_parser(commands, build_parser)
+    for path, command in runnable_commands(parser).items():
+        command.epilog = f"Exit codes: {EXIT_CODES[path]}."
+    return parser
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked: importing importlib.metadata would cost every command."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed distribution's version: what pip and a bug report name."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvwatch")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

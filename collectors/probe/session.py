@@ -1,0 +1,894 @@
+"""Synthetic multi-turn probe sessions (`kvwatch probe`): per round TTFT, cached tokens and the backend.
+
+A session behaves like a chat client: every round resends the static system prompt, the whole history
+(with the answers it actually received) and a new user turn, streamed. A replica that still holds the
+conversation's KV cache only prefills the new turn; any other prefills it all, which the round's cached
+tokens and TTFT show. A session never raises: a failed round is a RoundResult with an error kind, and
+the session stops there. The API key goes into the Authorization header and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.blocksize import BlockSize
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.streaming import (
+    SPEAKS_TLS,
+    ConnectFailed,
+    ProtocolError,
+    Response,
+    StreamBroken,
+    StreamClient,
+    TlsFailed,
+)
+from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
+from kvwatch.core.config import Target, Workload
+from kvwatch.core.connections import connect_reason, http_client, request, url_problem
+from kvwatch.core.credentials import read_secret_file
+from kvwatch.core.progress import Progress
+from kvwatch.core.redaction import redact, redacted_name
+
+SESSION_MODES = ("client", "server", "none")
+# What a streamed delta may begin an answer with: its text, a reasoning model's thinking (vLLM and
+# SGLang's reasoning parsers; `reasoning` is the newer name), or a tool call.
+GENERATED_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+# What one round may receive; beyond it the round fails as stream_error, before memory runs out.
+MAX_LINE_BYTES = 1 << 20  # a streamed chunk is a few hundred bytes; more is a body that is no stream
+MAX_STREAM_LINES = 100_000  # two per token: answers of up to 50,000 tokens
+MAX_ANSWER_BYTES = 1 << 20  # of content: a probe's answer is a few dozen tokens
+MAX_BODY_BYTES = 64 << 10  # of a non-streamed answer: enough for any error object
+# How long the end of a response may follow its [DONE]: read, it lets the connection serve the next round.
+END_GRACE_SECONDS = 1.0
+# Usage counts are exact integers below this: a float (Prometheus) holds them exactly, SQLite stores them.
+MAX_TOKEN_COUNT = 1 << 53
+USAGE_FIELDS = {
+    "prompt_tokens": "usage.prompt_tokens",
+    "completion_tokens": "usage.completion_tokens",
+    "cached_tokens": "usage.prompt_tokens_details.cached_tokens",
+}
+EXCERPT_CHARS = 200
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+_VISIBLE_ASCII = re.compile(r"[!-~]+")  # what may go into a header unquoted
+
+# One line per error kind: what to check first.
+HINTS = {
+    "unauthorized": "send `Authorization: Bearer <key>` (--api-key-env VAR or --api-key-file FILE); "
+    "check the key and that it belongs to this endpoint",
+    "forbidden": "the key is expired or not allowed to use this model: renew it, or ask for the model",
+    "not_found": "check the model id (GET <base URL>/models lists them) and the base URL "
+    "(the API root, with or without /v1)",
+    "connection_refused": "nothing accepted the connection: check the gateway's host and port; "
+    "inside a container, localhost is the container itself",
+    "timeout": "no complete answer in time: raise --timeout, or look at the gateway's and engines' load",
+    "bad_response": "an error object came back instead of a completion: read its excerpt "
+    "(wrong model, bad request body, stream and non-stream mixed up)",
+    "stream_error": "the event stream broke: check that no proxy buffers or cuts it "
+    "(nginx: proxy_buffering off, proxy_read_timeout)",
+    "http_error": "the server answered with an error status: read the excerpt and the server's logs",
+    "tls_error": "TLS failed, for the reason the detail gives: trust the server's CA (SSL_CERT_FILE), "
+    "use the host name its certificate names, and match the scheme to the port (https:// for a TLS port)",
+    "protocol_error": "the server's answer is not valid HTTP/1.1 (the detail names what): check what "
+    "listens at the base URL and every proxy in front of it",
+    "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "
+    "and where it was raised",
+}
+# What servers answer plain HTTP sent to their TLS port with: nginx's 400 page, Go's net/http.
+TLS_PORT_ANSWERS = ("plain HTTP request was sent to HTTPS port", "HTTP request to an HTTPS server")
+
+
+def api_url(base_url: str, path: str) -> str:
+    """`path` under an OpenAI-compatible base URL: one ending in /v1 is used as is, any other gets /v1.
+
+    So both https://example.net/api and https://example.net/api/v1 reach https://example.net/api/v1/...
+    A query (`?token=...`, for a gateway that takes one) stays at the end, after the path.
+    """
+    parts = urlsplit(base_url)
+    base = parts.path.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    if path.strip("/"):
+        base += f"/{path.lstrip('/')}"
+    return urlunsplit(parts._replace(path=base))
+
+
+def resolve_api_key(env: str | None = None, file: str | Path | None = None) -> str | None:
+    """The API key from an environment variable or a file, never from argv; None when neither is named.
+
+    Errors name the variable or the file, never the key: a variable name that does not look like one
+    (it may be the key itself, passed by mistake) is not repeated either.
+    """
+    if env and file:
+        raise ValueError("take the API key from an environment variable or from a file, not both")
+    if env:
+        key = os.environ.get(env, "").strip()
+        if not key:
+            named = env if _ENV_NAME.fullmatch(env) else "named for the API key (name not shown)"
+            raise ValueError(f"environment variable {named} is not set or empty")
+        return key
+    return read_secret_file(file, "API key") if file else None
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How to probe one route: the three settings every client needs, and how to read the answers."""
+
+    base_url: str
+    model: str
+    api_key: str | None = field(default=None, repr=False)  # resolved by the caller; never shown
+    target: str = "probe"
+    route_mode: str = "unknown"
+    session_mode: str = "client"  # client: a UUID per session; server: adopt the gateway's; none
+    session_header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
+    backend_headers: tuple[str, ...] = identity.DEFAULT_HEADERS
+    backend_json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
+    router: str | None = None  # one of identity.ROUTERS: a router that names the replica only when asked
+    max_tokens: int = 32  # answer length
+    # The KV block the rounds' ideal cached tokens are aligned to as they run; callers that learn the
+    # engine's (collectors.blocksize) align them again with `with_block_size`.
+    block_size: int = blocksize.DEFAULT_TOKENS
+    timeout_seconds: float = 60.0  # per round, over the whole stream
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError("base_url must start with http:// or https://")
+        if problem := url_problem(self.base_url):
+            raise ValueError(f"base_url {redact(self.base_url)} is not a valid URL: {problem}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if self.session_mode not in SESSION_MODES:
+            raise ValueError(f"session_mode must be one of {', '.join(SESSION_MODES)}")
+        identity.request_extras(self.router)  # ValueError for an unknown router
+        for name in ("max_tokens", "block_size", "timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        # Checked here, not left to the HTTP client, whose error message would quote the key.
+        for name in ("api_key", "session_header"):
+            value = getattr(self, name)
+            if value is not None and not _VISIBLE_ASCII.fullmatch(value):
+                raise ValueError(f"{name} must be printable ASCII without spaces")
+
+
+class _Failure(Exception):
+    """A round that went wrong, with its error kind and a short detail."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass
+class _Reply:
+    """What a round received so far; kept when it fails halfway, as status and headers still tell."""
+
+    status: int | None = None
+    headers: httpx.Headers = field(default_factory=httpx.Headers)
+    answer: list[str] = field(default_factory=list)
+    answer_bytes: int = 0
+    ttft_seconds: float | None = None
+    first_content_seconds: float | None = None
+    total_seconds: float | None = None
+    usage: dict = field(default_factory=dict)
+    json_backend: str | None = None
+
+
+async def run_session(
+    client: StreamClient,
+    settings: ProbeSettings,
+    conversation: Conversation,
+    think_seconds: float = 0.0,
+    render_system_prompt: Callable[[str], str] | None = None,
+    on_request: Callable[[list[dict]], None] | None = None,
+    stop: asyncio.Event | None = None,
+    on_round: Callable[[SessionResult], None] | None = None,
+) -> SessionResult:
+    """One conversation through the route, round after round, until its turns run out or a round fails.
+
+    `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
+    that templates the current time into it does (the lab's dynamic-prefix fault). `stop`, once set,
+    abandons the round in flight: the session ends with its finished rounds, marked interrupted.
+    `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
+    stores it, so that no finished round depends on the process living to the session's end).
+    """
+    # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
+    session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
+    messages = [{"role": "system", "content": conversation.system_prompt}]
+    rounds: list[RoundResult] = []
+    started_at, interrupted = time.time(), False
+
+    def so_far() -> SessionResult:
+        return SessionResult(
+            target=settings.target,
+            route_mode=settings.route_mode,
+            session_id=session_id,
+            started_at=started_at,
+            finished_at=time.time(),
+            rounds=tuple(rounds),
+            interrupted=interrupted,
+        )
+
+    for number, turn in enumerate(conversation.user_turns, start=1):
+        if number > 1 and think_seconds > 0:
+            await asyncio.sleep(think_seconds)
+        messages.append({"role": "user", "content": turn})
+        if render_system_prompt is not None:
+            messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
+        if on_request is not None:
+            on_request([dict(m) for m in messages])
+        previous = rounds[-1] if rounds else None
+        answered = await _unless_stopped(
+            stop, _round(client, settings, number, messages, session_id, previous)
+        )
+        if answered is None:
+            interrupted = True
+            break
+        result, answer = answered
+        rounds.append(result)
+        if not result.ok:
+            break
+        messages.append({"role": "assistant", "content": answer})
+        if settings.session_mode == "server" and result.session_id_returned:
+            session_id = result.session_id_returned
+        if on_round is not None:
+            on_round(so_far())
+    return so_far()
+
+
+async def _unless_stopped(
+    stop: asyncio.Event | None, work: Coroutine[object, object, tuple[RoundResult, str]]
+) -> tuple[RoundResult, str] | None:
+    """What `work` returns, or None when `stop` is set first; `work` is then cancelled."""
+    if stop is None:
+        return await work
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        task.cancel()  # nothing when it is done
+        await asyncio.wait((task,))
+    return None if task.cancelled() else task.result()
+
+
+async def run_sessions(
+    settings: ProbeSettings,
+    conversations: Iterable[Conversation],
+    concurrency: int = 1,
+    on_session: Callable[[SessionResult], None] | None = None,
+) -> list[SessionResult]:
+    """Every conversation once, `concurrency` at a time, over one connection pool; `on_session` is told
+    of each session as it ends (a progress line)."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be positive")
+    gate = asyncio.Semaphore(concurrency)
+    async with StreamClient() as client:
+
+        async def one(conversation: Conversation) -> SessionResult:
+            async with gate:
+                session = await run_session(client, settings, conversation)
+            if on_session is not None:
+                on_session(session)
+            return session
+
+        return list(await asyncio.gather(*map(one, conversations)))
+
+
+def probe_once(
+    settings: ProbeSettings,
+    conversations: Iterable[Conversation],
+    concurrency: int = 1,
+    on_session: Callable[[SessionResult], None] | None = None,
+) -> list[SessionResult]:
+    """run_sessions for synchronous callers (the CLI)."""
+    return asyncio.run(run_sessions(settings, conversations, concurrency, on_session))
+
+
+async def _round(
+    client: StreamClient,
+    settings: ProbeSettings,
+    number: int,
+    messages: list[dict],
+    session_id: str | None,
+    previous: RoundResult | None,
+) -> tuple[RoundResult, str]:
+    """One streamed request; its result and the answer text."""
+    headers = {"Content-Type": "application/json"}
+    if settings.api_key:
+        headers["Authorization"] = f"Bearer {settings.api_key}"
+    if session_id:
+        headers[settings.session_header] = session_id
+    body = {
+        "model": settings.model,
+        "messages": messages,
+        "max_tokens": settings.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Nothing else unless the route is declared: strict OpenAI-compatible APIs reject unknown fields.
+        **identity.request_extras(settings.router),
+    }
+    content = json.dumps(body).encode()  # encoded before the clock starts
+    reply, kind, detail = _Reply(), None, None
+    started_at = time.time()
+    try:
+        async with asyncio.timeout(settings.timeout_seconds):
+            await _stream(client, settings, content, headers, reply)
+    except _Failure as failure:
+        kind, detail = failure.kind, failure.detail
+    except TimeoutError:
+        kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
+    except TlsFailed as error:
+        kind, detail = "tls_error", f"{_origin(settings.base_url)}: {error}"
+    except ConnectFailed as error:
+        kind, detail = "connection_refused", f"cannot connect to {_origin(settings.base_url)}: {error}"
+    except ProtocolError as error:
+        kind, detail = "protocol_error", str(error)
+    except StreamBroken as error:
+        kind, detail = "stream_error" if reply.status == 200 else "http_error", str(error)
+    except Exception as error:  # a bug: the round still ends as a result, counted and stored
+        kind, detail = "internal_error", unforeseen(error)
+    usage = reply.usage
+    return (
+        RoundResult(
+            round=number,
+            started_at=started_at,
+            status=reply.status,
+            error_kind=kind,
+            error_detail=None if detail is None else _excerpt(detail, settings.api_key),
+            ttft_seconds=reply.ttft_seconds,
+            first_content_seconds=reply.first_content_seconds,
+            total_seconds=reply.total_seconds,
+            prompt_tokens=usage.get("prompt_tokens"),
+            cached_tokens=usage.get("cached_tokens"),
+            ideal_cached_tokens=_ideal(previous, usage.get("prompt_tokens"), settings.block_size),
+            completion_tokens=usage.get("completion_tokens"),
+            backend=redacted_name(
+                identity.from_headers(settings.backend_headers, reply.headers) or reply.json_backend,
+                settings.api_key,
+            ),
+            session_id_sent=session_id,
+            session_id_returned=redacted_name(reply.headers.get(settings.session_header), settings.api_key),
+        ),
+        "".join(reply.answer),
+    )
+
+
+async def _stream(
+    client: StreamClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
+) -> None:
+    """Stream one answer into `reply`, timing its first generated token and its first answer text by
+    when their bytes arrived, from when the request was written."""
+    url = api_url(settings.base_url, "chat/completions")
+    async with client.stream(url, content, headers) as response:
+        reply.status, reply.headers = response.status, response.headers
+        if response.status != 200:
+            raise _status_failure(response.status, await _body(response))
+        if "text/event-stream" not in response.headers.get("Content-Type", ""):
+            raise _answer_failure(await _body(response))
+        async for line, arrived_at in _lines(response):
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (keep-alives), event: and id: fields
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                reply.total_seconds = arrived_at - response.sent_at
+                with contextlib.suppress(TimeoutError):  # a connection that cannot be reused is closed
+                    async with asyncio.timeout(END_GRACE_SECONDS):
+                        await response.finish()
+                return
+            try:
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise _Failure("stream_error", f"error in the stream: {data}")
+                _read_chunk(chunk, settings, reply, arrived_at - response.sent_at)
+            except (ValueError, TypeError, AttributeError) as error:
+                raise _Failure("stream_error", f"malformed chunk: {data}") from error
+        raise _Failure("stream_error", "the stream ended before [DONE]")
+
+
+def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, elapsed: float) -> None:
+    """Take the content, usage and backend from one streamed chunk, which arrived `elapsed` seconds into
+    the round; TypeError etc. when malformed.
+
+    The first generated token of any kind ends the TTFT: a reasoning model thinks, or calls a tool,
+    before it answers, and the engine's prefill is over by then. The first answer text is kept apart.
+    """
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        generated = [delta.get(name) for name in GENERATED_FIELDS]
+        if not all(value is None or isinstance(value, str | list) for value in generated):
+            raise TypeError("a delta field is neither text nor a list of tool calls")
+        if reply.ttft_seconds is None and any(generated):
+            reply.ttft_seconds = elapsed
+        content = delta.get("content")
+        if content:
+            if not isinstance(content, str):
+                raise TypeError("content is not a string")
+            if reply.first_content_seconds is None:
+                reply.first_content_seconds = elapsed
+            reply.answer.append(content)
+            reply.answer_bytes += len(content.encode())
+            if reply.answer_bytes > MAX_ANSWER_BYTES:
+                raise _Failure("stream_error", f"answer over {MAX_ANSWER_BYTES} bytes")
+    usage = chunk.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        reply.usage = _token_counts(
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            # None when the engine does not report it (vLLM without --enable-prompt-tokens-details).
+            cached_tokens=details.get("cached_tokens"),
+        )
+    if backend := identity.from_chunk(settings.backend_json_paths, chunk):
+        reply.json_backend = backend
+
+
+def _token_counts(**counts: object) -> dict[str, int | None]:
+    """The usage counts, each a token count or None: one absurd number would break the store and the
+    exporter for every target, and a negative one would make counters go down."""
+    for name, value in counts.items():
+        if value is not None and not (type(value) is int and 0 <= value < MAX_TOKEN_COUNT):
+            raise _Failure("stream_error", f"{USAGE_FIELDS[name]} is {_shown(value)}, not a token count")
+    prompt, cached = counts["prompt_tokens"], counts["cached_tokens"]
+    if prompt is not None and cached is not None and cached > prompt:
+        cached_field, prompt_field = USAGE_FIELDS["cached_tokens"], USAGE_FIELDS["prompt_tokens"]
+        raise _Failure("stream_error", f"{cached_field} is {cached}, more than {prompt_field} ({prompt})")
+    return counts
+
+
+def _shown(value: object) -> str:
+    """A value as the server sent it, shortened: a number of 400 digits as 1.00e+400."""
+    text = json.dumps(value)
+    if len(text) <= 20:
+        return text
+    return f"{Decimal(value):.3g}" if type(value) is int else text[:20] + "…"
+
+
+async def _lines(response: Response) -> AsyncIterator[tuple[str, float]]:
+    """The body's lines, each with the time its end arrived, at most MAX_STREAM_LINES of at most
+    MAX_LINE_BYTES each: an endless line would be endless memory, an endless stream endless work."""
+    buffer, count = b"", 0
+    async for chunk, arrived_at in response.chunks():
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        count += len(lines)
+        if count > MAX_STREAM_LINES:
+            raise _Failure("stream_error", f"more than {MAX_STREAM_LINES} lines: a stream that does not end")
+        for line in lines:
+            yield line.rstrip(b"\r").decode(errors="replace"), arrived_at
+        if len(buffer) > MAX_LINE_BYTES:
+            raise _Failure("stream_error", f"a line of more than {MAX_LINE_BYTES} bytes: not an event stream")
+    if buffer:
+        yield buffer.decode(errors="replace"), time.perf_counter()
+
+
+async def _body(response: Response) -> str:
+    """The start of a non-streamed body, at most MAX_BODY_BYTES of it."""
+    body = b""
+    async for chunk, _ in response.chunks():
+        body += chunk
+        if len(body) >= MAX_BODY_BYTES:
+            break
+    return body[:MAX_BODY_BYTES].decode(errors="replace")
+
+
+def _status_failure(status: int, body: str) -> _Failure:
+    if status == 400 and any(answer in body for answer in TLS_PORT_ANSWERS):
+        return _Failure("tls_error", f"{SPEAKS_TLS} (HTTP 400: {body})")
+    if status == 401:
+        return _Failure("unauthorized", f"HTTP 401: {body}")
+    if status == 403:
+        expired = "token expired: " if "expired" in body.lower() else ""
+        return _Failure("forbidden", f"{expired}HTTP 403: {body}")
+    if status == 404:
+        return _Failure("not_found", f"HTTP 404 (wrong model or base URL): {body}")
+    return _Failure("http_error", f"HTTP {status}: {body}")
+
+
+def _answer_failure(body: str) -> _Failure:
+    """A 200 that is no event stream: a whole completion (stream mixed up), or an error object."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and "choices" in answer:
+        return _Failure("stream_error", "a whole completion came back instead of an event stream")
+    return _Failure("bad_response", f"no `choices` in the answer: {body}")
+
+
+def _ideal(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
+    """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
+
+    Capped below this round's prompt, since an engine always computes at least its last token. A
+    reasoning model's thinking is in the cache but not in the history resent (the answer text only), so
+    after an answer that thought first the previous prompt is all a pinned replica can reuse.
+    """
+    if previous is None:
+        return 0
+    if prompt_tokens is None or previous.prompt_tokens is None or previous.completion_tokens is None:
+        return None
+    thought_first = (previous.first_content_seconds or 0) > (previous.ttft_seconds or 0)
+    held = (previous.prompt_tokens + previous.completion_tokens * (not thought_first)) // block * block
+    return max(0, min(held, (prompt_tokens - 1) // block * block))
+
+
+def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[SessionResult]:
+    """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
+
+    For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
+    so these are new ones.
+    """
+    return [
+        replace(
+            session,
+            rounds=tuple(
+                replace(r, ideal_cached_tokens=_ideal(previous, r.prompt_tokens, block))
+                for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
+            ),
+        )
+        for session in sessions
+    ]
+
+
+def _excerpt(text: str, api_key: str | None) -> str:
+    """One short line of `text`, redacted before it is cut, so that no piece of a key survives the cut."""
+    text = " ".join(redact(text, api_key).split())
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
+
+
+def unforeseen(error: Exception) -> str:
+    """An exception no code path expected, by its type and where it was raised: what a bug report needs.
+    Its message goes through the round's redaction like every detail."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(error).__name__}{where}: {error}"
+
+
+def failed_run(settings: ProbeSettings, error: Exception, started_at: float) -> SessionResult:
+    """The record of a run that broke outside its rounds (its workload, say): one session whose round 1
+    failed as internal_error, so that the run is counted, stored and dated like any other."""
+    failure = RoundResult(
+        round=1,
+        started_at=started_at,
+        status=None,
+        error_kind="internal_error",
+        error_detail=_excerpt(unforeseen(error), settings.api_key),
+        ttft_seconds=None,
+        total_seconds=None,
+        prompt_tokens=None,
+        cached_tokens=None,
+        ideal_cached_tokens=None,
+        completion_tokens=None,
+        backend=None,
+        session_id_sent=None,
+        session_id_returned=None,
+    )
+    return SessionResult(settings.target, settings.route_mode, None, started_at, time.time(), (failure,))
+
+
+def _origin(base_url: str) -> str:
+    url = httpx.URL(base_url)
+    return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+
+
+# The report.
+
+
+def session_json(session: SessionResult) -> dict:
+    """A session as `kvwatch probe --json` prints it; each round's `error` is its error kind."""
+    return {
+        "target": session.target,
+        "route_mode": session.route_mode,
+        "session_id": session.session_id,
+        "ok": session.ok,
+        "error_kind": session.error_kind,
+        "sticky": session.sticky,
+        "backends": list(session.backends),
+        "backend_switches": session.backend_switches,
+        "session_id_echoed": session.session_id_echoed,
+        "started_at": session.started_at,
+        "finished_at": session.finished_at,
+        "rounds": [
+            {("error" if key == "error_kind" else key): value for key, value in asdict(r).items()}
+            for r in session.rounds
+        ],
+    }
+
+
+def format_report(settings: ProbeSettings, sessions: list[SessionResult], block: BlockSize) -> str:
+    """Per round across sessions, then per session: what an SRE reads first."""
+    url, mode = redact(api_url(settings.base_url, "chat/completions")), settings.session_mode
+    title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
+    rows = []
+    for number in range(1, max((len(s.rounds) for s in sessions), default=0) + 1):
+        rounds = [s.rounds[number - 1] for s in sessions if len(s.rounds) >= number]
+        ok = [r for r in rounds if r.ok]
+        ttfts = [r.ttft_seconds for r in ok if r.ttft_seconds is not None]
+        errors = Counter(r.error_kind for r in rounds if r.error_kind)
+        rows.append(
+            (
+                str(number),
+                f"{statistics.median(ttfts) * 1000:.1f} ms" if ttfts else "-",
+                f"{_total(r.cached_tokens for r in ok)} / {_total(r.ideal_cached_tokens for r in ok)}",
+                ", ".join(sorted({r.backend for r in ok if r.backend})) or "unknown",
+                ", ".join(f"{kind} x{count}" for kind, count in errors.items()) or "-",
+            )
+        )
+    lines = [title, block.describe(), ""] + _table(
+        ("round", "median TTFT", "cached / ideal tokens", "backends", "errors"), rows
+    )
+    rows = []
+    for number, session in enumerate(sessions, start=1):
+        failed = next((r for r in session.rounds if not r.ok), None)
+        rows.append(
+            (
+                str(number),
+                {True: "sticky", False: "NOT sticky", None: "unknown"}[session.sticky],
+                f"{sum(r.ok for r in session.rounds)}",
+                {True: "yes", False: "NO", None: "-"}[session.session_id_echoed],
+                " > ".join(
+                    name + (f" x{n}" if (n := len(list(run))) > 1 else "")
+                    for name, run in itertools.groupby(session.backends)
+                )
+                or "unknown",
+                f"{failed.error_kind} in round {failed.round}" if failed else "-",
+            )
+        )
+    lines += [""] + _table(("session", "stickiness", "rounds ok", "id echoed", "backends", "error"), rows)
+    answered = [r for s in sessions for r in s.rounds if r.ok]
+    if answered and not any(r.backend for r in answered):
+        looked = ", ".join((*settings.backend_headers, *settings.backend_json_paths))
+        lines += [
+            "",
+            f"No response named its replica ({looked}): stickiness is inferred from the cached tokens.",
+        ]
+    return "\n".join(lines)
+
+
+def _total(values: Iterable[int | None]) -> str:
+    values = list(values)
+    return "n/a" if None in values else str(sum(values))
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def failure_hints(sessions: list[SessionResult]) -> list[str]:
+    """One line per error kind seen: an example detail and what to check."""
+    seen: dict[str, RoundResult] = {}
+    for session in sessions:
+        for r in session.rounds:
+            if r.error_kind:
+                seen.setdefault(r.error_kind, r)
+    return [f"{kind} ({r.error_detail}): {HINTS[kind]}" for kind, r in seen.items()]
+
+
+# The model.
+
+
+async def list_models(
+    client: httpx.AsyncClient, base_url: str, api_key: str | None, deadline_s: float
+) -> list[str]:
+    """The model ids GET <base URL>/models lists. Raises httpx.HTTPError (an error status too) or
+    ValueError when the answer is no model list."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = await request(client, "GET", api_url(base_url, "models"), deadline_s, headers=headers)
+    response.raise_for_status()
+    answer = response.json()
+    listed = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(listed, list) or not all(isinstance(m, dict) and "id" in m for m in listed):
+        raise ValueError("the answer is no model list: no `data` of objects with an `id`")
+    return [str(model["id"]) for model in listed]
+
+
+def chosen_model(
+    model: str | None, base_url: str, api_key: str | None, deadline_s: float, command: str
+) -> str:
+    """`model`, or when it is not given the one model the route serves, said on stderr: a default name
+    would be a 404 on every real cluster. ValueError, naming the ids, when the route serves several."""
+    if model:
+        return model
+    if problem := url_problem(base_url):
+        raise ValueError(f"base URL {redact(base_url)} is not a valid URL: {problem}")
+    url = redact(api_url(base_url, "models"))
+
+    async def listing() -> list[str]:
+        async with http_client(timeout=deadline_s) as client:
+            return await list_models(client, base_url, api_key, deadline_s)
+
+    try:
+        models = asyncio.run(listing())
+    except httpx.HTTPStatusError as error:
+        reason = f"answered HTTP {error.response.status_code}"
+    except (httpx.TimeoutException, ValueError) as error:
+        reason = f"failed: {error}"
+    except httpx.HTTPError as error:
+        reason = f"failed: {connect_reason(error)}"
+    else:
+        if len(models) == 1:
+            print(f"kvwatch {command}: model {models[0]}, the one {url} lists", file=sys.stderr)
+            return models[0]
+        listed = f"lists {len(models)} models ({', '.join(models)})" if models else "lists no model"
+        raise ValueError(f"{url} {listed}: name the one to use with --model")
+    raise ValueError(f"no --model given, and GET {url} {reason}: name the model with --model")
+
+
+# The command line.
+
+
+class _RefuseKey(argparse.Action):
+    """`--api-key` exists only to say no, before argparse could echo the key in an error message."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            "the API key is never taken from the command line (ps and shell history would show it): "
+            "use --api-key-env VAR or --api-key-file FILE"
+        )
+
+
+def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--api-key-env / --api-key-file, and an --api-key that only refuses: keys never come from argv."""
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
+    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="model id, as GET <base URL>/models lists it (default: the one model it lists)"
+    )
+
+
+def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
+    """--router (a router that names the replica only when asked) and --backend-header."""
+    parser.add_argument(
+        "--router",
+        choices=sorted(identity.ROUTERS),
+        help="the route is this router's frontend: ask it to name the serving replica "
+        "(dynamo: nvext.extra_fields); by default the request carries nothing beyond the OpenAI API",
+    )
+    parser.add_argument(
+        "--backend-header",
+        action="append",
+        dest="backend_headers",
+        metavar="H",
+        help="response header naming the serving backend; repeatable; replaces the defaults "
+        f"({', '.join(identity.DEFAULT_HEADERS)})",
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`kvwatch probe`, with the defaults of a configured target."""
+    parser = subparsers.add_parser(
+        "probe",
+        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
+        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
+        "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
+        "ideal cached tokens and the backends seen, then each session's stickiness.",
+    )
+    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    add_model_argument(parser)
+    add_api_key_arguments(parser)
+    for flag, dest, kind, default, text in (
+        ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
+        ("--sessions", "sessions", int, 3, "sessions"),
+        ("--concurrency", "concurrency", int, 1, "sessions at once; more adds queueing to TTFT"),
+        ("--system-tokens", "system_tokens", int, Workload.system_tokens, "tokens of the system prompt"),
+        ("--turn-tokens", "turn_tokens", int, Workload.turn_tokens, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, Workload.max_tokens, "tokens of each answer"),
+        ("--seed", "seed", int, Workload.seed, "seed of the workload"),
+        ("--timeout", "timeout", float, Target.timeout_seconds, "seconds a round may take in full"),
+    ):
+        metavar = "S" if kind is float else "N"
+        parser.add_argument(
+            flag, type=kind, dest=dest, default=default, metavar=metavar, help=f"{text} (default %(default)g)"
+        )
+    parser.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=ProbeSettings.session_mode,
+        help="client: a new id per session; server: send none in round 1, then the id the gateway "
+        "returned; none: never send one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-header",
+        default=ProbeSettings.session_header,
+        metavar="H",
+        help="session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)",
+    )
+    add_identity_arguments(parser)
+    parser.add_argument(
+        "--sharegpt",
+        metavar="FILE",
+        help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
+        "instead of synthetic ones",
+    )
+    blocksize.add_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
+    )
+    parser.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvwatch probe`: run the sessions once and report; 1 when a session failed, 2 on bad arguments."""
+    numbers = {
+        "--rounds": args.rounds,
+        "--sessions": args.sessions,
+        "--concurrency": args.concurrency,
+        "--system-tokens": args.system_tokens,
+        "--turn-tokens": args.turn_tokens,
+        "--max-tokens": args.max_tokens,
+        "--timeout": args.timeout,
+    }
+    try:
+        if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
+            raise ValueError("; ".join(problems))
+        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
+        sources = blocksize.sources_from_args(args, [args.base_url])
+        if args.sharegpt:
+            conversations = [
+                Conversation(c.system_prompt, c.user_turns[: args.rounds])
+                for c in load_sharegpt(args.sharegpt, limit=args.sessions, seed=args.seed)
+            ]
+        else:
+            conversations = synthetic(
+                args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions
+            )
+        settings = ProbeSettings(  # last: the model may have to be asked for
+            base_url=args.base_url,
+            model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
+            api_key=api_key,
+            session_mode=args.session_mode,
+            session_header=args.session_header,
+            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+            router=args.router,
+            max_tokens=args.max_tokens,
+            timeout_seconds=args.timeout,
+        )
+    except ValueError as error:
+        print(f"kvwatch probe: {error}", file=sys.stderr)
+        return 2
+    with Progress.on_terminal("probe", "sessions", json=args.json) as progress:
+        progress.start(len(conversations))
+        sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
+    block = asyncio.run(blocksize.learn(sources, sessions))
+    sessions = with_block_size(sessions, block.tokens)
+    if args.json:
+        report = {"block_size": block.as_json(), "sessions": [session_json(s) for s in sessions]}
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(settings, sessions, block))
+    failed = [s for s in sessions if not s.ok]
+    if failed:
+        print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
+        for line in failure_hints(failed):
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,638 @@
+"""The kvwatch config: one typed YAML file, defaults first, every mistake named by its path.
+
+Each section is a frozen dataclass whose field defaults are the shipped defaults; `load_config` reads the
+user's YAML over them. An unknown key, a value of the wrong type or out of range is one `ConfigError`
+naming the key's full path, e.g.
+`error in kvwatch.yaml: targets[1].session.hedaer: unknown key; known: header, mode`.
+API keys never live in the file: a target names an environment variable or a file that holds its key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import re
+import sys
+import types
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import field as dataclass_field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from kvwatch.collectors import gatewaylogs, identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.core.connections import url_problem
+from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
+from kvwatch.core.labels import label_value_problem
+from kvwatch.core.redaction import redact
+from kvwatch.prometheus import queries
+from kvwatch.store import databases, history
+
+# Where `kvwatch lab up` keeps its state and writes its config: the dashboard's default config is there.
+LAB_DIRECTORY = Path(".kvwatch/lab")
+
+
+class ConfigError(Exception):
+    """The config cannot be used; the message says the one thing that is wrong and where."""
+
+
+class _Invalid(ValueError):
+    """A failed check at `where`, relative to the object being checked ("" for the object itself)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+        self.message = message
+
+
+_NAME = re.compile(r"[a-z0-9_-]{1,64}")  # names become label values: short and tidy
+_HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+_ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Keys someone might paste a secret under; the message says how to do it instead.
+_SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
+# How a route picks a replica. The first three pin a session to one replica, so its probe sessions are
+# expected to stay there (`expect_sticky` defaults to it) and the affinity alerts watch it.
+RouteMode = Literal["affinity", "consistent_hash", "manual", "cache_aware", "round_robin", "random"]
+STICKY_ROUTE_MODES = frozenset({"affinity", "consistent_hash", "manual"})
+# What a config file may be: a real one is a few kilobytes and five levels deep; far more is a mistake that
+# would otherwise be read whole into memory or recurse past Python's limit.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
+HOUR, DAY = 3600, 86400
+# A run builds every session's prompts before it sends them: ~60 MB of text at most.
+MAX_RUN_TOKENS = 10_000_000
+
+
+def _check(ok: object, where: str, message: str) -> None:
+    if not ok:
+        raise _Invalid(where, message)
+
+
+def _name(value: str, where: str) -> None:
+    _check(
+        _NAME.fullmatch(value), where, f'must be 1-64 lowercase letters, digits, "_" or "-", got "{value}"'
+    )
+
+
+def label_name_problem(name: str) -> str | None:
+    """What keeps `name` from being a Prometheus label name of the user's (`__` names are Prometheus')."""
+    if _LABEL_NAME.fullmatch(name) and not name.startswith("__"):
+        return None
+    return f'must be a Prometheus label name (letters, digits and _, not starting with "__"), got "{name}"'
+
+
+# Labels Prometheus gives a meaning of its own: histogram buckets, summary quantiles, the scrape's target.
+PROMETHEUS_LABELS = frozenset({"le", "quantile", "job", "instance"})
+
+
+def cluster_label_problem(name: str) -> str | None:
+    """What keeps `name` from telling clusters apart: it must be a label name of the user's, and not one
+    that kvwatch's series or Prometheus already use, which it would overwrite on every sample."""
+    from kvwatch.serve.exporter import label_names  # the exporter imports this module
+
+    if wrong := label_name_problem(name):
+        return wrong
+    taken = label_names() | PROMETHEUS_LABELS
+    if name not in taken:
+        return None
+    listed = ", ".join(sorted(taken))
+    return f'"{name}" is taken by kvwatch\'s own series or by Prometheus ({listed}): pick another'
+
+
+def _url(value: str | None, where: str) -> None:
+    """A URL the HTTP client can request: checked here, since the client takes a port of 99999 and fails
+    only when it connects. Its password, if any, is not repeated."""
+    if value is not None:
+        shown = redact(value)
+        ok = value.startswith(("http://", "https://"))
+        _check(ok, where, f'must be an http:// or https:// URL with a host, got "{shown}"')
+        problem = url_problem(value)
+        _check(problem is None, where, f'"{shown}" is not a valid URL: {problem}')
+
+
+def _header(value: str, where: str) -> None:
+    _check(_HEADER.fullmatch(value), where, f'must be an HTTP header name, got "{value}"')
+
+
+def _bounded(default: float, low: float, high: float, *, low_excluded: bool = False) -> Any:
+    """A number field with its default and its range, written next to it and checked by `_check_ranges`."""
+    return dataclass_field(default=default, metadata={"range": (low, high, low_excluded)})
+
+
+def _check_ranges(section: object) -> None:
+    """Every number has a maximum, so one absurd value (a typo, `.inf`, a million sessions) is a config
+    error, not a run that exhausts memory or never ends. NaN compares false, so it is in no range."""
+    for number in fields(section):
+        if "range" in number.metadata:
+            low, high, low_excluded = number.metadata["range"]
+            value = getattr(section, number.name)
+            ok = (value > low if low_excluded else value >= low) and value <= high
+            low_text = f"> {_show(low)}" if low_excluded else f">= {_show(low)}"
+            _check(ok, number.name, f"must be {low_text} and <= {_show(high)}, got {_show(value)}")
+
+
+def _show(number: float) -> str:
+    return f"{number:g}" if isinstance(number, float) else str(number)
+
+
+def _secret_source(env: str | None, file: Path | None, env_key: str, file_key: str, secret: str) -> None:
+    """A secret comes from an environment variable or a file, named in the config; the secret itself may
+    have been pasted as the variable's name: say so without repeating it."""
+    _check(
+        env is None or _ENV_VAR.fullmatch(env),
+        env_key,
+        f"must be the name of an environment variable (letters, digits and _), not the {secret} itself",
+    )
+    _check(not (env and file), "", f"set {env_key} or {file_key}, not both")
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """How a probe session carries its id, which the gateway hashes on."""
+
+    mode: Literal["client", "server", "none"] = "client"  # make a UUID / adopt the gateway's / send none
+    header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
+
+    def __post_init__(self):
+        _header(self.header, "header")
+
+
+@dataclass(frozen=True)
+class BackendIdentity:
+    """Where a response names the replica that served it; the first one present wins."""
+
+    headers: tuple[str, ...] = identity.DEFAULT_HEADERS
+    json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
+
+    def __post_init__(self):
+        for i, header in enumerate(self.headers):
+            _header(header, f"headers[{i}]")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The probe's conversations, seeded so that runs are comparable."""
+
+    system_tokens: int = _bounded(1000, 0, 1_000_000)
+    turn_tokens: int = _bounded(200, 1, 1_000_000)
+    # The probe takes answers of up to 50,000 tokens (probe.MAX_STREAM_LINES); a longer one fails the round.
+    max_tokens: int = _bounded(32, 1, 50_000)
+    seed: int = 0
+    sharegpt: Path | None = None  # a ShareGPT-style JSON file instead of synthetic turns
+
+    def __post_init__(self):
+        _check_ranges(self)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One route to probe: the three settings every client needs, and how to run its sessions."""
+
+    name: str
+    base_url: str
+    model: str
+    route_mode: RouteMode = "affinity"
+    expect_sticky: bool | None = None  # None: whether route_mode pins sessions (set on construction)
+    api_key_env: str | None = None
+    api_key_file: Path | None = None
+    session: SessionSettings = SessionSettings()
+    backend: BackendIdentity = BackendIdentity()
+    router: str | None = None  # a router that names the replica only when asked (identity.ROUTERS)
+    interval_seconds: float = _bounded(60.0, 1, DAY)
+    sessions_per_run: int = _bounded(2, 1, 1000)
+    # Round 1 is the cold baseline, so a session needs a second round to say anything.
+    rounds: int = _bounded(6, 2, 50)
+    workload: Workload = Workload()
+    timeout_seconds: float = _bounded(60.0, 0, HOUR, low_excluded=True)
+    block_size: int | None = None  # the engine's KV block in tokens; None: learn it (collectors.blocksize)
+
+    def __post_init__(self):
+        _name(self.name, "name")
+        _url(self.base_url, "base_url")
+        if self.expect_sticky is None:
+            object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
+        _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
+        known = ", ".join(sorted(identity.ROUTERS))
+        _check(
+            self.router is None or self.router in identity.ROUTERS,
+            "router",
+            f'unknown router "{self.router}"; known: {known}',
+        )
+        _check_ranges(self)
+        spec = self.workload
+        if spec.sharegpt is None:  # synthetic: every session has a system prompt of its own
+            tokens = self.sessions_per_run * (spec.system_tokens + self.rounds * spec.turn_tokens)
+            _check(
+                tokens <= MAX_RUN_TOKENS,
+                "",
+                "a run's prompts, sessions_per_run x (workload.system_tokens + rounds x "
+                f"workload.turn_tokens), are {tokens} tokens, more than {MAX_RUN_TOKENS}; lower one of them",
+            )
+        if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
+            raise _Invalid("block_size", wrong)
+
+
+@dataclass(frozen=True)
+class GatewayLog:
+    """A gateway's JSON access log to follow (README, "Gateway access log")."""
+
+    name: str  # the `log` label
+    path: Path
+    spread_window_seconds: float = _bounded(600.0, 0, DAY, low_excluded=True)
+    # The source article recycles idle session ids after 30 min.
+    session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
+    max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
+    expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
+    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.FORMATS
+
+    def __post_init__(self):
+        _name(self.name, "name")
+        _check_ranges(self)
+        known = ", ".join(sorted(gatewaylogs.FORMATS))
+        _check(
+            self.format in gatewaylogs.FORMATS, "format", f'unknown format "{self.format}"; known: {known}'
+        )
+
+
+@dataclass(frozen=True)
+class ExporterSettings:
+    """Where /metrics and the Alertmanager webhook listen, the bearer token the webhook requires, and
+    the cluster its series name, for a Prometheus that scrapes several clusters' kvwatch without
+    external_labels to tell them apart."""
+
+    listen: str = "127.0.0.1:9464"
+    webhook_token_env: str | None = None  # None (and no file): POST /alerts takes alerts from anyone
+    webhook_token_file: Path | None = None
+    cluster: str | None = None  # the value of the cluster label on every exported series; None: no label
+
+    def __post_init__(self):
+        token_env, token_file = _SECRET_SOURCES[ExporterSettings]
+        _secret_source(self.webhook_token_env, self.webhook_token_file, token_env, token_file, "token")
+        host, _, port = self.listen.rpartition(":")
+        _check(
+            port.isdecimal() and 1 <= int(port) <= 65535,
+            "listen",
+            f'must be host:port with a port from 1 to 65535, got "{self.listen}"',
+        )
+        # An empty host means every interface to most servers: exposing the exporter must be explicit.
+        _check(
+            host,
+            "listen",
+            f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{self.listen}"',
+        )
+        _check(_is_host(host.strip("[]")), "listen", f'"{host}" is not an IP address or host name')
+        wrong = label_value_problem(self.cluster or "")  # on every series: bounded as every label value is
+        _check(wrong is None, "cluster", wrong)
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+# Where each section takes its secret from, for the message when one is pasted into the file.
+_SECRET_SOURCES = {ExporterSettings: ("webhook_token_env", "webhook_token_file")}
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return _HOST_NAME.fullmatch(host) is not None
+    return True
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The history of probe sessions and received alerts, and how hard `kvwatch serve` tries to write it
+    (collectors.store.StoreWriter): an SQLite file at `path`, or the PostgreSQL database at `url` that
+    every shard writes and every dashboard reads, its password from `password_env` or `password_file`
+    (or libpq's PGPASSFILE)."""
+
+    path: Path = Path(".kvwatch/kvwatch.db")
+    url: str | None = None  # e.g. postgresql://kvwatch@db.example.net:5432/kvwatch; path is then unused
+    password_env: str | None = None
+    password_file: Path | None = None
+    retention_days: float = _bounded(14.0, 0, 3650, low_excluded=True)
+    # Writes waiting for the writer thread; one holds a session (up to ~25 KB with 50 rounds) or a post.
+    queue_capacity: int = _bounded(history.QUEUE_CAPACITY, 1, 10_000)
+    retry_seconds: float = _bounded(history.RETRY_SECONDS, 0, HOUR)  # per write; 0: never retried
+    flush_seconds: float = _bounded(history.FLUSH_SECONDS, 0, 300)  # at a stop, for the queued writes
+
+    def __post_init__(self):
+        _check_ranges(self)
+        # `kvwatch serve` creates the missing directories; a path in which none can be made is refused here.
+        example = self.path / "kvwatch.db"
+        _check(
+            not os.path.isdir(self.path),
+            "path",
+            f'"{self.path}" is a directory; name the database file in it, e.g. "{example}"',
+        )
+        existing = next(parent for parent in self.path.parents if os.path.exists(parent))
+        _check(os.path.isdir(existing), "path", f'cannot be created: "{existing}" is not a directory')
+        password_env, password_file = _SECRET_SOURCES[StoreSettings]
+        _secret_source(self.password_env, self.password_file, password_env, password_file, "password")
+        _check(
+            self.url or not (self.password_env or self.password_file),
+            "",
+            "a password is for a PostgreSQL store: set url too, or leave out password_env and password_file",
+        )
+        if self.url is not None:
+            _store_url(self.url)
+
+    @property
+    def location(self) -> Path | str:
+        """Where Store opens the history: the URL when there is one, else the SQLite file."""
+        return self.url or self.path
+
+
+_SECRET_SOURCES[StoreSettings] = ("password_env", "password_file")
+
+
+def _store_url(url: str) -> None:
+    shown = redact(url)
+    scheme = databases.scheme_of(url)
+    known = ", ".join(f"{name}://" for name in databases.SCHEMES)
+    _check(
+        scheme in databases.SCHEMES, "url", f'must be a URL of {known}, got "{shown}"; a file goes in path'
+    )
+    _check(
+        shown == url,
+        "url",
+        "the password does not belong in the URL; name an environment variable (password_env) "
+        "or a file (password_file) that holds it",
+    )
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service the dashboard and the doctor read; unset when there is none."""
+
+    url: str | None = None
+
+    def __post_init__(self):
+        _url(self.url, "url")
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    """What the dashboard may do for its viewers (it writes experiment reports only under
+    report_directory), and where the runbook is published: the alerts that link into it get its
+    section shown in place."""
+
+    report_directory: Path = Path(".kvwatch/experiment")
+    runbook_url: str = queries.RUNBOOK_URL  # as `make generate RUNBOOK_URL=...` links the alerts
+
+    def __post_init__(self):
+        _url(self.runbook_url, "runbook_url")
+        _check("#" not in self.runbook_url, "runbook_url", "must have no #fragment: each alert's is added")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `kvwatch serve` runs and the dashboard reads."""
+
+    targets: tuple[Target, ...] = ()
+    gateway_logs: tuple[GatewayLog, ...] = ()
+    exporter: ExporterSettings = ExporterSettings()
+    store: StoreSettings = StoreSettings()
+    prometheus: Service = Service()
+    alertmanager: Service = Service()
+    dashboard: DashboardSettings = DashboardSettings()
+    cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
+
+    def __post_init__(self):
+        wrong = cluster_label_problem(self.cluster_label)
+        _check(wrong is None, "cluster_label", wrong)
+        _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
+        for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
+            first: dict[str, int] = {}
+            for i, item in enumerate(items):
+                if item.name in first:
+                    raise _Invalid(
+                        f"{section}[{i}].name", f'"{item.name}" is taken by {section}[{first[item.name]}]'
+                    )
+                first[item.name] = i
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and check a config file; any problem is one `ConfigError` naming the file."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # no more: the path may be a huge file or /dev/zero
+        _check(len(data) <= MAX_CONFIG_BYTES, "", "larger than 1 MiB; a kvwatch config is a few kilobytes")
+        return _parse(data.decode("utf-8"))
+    except OSError as error:
+        problem = f"cannot read it: {error.strerror}"
+    except UnicodeDecodeError:
+        problem = "not UTF-8 text"
+    except _Invalid as error:
+        problem = str(error)
+    raise ConfigError(f"error in {path}: {problem}")
+
+
+def _parse(text: str) -> Config:
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        raise _Invalid(
+            "", f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        ) from None
+    except yaml.YAMLError as error:  # e.g. a control character, which has a position but no line
+        raise _Invalid("", f"invalid YAML: {str(error).splitlines()[0]}") from None
+    _check(data is not None, "", "the file is empty")
+    _check(isinstance(data, dict), "", f"the top level must be a mapping of keys, got {_describe(data)}")
+    return _build(Config, data, "")
+
+
+class _Loader(yaml.SafeLoader):
+    """A SafeLoader that rejects a key given twice in one mapping instead of keeping the last silently.
+
+    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends. Nesting deeper than
+    MAX_YAML_DEPTH and a scalar that resolves to no valid date or integer are YAML errors with a position,
+    where SafeLoader would raise RecursionError or ValueError.
+    """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.depth == MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except ValueError:  # 2026-13-45, an integer of more than 4,300 digits
+            kind = node.tag.rpartition(":")[2]
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a valid {kind}", node.start_mark
+            ) from None
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f'duplicate key "{key.value}"', key.start_mark
+                    )
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _build(cls: type, data: object, path: str):
+    """Make `cls` from a YAML mapping: its defaults first, then every given key converted to its type."""
+    _check(isinstance(data, dict), path, f"expected a mapping, got {_describe(data)}")
+    known = {field.name: field for field in fields(cls)}
+    for key in data:
+        if key in known:
+            continue
+        if key in _SECRET_KEYS:
+            env, file = _SECRET_SOURCES.get(cls, ("api_key_env", "api_key_file"))
+            raise _Invalid(
+                _join(path, key),
+                f"secrets do not belong in the config file; name an environment variable ({env}) "
+                f"or a file ({file}) that holds it",
+            )
+        raise _Invalid(_join(path, key), f"unknown key; known: {', '.join(sorted(known))}")
+    hints = get_type_hints(cls)
+    values = {}
+    for name, field in known.items():
+        if name in data:
+            values[name] = _convert(hints[name], data[name], _join(path, name))
+        else:
+            _check(field.default is not MISSING, _join(path, name), "required key is missing")
+    try:
+        return cls(**values)
+    except _Invalid as error:
+        raise _Invalid(_join(path, error.where) if error.where else path, error.message) from None
+
+
+def _convert(kind: Any, value: object, path: str):
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):  # `X | None`: null is None
+        if value is None:
+            return None
+        (kind,) = (arg for arg in get_args(kind) if arg is not type(None))
+        return _convert(kind, value, path)
+    if origin is Literal:
+        allowed = get_args(kind)
+        _check(value in allowed, path, f"must be one of {', '.join(allowed)}; got {_describe(value)}")
+        return value
+    if origin is tuple:  # tuple[X, ...], from a YAML list
+        _check(isinstance(value, list), path, f"expected a list, got {_describe(value)}")
+        item_kind = get_args(kind)[0]
+        return tuple(_convert(item_kind, item, f"{path}[{i}]") for i, item in enumerate(value))
+    if is_dataclass(kind):
+        return _build(kind, value, path)
+    if kind is bool:
+        _check(isinstance(value, bool), path, f"expected true or false, got {_describe(value)}")
+        return value
+    if kind in (int, float):
+        # YAML's true/false are ints to Python; an int is a fine float, a float is not an int.
+        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+        _check(ok, path, f"expected {'an integer' if kind is int else 'a number'}, got {_describe(value)}")
+        try:
+            return kind(value)
+        except OverflowError:  # an integer beyond any float: out of every range, as infinity is
+            return math.inf if value > 0 else -math.inf
+    _check(isinstance(value, str), path, f"expected a string, got {_describe(value)}")
+    _check(value, path, "must not be empty")
+    return Path(value).expanduser() if kind is Path else value
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f'the string "{value}"'
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    return "a mapping" if isinstance(value, dict) else "a list"
+
+
+def resolve_api_key(target: Target) -> str | None:
+    """The target's API key, read now from its environment variable or file; None when it names neither.
+
+    Read at use rather than at load, so a rotated key is picked up; messages never contain the key.
+    """
+    return _read_secret(target.api_key_env, target.api_key_file, f"target {target.name}", "API key")
+
+
+def resolve_webhook_token(exporter: ExporterSettings) -> str | None:
+    """The bearer token POST /alerts requires, from its environment variable or file; None when unset."""
+    return _read_secret(exporter.webhook_token_env, exporter.webhook_token_file, "exporter", "webhook token")
+
+
+def resolve_store_password(settings: StoreSettings) -> str | None:
+    """The PostgreSQL store's password, from its environment variable or file; None: libpq finds one
+    (PGPASSFILE, ~/.pgpass) or the server asks none."""
+    return _read_secret(settings.password_env, settings.password_file, "store", "password")
+
+
+def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) -> str | None:
+    try:
+        if env:
+            value = os.environ.get(env)
+            if value is None:
+                raise CredentialError(f"environment variable {env} is not set")
+            return one_secret(value, f"environment variable {env}", secret)
+        return read_secret_file(file, secret) if file else None
+    except CredentialError as error:
+        raise ConfigError(f"{owner}: {error}") from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    config = subparsers.add_parser(
+        "config", help="check a kvwatch config file", description="Work with the kvwatch config file."
+    )
+    commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    check = commands.add_parser(
+        "check",
+        help="check a config file and exit",
+        description="Load a config file as `kvwatch serve` would. Print OK and what it configures, or "
+        "the first error with its key's path and exit 1.",
+    )
+    check.add_argument("file", metavar="FILE", help="the YAML config, e.g. examples/kvwatch.lab.yaml")
+    check.set_defaults(handler=_check_file)
+
+
+def _check_file(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 1
+    targets, logs = _count(len(config.targets), "target"), _count(len(config.gateway_logs), "gateway log")
+    print(f"{args.file}: OK ({targets}, {logs})")
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

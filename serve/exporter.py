@@ -1,0 +1,305 @@
+"""kvwatch's exporter: probe results and gateway-log statistics as Prometheus metrics (served, with the
+Alertmanager webhook, by collectors.endpoints).
+
+Probe sessions are expensive, so they run on the scheduler's clock, not on Prometheus's: each run adds
+its immutable SessionResults to `ProbeResults`, and one custom Collector builds fresh metric families
+from them at every scrape (the HELP texts say "cached"). Session ids never become label values; backend
+names do, from a bounded set per route.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvwatch.collectors.gatewaylogs import follower
+from kvwatch.collectors.probe.records import ERROR_KINDS, SessionResult
+from kvwatch.core.config import STICKY_ROUTE_MODES
+from kvwatch.core.labels import BoundedLabel
+
+log = logging.getLogger("kvwatch.exporter")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+Route = tuple[str, str]  # (target, route_mode)
+
+
+class LabelledRegistry(CollectorRegistry):
+    """A registry that adds the same labels to every sample it serves (the exporter's cluster label):
+    a Prometheus that scrapes several clusters' kvwatch without external_labels still tells them apart."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        super().__init__()
+        self.labels = dict(labels)
+
+    def collect(self) -> Iterator:
+        for family in super().collect():
+            family.samples = [
+                sample._replace(labels={**sample.labels, **self.labels}) for sample in family.samples
+            ]
+            yield family
+
+
+@dataclass
+class _Histogram:
+    buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(TTFT_BUCKETS, value)
+        if index < len(self.buckets):
+            self.buckets[index] += 1
+        self.count += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        running, out = 0, []
+        for bound, hits in zip(TTFT_BUCKETS, self.buckets, strict=True):
+            running += hits
+            out.append((repr(bound), running))
+        out.append(("+Inf", self.count))
+        return out
+
+
+@dataclass(frozen=True)
+class LastRun:
+    started_at: float
+    finished_at: float
+    sessions: tuple[SessionResult, ...]
+
+
+class ProbeResults:
+    """Every probe run so far: the latest run per route and running totals, safe across threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[Route, LastRun] = {}
+        self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
+        self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
+        self._backends: dict[Route, BoundedLabel] = {}
+        self._routes: set[Route] = set()
+
+    def declare(self, route: Route, rounds: int = 0) -> None:
+        """Export a route's outcome counters, and its per-round counters and TTFT histograms of rounds
+        1..`rounds`, at 0 before its first run, so that rate() and increase() count that run too: a
+        counter first seen at 2 shows no increase, and a panel over a time range since kvwatch started
+        would leave the first run out."""
+        with self._lock:
+            self._start_at_zero(route)
+            for round_ in range(1, rounds + 1):
+                labels = (*route, str(round_))
+                for key in ("rounds", "prompt", "cached", "ideal"):
+                    self._totals[key, labels] += 0
+                self._ttft.setdefault(labels, _Histogram())
+
+    def add_run(self, route: Route, sessions: Sequence[SessionResult], started_at: float, finished_at: float):
+        with self._lock:
+            self._start_at_zero(route)
+            self._last[route] = LastRun(started_at, finished_at, tuple(sessions))
+            for session in sessions:
+                self._count_session(route, session)
+
+    def _start_at_zero(self, route: Route) -> None:
+        """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
+        self._routes.add(route)
+        for key, values in (
+            ("sessions", ("success", "failure")),
+            ("stickiness", ("true", "false", "unknown")),
+            ("echo", ("true", "false")),
+            ("errors", ERROR_KINDS),
+        ):
+            for value in values:
+                self._totals[key, (*route, value)] += 0
+        self._totals["switches", route] += 0
+        if route not in self._backends:  # its folded counts start at 0 too
+            self._backends[route] = BoundedLabel()
+
+    def _count_session(self, route: Route, session: SessionResult) -> None:
+        totals = self._totals
+        totals["sessions", (*route, "success" if session.ok else "failure")] += 1
+        sticky = {True: "true", False: "false", None: "unknown"}[session.sticky]
+        totals["stickiness", (*route, sticky)] += 1
+        totals["switches", route] += session.backend_switches or 0
+        if session.session_id_echoed is not None:
+            totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
+        for r in session.rounds:
+            labels = (*route, str(r.round))
+            if not r.ok:
+                totals["errors", (*route, r.error_kind)] += 1
+                continue
+            totals["rounds", labels] += 1
+            totals["prompt", labels] += r.prompt_tokens or 0
+            totals["cached", labels] += r.cached_tokens or 0
+            totals["ideal", labels] += r.ideal_cached_tokens or 0
+            if r.backend:
+                totals["backend", (*route, self._backends[route](r.backend))] += 1
+            if r.ttft_seconds is not None:
+                self._ttft[labels].observe(r.ttft_seconds)
+
+    def snapshot(self) -> tuple[set[Route], dict[Route, LastRun], Counter, dict]:
+        with self._lock:
+            ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
+            totals = Counter(self._totals)
+            for route, backends in self._backends.items():
+                for reason, count in backends.folded.items():
+                    totals["folded", (*route, "backend", reason)] = count
+            return set(self._routes), dict(self._last), totals, ttft
+
+
+_ROUTE = ["target", "route_mode"]
+_COUNTERS = {
+    # key: (name, help, extra labels)
+    "sessions": ("kvwatch_probe_sessions", "Probe sessions by outcome.", ["outcome"]),
+    "rounds": ("kvwatch_probe_rounds", "Successful probe rounds.", ["round"]),
+    "errors": ("kvwatch_probe_errors", "Failed probe rounds by error kind.", ["kind"]),
+    "prompt": ("kvwatch_probe_prompt_tokens", "Prompt tokens of successful probe rounds.", ["round"]),
+    "cached": (
+        "kvwatch_probe_cached_tokens",
+        "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
+        ["round"],
+    ),
+    "ideal": (
+        "kvwatch_probe_ideal_cached_tokens",
+        "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "
+        "answer, block-aligned.",
+        ["round"],
+    ),
+    "stickiness": (
+        "kvwatch_probe_stickiness_sessions",
+        "Probe sessions by whether every round landed on one replica (unknown: no evidence).",
+        ["sticky"],
+    ),
+    "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
+    "echo": (
+        "kvwatch_probe_session_id_echo_sessions",
+        "Probe sessions by whether the gateway echoed the session id on every round.",
+        ["echoed"],
+    ),
+    "backend": ("kvwatch_probe_backend_rounds", "Successful probe rounds per serving backend.", ["backend"]),
+    "folded": (
+        "kvwatch_probe_label_values_folded",
+        'Probe rounds whose label value was shown as "other": beyond 32 values per route, or too long.',
+        ["label", "reason"],
+    ),
+}
+
+
+def label_names() -> frozenset[str]:
+    """Every label of kvwatch's own series (probes, gateway logs, the store's writer): a cluster label of
+    the same name would overwrite it on every sample (collectors.config refuses one)."""
+    probes = {*_ROUTE, "expect_sticky", *(label for _, _, extra in _COUNTERS.values() for label in extra)}
+    return frozenset(probes | follower.LABEL_NAMES | {"reason"})  # the store's kvwatch_store_writes_dropped
+
+
+class ProbeCollector(Collector):
+    """Turns the probe results into fresh metric families at every scrape."""
+
+    def __init__(
+        self,
+        results: ProbeResults,
+        intervals: dict[str, float],
+        expect_sticky: Mapping[str, bool] | None = None,
+    ) -> None:
+        self.results = results
+        self.intervals = intervals  # target -> seconds between runs, for the HELP texts
+        # target -> whether its sessions must stay on one replica; others: their route mode's default
+        self.expect_sticky = expect_sticky or {}
+
+    def collect(self) -> Iterator:
+        routes, last, totals, ttft = self.results.snapshot()
+        yield self._route_info(routes)
+        families = {
+            key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
+            for key, (name, doc, extra) in _COUNTERS.items()
+        }
+        for (key, labels), value in sorted(totals.items()):
+            families[key].add_metric(list(labels), value)
+        yield from families.values()
+
+        histogram = HistogramMetricFamily(
+            "kvwatch_probe_ttft_seconds",
+            "Client-side time to first token of successful probe rounds.",
+            labels=[*_ROUTE, "round"],
+        )
+        for labels, (buckets, total) in sorted(ttft.items()):
+            histogram.add_metric(list(labels), buckets, total)
+        yield histogram
+        yield from self._last_run_families(last)
+
+    def _route_info(self, routes: set[Route]) -> GaugeMetricFamily:
+        """Which routes the affinity alerts watch: they select on expect_sticky, not on a route mode name."""
+        info = GaugeMetricFamily(
+            "kvwatch_probe_route_info",
+            "A probed route's settings: expect_sticky says whether its sessions must stay on one replica.",
+            labels=[*_ROUTE, "expect_sticky"],
+        )
+        for target, mode in sorted(routes):
+            sticky = self.expect_sticky.get(target, mode in STICKY_ROUTE_MODES)
+            info.add_metric([target, mode, str(sticky).lower()], 1)
+        return info
+
+    def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(
+                name, doc + " (cached; refreshed by the scheduler)", labels=[*_ROUTE, *extra]
+            )
+
+        timestamp = gauge("kvwatch_probe_last_run_timestamp_seconds", "When the last probe run finished")
+        duration = gauge("kvwatch_probe_last_run_duration_seconds", "How long the last probe run took")
+        success = gauge("kvwatch_probe_success", "1 if every session of the last probe run succeeded")
+        sticky = gauge(
+            "kvwatch_probe_sticky_ratio", "Share of the last run's judged sessions that were sticky"
+        )
+        echo = gauge(
+            "kvwatch_probe_session_id_echo_ratio", "Share of the last run's sessions whose id came back"
+        )
+        last_ttft = gauge(
+            "kvwatch_probe_last_ttft_seconds", "Median TTFT per round in the last run", ("round",)
+        )
+        warm_cold = gauge(
+            "kvwatch_probe_warm_cold_ttft_ratio", "Median TTFT of rounds 2+ over round 1's in the last run"
+        )
+        interval = gauge("kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs")
+        for route, run in sorted(last.items()):
+            labels = list(route)
+            timestamp.add_metric(labels, run.finished_at)
+            duration.add_metric(labels, run.finished_at - run.started_at)
+            success.add_metric(labels, float(bool(run.sessions) and all(s.ok for s in run.sessions)))
+            judged = [s.sticky for s in run.sessions if s.sticky is not None]
+            if judged:
+                sticky.add_metric(labels, sum(judged) / len(judged))
+            echoed = [s.session_id_echoed for s in run.sessions if s.session_id_echoed is not None]
+            if echoed:
+                echo.add_metric(labels, sum(echoed) / len(echoed))
+            medians = _median_ttft_by_round(run.sessions)
+            for round_, value in medians.items():
+                last_ttft.add_metric([*labels, str(round_)], value)
+            warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
+            if medians.get(1) and warm:
+                warm_cold.add_metric(labels, _median(warm) / medians[1])
+            if route[0] in self.intervals:
+                interval.add_metric(labels, self.intervals[route[0]])
+        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, interval)
+
+
+def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]:
+    by_round: dict[int, list[float]] = defaultdict(list)
+    for session in sessions:
+        for r in session.rounds:
+            if r.ok and r.ttft_seconds is not None:
+                by_round[r.round].append(r.ttft_seconds)
+    return {round_: _median(values) for round_, values in sorted(by_round.items())}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

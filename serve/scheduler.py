@@ -1,0 +1,380 @@
+"""`kvwatch serve`: probes on a schedule, gateway logs followed, the exporter and the alert webhook.
+
+One asyncio process: a job per target (at a phase of its interval given by its name's hash, one run at a
+time, missed runs skipped), a job that polls the gateway logs and one that prunes the store, each timed
+by the monotonic clock (`every`);
+aiohttp serves /metrics and the webhook; one thread writes the store (StoreWriter). Probes never raise;
+a job that fails anyway is logged and the next run goes on. On SIGTERM the runs in flight store what
+they have: the sessions' finished rounds, marked interrupted. Each session is stored as each of its
+rounds finishes, so that even a SIGKILL loses no finished round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
+from kvwatch.collectors.probe import blocksize, workload
+from kvwatch.collectors.probe.records import SessionResult
+from kvwatch.collectors.probe.session import (
+    ProbeSettings,
+    failed_run,
+    run_session,
+    unforeseen,
+    with_block_size,
+)
+from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.core.config import (
+    Config,
+    ConfigError,
+    Target,
+    load_config,
+    resolve_api_key,
+    resolve_store_password,
+    resolve_webhook_token,
+)
+from kvwatch.core.redaction import redact
+from kvwatch.serve import shard
+from kvwatch.serve.exporter import LabelledRegistry, ProbeCollector, ProbeResults
+from kvwatch.store.history import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+
+log = logging.getLogger("kvwatch.serve")
+
+GATEWAY_POLL_SECONDS = 5.0
+PRUNE_SECONDS = 3600.0
+MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the cluster they measure
+RUNS_FINISH_SECONDS = 10.0  # at a stop, for the runs in flight to learn their block size and store
+
+
+def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
+    return ProbeSettings(
+        base_url=target.base_url,
+        model=target.model,
+        api_key=api_key,
+        target=target.name,
+        route_mode=target.route_mode,
+        session_mode=target.session.mode,
+        session_header=target.session.header,
+        backend_headers=target.backend.headers,
+        backend_json_paths=target.backend.json_paths,
+        router=target.router,
+        max_tokens=target.workload.max_tokens,
+        timeout_seconds=target.timeout_seconds,
+    )
+
+
+async def every(
+    name: str,
+    interval: float,
+    job: Callable[[], Awaitable[object]],
+    stop: asyncio.Event,
+    phase: float | None = None,
+) -> None:
+    """Run `job` once per tick of `interval` seconds until `stop` is set: from now on, or with a `phase`
+    from the next time the wall clock is `phase` seconds into an interval.
+
+    Ticks follow the event loop's monotonic clock, so a step of the wall clock (NTP, a resumed VM) neither
+    pauses nor bunches the runs; only the first tick is placed by the wall clock, so that a restarted
+    process keeps its phases. One run at a time: a run that outlasts its interval skips the ticks it
+    missed. A run that raises is logged, and the next one goes on.
+    """
+    loop = asyncio.get_running_loop()
+    delay = 0.0 if phase is None else (phase - time.time()) % interval
+    tick = loop.time() + delay
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
+    while not stop.is_set():
+        try:
+            await job()
+        except Exception:
+            log.exception("%s failed", name)
+        tick += interval * (1 + max(0, math.floor((loop.time() - tick) / interval)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick - loop.time())
+
+
+def phase(name: str, interval: float) -> float:
+    """Seconds into each interval at which the runs of target `name` start: spread over the interval by
+    the name's hash, as Prometheus spreads its scrapes, so that many targets do not probe in a burst, and
+    the same after a restart."""
+    return shard.hashmod(name, 2**32) / 2**32 * interval
+
+
+def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.BlockSizeSources:
+    """The target's block size when the config sets it, else where to learn it: Prometheus, the route's
+    /metrics, then the sessions' cached tokens."""
+    override = None
+    if target.block_size is not None:
+        override = blocksize.BlockSize(target.block_size, f"block_size of target {target.name} in the config")
+    return blocksize.sources_for([target.base_url], prometheus_url, override)
+
+
+class Conversations:
+    """Fresh conversations for every run of one target, each with a system prompt of its own: round 1
+    is then a true cold prefill and rounds 2+ can only reuse their own session's history, so the
+    warm/cold TTFT ratio and the cached tokens measure affinity and nothing else."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        spec = target.workload
+        self._runs = itertools.count()
+        self._pool = None
+        if spec.sharegpt is not None:
+            self._pool = itertools.cycle(workload.load_sharegpt(spec.sharegpt, seed=spec.seed))
+
+    def next_run(self) -> list[workload.Conversation]:
+        target, spec = self.target, self.target.workload
+        if self._pool is not None:
+            picked = itertools.islice(self._pool, target.sessions_per_run)
+            return [workload.Conversation(c.system_prompt, c.user_turns[: target.rounds]) for c in picked]
+        rng = random.Random(f"{target.name}-{spec.seed}-{next(self._runs)}")
+        return [
+            workload.Conversation(
+                workload.system_prompt(spec.system_tokens, rng.randrange(2**31)),
+                workload.user_turns(target.rounds, spec.turn_tokens, rng),
+            )
+            for _ in range(target.sessions_per_run)
+        ]
+
+
+class Service:
+    """Everything `kvwatch serve` runs, built from one config: the probes of the targets in its shard."""
+
+    def __init__(self, config: Config, part: shard.Shard = shard.WHOLE) -> None:
+        self.config = config
+        self.shard = part
+        self.targets = part.select(config.targets)
+        password = resolve_store_password(config.store)
+        self.store = Store(config.store.location, config.store.retention_days, password=password)
+        self.writer = StoreWriter(
+            config.store.queue_capacity, config.store.retry_seconds, self.store.location
+        )
+        self.results = ProbeResults()
+        self.followers = [
+            GatewayLogFollower(
+                g.path,
+                g.name,
+                spread_window_seconds=g.spread_window_seconds,
+                session_ttl_seconds=g.session_ttl_seconds,
+                max_sessions=g.max_sessions,
+                expect_sticky=g.expect_sticky,
+                log_format=g.format,
+            )
+            for g in config.gateway_logs
+        ]
+        cluster = config.exporter.cluster
+        self.registry = LabelledRegistry({config.cluster_label: cluster} if cluster else {})
+        self.registry.register(
+            ProbeCollector(
+                self.results,
+                {t.name: t.interval_seconds for t in self.targets},
+                {t.name: t.expect_sticky for t in self.targets},
+            )
+        )
+        self.registry.register(GatewayLogCollector(self.followers))
+        self.registry.register(self.writer)
+        for target in self.targets:
+            self.results.declare((target.name, target.route_mode), target.rounds)
+        # Keys are read once at start; a missing one is a ConfigError before anything runs.
+        self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in self.targets}
+        self.webhook_token = resolve_webhook_token(config.exporter)
+        self.conversations = {t.name: Conversations(t) for t in self.targets}
+        self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in self.targets}
+        self._gate: asyncio.Semaphore | None = None
+        self._client: StreamClient | None = None
+        self._stop: asyncio.Event | None = None
+
+    async def probe(self, target: Target) -> None:
+        """One scheduled run: `sessions_per_run` sessions through one target, recorded and exported.
+
+        The engine's block size is learned anew each run, so an engine redeployed with another is followed.
+        A stop cuts the sessions short; those with a finished round are stored, marked interrupted. Each
+        session is stored in flight after each round, and once more as it ended.
+        """
+        started = time.time()
+        settings = self.probes[target.name]
+
+        async def one(conversation: workload.Conversation) -> tuple[str, SessionResult]:
+            uid = uuid.uuid4().hex
+
+            def store_in_flight(so_far: SessionResult) -> None:
+                self.writer.submit(self.store.add_session, so_far, uid, True)
+
+            async with self._gate:
+                return uid, await run_session(
+                    self._client, settings, conversation, stop=self._stop, on_round=store_in_flight
+                )
+
+        try:
+            # Building a large workload's text takes seconds: in a thread, the exporter, the webhook and
+            # a stop are served meanwhile.
+            conversations = await asyncio.to_thread(self.conversations[target.name].next_run)
+            ran = await asyncio.gather(*map(one, conversations))
+        except Exception as error:  # a bug outside the rounds (which never raise): recorded as the run
+            failed = failed_run(settings, error, started)
+            log.error("probe run of %s failed: %s", target.name, failed.rounds[0].error_detail)
+            ran = [(uuid.uuid4().hex, failed)]
+        ran = [(uid, s) for uid, s in ran if s.rounds]  # stopped before round 1 ended: nothing measured
+        uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
+        block = await self._block_size(target, sessions)
+        sessions = with_block_size(sessions, block.tokens)
+        self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
+        for uid, session in zip(uids, sessions, strict=True):
+            self.writer.submit(self.store.add_session, session, uid)
+        failed = [s.error_kind for s in sessions if not s.ok]
+        interrupted = sum(s.interrupted for s in sessions)
+        log.info(
+            "%s: %d sessions, %d failed%s%s; %s",
+            target.name,
+            len(sessions),
+            len(failed),
+            f" ({', '.join(sorted(set(failed)))})" if failed else "",
+            f", {interrupted} cut short by the stop" if interrupted else "",
+            block.describe(),
+        )
+
+    async def _block_size(self, target: Target, sessions: list[SessionResult]) -> blocksize.BlockSize:
+        """The engine's block size, or the default when learning it failed unforeseen: the run's sessions
+        are recorded either way."""
+        try:
+            return await blocksize.learn(self.block_sources[target.name], sessions)
+        except Exception as error:  # learn never raises: a bug
+            reason = redact(unforeseen(error), self.probes[target.name].api_key)
+            log.error("learning the block size of %s failed: %s", target.name, reason)
+            return blocksize.BlockSize(blocksize.DEFAULT_TOKENS, "default; learning it failed")
+
+    def poll_gateway_logs(self) -> None:
+        for follower in self.followers:
+            follower.poll()
+
+    async def prune(self) -> None:
+        with contextlib.suppress(WriteDropped):  # the writer has said why
+            removed = await asyncio.wrap_future(self.writer.submit(self.store.prune))
+            if removed:
+                log.info("pruned %d old sessions and alerts", removed)
+
+    def store_alerts(self, payload: object) -> AlertsAdded:
+        """The webhook's alerts, stamped with the time they arrived, once the writer thread has them."""
+        return self.writer.submit(self.store.add_alerts, payload, time.time()).result()
+
+    def _start_jobs(self, stop: asyncio.Event) -> list[asyncio.Task]:
+        """The probe of each target at its phase, the gateway-log poll (in a thread: it reads files) and
+        the store's pruning, each on its own schedule."""
+        jobs = [
+            every(f"probe run of {t.name}", t.interval_seconds, functools.partial(self.probe, t), stop,
+                  phase=phase(t.name, t.interval_seconds))
+            for t in self.targets
+        ]  # fmt: skip
+        if self.followers:
+            poll = functools.partial(asyncio.to_thread, self.poll_gateway_logs)
+            jobs.append(every("gateway-log poll", GATEWAY_POLL_SECONDS, poll, stop))
+        jobs.append(every("store pruning", PRUNE_SECONDS, self.prune, stop))
+        return [asyncio.create_task(job) for job in jobs]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set; then let the runs in flight store what they have, close the HTTP
+        side and write what is queued for the store (store.flush_seconds at most)."""
+        from aiohttp import web  # here, not at the top: only this command pays for importing aiohttp
+
+        from kvwatch.serve.endpoints import make_app, open_webhook_warning
+
+        self._stop = stop
+        self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
+        # Each round has its target's deadline over the whole exchange (ProbeSettings.timeout_seconds).
+        self._client = StreamClient()
+        app = make_app(self.registry, self.store_alerts, self.webhook_token)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        listen = self.config.exporter
+        jobs: list[asyncio.Task] = []
+        try:
+            await web.TCPSite(runner, listen.host, listen.port).start()
+            log.info(
+                "exporter and webhook on http://%s:%d (/metrics, POST /alerts)", listen.host, listen.port
+            )
+            if warning := open_webhook_warning(listen, self.webhook_token):
+                log.warning("%s", warning)
+            if self.shard != shard.WHOLE:
+                log.log(
+                    logging.INFO if self.targets else logging.WARNING,
+                    "shard %s: probing %d of %d targets%s",
+                    self.shard,
+                    len(self.targets),
+                    len(self.config.targets),
+                    f": {', '.join(t.name for t in self.targets)}" if self.targets else "",
+                )
+            jobs = self._start_jobs(stop)
+            await stop.wait()
+            _, late = await asyncio.wait(jobs, timeout=RUNS_FINISH_SECONDS)
+            if late:
+                log.warning(
+                    "%d jobs still ran %g s after the stop: cancelled", len(late), RUNS_FINISH_SECONDS
+                )
+        finally:
+            for job in jobs:
+                job.cancel()
+            await runner.cleanup()
+            await self._client.aclose()
+            for follower in self.followers:
+                follower.close()
+            self.writer.close(self.config.store.flush_seconds)
+            self.store.close()
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
+        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
+        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
+    )
+    serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
+    serve.add_argument(
+        "--shard",
+        type=shard.parse,
+        default=shard.WHOLE,
+        metavar="I/N",
+        help="probe and export only the targets of shard I mod N of N, split by hashing their names as "
+        "Prometheus' hashmod does; instances I and I+N are replicas of one shard (default: every target)",
+    )
+    serve.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        service = Service(load_config(args.config), args.shard)
+    except (ConfigError, StoreError, ValueError, OSError) as error:
+        print(f"kvwatch serve: {error}", file=sys.stderr)
+        return 1
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await service.run(stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as error:  # the exporter's port is taken, most often
+        print(
+            f"kvwatch serve: cannot listen on {service.config.exporter.listen}: {error.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

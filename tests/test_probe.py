@@ -846,10 +846,10 @@ TINY_CHUNK = json.dumps({"choices": [{"delta": {"content": "x"}}]})
     ],
 )
 def test_an_endless_answer_stops_at_its_cap_long_before_the_timeout(piece, detail):
-    started = time.monotonic()
-    session = against(endless(piece), timeout_seconds=10)
+    """The cap ends the round, not the timeout: a round the timeout ended would be `timeout`. How soon the
+    cap comes is a speed claim (benchmarks/), not asserted here: a loaded machine only makes it later."""
+    session = against(endless(piece), timeout_seconds=120)
 
-    assert time.monotonic() - started < 5
     (failed,) = session.rounds
     assert failed.error_kind == "stream_error" and detail in failed.error_detail, failed.error_detail
 

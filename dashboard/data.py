@@ -36,6 +36,7 @@ from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
 from kvwatch.doctor import checks
+from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner
 from kvwatch.prometheus import promql, queries
 from kvwatch.serve.scheduler import probe_settings
@@ -545,6 +546,6 @@ def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
     if requests_sample and not Path(requests_sample).is_file():
         return Result(error=f"No request sample at {requests_sample}.")
     picked = picked_cluster()
-    cluster = checks.Cluster(picked, config.value.cluster_label)
+    cluster = Cluster(picked, config.value.cluster_label)
     prometheus = config.value.prometheus.url
     return Result(checks.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())

@@ -35,7 +35,7 @@ from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
 from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
-from kvwatch.experiment import runner
+from kvwatch.experiment.report import FILES
 from kvwatch.grafana import boards
 from kvwatch.prometheus import promql, queries
 from kvwatch.store.history import Store
@@ -1359,7 +1359,7 @@ def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
 
 
 def test_an_experiment_report_reads_the_load_and_replica_files_the_experiment_wrote(tmp_path):
-    files = {name: tmp_path / runner.FILES[name] for name in ("report", "load", "replicas")}
+    files = {name: tmp_path / FILES[name] for name in ("report", "load", "replicas")}
     files["report"].write_text("## A/B experiment: rr vs aff\n")
     assert data.experiment_report(tmp_path).value == data.Report(
         tmp_path, "## A/B experiment: rr vs aff\n", None

@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.experiment.runner import Load, Workload, load_rows, round_rows, run_experiment
+from kvwatch.experiment.design import Load, Workload
+from kvwatch.experiment.runner import run_experiment
+from kvwatch.experiment.tables import load_rows, round_rows
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_PORTS = (28400, 28500)  # one block per lab

@@ -7,12 +7,12 @@ import sys
 
 from kvwatch.cli import completion
 from kvwatch.cli import dashboard as dashboard_cli
+from kvwatch.cli import doctor as doctor_cli
+from kvwatch.cli import experiment as experiment_cli
 from kvwatch.cli import lab as lab_cli
 from kvwatch.collectors.engines import scrape
 from kvwatch.collectors.probe import session
 from kvwatch.core import config
-from kvwatch.doctor import checks
-from kvwatch.experiment import runner
 from kvwatch.serve import scheduler
 
 # What each command's exit code means, in one place: under the command's --help and in the README, for
@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_parser(commands)
     config.add_parser(commands)
     scheduler.add_parser(commands)
-    runner.add_parser(commands)
-    checks.add_parser(commands)
+    experiment_cli.add_parser(commands)
+    doctor_cli.add_parser(commands)
     dashboard_cli.add_parser(commands)
     completion.add_parser(commands, build_parser)
     for path, command in runnable_commands(parser).items():

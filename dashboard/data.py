@@ -36,7 +36,10 @@ from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
 from kvwatch.doctor import checks
+from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner
+from kvwatch.experiment.design import Load, Workload
+from kvwatch.experiment.report import FILES
 from kvwatch.prometheus import promql, queries
 from kvwatch.serve.scheduler import probe_settings
 from kvwatch.store.databases import ERRORS as STORE_ERRORS
@@ -488,7 +491,7 @@ def report_directory(name: str) -> Result:
 @_cached
 def experiment_report(directory: Path) -> Result:
     """The report `kvwatch experiment --out DIR` wrote into `directory`; None when there is none yet."""
-    files = {name: directory / runner.FILES[name] for name in ("report", "png", "load", "replicas")}
+    files = {name: directory / FILES[name] for name in ("report", "png", "load", "replicas")}
     try:
         if not files["report"].exists():
             return Result(None)
@@ -519,8 +522,8 @@ def run_experiment(
         return config
     try:
         routes = [probe_settings(target, resolve_api_key(target)) for target in (a, b)]
-        workload = runner.Workload(sessions, rounds, seed=seed)
-        load = runner.Load(concurrency, request_rate, seed)
+        workload = Workload(sessions, rounds, seed=seed)
+        load = Load(concurrency, request_rate, seed)
         sources = blocksize.sources_for([a.base_url, b.base_url], config.value.prometheus.url)
         ran, markdown = runner.run_into(*routes, workload, out, load, block_sources=sources)
     except (ConfigError, ValueError, OSError) as error:
@@ -545,6 +548,6 @@ def run_doctor(target: Target, requests_sample: str | None = None) -> Result:
     if requests_sample and not Path(requests_sample).is_file():
         return Result(error=f"No request sample at {requests_sample}.")
     picked = picked_cluster()
-    cluster = checks.Cluster(picked, config.value.cluster_label)
+    cluster = Cluster(picked, config.value.cluster_label)
     prometheus = config.value.prometheus.url
     return Result(checks.diagnose(probe, prometheus, requests_sample or None, cluster=cluster).as_json())

@@ -34,7 +34,8 @@ from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, 
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
 from kvwatch.doctor import checks
-from kvwatch.experiment import runner
+from kvwatch.doctor.caching import Cluster
+from kvwatch.experiment.report import FILES
 from kvwatch.grafana import boards
 from kvwatch.prometheus import promql, queries
 from kvwatch.store.history import Store
@@ -1327,7 +1328,7 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
         route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)
         found = {}
         for name in (None, *Clusters.CACHING, "c"):
-            cluster = checks.Cluster(name) if name else None
+            cluster = Cluster(name) if name else None
             judged = checks.diagnose(route, prometheus_url, cluster=cluster).checks
             found[name] = next(c for c in judged if c.name == "prefix caching")
         unknown = found.pop("c")  # a cluster Prometheus holds no engine of: named, with those it holds
@@ -1341,7 +1342,7 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
         assert off not in found["a"]
         assert f"Prometheus (cluster b): {off}" in found["b"]
         for name, (_, block) in Clusters.CACHING.items():  # the block size the doctor learns, per cluster
-            narrowed = checks.Cluster(name).narrowed(blocksize.PROMETHEUS_QUERY)
+            narrowed = Cluster(name).narrowed(blocksize.PROMETHEUS_QUERY)
             sources = blocksize.BlockSizeSources(prometheus_url=prometheus_url, prometheus_query=narrowed)
             assert asyncio.run(blocksize.learn(sources, [])).tokens == block
     finally:
@@ -1358,7 +1359,7 @@ def test_the_doctor_names_a_missing_api_key(config_file, monkeypatch):
 
 
 def test_an_experiment_report_reads_the_load_and_replica_files_the_experiment_wrote(tmp_path):
-    files = {name: tmp_path / runner.FILES[name] for name in ("report", "load", "replicas")}
+    files = {name: tmp_path / FILES[name] for name in ("report", "load", "replicas")}
     files["report"].write_text("## A/B experiment: rr vs aff\n")
     assert data.experiment_report(tmp_path).value == data.Report(
         tmp_path, "## A/B experiment: rr vs aff\n", None

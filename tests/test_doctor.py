@@ -31,19 +31,12 @@ from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.session import HINTS, ProbeSettings, api_url
 from kvwatch.collectors.probe.workload import system_prompt, user_turns
-from kvwatch.doctor.checks import (
-    CAUSES,
-    Check,
-    Cluster,
-    Diagnosis,
-    _base_url_variants,
-    _caching_off_in_prometheus,
-    caching_off_alerts,
-    diagnose,
-    examine,
-    format_diagnosis,
-    prompt_prefix,
-)
+from kvwatch.doctor.caching import Cluster, _caching_off_in_prometheus, caching_off_alerts
+from kvwatch.doctor.checks import diagnose, examine
+from kvwatch.doctor.findings import CAUSES, Check, Diagnosis
+from kvwatch.doctor.prompts import prompt_prefix
+from kvwatch.doctor.report import format_diagnosis
+from kvwatch.doctor.route import _base_url_variants
 from kvwatch.lab import stack
 from kvwatch.lab.state import LabState
 

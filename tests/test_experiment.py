@@ -23,22 +23,10 @@ from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.tokenizer import split_words
 from kvwatch.experiment import plot
 from kvwatch.experiment import runner as experiment_module
-from kvwatch.experiment.runner import (
-    FILES,
-    Experiment,
-    Load,
-    bootstrap_cis,
-    interleave,
-    load_rows,
-    plot_panels,
-    quantile,
-    replica_rows,
-    report,
-    round_rows,
-    route_rows,
-    run_experiment,
-    tag,
-)
+from kvwatch.experiment.design import Experiment, Load, interleave, tag
+from kvwatch.experiment.report import FILES, plot_panels, report
+from kvwatch.experiment.runner import run_experiment
+from kvwatch.experiment.tables import bootstrap_cis, load_rows, quantile, replica_rows, round_rows, route_rows
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
 SESSIONS, ROUNDS = 6, 4

@@ -23,7 +23,7 @@ from kvwatch.collectors.probe.blocksize import BlockSizeSources
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.core import connections
 from kvwatch.dashboard import data
-from kvwatch.doctor import checks
+from kvwatch.doctor import caching, route
 from kvwatch.grafana import boards
 from kvwatch.lab import stack
 from kvwatch.lab.process import LabError, Process
@@ -103,17 +103,17 @@ def test_learning_the_block_size_gives_up_on_a_trickling_prometheus_and_metrics(
 
 @HANGS_WITHOUT_A_DEADLINE
 def test_the_doctor_gives_up_on_trickling_models_and_prometheus(trickle, monkeypatch):
-    monkeypatch.setattr(checks, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
+    monkeypatch.setattr(caching, "PROMETHEUS_TIMEOUT_S", DEADLINE_S)
     probe = ProbeSettings(base_url=trickle, model="m", timeout_seconds=DEADLINE_S)
 
     async def ask(question):
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
             return await question(client)
 
-    assert within_deadline(lambda: asyncio.run(ask(lambda client: checks._models(client, probe)))) is None
+    assert within_deadline(lambda: asyncio.run(ask(lambda client: route._models(client, probe)))) is None
     with pytest.raises(httpx.TimeoutException):
         within_deadline(
-            lambda: asyncio.run(ask(lambda client: checks._caching_off_in_prometheus(client, trickle)))
+            lambda: asyncio.run(ask(lambda client: caching._caching_off_in_prometheus(client, trickle)))
         )
 
 

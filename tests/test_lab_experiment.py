@@ -22,17 +22,10 @@ from conftest import REPO, experiment_replica_bars, http_get, http_post, kvwatch
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.core.config import Config, DashboardSettings, Target
 from kvwatch.dashboard import data
-from kvwatch.experiment.runner import (
-    FILES,
-    TTFT_QUANTILES,
-    Load,
-    Workload,
-    raw_rows,
-    round_rows,
-    route_rows,
-    run_experiment,
-    write_outputs,
-)
+from kvwatch.experiment.design import Load, Workload
+from kvwatch.experiment.report import FILES, write_outputs
+from kvwatch.experiment.runner import run_experiment
+from kvwatch.experiment.tables import TTFT_QUANTILES, raw_rows, round_rows, route_rows
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,118 @@
+"""`kvwatch doctor`: its options, and the diagnosis printed as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.session import (
+    ProbeSettings,
+    add_api_key_arguments,
+    add_identity_arguments,
+    add_model_argument,
+    api_url,
+    chosen_model,
+    resolve_api_key,
+)
+from kvwatch.core.progress import Progress
+from kvwatch.core.redaction import redact
+from kvwatch.doctor import affinity
+from kvwatch.doctor.caching import Cluster
+from kvwatch.doctor.checks import CHECKS, diagnose
+from kvwatch.doctor.report import format_diagnosis
+from kvwatch.prometheus.queries import CLUSTER_LABEL
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="find why session affinity or the prefix cache does not work, and say how to fix it",
+        description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
+        "auth, the response's shape, whether the session id reaches the router and is its hash key, "
+        "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
+        "front of the prompts. Each check prints its evidence and fix.",
+    )
+    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    add_model_argument(parser)
+    add_api_key_arguments(parser)
+    parser.add_argument(
+        "--session-header",
+        default=ProbeSettings.session_header,
+        metavar="H",
+        help="session id header, e.g. x-smg-routing-key for SMG (default %(default)s)",
+    )
+    add_identity_arguments(parser)
+    parser.add_argument(
+        "--gateway",
+        choices=list(affinity.SYSTEMS),
+        help="the gateway or router in front of the replicas, whose settings the fixes name "
+        "(envoy: Envoy and Istio); by default the one an answer's headers show, else every one",
+    )
+    blocksize.add_arguments(parser)
+    parser.add_argument(
+        "--requests-sample",
+        metavar="FILE",
+        help='JSONL file of real request payloads, one {"messages": [...]} per line',
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=15.0, metavar="S", help="seconds per request (default %(default)g)"
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="in a --prometheus of several clusters, read this cluster's engines only (default: every "
+        "cluster, each instance named with its own)",
+    )
+    parser.add_argument(
+        "--cluster-label",
+        default=CLUSTER_LABEL,
+        metavar="LABEL",
+        help="the label that tells clusters apart, as cluster_label in kvwatch.yaml (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help='print {"checks": [...], "causes": [...]}')
+    parser.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
+    try:
+        block_sources = blocksize.sources_from_args(args, [args.base_url])
+        if args.requests_sample and not Path(args.requests_sample).is_file():
+            raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
+        if args.cluster is not None and not args.prometheus:
+            raise ValueError("--cluster names a cluster in --prometheus: give --prometheus too")
+        cluster = Cluster(args.cluster, args.cluster_label)
+        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
+        probe = ProbeSettings(
+            base_url=args.base_url,
+            model=chosen_model(args.model, args.base_url, api_key, args.timeout, "doctor"),
+            api_key=api_key,
+            session_header=args.session_header,
+            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+            router=args.router,
+            timeout_seconds=args.timeout,
+        )
+    except ValueError as error:
+        print(f"kvwatch doctor: {error}", file=sys.stderr)
+        return 2
+    with Progress.on_terminal("doctor", "checks", json=args.json) as progress:
+        progress.start(CHECKS)
+        diagnosis = diagnose(
+            probe,
+            args.prometheus,
+            args.requests_sample,
+            block_sources,
+            progress.advance,
+            args.gateway,
+            cluster,
+        )
+    if args.json:
+        print(json.dumps(diagnosis.as_json(), indent=2))
+    else:
+        print(f"kvwatch doctor: {redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}\n")
+        print(format_diagnosis(diagnosis))
+    return 1 if diagnosis.failed else 0

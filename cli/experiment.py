@@ -1,0 +1,129 @@
+"""`kvwatch experiment`: its options; the report on stdout, what failed on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.session import (
+    SESSION_MODES,
+    ProbeSettings,
+    add_api_key_arguments,
+    add_identity_arguments,
+    add_model_argument,
+    chosen_model,
+    resolve_api_key,
+)
+from kvwatch.core.progress import Progress
+from kvwatch.experiment.design import Load, Workload
+from kvwatch.experiment.report import FILES
+from kvwatch.experiment.runner import failures, run_into
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "experiment",
+        help="the source article's A/B run: the same sessions through two routes, TTFT and reuse by round",
+        description="Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) "
+        "and route B (e.g. session affinity), each conversation arriving for both at the same moment. Report "
+        "per round the median, p90 and p99 TTFT with bootstrap 95 % intervals and the cached ratio, and per "
+        "route the stickiness, the throughput and the requests each replica served: CSVs, a Markdown report "
+        "and a plot (PNG and interactive HTML) in DIR, and the report on stdout.",
+    )
+    parser.add_argument("--a", required=True, metavar="URL", help="route A's API root, with or without /v1")
+    parser.add_argument("--b", required=True, metavar="URL", help="route B's API root, with or without /v1")
+    parser.add_argument(
+        "--label-a", default="round_robin", metavar="LABEL", help="route A's name (default %(default)s)"
+    )
+    parser.add_argument(
+        "--label-b", default="affinity", metavar="LABEL", help="route B's name (default %(default)s)"
+    )
+    add_model_argument(parser)
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for the results")
+    add_api_key_arguments(parser)
+    workload = Workload()
+    for flag, default, what in (
+        ("--sessions", workload.sessions, "sessions per route"),
+        ("--rounds", workload.rounds, "rounds per session"),
+        ("--system-tokens", workload.system_tokens, "synthetic system prompt, in tokens"),
+        ("--turn-tokens", workload.turn_tokens, "synthetic user turn, in tokens"),
+        ("--max-tokens", 8, "answer length in tokens; TTFT is what is measured"),
+        ("--seed", workload.seed, "seed of the workload"),
+    ):
+        parser.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="sessions in flight per route; default: no cap with --request-rate, else one session at a "
+        "time over both routes, interleaved",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        metavar="R",
+        help="sessions arriving per second per route, with seeded exponential gaps (a Poisson process); "
+        "default: all at the start",
+    )
+    parser.add_argument(
+        "--sharegpt", type=Path, metavar="FILE", help="user turns from a ShareGPT-style JSON file"
+    )
+    parser.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=ProbeSettings.session_mode,
+        help="client: a new id per session; server: adopt the id the gateway returns; none: send none "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-header", default=ProbeSettings.session_header, metavar="H", help="default %(default)s"
+    )
+    add_identity_arguments(parser)
+    blocksize.add_arguments(parser)
+    parser.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`kvwatch experiment`: 0 when it ran, 1 when every session failed, 2 on bad arguments."""
+    try:
+        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
+        workload = Workload(
+            args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
+        )
+        load = Load(args.concurrency, args.request_rate, args.seed)
+        sources = blocksize.sources_from_args(args, [args.a, args.b])
+        # Both routes reach the same engines, so route A's listing speaks for both.
+        model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
+        a, b = (
+            ProbeSettings(
+                base_url=url,
+                model=model,
+                api_key=api_key,
+                target=label,
+                route_mode=label,
+                session_mode=args.session_mode,
+                session_header=args.session_header,
+                backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+                router=args.router,
+                max_tokens=args.max_tokens,
+            )
+            for url, label in ((args.a, args.label_a), (args.b, args.label_b))
+        )
+        # It checks its arguments before it runs.
+        with Progress.on_terminal("experiment", "sessions", json=False) as progress:
+            experiment, markdown = run_into(a, b, workload, args.out, load, sources, progress)
+    except (ValueError, OSError) as error:
+        print(f"kvwatch experiment: {error}", file=sys.stderr)
+        return 2
+    if markdown is not None:
+        print(markdown)
+        print(f"Written to {args.out}: {', '.join(FILES.values())}")
+    summary = failures(experiment)
+    if summary:
+        print(f"kvwatch experiment: {summary[0]}", file=sys.stderr)
+        for line in summary[1:]:
+            print(f"  {line}", file=sys.stderr)
+    return 1 if markdown is None else 0

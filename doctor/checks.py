@@ -27,19 +27,16 @@ from pathlib import Path
 
 import httpx
 
+from kvwatch.cli.options import add_api_key_arguments, add_identity_arguments, add_model_argument
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.models import chosen_model, list_models
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import (
-    HINTS,
     ProbeSettings,
-    add_api_key_arguments,
-    add_identity_arguments,
-    add_model_argument,
     api_url,
-    chosen_model,
-    list_models,
     resolve_api_key,
     run_session,
     with_block_size,

@@ -31,19 +31,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvwatch.cli.options import add_api_key_arguments, add_identity_arguments, add_model_argument
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.report import failure_hints
 from kvwatch.collectors.probe.session import (
     SESSION_MODES,
     ProbeSettings,
-    add_api_key_arguments,
-    add_identity_arguments,
-    add_model_argument,
     api_url,
-    chosen_model,
-    failure_hints,
     resolve_api_key,
     run_session,
     with_block_size,

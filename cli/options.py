@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.core.connections import url_problem
+from kvwatch.core.redaction import redact
 
 
 class _RefuseKey(argparse.Action):
@@ -52,6 +55,38 @@ def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
         help="response header naming the serving backend; repeatable; replaces the defaults "
         f"({', '.join(identity.DEFAULT_HEADERS)})",
     )
+
+
+def add_block_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """--block-size, --prometheus and --metrics-url: the block size given, or where to learn it."""
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="the engines' KV block size in tokens, for the ideal cached tokens; default: learned from "
+        "--prometheus, then --metrics-url (or the base URL's origin + /metrics), then the reported "
+        f"cached_tokens, else {blocksize.DEFAULT_TOKENS}",
+    )
+    parser.add_argument("--prometheus", metavar="URL", help="Prometheus scraping the engines")
+    parser.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="an engine's /metrics, for its block size (default: the base URL's origin + /metrics)",
+    )
+
+
+def block_size_sources(args: argparse.Namespace, base_urls: Sequence[str]) -> blocksize.BlockSizeSources:
+    """Where add_block_size_arguments' options say to learn the block size; ValueError naming the option
+    when one is wrong."""
+    if args.block_size is not None and (wrong := blocksize.problem(args.block_size)):
+        raise ValueError(f"--block-size {wrong}")
+    for flag, url in (("--prometheus", args.prometheus), ("--metrics-url", args.metrics_url)):
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} must start with http:// or https://")
+        if url and (reason := url_problem(url)):
+            raise ValueError(f"{flag} {redact(url)} is not a valid URL: {reason}")
+    override = None if args.block_size is None else blocksize.BlockSize(args.block_size, "--block-size")
+    return blocksize.sources_for(base_urls, args.prometheus, override, args.metrics_url)
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], float]:

@@ -10,8 +10,10 @@ import sys
 from kvwatch.cli.options import (
     add_api_key_arguments,
     add_base_url_argument,
+    add_block_size_arguments,
     add_identity_arguments,
     add_model_argument,
+    block_size_sources,
 )
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
@@ -75,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
         "instead of synthetic ones",
     )
-    blocksize.add_arguments(parser)
+    add_block_size_arguments(parser)
     parser.add_argument(
         "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
     )
@@ -124,7 +126,7 @@ def _read_args(
     if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
         raise ValueError("; ".join(problems))
     api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-    sources = blocksize.sources_from_args(args, [args.base_url])
+    sources = block_size_sources(args, [args.base_url])
     if args.sharegpt:
         conversations = [
             Conversation(c.system_prompt, c.user_turns[: args.rounds])

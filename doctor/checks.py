@@ -27,7 +27,13 @@ from pathlib import Path
 
 import httpx
 
-from kvwatch.cli.options import add_api_key_arguments, add_identity_arguments, add_model_argument
+from kvwatch.cli.options import (
+    add_api_key_arguments,
+    add_block_size_arguments,
+    add_identity_arguments,
+    add_model_argument,
+    block_size_sources,
+)
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
@@ -778,7 +784,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the gateway or router in front of the replicas, whose settings the fixes name "
         "(envoy: Envoy and Istio); by default the one an answer's headers show, else every one",
     )
-    blocksize.add_arguments(parser)
+    add_block_size_arguments(parser)
     parser.add_argument(
         "--requests-sample",
         metavar="FILE",
@@ -806,7 +812,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
     try:
-        block_sources = blocksize.sources_from_args(args, [args.base_url])
+        block_sources = block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
         if args.cluster is not None and not args.prometheus:

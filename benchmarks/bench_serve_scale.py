@@ -42,8 +42,8 @@ BURSTS = (16, 64, 128, 256)
 WORKLOAD = {"system_tokens": 300, "turn_tokens": 100, "max_tokens": 16}
 # A real `kvwatch serve` whose cap on concurrent sessions is argv[1]: the constant, set before it runs.
 SERVE_WITH_CAP = (
-    "import sys; from kvwatch.collectors import cli, scheduler; "
-    "scheduler.MAX_CONCURRENT_SESSIONS = int(sys.argv[1]); sys.exit(cli.main(sys.argv[2:]))"
+    "import sys; from kvwatch.cli.main import main; from kvwatch.serve import scheduler; "
+    "scheduler.MAX_CONCURRENT_SESSIONS = int(sys.argv[1]); sys.exit(main(sys.argv[2:]))"
 )
 
 

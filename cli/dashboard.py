@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from kvwatch.core.config import LAB_DIRECTORY
+from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
-DEFAULT_CONFIG = LAB_DIRECTORY / "kvwatch.yaml"  # the config `kvwatch lab up` writes
-DEFAULT_REFRESH_SECONDS = 15
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -7,17 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from kvwatch.collectors import identity
-from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.session import (
-    ProbeSettings,
+from kvwatch.cli.options import (
     add_api_key_arguments,
+    add_base_url_argument,
+    add_block_size_arguments,
     add_identity_arguments,
     add_model_argument,
-    api_url,
-    chosen_model,
-    resolve_api_key,
+    block_size_sources,
 )
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.session import ProbeSettings, api_url, resolve_api_key
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
         "front of the prompts. Each check prints its evidence and fix.",
     )
-    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    add_base_url_argument(parser)
     add_model_argument(parser)
     add_api_key_arguments(parser)
     parser.add_argument(
@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the gateway or router in front of the replicas, whose settings the fixes name "
         "(envoy: Envoy and Istio); by default the one an answer's headers show, else every one",
     )
-    blocksize.add_arguments(parser)
+    add_block_size_arguments(parser)
     parser.add_argument(
         "--requests-sample",
         metavar="FILE",
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
     try:
-        block_sources = blocksize.sources_from_args(args, [args.base_url])
+        block_sources = block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
         if args.cluster is not None and not args.prometheus:

@@ -6,17 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvwatch.collectors import identity
-from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.session import (
-    SESSION_MODES,
-    ProbeSettings,
+from kvwatch.cli.options import (
     add_api_key_arguments,
+    add_block_size_arguments,
     add_identity_arguments,
     add_model_argument,
-    chosen_model,
-    resolve_api_key,
+    block_size_sources,
 )
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key
 from kvwatch.core.progress import Progress
 from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES
@@ -82,7 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--session-header", default=ProbeSettings.session_header, metavar="H", help="default %(default)s"
     )
     add_identity_arguments(parser)
-    blocksize.add_arguments(parser)
+    add_block_size_arguments(parser)
     parser.set_defaults(handler=run_cli)
 
 
@@ -94,7 +93,7 @@ def run_cli(args: argparse.Namespace) -> int:
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
         load = Load(args.concurrency, args.request_rate, args.seed)
-        sources = blocksize.sources_from_args(args, [args.a, args.b])
+        sources = block_size_sources(args, [args.a, args.b])
         # Both routes reach the same engines, so route A's listing speaks for both.
         model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
         a, b = (

@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvwatch.cli import completion
-from kvwatch.cli import dashboard as dashboard_cli
-from kvwatch.cli import doctor as doctor_cli
-from kvwatch.cli import experiment as experiment_cli
-from kvwatch.cli import lab as lab_cli
-from kvwatch.collectors.engines import scrape
-from kvwatch.collectors.probe import session
-from kvwatch.core import config
-from kvwatch.serve import scheduler
+from kvwatch.cli import completion, config, dashboard, doctor, experiment, lab, probe, scrape, serve
 
 # What each command's exit code means, in one place: under the command's --help and in the README, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
@@ -65,14 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version, nargs=0, help="show kvwatch's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    lab_cli.add_parser(commands)
+    lab.add_parser(commands)
     scrape.add_parser(commands)
-    session.add_parser(commands)
+    probe.add_parser(commands)
     config.add_parser(commands)
-    scheduler.add_parser(commands)
-    experiment_cli.add_parser(commands)
-    doctor_cli.add_parser(commands)
-    dashboard_cli.add_parser(commands)
+    serve.add_parser(commands)
+    experiment.add_parser(commands)
+    doctor.add_parser(commands)
+    dashboard.add_parser(commands)
     completion.add_parser(commands, build_parser)
     for path, command in runnable_commands(parser).items():
         command.epilog = f"Exit codes: {EXIT_CODES[path]}."

@@ -9,12 +9,10 @@ API keys never live in the file: a target names an environment variable or a fil
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import math
 import os
 import re
-import sys
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from dataclasses import field as dataclass_field
@@ -29,6 +27,7 @@ from kvwatch.core.connections import url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.labels import label_value_problem
 from kvwatch.core.redaction import redact
+from kvwatch.core.strict_yaml import StrictLoader
 from kvwatch.prometheus import queries
 from kvwatch.store import databases, history
 
@@ -61,9 +60,8 @@ _SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
 RouteMode = Literal["affinity", "consistent_hash", "manual", "cache_aware", "round_robin", "random"]
 STICKY_ROUTE_MODES = frozenset({"affinity", "consistent_hash", "manual"})
 # What a config file may be: a real one is a few kilobytes and five levels deep; far more is a mistake that
-# would otherwise be read whole into memory or recurse past Python's limit.
+# would otherwise be read whole into memory (and one nested deeper, StrictLoader refuses).
 MAX_CONFIG_BYTES = 1 << 20
-MAX_YAML_DEPTH = 32
 HOUR, DAY = 3600, 86400
 # A run builds every session's prompts before it sends them: ~60 MB of text at most.
 MAX_RUN_TOKENS = 10_000_000
@@ -442,7 +440,7 @@ def load_config(path: str | os.PathLike) -> Config:
 
 def _parse(text: str) -> Config:
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
         raise _Invalid(
@@ -453,51 +451,6 @@ def _parse(text: str) -> Config:
     _check(data is not None, "", "the file is empty")
     _check(isinstance(data, dict), "", f"the top level must be a mapping of keys, got {_describe(data)}")
     return _build(Config, data, "")
-
-
-class _Loader(yaml.SafeLoader):
-    """A SafeLoader that rejects a key given twice in one mapping instead of keeping the last silently.
-
-    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends. Nesting deeper than
-    MAX_YAML_DEPTH and a scalar that resolves to no valid date or integer are YAML errors with a position,
-    where SafeLoader would raise RecursionError or ValueError.
-    """
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.depth = 0
-
-    def compose_node(self, parent, index):
-        if self.depth == MAX_YAML_DEPTH:
-            mark = self.peek_event().start_mark
-            raise yaml.composer.ComposerError(
-                None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", mark
-            )
-        self.depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-    def construct_object(self, node, deep=False):
-        try:
-            return super().construct_object(node, deep)
-        except ValueError:  # 2026-13-45, an integer of more than 4,300 digits
-            kind = node.tag.rpartition(":")[2]
-            raise yaml.constructor.ConstructorError(
-                None, None, f"not a valid {kind}", node.start_mark
-            ) from None
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key, _ in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                if key.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f'duplicate key "{key.value}"', key.start_mark
-                    )
-                seen.add(key.value)
-        return super().construct_mapping(node, deep)
 
 
 def _join(path: str, key: object) -> str:
@@ -606,33 +559,3 @@ def _read_secret(env: str | None, file: Path | None, owner: str, secret: str) ->
         return read_secret_file(file, secret) if file else None
     except CredentialError as error:
         raise ConfigError(f"{owner}: {error}") from None
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    config = subparsers.add_parser(
-        "config", help="check a kvwatch config file", description="Work with the kvwatch config file."
-    )
-    commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
-    check = commands.add_parser(
-        "check",
-        help="check a config file and exit",
-        description="Load a config file as `kvwatch serve` would. Print OK and what it configures, or "
-        "the first error with its key's path and exit 1.",
-    )
-    check.add_argument("file", metavar="FILE", help="the YAML config, e.g. examples/kvwatch.lab.yaml")
-    check.set_defaults(handler=_check_file)
-
-
-def _check_file(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.file)
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        return 1
-    targets, logs = _count(len(config.targets), "target"), _count(len(config.gateway_logs), "gateway log")
-    print(f"{args.file}: OK ({targets}, {logs})")
-    return 0
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -23,7 +23,6 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from kvwatch.cli.dashboard import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.config import (
     ConfigError,
@@ -35,6 +34,7 @@ from kvwatch.core.config import (
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
+from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner

@@ -14,15 +14,10 @@ import httpx
 
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.models import list_models
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.collectors.probe.session import (
-    HINTS,
-    ProbeSettings,
-    api_url,
-    list_models,
-    run_session,
-    with_block_size,
-)
+from kvwatch.collectors.probe.report import HINTS
+from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session, with_block_size
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.connections import request

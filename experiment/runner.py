@@ -21,7 +21,8 @@ from pathlib import Path
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSizeSources
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.collectors.probe.session import ProbeSettings, failure_hints, run_session, with_block_size
+from kvwatch.collectors.probe.report import failure_hints
+from kvwatch.collectors.probe.session import ProbeSettings, run_session, with_block_size
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.progress import Progress

@@ -11,7 +11,6 @@ rounds finishes, so that even a SIGKILL loses no finished round.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -19,12 +18,9 @@ import itertools
 import logging
 import math
 import random
-import signal
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
 from kvwatch.collectors.probe import blocksize, workload
@@ -39,9 +35,7 @@ from kvwatch.collectors.probe.session import (
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.core.config import (
     Config,
-    ConfigError,
     Target,
-    load_config,
     resolve_api_key,
     resolve_store_password,
     resolve_webhook_token,
@@ -49,7 +43,7 @@ from kvwatch.core.config import (
 from kvwatch.core.redaction import redact
 from kvwatch.serve import shard
 from kvwatch.serve.exporter import LabelledRegistry, ProbeCollector, ProbeResults
-from kvwatch.store.history import AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
+from kvwatch.store.history import AlertsAdded, Store, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -332,49 +326,3 @@ class Service:
                 follower.close()
             self.writer.close(self.config.store.flush_seconds)
             self.store.close()
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser(
-        "serve",
-        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
-        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
-        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
-    )
-    serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
-    serve.add_argument(
-        "--shard",
-        type=shard.parse,
-        default=shard.WHOLE,
-        metavar="I/N",
-        help="probe and export only the targets of shard I mod N of N, split by hashing their names as "
-        "Prometheus' hashmod does; instances I and I+N are replicas of one shard (default: every target)",
-    )
-    serve.set_defaults(handler=_run_serve)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        service = Service(load_config(args.config), args.shard)
-    except (ConfigError, StoreError, ValueError, OSError) as error:
-        print(f"kvwatch serve: {error}", file=sys.stderr)
-        return 1
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await service.run(stop)
-
-    try:
-        asyncio.run(main())
-    except OSError as error:  # the exporter's port is taken, most often
-        print(
-            f"kvwatch serve: cannot listen on {service.config.exporter.listen}: {error.strerror}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0

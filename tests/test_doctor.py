@@ -29,7 +29,8 @@ from loopback import answering_bytes, loopback_http
 
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
-from kvwatch.collectors.probe.session import HINTS, ProbeSettings, api_url
+from kvwatch.collectors.probe.report import HINTS
+from kvwatch.collectors.probe.session import ProbeSettings, api_url
 from kvwatch.collectors.probe.workload import system_prompt, user_turns
 from kvwatch.doctor.caching import Cluster, _caching_off_in_prometheus, caching_off_alerts
 from kvwatch.doctor.checks import diagnose, examine

@@ -18,7 +18,8 @@ from conftest import free_port, kvwatch
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.collectors.probe.session import HINTS, ProbeSettings
+from kvwatch.collectors.probe.report import HINTS
+from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.tokenizer import split_words
 from kvwatch.experiment import plot

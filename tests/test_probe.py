@@ -26,15 +26,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import session as probe_module
+from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.records import ERROR_KINDS, RoundResult, SessionResult
+from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import (
-    HINTS,
     MAX_ANSWER_BYTES,
     MAX_STREAM_LINES,
     MAX_TOKEN_COUNT,
     ProbeSettings,
     api_url,
-    chosen_model,
     probe_once,
     resolve_api_key,
     run_session,

@@ -6,11 +6,8 @@ matches no flavour gives an error naming it, and the others are still reported.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -264,65 +261,3 @@ def _count(value: float | None) -> str:
 
 def _pairs(values: dict[str, float]) -> str:
     return ", ".join(f"{key} {_count(value)}" for key, value in sorted(values.items()))
-
-
-# The command line.
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "scrape",
-        help="read engine / router /metrics and print normalised cache-reuse figures",
-        description="Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
-        "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
-        "requests per worker and the router's predicted hit ratio. One scrape "
-        "gives lifetime figures; --interval scrapes twice and gives the figures of that window.",
-    )
-    parser.add_argument(
-        "sources",
-        nargs="+",
-        metavar="SOURCE",
-        help="a /metrics URL (a bare http://host:port gets /metrics) or a file",
-    )
-    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per source")
-    parser.add_argument(
-        "--interval", type=_positive(float), metavar="S", help="scrape twice, S seconds apart"
-    )
-    parser.add_argument("--flavour", choices=sorted(FLAVOURS), help="skip detection and read as this flavour")
-    parser.add_argument(
-        "--timeout",
-        type=_positive(float),
-        default=DEFAULT_TIMEOUT,
-        metavar="S",
-        help="seconds a URL has to answer in full (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=_positive(int),
-        default=DEFAULT_MAX_BYTES,
-        metavar="N",
-        help="refuse a source larger than N bytes (default %(default)d, 32 MiB)",
-    )
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print every source's figures; exit 1 when any source failed."""
-    flavour = FLAVOURS[args.flavour] if args.flavour else None
-    results = asyncio.run(scrape(args.sources, args.interval, flavour, args.timeout, args.max_bytes))
-    if args.json:
-        print(json.dumps([result.as_json() for result in results], indent=2))
-    else:
-        print("\n\n".join(map(format_result, results)))
-    return 1 if any(result.error for result in results) else 0
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
-    return parse

@@ -17,9 +17,8 @@ raises: a source that fails or does not answer in time is just not available.
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -28,7 +27,7 @@ from kvwatch.collectors.engines import Exposition
 from kvwatch.collectors.engines.base import Reader
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.core.connections import http_client, request, url_problem
+from kvwatch.core.connections import http_client, request
 from kvwatch.core.redaction import redact
 
 DEFAULT_TOKENS = 16  # vLLM's default on GPUs
@@ -152,37 +151,3 @@ def from_granularity(sessions: Iterable[SessionResult]) -> BlockSize | None:
     if len(counts) < 2 or problem(gcd):
         return None
     return BlockSize(gcd, f"granularity of {len(counts)} distinct reported cached_tokens")
-
-
-# The command line.
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--block-size, --prometheus and --metrics-url: the block size given, or where to learn it."""
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        metavar="N",
-        help="the engines' KV block size in tokens, for the ideal cached tokens; default: learned from "
-        "--prometheus, then --metrics-url (or the base URL's origin + /metrics), then the reported "
-        f"cached_tokens, else {DEFAULT_TOKENS}",
-    )
-    parser.add_argument("--prometheus", metavar="URL", help="Prometheus scraping the engines")
-    parser.add_argument(
-        "--metrics-url",
-        metavar="URL",
-        help="an engine's /metrics, for its block size (default: the base URL's origin + /metrics)",
-    )
-
-
-def sources_from_args(args: argparse.Namespace, base_urls: Sequence[str]) -> BlockSizeSources:
-    """The sources add_arguments' options name; ValueError with the option's name when one is wrong."""
-    if args.block_size is not None and (wrong := problem(args.block_size)):
-        raise ValueError(f"--block-size {wrong}")
-    for flag, url in (("--prometheus", args.prometheus), ("--metrics-url", args.metrics_url)):
-        if url and not url.startswith(("http://", "https://")):
-            raise ValueError(f"{flag} must start with http:// or https://")
-        if url and (reason := url_problem(url)):
-            raise ValueError(f"{flag} {redact(url)} is not a valid URL: {reason}")
-    override = None if args.block_size is None else BlockSize(args.block_size, "--block-size")
-    return sources_for(base_urls, args.prometheus, override, args.metrics_url)

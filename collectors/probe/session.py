@@ -9,21 +9,16 @@ the session stops there. The API key goes into the Authorization header and nowh
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import re
-import statistics
-import sys
 import time
 import traceback
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -32,7 +27,6 @@ import httpx
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.blocksize import BlockSize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
@@ -43,11 +37,9 @@ from kvwatch.collectors.probe.streaming import (
     StreamClient,
     TlsFailed,
 )
-from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
-from kvwatch.core.config import Target, Workload
-from kvwatch.core.connections import connect_reason, http_client, request, url_problem
+from kvwatch.collectors.probe.workload import Conversation
+from kvwatch.core.connections import url_problem
 from kvwatch.core.credentials import read_secret_file
-from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact, redacted_name
 
 SESSION_MODES = ("client", "server", "none")
@@ -73,28 +65,6 @@ EXCERPT_CHARS = 200
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _VISIBLE_ASCII = re.compile(r"[!-~]+")  # what may go into a header unquoted
 
-# One line per error kind: what to check first.
-HINTS = {
-    "unauthorized": "send `Authorization: Bearer <key>` (--api-key-env VAR or --api-key-file FILE); "
-    "check the key and that it belongs to this endpoint",
-    "forbidden": "the key is expired or not allowed to use this model: renew it, or ask for the model",
-    "not_found": "check the model id (GET <base URL>/models lists them) and the base URL "
-    "(the API root, with or without /v1)",
-    "connection_refused": "nothing accepted the connection: check the gateway's host and port; "
-    "inside a container, localhost is the container itself",
-    "timeout": "no complete answer in time: raise --timeout, or look at the gateway's and engines' load",
-    "bad_response": "an error object came back instead of a completion: read its excerpt "
-    "(wrong model, bad request body, stream and non-stream mixed up)",
-    "stream_error": "the event stream broke: check that no proxy buffers or cuts it "
-    "(nginx: proxy_buffering off, proxy_read_timeout)",
-    "http_error": "the server answered with an error status: read the excerpt and the server's logs",
-    "tls_error": "TLS failed, for the reason the detail gives: trust the server's CA (SSL_CERT_FILE), "
-    "use the host name its certificate names, and match the scheme to the port (https:// for a TLS port)",
-    "protocol_error": "the server's answer is not valid HTTP/1.1 (the detail names what): check what "
-    "listens at the base URL and every proxy in front of it",
-    "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "
-    "and where it was raised",
-}
 # What servers answer plain HTTP sent to their TLS port with: nginx's 400 page, Go's net/http.
 TLS_PORT_ANSWERS = ("plain HTTP request was sent to HTTPS port", "HTTP request to an HTTPS server")
 
@@ -589,306 +559,3 @@ def failed_run(settings: ProbeSettings, error: Exception, started_at: float) -> 
 def _origin(base_url: str) -> str:
     url = httpx.URL(base_url)
     return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
-
-
-# The report.
-
-
-def session_json(session: SessionResult) -> dict:
-    """A session as `kvwatch probe --json` prints it; each round's `error` is its error kind."""
-    return {
-        "target": session.target,
-        "route_mode": session.route_mode,
-        "session_id": session.session_id,
-        "ok": session.ok,
-        "error_kind": session.error_kind,
-        "sticky": session.sticky,
-        "backends": list(session.backends),
-        "backend_switches": session.backend_switches,
-        "session_id_echoed": session.session_id_echoed,
-        "started_at": session.started_at,
-        "finished_at": session.finished_at,
-        "rounds": [
-            {("error" if key == "error_kind" else key): value for key, value in asdict(r).items()}
-            for r in session.rounds
-        ],
-    }
-
-
-def format_report(settings: ProbeSettings, sessions: list[SessionResult], block: BlockSize) -> str:
-    """Per round across sessions, then per session: what an SRE reads first."""
-    url, mode = redact(api_url(settings.base_url, "chat/completions")), settings.session_mode
-    title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
-    rows = []
-    for number in range(1, max((len(s.rounds) for s in sessions), default=0) + 1):
-        rounds = [s.rounds[number - 1] for s in sessions if len(s.rounds) >= number]
-        ok = [r for r in rounds if r.ok]
-        ttfts = [r.ttft_seconds for r in ok if r.ttft_seconds is not None]
-        errors = Counter(r.error_kind for r in rounds if r.error_kind)
-        rows.append(
-            (
-                str(number),
-                f"{statistics.median(ttfts) * 1000:.1f} ms" if ttfts else "-",
-                f"{_total(r.cached_tokens for r in ok)} / {_total(r.ideal_cached_tokens for r in ok)}",
-                ", ".join(sorted({r.backend for r in ok if r.backend})) or "unknown",
-                ", ".join(f"{kind} x{count}" for kind, count in errors.items()) or "-",
-            )
-        )
-    lines = [title, block.describe(), ""] + _table(
-        ("round", "median TTFT", "cached / ideal tokens", "backends", "errors"), rows
-    )
-    rows = []
-    for number, session in enumerate(sessions, start=1):
-        failed = next((r for r in session.rounds if not r.ok), None)
-        rows.append(
-            (
-                str(number),
-                {True: "sticky", False: "NOT sticky", None: "unknown"}[session.sticky],
-                f"{sum(r.ok for r in session.rounds)}",
-                {True: "yes", False: "NO", None: "-"}[session.session_id_echoed],
-                " > ".join(
-                    name + (f" x{n}" if (n := len(list(run))) > 1 else "")
-                    for name, run in itertools.groupby(session.backends)
-                )
-                or "unknown",
-                f"{failed.error_kind} in round {failed.round}" if failed else "-",
-            )
-        )
-    lines += [""] + _table(("session", "stickiness", "rounds ok", "id echoed", "backends", "error"), rows)
-    answered = [r for s in sessions for r in s.rounds if r.ok]
-    if answered and not any(r.backend for r in answered):
-        looked = ", ".join((*settings.backend_headers, *settings.backend_json_paths))
-        lines += [
-            "",
-            f"No response named its replica ({looked}): stickiness is inferred from the cached tokens.",
-        ]
-    return "\n".join(lines)
-
-
-def _total(values: Iterable[int | None]) -> str:
-    values = list(values)
-    return "n/a" if None in values else str(sum(values))
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    return [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
-
-
-def failure_hints(sessions: list[SessionResult]) -> list[str]:
-    """One line per error kind seen: an example detail and what to check."""
-    seen: dict[str, RoundResult] = {}
-    for session in sessions:
-        for r in session.rounds:
-            if r.error_kind:
-                seen.setdefault(r.error_kind, r)
-    return [f"{kind} ({r.error_detail}): {HINTS[kind]}" for kind, r in seen.items()]
-
-
-# The model.
-
-
-async def list_models(
-    client: httpx.AsyncClient, base_url: str, api_key: str | None, deadline_s: float
-) -> list[str]:
-    """The model ids GET <base URL>/models lists. Raises httpx.HTTPError (an error status too) or
-    ValueError when the answer is no model list."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = await request(client, "GET", api_url(base_url, "models"), deadline_s, headers=headers)
-    response.raise_for_status()
-    answer = response.json()
-    listed = answer.get("data") if isinstance(answer, dict) else None
-    if not isinstance(listed, list) or not all(isinstance(m, dict) and "id" in m for m in listed):
-        raise ValueError("the answer is no model list: no `data` of objects with an `id`")
-    return [str(model["id"]) for model in listed]
-
-
-def chosen_model(
-    model: str | None, base_url: str, api_key: str | None, deadline_s: float, command: str
-) -> str:
-    """`model`, or when it is not given the one model the route serves, said on stderr: a default name
-    would be a 404 on every real cluster. ValueError, naming the ids, when the route serves several."""
-    if model:
-        return model
-    if problem := url_problem(base_url):
-        raise ValueError(f"base URL {redact(base_url)} is not a valid URL: {problem}")
-    url = redact(api_url(base_url, "models"))
-
-    async def listing() -> list[str]:
-        async with http_client(timeout=deadline_s) as client:
-            return await list_models(client, base_url, api_key, deadline_s)
-
-    try:
-        models = asyncio.run(listing())
-    except httpx.HTTPStatusError as error:
-        reason = f"answered HTTP {error.response.status_code}"
-    except (httpx.TimeoutException, ValueError) as error:
-        reason = f"failed: {error}"
-    except httpx.HTTPError as error:
-        reason = f"failed: {connect_reason(error)}"
-    else:
-        if len(models) == 1:
-            print(f"kvwatch {command}: model {models[0]}, the one {url} lists", file=sys.stderr)
-            return models[0]
-        listed = f"lists {len(models)} models ({', '.join(models)})" if models else "lists no model"
-        raise ValueError(f"{url} {listed}: name the one to use with --model")
-    raise ValueError(f"no --model given, and GET {url} {reason}: name the model with --model")
-
-
-# The command line.
-
-
-class _RefuseKey(argparse.Action):
-    """`--api-key` exists only to say no, before argparse could echo the key in an error message."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(
-            "the API key is never taken from the command line (ps and shell history would show it): "
-            "use --api-key-env VAR or --api-key-file FILE"
-        )
-
-
-def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
-    """--api-key-env / --api-key-file, and an --api-key that only refuses: keys never come from argv."""
-    key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
-    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
-    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
-
-
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="model id, as GET <base URL>/models lists it (default: the one model it lists)"
-    )
-
-
-def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
-    """--router (a router that names the replica only when asked) and --backend-header."""
-    parser.add_argument(
-        "--router",
-        choices=sorted(identity.ROUTERS),
-        help="the route is this router's frontend: ask it to name the serving replica "
-        "(dynamo: nvext.extra_fields); by default the request carries nothing beyond the OpenAI API",
-    )
-    parser.add_argument(
-        "--backend-header",
-        action="append",
-        dest="backend_headers",
-        metavar="H",
-        help="response header naming the serving backend; repeatable; replaces the defaults "
-        f"({', '.join(identity.DEFAULT_HEADERS)})",
-    )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`kvwatch probe`, with the defaults of a configured target."""
-    parser = subparsers.add_parser(
-        "probe",
-        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
-        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
-        "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
-        "ideal cached tokens and the backends seen, then each session's stickiness.",
-    )
-    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
-    add_model_argument(parser)
-    add_api_key_arguments(parser)
-    for flag, dest, kind, default, text in (
-        ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
-        ("--sessions", "sessions", int, 3, "sessions"),
-        ("--concurrency", "concurrency", int, 1, "sessions at once; more adds queueing to TTFT"),
-        ("--system-tokens", "system_tokens", int, Workload.system_tokens, "tokens of the system prompt"),
-        ("--turn-tokens", "turn_tokens", int, Workload.turn_tokens, "tokens of each user turn"),
-        ("--max-tokens", "max_tokens", int, Workload.max_tokens, "tokens of each answer"),
-        ("--seed", "seed", int, Workload.seed, "seed of the workload"),
-        ("--timeout", "timeout", float, Target.timeout_seconds, "seconds a round may take in full"),
-    ):
-        metavar = "S" if kind is float else "N"
-        parser.add_argument(
-            flag, type=kind, dest=dest, default=default, metavar=metavar, help=f"{text} (default %(default)g)"
-        )
-    parser.add_argument(
-        "--session-mode",
-        choices=SESSION_MODES,
-        default=ProbeSettings.session_mode,
-        help="client: a new id per session; server: send none in round 1, then the id the gateway "
-        "returned; none: never send one (default %(default)s)",
-    )
-    parser.add_argument(
-        "--session-header",
-        default=ProbeSettings.session_header,
-        metavar="H",
-        help="session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)",
-    )
-    add_identity_arguments(parser)
-    parser.add_argument(
-        "--sharegpt",
-        metavar="FILE",
-        help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
-        "instead of synthetic ones",
-    )
-    blocksize.add_arguments(parser)
-    parser.add_argument(
-        "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
-    )
-    parser.set_defaults(handler=run_cli)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """`kvwatch probe`: run the sessions once and report; 1 when a session failed, 2 on bad arguments."""
-    numbers = {
-        "--rounds": args.rounds,
-        "--sessions": args.sessions,
-        "--concurrency": args.concurrency,
-        "--system-tokens": args.system_tokens,
-        "--turn-tokens": args.turn_tokens,
-        "--max-tokens": args.max_tokens,
-        "--timeout": args.timeout,
-    }
-    try:
-        if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
-            raise ValueError("; ".join(problems))
-        api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-        sources = blocksize.sources_from_args(args, [args.base_url])
-        if args.sharegpt:
-            conversations = [
-                Conversation(c.system_prompt, c.user_turns[: args.rounds])
-                for c in load_sharegpt(args.sharegpt, limit=args.sessions, seed=args.seed)
-            ]
-        else:
-            conversations = synthetic(
-                args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions
-            )
-        settings = ProbeSettings(  # last: the model may have to be asked for
-            base_url=args.base_url,
-            model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
-            api_key=api_key,
-            session_mode=args.session_mode,
-            session_header=args.session_header,
-            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
-            router=args.router,
-            max_tokens=args.max_tokens,
-            timeout_seconds=args.timeout,
-        )
-    except ValueError as error:
-        print(f"kvwatch probe: {error}", file=sys.stderr)
-        return 2
-    with Progress.on_terminal("probe", "sessions", json=args.json) as progress:
-        progress.start(len(conversations))
-        sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
-    block = asyncio.run(blocksize.learn(sources, sessions))
-    sessions = with_block_size(sessions, block.tokens)
-    if args.json:
-        report = {"block_size": block.as_json(), "sessions": [session_json(s) for s in sessions]}
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(settings, sessions, block))
-    failed = [s for s in sessions if not s.ok]
-    if failed:
-        print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
-        for line in failure_hints(failed):
-            print(f"  {line}", file=sys.stderr)
-        return 1
-    return 0

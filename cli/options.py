@@ -1,0 +1,102 @@
+"""Option groups that several commands take, written once so that each reads and behaves alike."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.core.connections import url_problem
+from kvwatch.core.redaction import redact
+
+
+class _RefuseKey(argparse.Action):
+    """`--api-key` exists only to say no, before argparse could echo the key in an error message."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            "the API key is never taken from the command line (ps and shell history would show it): "
+            "use --api-key-env VAR or --api-key-file FILE"
+        )
+
+
+def add_base_url_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+
+
+def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--api-key-env / --api-key-file, and an --api-key that only refuses: keys never come from argv."""
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    key.add_argument("--api-key-file", metavar="FILE", help="file holding the API key")
+    key.add_argument("--api-key", nargs="?", action=_RefuseKey, help=argparse.SUPPRESS)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="model id, as GET <base URL>/models lists it (default: the one model it lists)"
+    )
+
+
+def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
+    """--router (a router that names the replica only when asked) and --backend-header."""
+    parser.add_argument(
+        "--router",
+        choices=sorted(identity.ROUTERS),
+        help="the route is this router's frontend: ask it to name the serving replica "
+        "(dynamo: nvext.extra_fields); by default the request carries nothing beyond the OpenAI API",
+    )
+    parser.add_argument(
+        "--backend-header",
+        action="append",
+        dest="backend_headers",
+        metavar="H",
+        help="response header naming the serving backend; repeatable; replaces the defaults "
+        f"({', '.join(identity.DEFAULT_HEADERS)})",
+    )
+
+
+def add_block_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """--block-size, --prometheus and --metrics-url: the block size given, or where to learn it."""
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="the engines' KV block size in tokens, for the ideal cached tokens; default: learned from "
+        "--prometheus, then --metrics-url (or the base URL's origin + /metrics), then the reported "
+        f"cached_tokens, else {blocksize.DEFAULT_TOKENS}",
+    )
+    parser.add_argument("--prometheus", metavar="URL", help="Prometheus scraping the engines")
+    parser.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="an engine's /metrics, for its block size (default: the base URL's origin + /metrics)",
+    )
+
+
+def block_size_sources(args: argparse.Namespace, base_urls: Sequence[str]) -> blocksize.BlockSizeSources:
+    """Where add_block_size_arguments' options say to learn the block size; ValueError naming the option
+    when one is wrong."""
+    if args.block_size is not None and (wrong := blocksize.problem(args.block_size)):
+        raise ValueError(f"--block-size {wrong}")
+    for flag, url in (("--prometheus", args.prometheus), ("--metrics-url", args.metrics_url)):
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} must start with http:// or https://")
+        if url and (reason := url_problem(url)):
+            raise ValueError(f"{flag} {redact(url)} is not a valid URL: {reason}")
+    override = None if args.block_size is None else blocksize.BlockSize(args.block_size, "--block-size")
+    return blocksize.sources_for(base_urls, args.prometheus, override, args.metrics_url)
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` above zero."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse

@@ -1,0 +1,148 @@
+"""`kvwatch probe`: run synthetic multi-turn sessions once through a route and report them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from kvwatch.cli.options import (
+    add_api_key_arguments,
+    add_base_url_argument,
+    add_block_size_arguments,
+    add_identity_arguments,
+    add_model_argument,
+    block_size_sources,
+)
+from kvwatch.collectors import identity
+from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
+from kvwatch.collectors.probe.session import (
+    SESSION_MODES,
+    ProbeSettings,
+    probe_once,
+    resolve_api_key,
+    with_block_size,
+)
+from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
+from kvwatch.core.config import Target, Workload
+from kvwatch.core.progress import Progress
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`kvwatch probe`, with the defaults of a configured target."""
+    parser = subparsers.add_parser(
+        "probe",
+        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
+        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
+        "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
+        "ideal cached tokens and the backends seen, then each session's stickiness.",
+    )
+    add_base_url_argument(parser)
+    add_model_argument(parser)
+    add_api_key_arguments(parser)
+    for flag, dest, kind, default, text in (
+        ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
+        ("--sessions", "sessions", int, 3, "sessions"),
+        ("--concurrency", "concurrency", int, 1, "sessions at once; more adds queueing to TTFT"),
+        ("--system-tokens", "system_tokens", int, Workload.system_tokens, "tokens of the system prompt"),
+        ("--turn-tokens", "turn_tokens", int, Workload.turn_tokens, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, Workload.max_tokens, "tokens of each answer"),
+        ("--seed", "seed", int, Workload.seed, "seed of the workload"),
+        ("--timeout", "timeout", float, Target.timeout_seconds, "seconds a round may take in full"),
+    ):
+        metavar = "S" if kind is float else "N"
+        parser.add_argument(
+            flag, type=kind, dest=dest, default=default, metavar=metavar, help=f"{text} (default %(default)g)"
+        )
+    parser.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=ProbeSettings.session_mode,
+        help="client: a new id per session; server: send none in round 1, then the id the gateway "
+        "returned; none: never send one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--session-header",
+        default=ProbeSettings.session_header,
+        metavar="H",
+        help="session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)",
+    )
+    add_identity_arguments(parser)
+    parser.add_argument(
+        "--sharegpt",
+        metavar="FILE",
+        help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
+        "instead of synthetic ones",
+    )
+    add_block_size_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvwatch probe`: run the sessions once and report; 1 when a session failed, 2 on bad arguments."""
+    try:
+        settings, conversations, sources = _read_args(args)
+    except ValueError as error:
+        print(f"kvwatch probe: {error}", file=sys.stderr)
+        return 2
+    with Progress.on_terminal("probe", "sessions", json=args.json) as progress:
+        progress.start(len(conversations))
+        sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
+    block = asyncio.run(blocksize.learn(sources, sessions))
+    sessions = with_block_size(sessions, block.tokens)
+    if args.json:
+        report = {"block_size": block.as_json(), "sessions": [session_json(s) for s in sessions]}
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(settings, sessions, block))
+    failed = [s for s in sessions if not s.ok]
+    if failed:
+        print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
+        for line in failure_hints(failed):
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _read_args(
+    args: argparse.Namespace,
+) -> tuple[ProbeSettings, list[Conversation], blocksize.BlockSizeSources]:
+    """The settings, the conversations and the block size's sources; ValueError naming a bad option."""
+    numbers = {
+        "--rounds": args.rounds,
+        "--sessions": args.sessions,
+        "--concurrency": args.concurrency,
+        "--system-tokens": args.system_tokens,
+        "--turn-tokens": args.turn_tokens,
+        "--max-tokens": args.max_tokens,
+        "--timeout": args.timeout,
+    }
+    if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
+        raise ValueError("; ".join(problems))
+    api_key = resolve_api_key(args.api_key_env, args.api_key_file)
+    sources = block_size_sources(args, [args.base_url])
+    if args.sharegpt:
+        conversations = [
+            Conversation(c.system_prompt, c.user_turns[: args.rounds])
+            for c in load_sharegpt(args.sharegpt, limit=args.sessions, seed=args.seed)
+        ]
+    else:
+        conversations = synthetic(args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions)
+    settings = ProbeSettings(  # last: the model may have to be asked for
+        base_url=args.base_url,
+        model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
+        api_key=api_key,
+        session_mode=args.session_mode,
+        session_header=args.session_header,
+        backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+        router=args.router,
+        max_tokens=args.max_tokens,
+        timeout_seconds=args.timeout,
+    )
+    return settings, conversations, sources

@@ -1,0 +1,61 @@
+"""`kvwatch serve`: the long-running process, until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from kvwatch.core.config import ConfigError, load_config
+from kvwatch.serve import shard
+from kvwatch.serve.scheduler import Service
+from kvwatch.store.history import StoreError
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
+        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
+        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
+    )
+    serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
+    serve.add_argument(
+        "--shard",
+        type=shard.parse,
+        default=shard.WHOLE,
+        metavar="I/N",
+        help="probe and export only the targets of shard I mod N of N, split by hashing their names as "
+        "Prometheus' hashmod does; instances I and I+N are replicas of one shard (default: every target)",
+    )
+    serve.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        service = Service(load_config(args.config), args.shard)
+    except (ConfigError, StoreError, ValueError, OSError) as error:
+        print(f"kvwatch serve: {error}", file=sys.stderr)
+        return 1
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await service.run(stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as error:  # the exporter's port is taken, most often
+        print(
+            f"kvwatch serve: cannot listen on {service.config.exporter.listen}: {error.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from kvwatch.collectors.engines import (
-    FLAVOURS,
+    ENGINE_FLAVOURS,
     Exposition,
     Flavour,
     Normalised,
@@ -79,7 +79,9 @@ async def scrape(
                 if interval is None:
                     return Result(source, normalise(first))
                 await asyncio.sleep(interval)
-                second = await read_snapshot(client, source, FLAVOURS[first.flavour], timeout, max_bytes)
+                second = await read_snapshot(
+                    client, source, ENGINE_FLAVOURS.lookup(first.flavour), timeout, max_bytes
+                )
                 return Result(source, normalise(second, first))
             except ScrapeError as error:
                 return Result(source, None, f"{source}: {error}")
@@ -171,7 +173,11 @@ def format_result(result: Result) -> str:
         scope = "lifetime: cumulative since the process started"
     else:
         scope = f"window of {record.window_seconds:.1f} s"
-    rows = _engine_rows(record) if FLAVOURS[record.flavour].kind == "engine" else _router_rows(record)
+    rows = (
+        _engine_rows(record)
+        if ENGINE_FLAVOURS.lookup(record.flavour).kind == "engine"
+        else _router_rows(record)
+    )
     if record.counter_reset:
         rows.append(("counter reset", "a counter went down: the source restarted within the window"))
     if record.missing:
@@ -288,7 +294,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--interval", type=_positive(float), metavar="S", help="scrape twice, S seconds apart"
     )
-    parser.add_argument("--flavour", choices=sorted(FLAVOURS), help="skip detection and read as this flavour")
+    parser.add_argument(
+        "--flavour", choices=sorted(ENGINE_FLAVOURS), help="skip detection and read as this flavour"
+    )
     parser.add_argument(
         "--timeout",
         type=_positive(float),
@@ -308,7 +316,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print every source's figures; exit 1 when any source failed."""
-    flavour = FLAVOURS[args.flavour] if args.flavour else None
+    flavour = ENGINE_FLAVOURS.lookup(args.flavour) if args.flavour else None
     results = asyncio.run(scrape(args.sources, args.interval, flavour, args.timeout, args.max_bytes))
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))

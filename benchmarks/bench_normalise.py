@@ -16,14 +16,16 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwatch.collectors.engines import Exposition, detect_flavour, normalise
-from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 
 COUNT = 1000
 
 
 def exposition() -> str:
     """A vLLM V1 exposition after 500 requests of mixed sizes and latencies."""
-    metrics = make_metrics("vllm", "meta-llama/Llama-3.1-8B-Instruct", CacheConfig(16, 5000, True, 131072))
+    metrics = SIMULATED_FLAVOURS.lookup("vllm")(
+        "meta-llama/Llama-3.1-8B-Instruct", CacheConfig(16, 5000, True, 131072)
+    )
     for i in range(500):
         prompt = 500 + 37 * i % 4000
         metrics.prefill_done(

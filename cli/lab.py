@@ -15,10 +15,10 @@ from pathlib import Path
 from kvwatch.core.config import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
-from kvwatch.lab.flavours import FLAVOURS
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
-from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
     CLUSTER_PORT_STRIDE,
@@ -58,7 +58,7 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
     replica.add_argument("--id", required=True, dest="replica_id", help="replica name, e.g. r1")
     replica.add_argument(
         "--flavour",
-        choices=sorted(FLAVOURS),
+        choices=sorted(SIMULATED_FLAVOURS),
         default=defaults.flavour,
         help="engine whose metrics to expose (default %(default)s)",
     )
@@ -258,7 +258,7 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
         description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
         "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
     )
-    _family_argument(up, "--engine", KINDS, "sim")
+    _family_argument(up, "--engine", REPLICA_KINDS, "sim")
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(
         "--envoy-lb",
@@ -382,7 +382,7 @@ def _print_status(info: dict) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    kind = KINDS[args.engine]
+    kind = REPLICA_KINDS[args.engine]
     if kind.flavour and args.flavours is not None:
         return _fail(
             f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
@@ -390,10 +390,11 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
     flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
-    unknown = sorted(set(flavours) - set(FLAVOURS))
+    unknown = sorted(set(flavours) - set(SIMULATED_FLAVOURS))
     if unknown or not flavours:
         return _fail(
-            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(sorted(FLAVOURS))}"
+            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; "
+            f"known: {', '.join(sorted(SIMULATED_FLAVOURS))}"
         )
     args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
     args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users

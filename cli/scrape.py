@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from kvwatch.cli.options import positive
-from kvwatch.collectors.engines import FLAVOURS
+from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT, format_result, scrape
 
 
@@ -28,7 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per source")
     parser.add_argument("--interval", type=positive(float), metavar="S", help="scrape twice, S seconds apart")
-    parser.add_argument("--flavour", choices=sorted(FLAVOURS), help="skip detection and read as this flavour")
+    parser.add_argument(
+        "--flavour", choices=sorted(ENGINE_FLAVOURS), help="skip detection and read as this flavour"
+    )
     parser.add_argument(
         "--timeout",
         type=positive(float),
@@ -48,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print every source's figures; exit 1 when any source failed."""
-    flavour = FLAVOURS[args.flavour] if args.flavour else None
+    flavour = ENGINE_FLAVOURS.lookup(args.flavour) if args.flavour else None
     results = asyncio.run(scrape(args.sources, args.interval, flavour, args.timeout, args.max_bytes))
     if args.json:
         print(json.dumps([result.as_json() for result in results], indent=2))

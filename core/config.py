@@ -27,6 +27,7 @@ from kvwatch.core.connections import url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.labels import label_value_problem
 from kvwatch.core.redaction import redact
+from kvwatch.core.registry import unknown
 from kvwatch.core.strict_yaml import StrictLoader
 from kvwatch.prometheus import queries
 from kvwatch.store import databases, history
@@ -216,11 +217,10 @@ class Target:
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
-        known = ", ".join(sorted(identity.ROUTERS))
         _check(
             self.router is None or self.router in identity.ROUTERS,
             "router",
-            f'unknown router "{self.router}"; known: {known}',
+            unknown("router", self.router, identity.ROUTERS),
         )
         _check_ranges(self)
         spec = self.workload
@@ -247,14 +247,15 @@ class GatewayLog:
     session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
     max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
     expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
-    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.FORMATS
+    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.LOG_FORMATS
 
     def __post_init__(self):
         _name(self.name, "name")
         _check_ranges(self)
-        known = ", ".join(sorted(gatewaylogs.FORMATS))
         _check(
-            self.format in gatewaylogs.FORMATS, "format", f'unknown format "{self.format}"; known: {known}'
+            self.format in gatewaylogs.LOG_FORMATS,
+            "format",
+            unknown("format", self.format, gatewaylogs.LOG_FORMATS),
         )
 
 

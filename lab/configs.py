@@ -13,7 +13,7 @@ import yaml
 from kvwatch.core.config import GatewayLog
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
-from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus.queries import CLUSTER_LABEL
 
@@ -142,7 +142,7 @@ def render_prometheus(state: LabState) -> str:
             ],
         },
     )
-    gateway = GATEWAYS[state.gateway]
+    gateway = GATEWAYS.lookup(state.gateway)
     if gateway.metrics_path:
         config["scrape_configs"].append(
             {
@@ -161,7 +161,7 @@ def render_kvwatch_config(state: LabState) -> str:
     config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
     ports, directory = state.ports, state.directory
     gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
-    kind = KINDS[state.engine]
+    kind = REPLICA_KINDS.lookup(state.engine)
     for target in config["targets"]:
         target["base_url"] = f"http://127.0.0.1:{gateways[target['route_mode']]}"
         target["model"] = state.model
@@ -175,7 +175,9 @@ def render_kvwatch_config(state: LabState) -> str:
         config["gateway_logs"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
-        if (log_format := GATEWAYS[state.gateway].log_format) != GatewayLog.format:  # as the example, else
+        if (
+            log_format := GATEWAYS.lookup(state.gateway).log_format
+        ) != GatewayLog.format:  # as the example, else
             log["format"] = log_format
         if state.rule_time_scale != 1:  # a detection window like the rules' own: scaled with them
             window = log.get("spread_window_seconds", GatewayLog.spread_window_seconds)

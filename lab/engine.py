@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvwatch.core.tokenizer import answer_words, tokenize
-from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 from kvwatch.lab.prefix_cache import PrefixCache
 
 # content: answer text only; reasoning: a reasoning model's thinking first, then text; tool-call: a tool
@@ -81,8 +81,7 @@ class Engine:
         self.settings = settings
         self.faults = Faults()
         self.cache = PrefixCache(settings.cache_blocks, settings.block_size)
-        self.metrics = make_metrics(
-            settings.flavour,
+        self.metrics = SIMULATED_FLAVOURS.lookup(settings.flavour)(
             settings.model,
             CacheConfig(
                 settings.block_size,

@@ -36,7 +36,7 @@ from kvwatch.lab.configs import (
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
 from kvwatch.lab.process import kvwatch_command as _kvwatch
-from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
 
 STOP_TIMEOUT_S = 10.0
@@ -52,7 +52,7 @@ FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
 
 
 def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
-    return KINDS[state.engine].process(state, replica)
+    return REPLICA_KINDS.lookup(state.engine).process(state, replica)
 
 
 def prometheus_process(state: LabState) -> Process:
@@ -102,7 +102,7 @@ def dashboard_process(state: LabState) -> Process:
     port = state.ports.dashboard
     argv = _kvwatch("dashboard", "--config", str(state.directory / "kvwatch.yaml"), "--port", str(port))
     if state.fast:  # as often as the probes run
-        argv += ["--refresh-seconds", str(round(KINDS[state.engine].fast_probe_interval_s))]
+        argv += ["--refresh-seconds", str(round(REPLICA_KINDS.lookup(state.engine).fast_probe_interval_s))]
     return Process("dashboard", argv, f"http://127.0.0.1:{port}/_stcore/health")
 
 
@@ -137,7 +137,7 @@ def planned_processes(state: LabState) -> list[list[Process]]:
     alerting = [] if state.cluster else [alertmanager_process(state)]
     return [
         [replica_process(state, replica) for replica in state.replicas],
-        [GATEWAYS[state.gateway].process(state), *alerting],
+        [GATEWAYS.lookup(state.gateway).process(state), *alerting],
         last,
     ]
 
@@ -274,7 +274,7 @@ def _write_configs(state: LabState) -> None:
             (rules / name).write_text(text)
     if state.clusters:
         return
-    GATEWAYS[state.gateway].write_configs(state)
+    GATEWAYS.lookup(state.gateway).write_configs(state)
     (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
     # Written whole and renamed: background users read it at any moment.
     control = state.directory / "traffic.json"
@@ -323,7 +323,7 @@ def _reconfigure(state: LabState) -> float:
     once the gateway serves them, with the wall time from which new requests got them."""
     state.save()
     _write_configs(state)
-    return GATEWAYS[state.gateway].apply(state)
+    return GATEWAYS.lookup(state.gateway).apply(state)
 
 
 @contextlib.contextmanager
@@ -367,7 +367,8 @@ def _plan(directory: Path, base_port: int, replicas: int, flavours: list[str], *
     for sub in ("logs", "ground-truth", "prometheus-data", "alertmanager"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     state = LabState(directory, base_port, **options)
-    flavours = [KINDS[state.engine].flavour] if KINDS[state.engine].flavour else flavours
+    if fixed := REPLICA_KINDS.lookup(state.engine).flavour:  # a real engine exports its own
+        flavours = [fixed]
     state.replicas = [
         ReplicaSpec(f"r{i + 1}", state.ports.replica(i), flavours[i % len(flavours)]) for i in range(replicas)
     ]
@@ -390,7 +391,7 @@ def _listening_ports(state: LabState) -> dict[str, int]:
         "kvwatch exporter": ports.exporter,
         "dashboard": ports.dashboard,
     }
-    if GATEWAYS[state.gateway].metrics_path:
+    if GATEWAYS.lookup(state.gateway).metrics_path:
         named["gateway admin"] = ports.gateway_admin
     return named | {f"replica {r.id}": r.port for r in state.replicas}
 
@@ -449,7 +450,7 @@ def up(
             _write_configs(lab)
         for lab in planned:
             if lab.replicas:
-                KINDS[lab.engine].prepare(lab)
+                REPLICA_KINDS.lookup(lab.engine).prepare(lab)
             for group in planned_processes(lab):
                 _start(lab, *group)
     except BaseException:
@@ -552,7 +553,7 @@ def _serves(state: LabState, replica: ReplicaSpec) -> bool:
 def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool) -> float:
     """At runtime where the replica can (the simulator), else by restarting it with other flags. Returns
     the wall time from which it answers so: as it is asked, or once it serves again restarted."""
-    if KINDS[state.engine].live_prefix_caching:
+    if REPLICA_KINDS.lookup(state.engine).live_prefix_caching:
         replica.prefix_caching = enabled
         asked = time.time()
         _set_replica_faults(replica, prefix_caching=enabled)
@@ -569,7 +570,7 @@ def _stop_replica(state: LabState, replica: ReplicaSpec) -> float:
     """Stop a replica; return once the gateway has let go of it too, so the next request fails over,
     with the wall time it stopped listening (its SIGTERM)."""
     stopped = _stop(state, [f"replica-{replica.id}"])
-    if forget := GATEWAYS[state.gateway].forget_replica:
+    if forget := GATEWAYS.lookup(state.gateway).forget_replica:
         forget(state, replica.port)
     return stopped
 
@@ -602,7 +603,7 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         began = _switch_prefix_caching(state, replica, enabled=False)
         state.faults.append(f"{name}:{replica.id}")
         done = f"prefix caching off on {replica.name}"
-        if not KINDS[state.engine].live_prefix_caching:
+        if not REPLICA_KINDS.lookup(state.engine).live_prefix_caching:
             done += " (restarted with --no-enable-prefix-caching; its counters start from zero)"
     elif name == "dynamic-prefix":
         state.faults.append(name)

@@ -91,7 +91,7 @@ class LabState:
     think_seconds: float = 1.0
     probes: bool = True  # kvwatch serve's scheduled probes through both gateways
     dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
-    engine: str = "sim"  # the kind of replica: lab.replicas.KINDS
+    engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
     envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
     model: str = "lab-model"  # the model name every replica serves

@@ -20,7 +20,7 @@ from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.core.config import load_config
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
-from kvwatch.lab.replicas import KINDS
+from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
 
@@ -30,7 +30,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"
 EVALUATION_S = 1  # --fast: Prometheus scrapes and evaluates the rules every second
 WAIT_S = 240  # generous: the machine may be busy with other tests
-LAB_PAGE_CACHE_S = KINDS["sim"].fast_probe_interval_s  # --fast: the lab's pages refresh and cache this long
+LAB_PAGE_CACHE_S = REPLICA_KINDS[
+    "sim"
+].fast_probe_interval_s  # --fast: the lab's pages refresh and cache this long
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
 if not CHROMIUM.exists():
     pytest.skip("Debian's chromium is not installed (make bootstrap installs it)", allow_module_level=True)

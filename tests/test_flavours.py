@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SHARED
-from kvwatch.lab.flavours import FLAVOURS, CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 from kvwatch.lab.flavours.vllm import request_token_buckets
 
 EXPECTED = {
@@ -81,7 +81,9 @@ SAMPLES = {
 
 def exercised(flavour: str, prefix_caching: bool = True):
     """A flavour's metrics after one request (64 of 100 prompt tokens cached), parsed back from text."""
-    metrics = make_metrics(flavour, "lab-model", CacheConfig(16, 5000, prefix_caching, max_model_len=8192))
+    metrics = SIMULATED_FLAVOURS.lookup(flavour)(
+        "lab-model", CacheConfig(16, 5000, prefix_caching, max_model_len=8192)
+    )
     cached = 64 if prefix_caching else 0
     metrics.set_load(running=1, waiting=2, kv_usage=0.25)
     metrics.prefill_done(Prefill(100, cached, prefix_caching, 0.01, 0.2, streaming=True))
@@ -97,13 +99,13 @@ def value(families, name: str, sample: str | None = None) -> float:
     return found
 
 
-@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+@pytest.mark.parametrize("flavour", sorted(SIMULATED_FLAVOURS))
 def test_exposes_exactly_the_engine_families(flavour):
     _, families = exercised(flavour)
     assert {name: f.type for name, f in families.items()} == EXPECTED[flavour]
 
 
-@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+@pytest.mark.parametrize("flavour", sorted(SIMULATED_FLAVOURS))
 def test_ttft_histogram_uses_the_engine_buckets(flavour):
     _, families = exercised(flavour)
     name = f"{flavour.split('-')[0]}:time_to_first_token_seconds"
@@ -173,7 +175,7 @@ def test_vllm_token_histograms_are_bucketed_up_to_the_context_length():
 
 
 def test_vllm_legacy_hit_rate_is_minus_one_without_data_or_caching():
-    metrics = make_metrics("vllm-legacy", "m", CacheConfig(16, 100, True, max_model_len=8192))
+    metrics = SIMULATED_FLAVOURS.lookup("vllm-legacy")("m", CacheConfig(16, 100, True, max_model_len=8192))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     assert value(families, "vllm:gpu_prefix_cache_hit_rate") == -1
     _, families = exercised("vllm-legacy")

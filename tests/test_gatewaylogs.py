@@ -11,13 +11,12 @@ import yaml
 
 from conftest import REPO, free_port
 from kvwatch.collectors.gatewaylogs import (
-    FORMATS,
+    LOG_FORMATS,
     NO_UPSTREAM,
     Malformed,
     Request,
     envoy,
     json_object,
-    log_format,
     nginx,
 )
 from kvwatch.collectors.gatewaylogs.follower import MALFORMED_REASONS, GatewayLogFollower
@@ -52,13 +51,13 @@ def envoy_line(**changes: object) -> str:
 
 
 def parse(format_name: str, line: str) -> Request:
-    return FORMATS[format_name].parse(json_object(line.encode()))
+    return LOG_FORMATS[format_name].parse(json_object(line.encode()))
 
 
 def test_every_format_is_registered_under_its_name():
-    assert FORMATS == {"nginx": nginx.FORMAT, "envoy": envoy.FORMAT}
+    assert LOG_FORMATS == {"nginx": nginx.FORMAT, "envoy": envoy.FORMAT}
     with pytest.raises(ValueError, match='unknown gateway log format "istio"; known: envoy, nginx'):
-        log_format("istio")
+        LOG_FORMATS.lookup("istio")
     with pytest.raises(ValueError, match="unknown gateway log format"):
         GatewayLogFollower("access.jsonl", "lab", log_format="haproxy")
 

@@ -30,7 +30,7 @@ from conftest import (
     upstreams,
 )
 from kvwatch.cli.main import main
-from kvwatch.collectors.gatewaylogs import log_format
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.lab import stack
 from kvwatch.lab.gateways import envoy
 from kvwatch.lab.process import LabError
@@ -65,7 +65,7 @@ def healthy_after(lab):
 
 def parsed(entry: dict):
     """A logged line as kvwatch's gateway-log follower reads it (format envoy)."""
-    return log_format("envoy").parse(entry)
+    return LOG_FORMATS.lookup("envoy").parse(entry)
 
 
 def exporter_samples(lab) -> dict[tuple, float]:

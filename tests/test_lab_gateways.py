@@ -12,7 +12,7 @@ import yaml
 
 from conftest import free_base_port
 from kvwatch.cli.main import main
-from kvwatch.collectors.gatewaylogs import FORMATS
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.core.config import load_config
 from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
 from kvwatch.lab.gateways import GATEWAYS, envoy
@@ -29,7 +29,9 @@ def lab_state(tmp_path: Path, gateway: str = "envoy", **options) -> LabState:
 
 def test_every_gateway_is_registered_under_its_name_with_a_log_format_kvwatch_reads():
     assert sorted(GATEWAYS) == ["envoy", "nginx"]
-    assert all(name == gateway.name and gateway.log_format in FORMATS for name, gateway in GATEWAYS.items())
+    assert all(
+        name == gateway.name and gateway.log_format in LOG_FORMATS for name, gateway in GATEWAYS.items()
+    )
 
 
 def static_resources(state: LabState, variant: int) -> dict:

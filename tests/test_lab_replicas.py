@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, kvwatch
 from kvwatch.lab import tiny_model
 from kvwatch.lab.process import LabError
-from kvwatch.lab.replicas import KINDS, vllm
+from kvwatch.lab.replicas import REPLICA_KINDS, vllm
 from kvwatch.lab.state import LabState, ReplicaSpec
 
 
@@ -24,9 +24,9 @@ def lab_state(tmp_path: Path, replicas: int = 2, engine: str = "vllm") -> LabSta
 
 
 def test_every_kind_is_registered_under_its_name():
-    assert sorted(KINDS) == ["sim", "vllm"]
-    assert all(name == kind.name for name, kind in KINDS.items())
-    assert KINDS["sim"].live_prefix_caching and not KINDS["vllm"].live_prefix_caching
+    assert sorted(REPLICA_KINDS) == ["sim", "vllm"]
+    assert all(name == kind.name for name, kind in REPLICA_KINDS.items())
+    assert REPLICA_KINDS["sim"].live_prefix_caching and not REPLICA_KINDS["vllm"].live_prefix_caching
 
 
 def test_a_vllm_replica_is_started_as_its_spec_says(tmp_path, monkeypatch):

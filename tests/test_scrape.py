@@ -20,9 +20,9 @@ from test_engines import sgl_router_0_2
 
 from conftest import free_port, kvwatch
 from kvwatch.cli.main import build_parser, main
-from kvwatch.collectors.engines import FLAVOURS
+from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import metrics_url, scrape
-from kvwatch.lab.flavours import CacheConfig, Prefill, make_metrics
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Prefill
 
 TESTDATA = Path(__file__).parent / "testdata"
 JSON_KEYS = [
@@ -68,8 +68,7 @@ REQUEST = Prefill(
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """The sources, on a free loopback port; stopped, with every waiting handler released, at teardown."""
-    metrics = make_metrics(
-        "vllm",
+    metrics = SIMULATED_FLAVOURS.lookup("vllm")(
         "lab-model",
         CacheConfig(block_size=16, num_gpu_blocks=1000, prefix_caching=True, max_model_len=8192),
     )
@@ -339,7 +338,7 @@ def test_an_explicit_flavour_reads_what_detection_would_refuse(tmp_path):
     """An exposition with nothing kvwatch knows: named as vLLM, every expected series is missing."""
     path = tmp_path / "node-exporter.prom"
     path.write_text("# TYPE node_load1 gauge\nnode_load1 0.42\n")
-    (result,) = asyncio.run(scrape([str(path)], flavour=FLAVOURS["vllm"]))
+    (result,) = asyncio.run(scrape([str(path)], flavour=ENGINE_FLAVOURS["vllm"]))
     assert result.error is None
     assert result.record.hit_ratio is None
     assert "vllm:prefix_cache_hits_total" in result.record.missing

@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 
 from conftest import REPO, http_get, http_post
 from kvwatch.lab.engine import ReplicaSettings
-from kvwatch.lab.flavours import CacheConfig, Finished, Prefill, make_metrics
+from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 
 RECORDED = REPO / "tests" / "testdata" / "vllm-0.32.0-cpu-metrics.prom"
 
@@ -232,7 +232,7 @@ def test_the_flavour_matches_a_recorded_vllm_0_32():
         prefix_caching=True,
         max_model_len=ReplicaSettings("r1").max_model_len,
     )
-    metrics = make_metrics("vllm", model, cache)
+    metrics = SIMULATED_FLAVOURS.lookup("vllm")(model, cache)
     metrics.prefill_done(Prefill(300, 256, True, 0.01, 0.2, streaming=True))
     metrics.finished(Finished(300, 256, 8, 0.5, streaming=True, finished_reason="length"))
     sim = generate_latest(metrics.registry).decode()

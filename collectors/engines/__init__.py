@@ -1,9 +1,9 @@
 """Engine and router metrics flavours behind one interface, and the record they normalise to.
 
 Each module reads one dialect of /metrics (engines: `vllm`, `vllm_legacy`, `sglang`; routers:
-`sglang_router` (SMG), `vllm_router`, `llm_d` (EPP), `dynamo`, `aibrix`) into a `Snapshot` of
+`smg` (SMG, once sglang-router), `vllm_router`, `llm_d` (EPP), `dynamo`, `aibrix`) into a `Snapshot` of
 cumulative values; `normalise` turns one snapshot into lifetime figures or two into windowed ones.
-`detect_flavour` picks the flavour whose series an exposition has.
+`ENGINE_FLAVOURS.lookup` finds one by name; `detect_flavour` picks the flavour whose series an exposition has.
 """
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ from kvwatch.collectors.engines import (
     dynamo,
     llm_d,
     sglang,
-    sglang_router,
+    smg,
     vllm,
     vllm_legacy,
     vllm_router,
 )
 from kvwatch.collectors.engines.base import Exposition, Flavour, Snapshot
 from kvwatch.collectors.engines.normalise import Normalised, histogram_quantile, normalise
+from kvwatch.core.registry import Registry
 
-FLAVOURS: dict[str, Flavour] = {
-    module.FLAVOUR.name: module.FLAVOUR
-    for module in (vllm, vllm_legacy, sglang, sglang_router, vllm_router, llm_d, dynamo, aibrix)
-}
+ENGINE_FLAVOURS = Registry(
+    "engine flavour",
+    (module.FLAVOUR for module in (vllm, vllm_legacy, sglang, smg, vllm_router, llm_d, dynamo, aibrix)),
+)
 
 __all__ = [
-    "FLAVOURS",
+    "ENGINE_FLAVOURS",
     "Exposition",
     "Flavour",
     "Normalised",
@@ -45,10 +46,12 @@ class UnknownFlavour(ValueError):
 
 def detect_flavour(exposition: Exposition) -> Flavour:
     """The flavour with the most of its telltale series in `exposition`."""
-    scores = sorted(((flavour.detect(exposition), name) for name, flavour in FLAVOURS.items()), reverse=True)
+    scores = sorted(
+        ((flavour.detect(exposition), name) for name, flavour in ENGINE_FLAVOURS.items()), reverse=True
+    )
     (best, name), (runner_up, other) = scores[0], scores[1]
     if best == 0:
-        raise UnknownFlavour(f"no series of a known engine or router ({', '.join(FLAVOURS)})")
+        raise UnknownFlavour(f"no series of a known engine or router ({', '.join(ENGINE_FLAVOURS)})")
     if best == runner_up:
         raise UnknownFlavour(f"looks as much like {name} as like {other}; name the flavour explicitly")
-    return FLAVOURS[name]
+    return ENGINE_FLAVOURS[name]

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from kvwatch.collectors.engines import (
-    FLAVOURS,
+    ENGINE_FLAVOURS,
     Exposition,
     Flavour,
     Normalised,
@@ -76,7 +76,9 @@ async def scrape(
                 if interval is None:
                     return Result(source, normalise(first))
                 await asyncio.sleep(interval)
-                second = await read_snapshot(client, source, FLAVOURS[first.flavour], timeout, max_bytes)
+                second = await read_snapshot(
+                    client, source, ENGINE_FLAVOURS.lookup(first.flavour), timeout, max_bytes
+                )
                 return Result(source, normalise(second, first))
             except ScrapeError as error:
                 return Result(source, None, f"{source}: {error}")
@@ -168,7 +170,11 @@ def format_result(result: Result) -> str:
         scope = "lifetime: cumulative since the process started"
     else:
         scope = f"window of {record.window_seconds:.1f} s"
-    rows = _engine_rows(record) if FLAVOURS[record.flavour].kind == "engine" else _router_rows(record)
+    rows = (
+        _engine_rows(record)
+        if ENGINE_FLAVOURS.lookup(record.flavour).kind == "engine"
+        else _router_rows(record)
+    )
     if record.counter_reset:
         rows.append(("counter reset", "a counter went down: the source restarted within the window"))
     if record.missing:

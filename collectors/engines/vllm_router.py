@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
-from kvwatch.collectors.engines.sglang_router import read_sgl_router_layout
+from kvwatch.collectors.engines.smg import read_sgl_router_layout
 
 
 def detect(exposition: Exposition) -> int:

@@ -186,7 +186,7 @@ class GatewayLogFollower:
     created and rotated away between two polls is never seen: `Creations` counts it. A truncated file
     is read again from its start, and a missing file is not an error. Anything but a regular file is
     refused, and a poll reads at most `max_bytes_per_poll` of a log, so one log never stalls the others.
-    `log_format` names the format of gatewaylogs.FORMATS its lines are in. Event times come from the
+    `log_format` names the format of gatewaylogs.LOG_FORMATS its lines are in. Event times come from the
     log (nginx's `msec`); `clock` gives "now" for the window and the TTL.
     """
 
@@ -207,7 +207,7 @@ class GatewayLogFollower:
             raise ValueError(f"gateway log name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         self.path = Path(path)
         self.name = name
-        self._format = gatewaylogs.log_format(log_format)
+        self._format = gatewaylogs.LOG_FORMATS.lookup(log_format)
         self.spread_window_seconds = spread_window_seconds
         self.session_ttl_seconds = session_ttl_seconds
         self.max_sessions = max_sessions

@@ -1,5 +1,5 @@
 """Replica identity: how a response names the replica that served a probe round, one module per
-convention (`headers`, `smg`, `aibrix`, `llmd`, `dynamo`) behind one interface (`Convention`).
+convention (`headers`, `smg`, `aibrix`, `llm_d`, `dynamo`) behind one interface (`Convention`).
 
 A route's probe looks at a list of response headers, then at a list of stream-chunk fields; the first
 that names a replica wins. Each header or field is read by the convention that owns it; one that no
@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvwatch.collectors.identity import aibrix, dynamo, headers, llmd, smg
+from kvwatch.collectors.identity import aibrix, dynamo, headers, llm_d, smg
 from kvwatch.collectors.identity.base import Convention, plain_name
+from kvwatch.core.registry import Registry
 
-CONVENTIONS: dict[str, Convention] = {
-    module.CONVENTION.name: module.CONVENTION for module in (headers, smg, aibrix, llmd, dynamo)
-}
+CONVENTIONS = Registry(
+    "identity convention", (module.CONVENTION for module in (headers, smg, aibrix, llm_d, dynamo))
+)
 # In this order: the lab's gateways' X-Upstream first, as before; a router's own header next.
 DEFAULT_HEADERS = tuple(name for c in CONVENTIONS.values() for name in c.headers)
 DEFAULT_JSON_PATHS = tuple(path for c in CONVENTIONS.values() for path in c.json_paths)
-ROUTERS: dict[str, Mapping[str, object]] = {
-    name: c.request_extras for name, c in CONVENTIONS.items() if c.request_extras
-}
+ROUTERS = Registry("router", (c for c in CONVENTIONS.values() if c.request_extras))
 _HEADER_READERS = {name.lower(): c.read for c in CONVENTIONS.values() for name in c.headers}
 _JSON_READERS = {path: c.read for c in CONVENTIONS.values() for path in c.json_paths}
 
@@ -42,9 +41,7 @@ def request_extras(router: str | None) -> Mapping[str, object]:
     """What a request through `router` must carry to be told its replica; {} for any other route."""
     if router is None:
         return {}
-    if router not in ROUTERS:
-        raise ValueError(f'unknown router "{router}"; known: {", ".join(sorted(ROUTERS))}')
-    return ROUTERS[router]
+    return ROUTERS.lookup(router).request_extras
 
 
 def from_headers(names: Iterable[str], response_headers: Mapping[str, str]) -> str | None:

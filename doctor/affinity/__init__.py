@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvwatch.core.registry import Registry
 from kvwatch.doctor.affinity import envoy, nginx, smg, vllm_router
 from kvwatch.doctor.affinity.base import Affinity
 
-SYSTEMS: dict[str, Affinity] = {m.AFFINITY.name: m.AFFINITY for m in (nginx, envoy, smg, vllm_router)}
+SYSTEMS = Registry("gateway", (module.AFFINITY for module in (nginx, envoy, smg, vllm_router)))
 
 __all__ = ["SYSTEMS", "Affinity", "recognised"]
 

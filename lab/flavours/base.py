@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from prometheus_client import CollectorRegistry
 
@@ -43,6 +44,8 @@ class CacheConfig:
 
 class EngineMetrics:
     """What the replica tells its metrics; a flavour turns it into its engine's series."""
+
+    name: ClassVar[str]  # as `kvwatch lab up --flavours` names it
 
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

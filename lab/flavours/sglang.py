@@ -26,33 +26,12 @@ TTFT_BUCKETS = (
     200,
     400,
 )
-E2E_BUCKETS = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-    10,
-    20,
-    40,
-    60,
-    80,
-    100,
-    200,
-    400,
-    600,
-    1200,
-    1800,
-    2400,
-)
+E2E_BUCKETS = (*TTFT_BUCKETS, 600, 1200, 1800, 2400)
 
 
 class SglangMetrics(EngineMetrics):
+    name = "sglang"
+
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         super().__init__(model_name, cache)
         reg = self.registry

@@ -73,6 +73,8 @@ def request_token_buckets(max_model_len: int) -> tuple[float, ...]:
 
 
 class VllmMetrics(EngineMetrics):
+    name = "vllm"
+
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         super().__init__(model_name, cache)
         engine = {"model_name": model_name, "engine": "0"}

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from kvwatch.lab.flavours import vllm
 from kvwatch.lab.flavours.base import CacheConfig, EngineMetrics, Finished, Prefill
 
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-)
+TTFT_BUCKETS = tuple(bound for bound in vllm.TTFT_BUCKETS if bound <= 10.0)  # V1 added 20 s and up
 E2E_BUCKETS = (1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
 class VllmLegacyMetrics(EngineMetrics):
+    name = "vllm-legacy"
+
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         super().__init__(model_name, cache)
         labels = ["model_name"]

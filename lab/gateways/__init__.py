@@ -1,13 +1,14 @@
 """What the lab's replicas sit behind: `nginx` or `envoy` (as Istio and the Gateway API configure it).
 
-Each kind is one module behind the `Gateway` interface; `GATEWAYS` maps `--gateway` names to them.
+Each kind is one module behind the `Gateway` interface; `GATEWAYS.lookup` finds one by its `--gateway` name.
 """
 
 from __future__ import annotations
 
+from kvwatch.core.registry import Registry
 from kvwatch.lab.gateways import envoy, nginx
 from kvwatch.lab.gateways.base import Gateway
 
-GATEWAYS: dict[str, Gateway] = {module.GATEWAY.name: module.GATEWAY for module in (nginx, envoy)}
+GATEWAYS = Registry("gateway", (module.GATEWAY for module in (nginx, envoy)))
 
 __all__ = ["GATEWAYS", "Gateway"]

@@ -22,4 +22,4 @@ def read(value: object) -> str | None:
     return pod if namespace and pod else token
 
 
-CONVENTION = Convention(name="llmd", read=read, headers=("x-session-token",))
+CONVENTION = Convention(name="llm-d", read=read, headers=("x-session-token",))

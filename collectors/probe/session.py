@@ -47,6 +47,7 @@ from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synth
 from kvwatch.core.config import Target, Workload
 from kvwatch.core.connections import connect_reason, http_client, request, url_problem
 from kvwatch.core.credentials import read_secret_file
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact, redacted_name
 
@@ -171,7 +172,7 @@ class ProbeSettings:
                 raise ValueError(f"{name} must be printable ASCII without spaces")
 
 
-class _Failure(Exception):
+class _Failure(KVWatchError):
     """A round that went wrong, with its error kind and a short detail."""
 
     def __init__(self, kind: str, detail: str):

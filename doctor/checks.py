@@ -48,7 +48,9 @@ from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.config import label_name_problem
 from kvwatch.core.connections import http_client, request
+from kvwatch.core.errors import KVWatchError, UpstreamError, UpstreamTimeout
 from kvwatch.core.progress import Progress
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.core.tokenizer import TemplateError, message_text, split_words
 from kvwatch.doctor import affinity
@@ -480,20 +482,15 @@ CACHING_OFF_EVIDENCE = {
 }
 
 
-class NoEngineSeries(ValueError):
+class NoEngineSeries(KVWatchError, ValueError):
     """Prometheus holds no engine series that the caching-off queries could read (in the cluster named):
     their silence would say nothing of the engines."""
 
 
 async def _query(client: httpx.AsyncClient, url: str, expr: str) -> list[dict]:
-    """The series of an instant query; raises httpx.HTTPError or ValueError."""
-    query = f"{url.rstrip('/')}/api/v1/query"
-    response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
-    response.raise_for_status()
-    answer = response.json()
-    if answer.get("status") != "success":
-        raise ValueError(answer.get("error", "the query failed"))
-    return answer["data"]["result"]
+    """The series of an instant query; raises an UpstreamError. (`client` serves the doctor's other
+    requests: PrometheusApi keeps its own.)"""
+    return await asyncio.to_thread(PrometheusApi(url, PROMETHEUS_TIMEOUT_S).query, expr)
 
 
 async def _engines_there(client: httpx.AsyncClient, url: str, cluster: Cluster) -> None:
@@ -522,7 +519,7 @@ async def _caching_off_in_prometheus(
     client: httpx.AsyncClient, url: str, cluster: Cluster = EVERY_CLUSTER
 ) -> list[str]:
     """Instances Prometheus sees without prefix caching, in `cluster` alone when it names one; raises
-    httpx.HTTPError or ValueError, NoEngineSeries when the queries would read no engine."""
+    an UpstreamError, NoEngineSeries when the queries would read no engine."""
     await _engines_there(client, url, cluster)
     found = []
     for alert in caching_off_alerts(cluster.label):
@@ -583,10 +580,9 @@ async def prefix_caching(
         except NoEngineSeries as error:
             seen.append(f"{said}: {error}")
             selects_nothing = cluster.name is not None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
-            seen.append(
-                redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
-            )
+        except UpstreamError as error:
+            kind = "TimeoutException" if isinstance(error, UpstreamTimeout) else type(error).__name__
+            seen.append(redact(f"Prometheus at {prometheus_url} cannot be queried ({kind}: {error})"))
     off += [f"{said}: {line}" for line in flagged or []]
     seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)

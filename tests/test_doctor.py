@@ -31,6 +31,7 @@ from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.session import HINTS, ProbeSettings, api_url
 from kvwatch.collectors.probe.workload import system_prompt, user_turns
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.doctor.checks import (
     CAUSES,
     Check,
@@ -688,23 +689,21 @@ def test_every_cause_has_a_readme_entry():
     assert [cause for cause in CAUSES if f"`{cause}`" not in section] == []
 
 
-def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds():
+def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds(monkeypatch):
     """Two clusters' instances of the same address: each is named with its cluster; one without the
     label by its address alone."""
 
-    def prometheus(request: httpx.Request) -> httpx.Response:
-        query = request.url.params["query"]
-        result = [] if "cache_config_info" not in query else [
+    def prometheus(api: PrometheusApi, query: str) -> list[dict]:
+        return [] if "cache_config_info" not in query else [
             {"metric": {"cluster": "a", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
             {"metric": {"cluster": "b", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
             {"metric": {"instance": "10.0.0.9:8000"}, "value": [0, "1"]},
         ]  # fmt: skip
-        return httpx.Response(
-            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
-        )
+
+    monkeypatch.setattr(PrometheusApi, "query", prometheus)
 
     async def found() -> list[str]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
+        async with httpx.AsyncClient() as client:
             return await _caching_off_in_prometheus(client, "http://prometheus:9090")
 
     assert asyncio.run(found()) == [
@@ -714,19 +713,18 @@ def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds():
     ]
 
 
-def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only():
+def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only(monkeypatch):
     """Every series selector of both caching-off queries narrowed to the cluster, by its label."""
     asked = []
 
-    def prometheus(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.params["query"])
-        result = [{"metric": {"region": "eu", "instance": "10.0.0.7:8000"}, "value": [0, "1"]}]
-        return httpx.Response(
-            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
-        )
+    def prometheus(api: PrometheusApi, query: str) -> list[dict]:
+        asked.append(query)
+        return [{"metric": {"region": "eu", "instance": "10.0.0.7:8000"}, "value": [0, "1"]}]
+
+    monkeypatch.setattr(PrometheusApi, "query", prometheus)
 
     async def found() -> list[str]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
+        async with httpx.AsyncClient() as client:
             return await _caching_off_in_prometheus(client, "http://prometheus:9090", Cluster("eu", "region"))
 
     asyncio.run(found())

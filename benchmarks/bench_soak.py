@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_detection import _kvwatch, _lab_up
 from kvwatch.core.config import GatewayLog
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.store.history import Store
 
 # The second half, over which memory is judged, starts 5 minutes past the follower's session TTL.
@@ -73,12 +74,8 @@ def _held_by_alertmanager(url: str) -> set[str]:
 
 def _pending_in_prometheus(url: str, start: float, end: float) -> set[str]:
     """Alerts Prometheus had pending or firing at any evaluation of the run (near misses included)."""
-    answer = httpx.get(
-        f"{url}/api/v1/query_range",
-        params={"query": "ALERTS", "start": start, "end": end, "step": 5},
-        timeout=30,
-    ).json()
-    return {series["metric"]["alertname"] for series in answer["data"]["result"]}
+    series = PrometheusApi(url, 30).query_range("ALERTS", start, end, step=5)
+    return {one["metric"]["alertname"] for one in series}
 
 
 def _lab(state_dir: Path, *args: str) -> None:

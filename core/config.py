@@ -25,6 +25,7 @@ from kvwatch.collectors import gatewaylogs, identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.connections import url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.labels import label_value_problem
 from kvwatch.core.redaction import redact
 from kvwatch.core.registry import unknown
@@ -36,11 +37,11 @@ from kvwatch.store import databases, history
 LAB_DIRECTORY = Path(".kvwatch/lab")
 
 
-class ConfigError(Exception):
+class ConfigError(KVWatchError):
     """The config cannot be used; the message says the one thing that is wrong and where."""
 
 
-class _Invalid(ValueError):
+class _Invalid(KVWatchError, ValueError):
     """A failed check at `where`, relative to the object being checked ("" for the object itself)."""
 
     def __init__(self, where: str, message: str):

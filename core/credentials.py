@@ -13,10 +13,12 @@ import os
 import stat
 from pathlib import Path
 
+from kvwatch.core.errors import KVWatchError
+
 MAX_SECRET_FILE_BYTES = 64 << 10
 
 
-class CredentialError(ValueError):
+class CredentialError(KVWatchError, ValueError):
     """A secret cannot be read; the message names where it was looked for, never its content."""
 
 

@@ -13,6 +13,8 @@ import re
 import zlib
 from collections.abc import Iterable, Mapping
 
+from kvwatch.core.errors import KVWatchError
+
 _TOKEN_PATTERN = re.compile(r"\w+|[^\w\s]")
 # Ids below this are reserved for the chat template's markers; text tokens hash above it.
 _FIRST_TEXT_ID = 1000
@@ -25,7 +27,7 @@ _ANSWER_WORDS = (
 ).split()
 
 
-class TemplateError(ValueError):
+class TemplateError(KVWatchError, ValueError):
     """A message the chat template cannot render (the server answers 400 with this text)."""
 
 

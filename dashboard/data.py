@@ -32,6 +32,8 @@ from kvwatch.core.config import (
     resolve_store_password,
 )
 from kvwatch.core.connections import connect_reason, request_sync
+from kvwatch.core.errors import QueryRefused, UnexpectedAnswer, Unreachable, UpstreamTimeout
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
 from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
@@ -151,16 +153,14 @@ def series(query: str, over: Span, cluster: str | None = None) -> Result:
 def instant_query(query: str, over: Span) -> Result:
     """`instant` of a query already narrowed: cached by it, so each cluster has its own answers."""
     expr = filled(query, over)
-    return _ask_prometheus("query", {"query": expr, "time": over.end})
+    return _ask_prometheus(lambda prometheus: prometheus.query(expr, at=over.end))
 
 
 @_cached
 def range_query(query: str, over: Span) -> Result:
     """`series` of a query already narrowed: cached by it, so each cluster has its own answers."""
     expr = filled(query, over)
-    return _ask_prometheus(
-        "query_range", {"query": expr, "start": over.start, "end": over.end, "step": over.step}
-    )
+    return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
 
 
 # --- the cluster picked in the sidebar ----------------------------------------------------------------
@@ -220,25 +220,22 @@ def in_cluster(query: str, cluster: str | None = None) -> str:
     return promql.with_matcher(query, queries.one_cluster(config.value.cluster_label, cluster))
 
 
-def _ask_prometheus(api: str, params: dict) -> Result:
-    """One query to Prometheus' HTTP API, within TIMEOUT_SECONDS in all; no retries: a panel that waits
-    for backoffs is worse than one that says Prometheus is down."""
+def _ask_prometheus(ask: Callable[[PrometheusApi], list[dict]]) -> Result:
+    """One query to Prometheus, within TIMEOUT_SECONDS in all: its answer as a frame, or its failure in
+    one line."""
     url = _service_url("prometheus")
     if url.error:
         return url
     where = f"Prometheus at {url.value}"
     try:
-        response = request_sync("GET", f"{url.value}/api/v1/{api}", TIMEOUT_SECONDS, params=params)
-        answer = response.json()
-        if answer.get("status") != "success":
-            said = answer.get("error", f"HTTP {response.status_code}")
-            return Result(error=f"{where} refused the query: {said}")
-        return Result(_frame(answer["data"]["result"]))
-    except httpx.TimeoutException:
+        return Result(_frame(ask(PrometheusApi(url.value, TIMEOUT_SECONDS))))
+    except UpstreamTimeout:
         return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
-    except httpx.HTTPError as error:
-        return Result(error=f"Cannot reach {where}: {connect_reason(error)}. Is it running?")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except Unreachable as error:
+        return Result(error=f"Cannot reach {where}: {error}. Is it running?")
+    except QueryRefused as error:
+        return Result(error=f"{where} refused the query: {error}")
+    except UnexpectedAnswer as error:
         return Result(error=f"{where} did not answer like the Prometheus API: {error}")
 
 

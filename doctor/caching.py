@@ -3,12 +3,12 @@ checks ran and, given Prometheus, from the engines' own metrics, judged as the a
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
-import httpx
-
 from kvwatch.core.config import label_name_problem
-from kvwatch.core.connections import request
+from kvwatch.core.errors import KVWatchError, UpstreamError, UpstreamTimeout
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.doctor.findings import Check
 from kvwatch.doctor.route import Route
@@ -61,29 +61,23 @@ CACHING_OFF_EVIDENCE = {
 }
 
 
-class NoEngineSeries(ValueError):
+class NoEngineSeries(KVWatchError, ValueError):
     """Prometheus holds no engine series that the caching-off queries could read (in the cluster named):
     their silence would say nothing of the engines."""
 
 
-async def _query(client: httpx.AsyncClient, url: str, expr: str) -> list[dict]:
-    """The series of an instant query; raises httpx.HTTPError or ValueError."""
-    query = f"{url.rstrip('/')}/api/v1/query"
-    response = await request(client, "GET", query, PROMETHEUS_TIMEOUT_S, params={"query": expr})
-    response.raise_for_status()
-    answer = response.json()
-    if answer.get("status") != "success":
-        raise ValueError(answer.get("error", "the query failed"))
-    return answer["data"]["result"]
+async def _query(url: str, expr: str) -> list[dict]:
+    """The series of an instant query; raises an UpstreamError."""
+    return await asyncio.to_thread(PrometheusApi(url, PROMETHEUS_TIMEOUT_S).query, expr)
 
 
-async def _engines_there(client: httpx.AsyncClient, url: str, cluster: Cluster) -> None:
+async def _engines_there(url: str, cluster: Cluster) -> None:
     """Raises NoEngineSeries, naming the clusters that do hold engines, when Prometheus holds none of the
     series the caching-off queries read, or none in `cluster`."""
     alerts = caching_off_alerts(cluster.label)
     names = list(dict.fromkeys(name for alert in alerts for name in promql.series_names(alert.expr)))
     expr = f"group by ({cluster.label}) ({{__name__=~{promql.string('|'.join(names))}}})"
-    values = {series["metric"].get(cluster.label, "") for series in await _query(client, url, expr)}
+    values = {series["metric"].get(cluster.label, "") for series in await _query(url, expr)}
     if not values:
         raise NoEngineSeries(f"holds no engine series ({', '.join(names)}) to judge")
     if cluster.name is None or cluster.name in values:
@@ -99,18 +93,16 @@ async def _engines_there(client: httpx.AsyncClient, url: str, cluster: Cluster) 
     )
 
 
-async def _caching_off_in_prometheus(
-    client: httpx.AsyncClient, url: str, cluster: Cluster = EVERY_CLUSTER
-) -> list[str]:
+async def _caching_off_in_prometheus(url: str, cluster: Cluster = EVERY_CLUSTER) -> list[str]:
     """Instances Prometheus sees without prefix caching, in `cluster` alone when it names one; raises
-    httpx.HTTPError or ValueError, NoEngineSeries when the queries would read no engine."""
-    await _engines_there(client, url, cluster)
+    an UpstreamError, NoEngineSeries when the queries would read no engine."""
+    await _engines_there(url, cluster)
     found = []
     for alert in caching_off_alerts(cluster.label):
         what = CACHING_OFF_EVIDENCE[alert.labels["evidence"]]
         found += [
             f"{_instance_in_cluster(series['metric'], cluster.label)} {what}"
-            for series in await _query(client, url, cluster.narrowed(alert.expr))
+            for series in await _query(url, cluster.narrowed(alert.expr))
         ]
     return found
 
@@ -160,14 +152,13 @@ async def prefix_caching(
     said = "Prometheus" if cluster.name is None else f"Prometheus ({cluster})"
     if prometheus_url:
         try:
-            flagged = await _caching_off_in_prometheus(route.client, prometheus_url, cluster)
+            flagged = await _caching_off_in_prometheus(prometheus_url, cluster)
         except NoEngineSeries as error:
             seen.append(f"{said}: {error}")
             selects_nothing = cluster.name is not None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
-            seen.append(
-                redact(f"Prometheus at {prometheus_url} cannot be queried ({type(error).__name__}: {error})")
-            )
+        except UpstreamError as error:
+            kind = "TimeoutException" if isinstance(error, UpstreamTimeout) else type(error).__name__
+            seen.append(redact(f"Prometheus at {prometheus_url} cannot be queried ({kind}: {error})"))
     off += [f"{said}: {line}" for line in flagged or []]
     seen += [f"{said}: no engine has prefix caching off"] if flagged == [] else []
     evidence = "; ".join(off + seen)

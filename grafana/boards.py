@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvwatch.core.connections import request_sync
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.prometheus import promql, queries
 from kvwatch.prometheus.queries import THRESHOLDS
 
@@ -994,17 +994,14 @@ def evaluate(
 ) -> list[tuple[dict, list]]:
     """A panel target's series from Prometheus, as (labels, [(seconds before `end`, value)])."""
     expr = queries.fill_variables(query["expr"], window=window, time_range=f"{round(end - start)}s")
+    prometheus_api = PrometheusApi(prometheus, PROMETHEUS_TIMEOUT_S)
     if query["instant"]:
-        params = {"query": expr, "time": end}
+        series = prometheus_api.query(expr, at=end)
     else:
-        params = {"query": expr, "start": start, "end": end, "step": max(1.0, (end - start) / 240)}
-    api = "query" if query["instant"] else "query_range"
-    answer = request_sync("GET", f"{prometheus}/api/v1/{api}", PROMETHEUS_TIMEOUT_S, params=params).json()
-    if answer["status"] != "success":
-        raise RuntimeError(f"{expr}: {answer.get('error')}")
+        series = prometheus_api.query_range(expr, start, end, step=max(1.0, (end - start) / 240))
     return [
         (s["metric"], [(float(t) - end, float(v)) for t, v in s.get("values", [s.get("value")])])
-        for s in answer["data"]["result"]
+        for s in series
     ]
 
 

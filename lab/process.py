@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvwatch.core.errors import KVWatchError
+
 if TYPE_CHECKING:
     from kvwatch.lab.state import LabState
 
@@ -29,7 +31,7 @@ def kvwatch_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvwatch.cli.main", *args]
 
 
-class LabError(RuntimeError):
+class LabError(KVWatchError, RuntimeError):
     """Something the user can act on; the CLI prints it without a traceback."""
 
 

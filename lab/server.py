@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.tokenizer import TemplateError, render_chat, tokenize
 from kvwatch.lab.engine import Engine, ReplicaSettings, Sequence, faults_from_json
 
@@ -26,7 +27,7 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 ARRIVAL_KEY = web.RequestKey("arrival", float)
 
 
-class ApiError(Exception):
+class ApiError(KVWatchError):
     """An OpenAI-style error answer."""
 
     def __init__(self, status: int, message: str, error_type: str, code: str | None = None):
@@ -455,7 +456,7 @@ def make_app(engine: Engine) -> web.Application:
     return app
 
 
-class PortInUse(RuntimeError):
+class PortInUse(KVWatchError, RuntimeError):
     pass
 
 

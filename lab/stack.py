@@ -25,6 +25,8 @@ import httpx
 import yaml
 
 from kvwatch.core.connections import request_sync
+from kvwatch.core.errors import UpstreamError
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.lab.configs import (
     REPO,
     render_alertmanager,
@@ -304,9 +306,8 @@ def _reload_prometheus(state: LabState) -> None:
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + PROMETHEUS_RELOAD_TIMEOUT_S
     while True:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            status = request_sync("GET", f"{url}/api/v1/status/config", PROMETHEUS_STATUS_TIMEOUT_S)
-            loaded = status.json()["data"]["yaml"]
+        with contextlib.suppress(UpstreamError, KeyError, TypeError):
+            loaded = PrometheusApi(url, PROMETHEUS_STATUS_TIMEOUT_S).loaded_config()
             if _scrape_targets(yaml.safe_load(loaded)) == expected:
                 return
         if time.monotonic() > deadline:

@@ -7,12 +7,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from kvwatch.core.errors import KVWatchError
+
 BUSY_TIMEOUT_SECONDS = 1.0  # the database's own wait for a lock; StoreWriter retries past it
 
 Row = dict  # a result row by column name (sqlite3.Row and psycopg's dict rows both read so)
 
 
-class StoreError(Exception):
+class StoreError(KVWatchError):
     """The store cannot be opened: missing (read-only), not a kvwatch store, from a newer kvwatch, or
     written by another process already."""
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.core.errors import KVWatchError
 from kvwatch.store.base import BUSY_TIMEOUT_SECONDS, Database, StoreError, first_line
 from kvwatch.store.databases import open_database, transient
 
@@ -350,7 +351,7 @@ MAX_RETRY_DELAY_SECONDS = 5.0
 DROP_REASONS = ("queue_full", "failed")
 
 
-class WriteDropped(Exception):
+class WriteDropped(KVWatchError):
     """A write the StoreWriter lost: its queue was full, or its retries ran out; logged and counted."""
 
 

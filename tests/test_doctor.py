@@ -22,7 +22,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from aiohttp import web
 from loopback import answering_bytes, loopback_http
@@ -32,6 +31,7 @@ from kvwatch.cli.main import main
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings, api_url
 from kvwatch.collectors.probe.workload import system_prompt, user_turns
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.doctor.caching import Cluster, _caching_off_in_prometheus, caching_off_alerts
 from kvwatch.doctor.checks import diagnose, examine
 from kvwatch.doctor.findings import CAUSES, Check, Diagnosis
@@ -682,48 +682,37 @@ def test_every_cause_has_a_readme_entry():
     assert [cause for cause in CAUSES if f"`{cause}`" not in section] == []
 
 
-def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds():
+def test_caching_off_names_the_cluster_of_each_instance_prometheus_holds(monkeypatch):
     """Two clusters' instances of the same address: each is named with its cluster; one without the
     label by its address alone."""
 
-    def prometheus(request: httpx.Request) -> httpx.Response:
-        query = request.url.params["query"]
-        result = [] if "cache_config_info" not in query else [
+    def prometheus(api: PrometheusApi, query: str) -> list[dict]:
+        return [] if "cache_config_info" not in query else [
             {"metric": {"cluster": "a", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
             {"metric": {"cluster": "b", "instance": "10.0.0.7:8000"}, "value": [0, "1"]},
             {"metric": {"instance": "10.0.0.9:8000"}, "value": [0, "1"]},
         ]  # fmt: skip
-        return httpx.Response(
-            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
-        )
 
-    async def found() -> list[str]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
-            return await _caching_off_in_prometheus(client, "http://prometheus:9090")
+    monkeypatch.setattr(PrometheusApi, "query", prometheus)
 
-    assert asyncio.run(found()) == [
+    assert asyncio.run(_caching_off_in_prometheus("http://prometheus:9090")) == [
         "10.0.0.7:8000 in cluster a reports enable_prefix_caching=False",
         "10.0.0.7:8000 in cluster b reports enable_prefix_caching=False",
         "10.0.0.9:8000 reports enable_prefix_caching=False",
     ]
 
 
-def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only():
+def test_the_doctor_of_one_cluster_asks_prometheus_of_that_cluster_only(monkeypatch):
     """Every series selector of both caching-off queries narrowed to the cluster, by its label."""
     asked = []
 
-    def prometheus(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.params["query"])
-        result = [{"metric": {"region": "eu", "instance": "10.0.0.7:8000"}, "value": [0, "1"]}]
-        return httpx.Response(
-            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
-        )
+    def prometheus(api: PrometheusApi, query: str) -> list[dict]:
+        asked.append(query)
+        return [{"metric": {"region": "eu", "instance": "10.0.0.7:8000"}, "value": [0, "1"]}]
 
-    async def found() -> list[str]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(prometheus)) as client:
-            return await _caching_off_in_prometheus(client, "http://prometheus:9090", Cluster("eu", "region"))
+    monkeypatch.setattr(PrometheusApi, "query", prometheus)
 
-    asyncio.run(found())
+    asyncio.run(_caching_off_in_prometheus("http://prometheus:9090", Cluster("eu", "region")))
     engines, *caching_off = asked  # first whether the cluster holds engines at all, over every cluster
     assert engines.startswith('group by (region) ({__name__=~"vllm:prompt_tokens_total|')
     assert len(caching_off) == len(caching_off_alerts())

@@ -20,6 +20,7 @@ from kvwatch.collectors.engines import (
 )
 from kvwatch.collectors.engines.base import Exposition, Flavour, Snapshot
 from kvwatch.collectors.engines.normalise import Normalised, histogram_quantile, normalise
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.registry import Registry
 
 ENGINE_FLAVOURS = Registry(
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-class UnknownFlavour(ValueError):
+class UnknownFlavour(KVWatchError, ValueError):
     """The exposition matches no flavour, or two equally well."""
 
 

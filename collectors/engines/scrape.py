@@ -26,6 +26,7 @@ from kvwatch.collectors.engines import (
 )
 from kvwatch.collectors.engines.normalise import LOOKUPS, TOKENS
 from kvwatch.core.connections import connect_reason, http_client, url_problem
+from kvwatch.core.errors import UpstreamError
 
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024  # real expositions are well under 1 MiB; this stops a runaway one
@@ -39,7 +40,7 @@ HIT_RATIO_SOURCES = {
 }
 
 
-class ScrapeError(Exception):
+class ScrapeError(UpstreamError):
     """A source could not be read, parsed or recognised; the message says what went wrong."""
 
 

@@ -9,12 +9,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvwatch.core.errors import KVWatchError
+
 MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
 # The upstream of a request no server answered: the gateway did not proxy it, or found no live server.
 NO_UPSTREAM = "none"
 
 
-class Malformed(ValueError):
+class Malformed(KVWatchError, ValueError):
     """A line that is no request; `reason` is one of MALFORMED_REASONS, so that it can be a label."""
 
     def __init__(self, reason: str):

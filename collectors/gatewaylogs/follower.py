@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from kvwatch.collectors import gatewaylogs
 from kvwatch.collectors.gatewaylogs import MALFORMED_REASONS, NO_UPSTREAM, Malformed, json_object
 from kvwatch.collectors.gatewaylogs.creations import Creations
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.labels import BoundedLabel
 
 log = logging.getLogger("kvwatch.gatewaylog")
@@ -55,7 +56,7 @@ _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BOOLS = ("false", "true")  # label values, indexed by a bool
 
 
-class _NotARegularFile(OSError):
+class _NotARegularFile(KVWatchError, OSError):
     """A FIFO, socket or device: opening it may wait for a writer, reading it may never end."""
 
 

@@ -17,6 +17,7 @@ raises: a source that fails or does not answer in time is just not available.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from kvwatch.collectors.engines import Exposition
 from kvwatch.collectors.engines.base import Reader
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.core.connections import http_client, request
+from kvwatch.core.connections import http_client
+from kvwatch.core.errors import UpstreamError
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 
 DEFAULT_TOKENS = 16  # vLLM's default on GPUs
@@ -98,7 +101,7 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
     if sources.override is not None:
         return sources.override
     async with http_client(timeout=TIMEOUT_S) as client:
-        if sources.prometheus_url and (found := await _from_prometheus(client, sources)):
+        if sources.prometheus_url and (found := await _from_prometheus(sources)):
             return found
         for url in sources.metrics_urls:
             if found := await _from_metrics(client, url):
@@ -106,19 +109,16 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
     return from_granularity(sessions) or BlockSize(DEFAULT_TOKENS, "default; no engine evidence")
 
 
-async def _from_prometheus(client: httpx.AsyncClient, sources: BlockSizeSources) -> BlockSize | None:
+async def _from_prometheus(sources: BlockSizeSources) -> BlockSize | None:
     url = sources.prometheus_url
     try:
-        query = f"{url.rstrip('/')}/api/v1/query"
-        response = await request(client, "GET", query, TIMEOUT_S, params={"query": sources.prometheus_query})
-        response.raise_for_status()
-        series = response.json()["data"]["result"]
-        of = f"of {sources.prometheus_cluster} " if sources.prometheus_cluster else ""
-        return _smallest(
-            (s["metric"].get("block_size", "") for s in series), f"{of}in Prometheus at {redact(url)}"
-        )
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        series = await asyncio.to_thread(PrometheusApi(url, TIMEOUT_S).query, sources.prometheus_query)
+    except UpstreamError:
         return None
+    of = f"of {sources.prometheus_cluster} " if sources.prometheus_cluster else ""
+    return _smallest(
+        (s["metric"].get("block_size", "") for s in series), f"{of}in Prometheus at {redact(url)}"
+    )
 
 
 async def _from_metrics(client: httpx.AsyncClient, url: str) -> BlockSize | None:

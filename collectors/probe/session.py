@@ -40,6 +40,7 @@ from kvwatch.collectors.probe.streaming import (
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.connections import url_problem
 from kvwatch.core.credentials import read_secret_file
+from kvwatch.core.errors import KVWatchError
 from kvwatch.core.redaction import redact, redacted_name
 
 SESSION_MODES = ("client", "server", "none")
@@ -141,7 +142,7 @@ class ProbeSettings:
                 raise ValueError(f"{name} must be printable ASCII without spaces")
 
 
-class _Failure(Exception):
+class _Failure(KVWatchError):
     """A round that went wrong, with its error kind and a short detail."""
 
     def __init__(self, kind: str, detail: str):

@@ -31,6 +31,7 @@ import h11
 import httpx
 
 from kvwatch.core.connections import connect_reason, tls_context
+from kvwatch.core.errors import UpstreamError
 
 READ_BYTES = 64 << 10  # how much one read takes in: a streamed chunk is a few hundred bytes
 MAX_HEADER_BYTES = 64 << 10  # of the status line and headers; more is no HTTP server kvwatch probes
@@ -47,7 +48,7 @@ _CONTENT_LENGTH = re.compile(rb"\ncontent-length[ \t]*:[ \t]*([^\r\n]*)", re.IGN
 SHOWN_CHARS = 60  # of a bad status line or header value, in an error message
 
 
-class ConnectFailed(Exception):
+class ConnectFailed(UpstreamError):
     """No connection to the origin; the message is the operating system's or TLS's reason."""
 
 
@@ -56,7 +57,7 @@ class TlsFailed(ConnectFailed):
     included), or a port that answered plain HTTP with TLS."""
 
 
-class StreamBroken(Exception):
+class StreamBroken(UpstreamError):
     """The server broke HTTP/1.1 or the connection before the response was complete."""
 
 

@@ -51,7 +51,8 @@ class Jobs:
 
     def __init__(self) -> None:
         self.scheduler = AsyncIOScheduler(timezone=UTC, job_defaults=JOB_DEFAULTS)
-        logging.getLogger("apscheduler").setLevel(logging.WARNING)  # not a line per run
+        # Not a line per run, nor per run skipped while the one before still runs (as meant): errors only.
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
         self._running: set[asyncio.Task] = set()
 
     def every(

@@ -102,13 +102,15 @@ async def inline(function: Callable[[], object]) -> object:
     return function()
 
 
-def every(names: list[str]) -> list[Target]:
+def interval_targets(names: list[str]) -> list[Target]:
     return [Target(n, "http://127.0.0.1:9", "m", interval_seconds=INTERVAL) for n in names]
 
 
 def test_the_runs_of_many_targets_spread_over_the_interval_and_keep_their_period(tmp_path, monkeypatch):
     names = [f"replica-{i}" for i in range(200)]
-    runs = scheduled_runs(tmp_path, monkeypatch, every(names), wall_start=1e9, seconds=3 * INTERVAL)
+    runs = scheduled_runs(
+        tmp_path, monkeypatch, interval_targets(names), wall_start=1e9, seconds=3 * INTERVAL
+    )
     first = [(times[0][0] - 1e9) for name, times in runs.items() if name != POLL]
     assert len(first) == len(names) and all(0 <= t < INTERVAL for t in first)
     per_tenth = [sum(int(t // (INTERVAL / 10)) == tenth for t in first) for tenth in range(10)]
@@ -123,7 +125,7 @@ def test_the_runs_of_many_targets_spread_over_the_interval_and_keep_their_period
 
 
 def test_a_restarted_serve_runs_each_target_at_the_same_second_of_its_interval(tmp_path, monkeypatch):
-    targets = every([f"route-{i}" for i in range(20)])
+    targets = interval_targets([f"route-{i}" for i in range(20)])
     before = scheduled_runs(tmp_path / "a", monkeypatch, targets, wall_start=1e9, seconds=2 * INTERVAL)
     after = scheduled_runs(
         tmp_path / "b", monkeypatch, targets, wall_start=1e9 + 4321.7, seconds=2 * INTERVAL
@@ -155,7 +157,9 @@ def test_a_run_that_outlasts_its_interval_skips_the_runs_it_missed(monkeypatch):
 
 def test_a_cron_target_runs_at_its_fires(tmp_path, monkeypatch):
     cron = Target("nightly", "http://127.0.0.1:9", "m", schedule="*/15 * * * * *")
-    runs = scheduled_runs(tmp_path, monkeypatch, [cron, *every(["steady"])], wall_start=1e9 - 9, seconds=61)
+    runs = scheduled_runs(
+        tmp_path, monkeypatch, [cron, *interval_targets(["steady"])], wall_start=1e9 - 9, seconds=61
+    )
     assert [round(wall - 1e9, 6) for wall, _ in runs["nightly"]] == [5.0, 20.0, 35.0, 50.0]  # 1e9 % 15 == 10
     assert cron.interval_seconds == 15.0
 
@@ -166,7 +170,7 @@ def test_a_step_of_the_wall_clock_delays_no_probe_or_log_poll_by_more_than_an_in
 ):
     """Half way, the wall clock steps an hour back or forward; every run of a probe (every interval) and
     of the log poll comes on, none more than its interval and the guard's tick after the one before."""
-    targets = every([f"route-{i}" for i in range(5)])
+    targets = interval_targets([f"route-{i}" for i in range(5)])
     nightly = Target("nightly", "http://127.0.0.1:9", "m", schedule="*/20 * * * * *")
     runs = scheduled_runs(tmp_path, monkeypatch, [*targets, nightly], 1e9, 10 * INTERVAL, step=step)
     intervals = {t.name: t.interval_seconds for t in [*targets, nightly]} | {POLL: GATEWAY_POLL_SECONDS}

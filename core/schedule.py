@@ -1,4 +1,4 @@
-"""A target's cron schedule (`schedule:` in the config): parsed once, for the config check and for serve.
+"""A target's cron schedule (`schedule:` in the config), read alike by the config check and by serve.
 
 Five fields as in crontab (minute hour day month weekday), or six with seconds first. Weekdays are
 named (mon-fri): crontab counts 0 as Sunday and APScheduler 3 as Monday, so a number would be ambiguous.
@@ -20,6 +20,7 @@ GAP_MAX_FIRES = 2_000
 
 
 def time_zone(name: str) -> ZoneInfo:
+    """The IANA time zone `name`; ValueError when there is none."""
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
@@ -53,9 +54,8 @@ def longest_gap(expression: str, timezone: str) -> float:
     GAP_MAX_FIRES fires), for what assumes an interval: the exporter's kvwatch_probe_interval_seconds and
     the stale-probe alert built on it. 0 when it never fires."""
     trigger = cron_trigger(expression, timezone)
-    start = previous = datetime(
-        2027, 1, 1, tzinfo=UTC
-    )  # a Friday: a weekday schedule's weekend is among the first fires
+    # Fixed, so that a schedule has one interval; a Friday, so that a weekday schedule meets a weekend.
+    start = previous = datetime(2027, 1, 1, tzinfo=UTC)
     longest = 0.0
     for _ in range(GAP_MAX_FIRES):
         fire = trigger.get_next_fire_time(previous, previous)

@@ -29,6 +29,7 @@ from kvwatch.core.errors import KVWatchError
 from kvwatch.core.labels import label_value_problem
 from kvwatch.core.redaction import redact
 from kvwatch.core.registry import unknown
+from kvwatch.core.schedule import longest_gap, time_zone
 from kvwatch.core.strict_yaml import StrictLoader
 from kvwatch.prometheus import queries
 from kvwatch.store import databases, history
@@ -132,6 +133,8 @@ def _check_ranges(section: object) -> None:
         if "range" in number.metadata:
             low, high, low_excluded = number.metadata["range"]
             value = getattr(section, number.name)
+            if value is None:  # an optional number left unset
+                continue
             ok = (value > low if low_excluded else value >= low) and value <= high
             low_text = f"> {_show(low)}" if low_excluded else f">= {_show(low)}"
             _check(ok, number.name, f"must be {low_text} and <= {_show(high)}, got {_show(value)}")
@@ -204,7 +207,9 @@ class Target:
     session: SessionSettings = SessionSettings()
     backend: BackendIdentity = BackendIdentity()
     router: str | None = None  # a router that names the replica only when asked (identity.ROUTERS)
-    interval_seconds: float = _bounded(60.0, 1, DAY)
+    interval_seconds: float = _bounded(None, 1, DAY)  # None: 60, or the longest gap of `schedule`
+    schedule: str | None = None  # cron instead of an interval (core.schedule), in `timezone`
+    timezone: str = "UTC"
     sessions_per_run: int = _bounded(2, 1, 1000)
     # Round 1 is the cold baseline, so a session needs a second round to say anything.
     rounds: int = _bounded(6, 2, 50)
@@ -223,7 +228,16 @@ class Target:
             "router",
             unknown("router", self.router, identity.ROUTERS),
         )
+        _check(
+            self.schedule is None or self.interval_seconds is None,
+            "",
+            "set interval_seconds or schedule, not both",
+        )
+        if self.schedule is None and self.interval_seconds is None:
+            object.__setattr__(self, "interval_seconds", 60.0)
         _check_ranges(self)
+        if self.schedule is not None:
+            self._interval_of_schedule()
         spec = self.workload
         if spec.sharegpt is None:  # synthetic: every session has a system prompt of its own
             tokens = self.sessions_per_run * (spec.system_tokens + self.rounds * spec.turn_tokens)
@@ -235,6 +249,19 @@ class Target:
             )
         if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
             raise _Invalid("block_size", wrong)
+
+    def _interval_of_schedule(self) -> None:
+        """The schedule checked, and the interval it stands for where one is assumed: its longest gap."""
+        try:
+            time_zone(self.timezone)
+        except ValueError as error:
+            raise _Invalid("timezone", str(error)) from None
+        try:
+            gap = longest_gap(self.schedule, self.timezone)
+        except ValueError as error:
+            raise _Invalid("schedule", str(error)) from None
+        _check(gap, "schedule", f'"{self.schedule}" never fires')
+        object.__setattr__(self, "interval_seconds", gap)
 
 
 @dataclass(frozen=True)

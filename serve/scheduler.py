@@ -1,8 +1,8 @@
 """`kvwatch serve`: probes on a schedule, gateway logs followed, the exporter and the alert webhook.
 
-One asyncio process: a job per target (at a phase of its interval given by its name's hash, one run at a
-time, missed runs skipped), a job that polls the gateway logs and one that prunes the store, each timed
-by the monotonic clock (`every`);
+One asyncio process: a job per target (at a phase of its interval given by its name's hash, or on its cron
+schedule; one run at a time, missed runs skipped), a job that polls the gateway logs and one that prunes
+the store, on APScheduler and kept on time across steps of the wall clock (serve.jobs);
 aiohttp serves /metrics and the webhook; one thread writes the store (StoreWriter). Probes never raise;
 a job that fails anyway is logged and the next run goes on. On SIGTERM the runs in flight store what
 they have: the sessions' finished rounds, marked interrupted. Each session is stored as each of its
@@ -16,11 +16,9 @@ import contextlib
 import functools
 import itertools
 import logging
-import math
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
 from kvwatch.collectors.probe import blocksize, workload
@@ -41,8 +39,10 @@ from kvwatch.core.config import (
     resolve_webhook_token,
 )
 from kvwatch.core.redaction import redact
+from kvwatch.core.schedule import cron_trigger
 from kvwatch.serve import shard
 from kvwatch.serve.exporter import LabelledRegistry, ProbeCollector, ProbeResults
+from kvwatch.serve.jobs import Jobs
 from kvwatch.store.history import AlertsAdded, Store, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
@@ -50,7 +50,6 @@ log = logging.getLogger("kvwatch.serve")
 GATEWAY_POLL_SECONDS = 5.0
 PRUNE_SECONDS = 3600.0
 MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the cluster they measure
-RUNS_FINISH_SECONDS = 10.0  # at a stop, for the runs in flight to learn their block size and store
 
 
 def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
@@ -68,36 +67,6 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         max_tokens=target.workload.max_tokens,
         timeout_seconds=target.timeout_seconds,
     )
-
-
-async def every(
-    name: str,
-    interval: float,
-    job: Callable[[], Awaitable[object]],
-    stop: asyncio.Event,
-    phase: float | None = None,
-) -> None:
-    """Run `job` once per tick of `interval` seconds until `stop` is set: from now on, or with a `phase`
-    from the next time the wall clock is `phase` seconds into an interval.
-
-    Ticks follow the event loop's monotonic clock, so a step of the wall clock (NTP, a resumed VM) neither
-    pauses nor bunches the runs; only the first tick is placed by the wall clock, so that a restarted
-    process keeps its phases. One run at a time: a run that outlasts its interval skips the ticks it
-    missed. A run that raises is logged, and the next one goes on.
-    """
-    loop = asyncio.get_running_loop()
-    delay = 0.0 if phase is None else (phase - time.time()) % interval
-    tick = loop.time() + delay
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)
-    while not stop.is_set():
-        try:
-            await job()
-        except Exception:
-            log.exception("%s failed", name)
-        tick += interval * (1 + max(0, math.floor((loop.time() - tick) / interval)))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), tick - loop.time())
 
 
 def phase(name: str, interval: float) -> float:
@@ -264,19 +233,21 @@ class Service:
         """The webhook's alerts, stamped with the time they arrived, once the writer thread has them."""
         return self.writer.submit(self.store.add_alerts, payload, time.time()).result()
 
-    def _start_jobs(self, stop: asyncio.Event) -> list[asyncio.Task]:
-        """The probe of each target at its phase, the gateway-log poll (in a thread: it reads files) and
-        the store's pruning, each on its own schedule."""
-        jobs = [
-            every(f"probe run of {t.name}", t.interval_seconds, functools.partial(self.probe, t), stop,
-                  phase=phase(t.name, t.interval_seconds))
-            for t in self.targets
-        ]  # fmt: skip
+    def jobs(self) -> Jobs:
+        """The probe of each target at its phase or on its schedule, the gateway-log poll (in a thread: it
+        reads files) and the store's pruning, the last two from now on."""
+        jobs = Jobs()
+        for t in self.targets:
+            run, name = functools.partial(self.probe, t), f"probe run of {t.name}"
+            if t.schedule is None:
+                jobs.every(name, run, t.interval_seconds, phase=phase(t.name, t.interval_seconds))
+            else:
+                jobs.add(name, run, cron_trigger(t.schedule, t.timezone))
         if self.followers:
             poll = functools.partial(asyncio.to_thread, self.poll_gateway_logs)
-            jobs.append(every("gateway-log poll", GATEWAY_POLL_SECONDS, poll, stop))
-        jobs.append(every("store pruning", PRUNE_SECONDS, self.prune, stop))
-        return [asyncio.create_task(job) for job in jobs]
+            jobs.every("gateway-log poll", poll, GATEWAY_POLL_SECONDS, phase=None)
+        jobs.every("store pruning", self.prune, PRUNE_SECONDS, phase=None)
+        return jobs
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; then let the runs in flight store what they have, close the HTTP
@@ -293,7 +264,6 @@ class Service:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         listen = self.config.exporter
-        jobs: list[asyncio.Task] = []
         try:
             await web.TCPSite(runner, listen.host, listen.port).start()
             log.info(
@@ -310,16 +280,8 @@ class Service:
                     len(self.config.targets),
                     f": {', '.join(t.name for t in self.targets)}" if self.targets else "",
                 )
-            jobs = self._start_jobs(stop)
-            await stop.wait()
-            _, late = await asyncio.wait(jobs, timeout=RUNS_FINISH_SECONDS)
-            if late:
-                log.warning(
-                    "%d jobs still ran %g s after the stop: cancelled", len(late), RUNS_FINISH_SECONDS
-                )
+            await self.jobs().run(stop)
         finally:
-            for job in jobs:
-                job.cancel()
             await runner.cleanup()
             await self._client.aclose()
             for follower in self.followers:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,32 @@ def http_get(url: str, **options) -> httpx.Response:
 
 def http_post(url: str, **options) -> httpx.Response:
     return httpx.post(url, verify=TLS, **options)
+
+
+_DATETIME = datetime  # the real class, which set_wall_clock replaces in every module that holds it
+
+
+class _AnyDatetime(type):
+    """`isinstance(d, <the replacement>)` holds for every datetime, as it did for the real class."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, _DATETIME)
+
+
+def set_wall_clock(monkeypatch, reading: Callable[[], float]) -> None:
+    """The wall clock as every Python reader sees it is `reading`: time.time(), and datetime.now() also
+    where a module holds the class itself (APScheduler does). The monotonic clock is left alone."""
+    monkeypatch.setattr(time, "time", reading)
+
+    class WallClockDatetime(_DATETIME, metaclass=_AnyDatetime):
+        @classmethod
+        def now(cls, tz=None):
+            return _DATETIME.fromtimestamp(reading(), tz)
+
+    for module in list(sys.modules.values()):
+        held = getattr(module, "__dict__", {}).get("datetime")
+        if held is _DATETIME or isinstance(held, _AnyDatetime):
+            monkeypatch.setattr(module, "datetime", WallClockDatetime)
 
 
 def free_port() -> int:

@@ -183,6 +183,23 @@ INVALID = [
         "targets[0].route_mode: must be one of affinity, consistent_hash, manual, cache_aware, round_robin, "
         'random; got the string "afinity"',
     ),
+    (
+        "schedule",
+        'targets[0].schedule: "0 25 * * *" is not a cron schedule: '
+        "Error validating expression '25': the last value (25) is higher than the maximum value (23)",
+    ),
+    ("schedule-and-interval", "targets[0]: set interval_seconds or schedule, not both"),
+    (
+        "schedule-fields",
+        'targets[0].schedule: "0 3 * *" has 4 fields; '
+        "a schedule has 5 (minute hour day month weekday) or 6 with seconds first",
+    ),
+    ("schedule-never", 'targets[0].schedule: "0 3 31 2 *" never fires'),
+    (
+        "schedule-weekday-number",
+        'targets[0].schedule: "0 3 * * 1-5": '
+        "name the weekdays (mon-sun), numbers differ between cron dialects",
+    ),
     ("session-header", 'targets[0].session.header: must be an HTTP header name, got "X Session Id"'),
     ("session-mode", 'targets[0].session.mode: must be one of client, server, none; got the string "sticky"'),
     ("sessions-per-run-boolean", "targets[0].sessions_per_run: expected an integer, got the boolean true"),
@@ -236,6 +253,11 @@ INVALID = [
     ("timeout", "targets[0].timeout_seconds: must be > 0 and <= 3600, got -1"),
     ("timeout-infinite", "targets[0].timeout_seconds: must be > 0 and <= 3600, got inf"),
     ("timeout-too-long", "targets[0].timeout_seconds: must be > 0 and <= 3600, got 3601"),
+    (
+        "timezone",
+        'targets[0].timezone: unknown time zone "Europe/Atlantis"; '
+        "use an IANA name such as UTC or Europe/Paris",
+    ),
     ("top-level-list", "the top level must be a mapping of keys, got a list"),
     ("unknown-key", "targets[1].session.hedaer: unknown key; known: header, mode"),
     (
@@ -300,6 +322,8 @@ def test_minimal_file_takes_every_default():
         },
         "router": None,  # the request carries nothing beyond the OpenAI API
         "interval_seconds": 60.0,
+        "schedule": None,  # runs every interval_seconds
+        "timezone": "UTC",
         "sessions_per_run": 2,
         "rounds": 6,
         "workload": {

@@ -1,20 +1,26 @@
 """`kvwatch serve`'s schedule on a virtual clock: the runs of many targets spread over their interval,
-each target keeps its phase across a restart, and a run that outlasts its interval skips the ticks
-it missed."""
+each target keeps its phase across a restart, a run that outlasts its interval skips the runs it missed,
+a cron target runs at its fires, and a step of the wall clock either way delays no probe or log poll by
+more than one interval (and the guard's tick)."""
 
 from __future__ import annotations
 
 import asyncio
 import selectors
-import time
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
-from kvwatch.core.config import Config, ExporterSettings, StoreSettings, Target
-from kvwatch.serve.scheduler import Service, every
+import pytest
+
+from conftest import set_wall_clock
+from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.serve.jobs import GUARD_TICK_SECONDS, STEP_TOLERANCE_SECONDS, ClockStepGuard, Jobs
+from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 
 INTERVAL = 30.0
+POLL = "gateway-log poll"
 
 
 class VirtualClock(selectors.DefaultSelector):
@@ -36,37 +42,55 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return self.clock.now
 
 
-def scheduled_runs(tmp_path: Path, monkeypatch, names: list[str], wall_start: float, seconds: float):
-    """The wall-clock start times of every target's runs while `kvwatch serve`'s jobs run for `seconds`
-    of virtual time, the wall clock reading `wall_start` when they start."""
+def run_jobs(loop: VirtualLoop, jobs: Callable[[], Jobs], seconds: float, at: float = 0.0, then=None) -> None:
+    """Run the `jobs` made on `loop` for `seconds` of virtual time, calling `then` `at` seconds in."""
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(jobs().run(stop))
+        await asyncio.sleep(at)
+        if then:
+            then()
+        await asyncio.sleep(seconds - at)
+        stop.set()
+        await running
+
+    loop.run_until_complete(scenario())
+
+
+def scheduled_runs(
+    tmp_path: Path, monkeypatch, targets: list[Target], wall_start: float, seconds: float, step: float = 0.0
+) -> dict[str, list[tuple[float, float]]]:
+    """The (wall clock, monotonic clock) start times of every target's runs and of the gateway-log polls
+    while `kvwatch serve`'s jobs run for `seconds` of virtual time, the wall clock reading `wall_start`
+    when they start and stepping by `step` half way."""
     tmp_path.mkdir(exist_ok=True)
-    loop = VirtualLoop()
-    monkeypatch.setattr(time, "time", lambda: wall_start + loop.time())
+    loop, offset = VirtualLoop(), [wall_start]
+    set_wall_clock(monkeypatch, lambda: offset[0] + loop.time())
     config = Config(
-        targets=tuple(Target(n, "http://127.0.0.1:9", "m", interval_seconds=INTERVAL) for n in names),
+        targets=tuple(targets),
+        gateway_logs=(GatewayLog("gateway", tmp_path / "access.log"),),
         exporter=ExporterSettings("127.0.0.1:9"),
         store=StoreSettings(tmp_path / "kvwatch.db"),
     )
     service, runs = Service(config), defaultdict(list)
 
     async def probe(target: Target) -> None:
-        runs[target.name].append(time.time())
+        runs[target.name].append((offset[0] + loop.time(), loop.time()))
 
     async def prune() -> None:
         pass
 
     monkeypatch.setattr(service, "probe", probe)
     monkeypatch.setattr(service, "prune", prune)
+    monkeypatch.setattr(service, "poll_gateway_logs", lambda: runs[POLL].append((0, loop.time())))
+    monkeypatch.setattr(asyncio, "to_thread", inline)  # a thread's real time would run the virtual clock on
 
-    async def scenario() -> None:
-        stop = asyncio.Event()
-        jobs = service._start_jobs(stop)
-        await asyncio.sleep(seconds)
-        stop.set()
-        await asyncio.gather(*jobs)
+    def step_the_wall_clock() -> None:
+        offset[0] += step
 
     try:
-        loop.run_until_complete(scenario())
+        run_jobs(loop, service.jobs, seconds, at=seconds / 2, then=step_the_wall_clock if step else None)
     finally:
         loop.close()
         service.writer.close(1)
@@ -74,41 +98,101 @@ def scheduled_runs(tmp_path: Path, monkeypatch, names: list[str], wall_start: fl
     return runs
 
 
+async def inline(function: Callable[[], object]) -> object:
+    return function()
+
+
+def interval_targets(names: list[str]) -> list[Target]:
+    return [Target(n, "http://127.0.0.1:9", "m", interval_seconds=INTERVAL) for n in names]
+
+
 def test_the_runs_of_many_targets_spread_over_the_interval_and_keep_their_period(tmp_path, monkeypatch):
     names = [f"replica-{i}" for i in range(200)]
-    runs = scheduled_runs(tmp_path, monkeypatch, names, wall_start=1e9, seconds=3 * INTERVAL)
-    first = [(times[0] - 1e9) for times in runs.values()]
+    runs = scheduled_runs(
+        tmp_path, monkeypatch, interval_targets(names), wall_start=1e9, seconds=3 * INTERVAL
+    )
+    first = [(times[0][0] - 1e9) for name, times in runs.items() if name != POLL]
     assert len(first) == len(names) and all(0 <= t < INTERVAL for t in first)
     per_tenth = [sum(int(t // (INTERVAL / 10)) == tenth for t in first) for tenth in range(10)]
     assert all(10 <= count <= 30 for count in per_tenth), per_tenth  # 20 each if evenly spread
-    periods = {round(later - earlier, 6) for times in runs.values() for earlier, later in pairwise(times)}
+    periods = {
+        round(later - earlier, 6)
+        for name, times in runs.items()
+        if name != POLL
+        for (earlier, _), (later, _) in pairwise(times)
+    }
     assert periods == {INTERVAL}
 
 
 def test_a_restarted_serve_runs_each_target_at_the_same_second_of_its_interval(tmp_path, monkeypatch):
-    names = [f"route-{i}" for i in range(20)]
-    before = scheduled_runs(tmp_path / "a", monkeypatch, names, wall_start=1e9, seconds=2 * INTERVAL)
-    after = scheduled_runs(tmp_path / "b", monkeypatch, names, wall_start=1e9 + 4321.7, seconds=2 * INTERVAL)
-    for name in names:
-        assert round(before[name][0] % INTERVAL, 6) == round(after[name][0] % INTERVAL, 6), name
+    targets = interval_targets([f"route-{i}" for i in range(20)])
+    before = scheduled_runs(tmp_path / "a", monkeypatch, targets, wall_start=1e9, seconds=2 * INTERVAL)
+    after = scheduled_runs(
+        tmp_path / "b", monkeypatch, targets, wall_start=1e9 + 4321.7, seconds=2 * INTERVAL
+    )
+    for target in targets:
+        first_before, first_after = before[target.name][0][0], after[target.name][0][0]
+        assert round(first_before % INTERVAL, 6) == round(first_after % INTERVAL, 6), target.name
 
 
-def test_a_run_that_outlasts_its_interval_skips_the_ticks_it_missed(monkeypatch):
+def test_a_run_that_outlasts_its_interval_skips_the_runs_it_missed(monkeypatch):
     loop, starts = VirtualLoop(), []
+    set_wall_clock(monkeypatch, loop.time)
 
     async def slow_run() -> None:
         starts.append(loop.time())
         await asyncio.sleep(2.5 * INTERVAL if len(starts) == 1 else 1)
 
-    async def scenario() -> None:
-        stop = asyncio.Event()
-        job = asyncio.ensure_future(every("slow", INTERVAL, slow_run, stop))
-        await asyncio.sleep(4.5 * INTERVAL)
-        stop.set()
-        await job
+    def jobs() -> Jobs:
+        made = Jobs()
+        made.every("slow", slow_run, INTERVAL, phase=None)
+        return made
 
     try:
-        loop.run_until_complete(scenario())
+        run_jobs(loop, jobs, 4.5 * INTERVAL)
     finally:
         loop.close()
-    assert starts == [0.0, 3 * INTERVAL, 4 * INTERVAL]  # ticks 1 and 2 passed during the first run
+    assert starts == [0.0, 3 * INTERVAL, 4 * INTERVAL]  # runs 1 and 2 were due during the first run
+
+
+def test_a_cron_target_runs_at_its_fires(tmp_path, monkeypatch):
+    cron = Target("nightly", "http://127.0.0.1:9", "m", schedule="*/15 * * * * *")
+    runs = scheduled_runs(
+        tmp_path, monkeypatch, [cron, *interval_targets(["steady"])], wall_start=1e9 - 9, seconds=61
+    )
+    assert [round(wall - 1e9, 6) for wall, _ in runs["nightly"]] == [5.0, 20.0, 35.0, 50.0]  # 1e9 % 15 == 10
+    assert cron.interval_seconds == 15.0
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_step_of_the_wall_clock_delays_no_probe_or_log_poll_by_more_than_an_interval(
+    tmp_path, monkeypatch, step
+):
+    """Half way, the wall clock steps an hour back or forward; every run of a probe (every interval) and
+    of the log poll comes on, none more than its interval and the guard's tick after the one before."""
+    targets = interval_targets([f"route-{i}" for i in range(5)])
+    nightly = Target("nightly", "http://127.0.0.1:9", "m", schedule="*/20 * * * * *")
+    runs = scheduled_runs(tmp_path, monkeypatch, [*targets, nightly], 1e9, 10 * INTERVAL, step=step)
+    intervals = {t.name: t.interval_seconds for t in [*targets, nightly]} | {POLL: GATEWAY_POLL_SECONDS}
+    for name, interval in intervals.items():
+        monotonic = [0.0] + [at for _, at in runs[name]] + [10 * INTERVAL]
+        longest = max(later - earlier for earlier, later in pairwise(monotonic))
+        assert longest <= interval + GUARD_TICK_SECONDS, (name, longest)
+        assert len(runs[name]) >= 10 * INTERVAL // interval - 1, name
+
+
+def test_the_guard_tells_a_step_of_the_wall_clock_from_its_running():
+    wall, monotonic = [1000.0], [5.0]
+    guard = ClockStepGuard(lambda: wall[0], lambda: monotonic[0])
+
+    def after(wall_seconds: float, monotonic_seconds: float) -> float:
+        wall[0] += wall_seconds
+        monotonic[0] += monotonic_seconds
+        return guard.step()
+
+    assert after(0.25, 0.25) == 0.0
+    assert after(0.25 + STEP_TOLERANCE_SECONDS / 2, 0.25) == 0.0  # NTP's slewing, not a step
+    assert after(-3600 + 0.25, 0.25) == pytest.approx(-3600)
+    assert after(0.25, 0.25) == 0.0  # the step is told once
+    assert after(3600.5, 0.5) == pytest.approx(3600)
+    assert after(10.0, 10.0) == 0.0  # a tick late (a busy loop) is no step

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
@@ -30,7 +29,7 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, http_get, http_post, stop, wait_http
+from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
@@ -39,6 +38,7 @@ from kvwatch.core.config import (
     PROMETHEUS_LABELS,
     Config,
     ExporterSettings,
+    GatewayLog,
     StoreSettings,
     Target,
     Workload,
@@ -48,7 +48,7 @@ from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import LabState
 from kvwatch.serve import shard
 from kvwatch.serve.exporter import label_names
-from kvwatch.serve.scheduler import Service
+from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
@@ -563,48 +563,55 @@ def test_a_postgresql_outage_loses_no_session(tmp_path: Path, postgres_to_stop):
 
 
 def step_wall_clock(monkeypatch, seconds: float) -> None:
-    """Step the wall clock as every Python reader sees it: time.time(), and datetime.now() also where a
-    module holds the class itself. The monotonic clock, which no step moves, is left alone."""
+    """Step the wall clock as every Python reader sees it (conftest.set_wall_clock); the monotonic clock,
+    which no step moves, is left alone."""
     wall = time.time
-    monkeypatch.setattr(time, "time", lambda: wall() + seconds)
-
-    class Stepped(datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return datetime.fromtimestamp(time.time(), tz)
-
-    for module in list(sys.modules.values()):
-        if getattr(module, "__dict__", {}).get("datetime") is datetime:
-            monkeypatch.setattr(module, "datetime", Stepped)
+    set_wall_clock(monkeypatch, lambda: wall() + seconds)
 
 
-def test_a_backwards_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_next_run(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("step", [-3600, 3600])
+def test_a_step_of_the_wall_clock_or_a_failing_run_does_not_delay_the_next_run_or_log_poll(
+    tmp_path, monkeypatch, step
 ):
+    """The wall clock steps an hour back, or forward, in the first run: the next run and the next
+    gateway-log poll come on their intervals, not an hour later."""
     target = Target("direct", "http://127.0.0.1:9", "m", interval_seconds=1)
     config = Config(
         targets=(target,),
+        gateway_logs=(GatewayLog("gateway", tmp_path / "access.log"),),
         exporter=ExporterSettings(f"127.0.0.1:{free_port()}"),
         store=StoreSettings(tmp_path / "kvwatch.db"),
     )
-    service, runs = Service(config), []
+    service, runs, polls, stepped = Service(config), [], [], []
 
     async def scenario():
         stop = asyncio.Event()
 
+        def stop_once_both_came_after_the_step() -> None:
+            if stepped and runs[-1] > stepped[0] and polls and polls[-1] > stepped[0]:
+                stop.set()
+
         async def probe(target: Target) -> None:
             runs.append(time.monotonic())
             if len(runs) == 1:
-                step_wall_clock(monkeypatch, -3600)
-            else:
-                stop.set()
+                step_wall_clock(monkeypatch, step)
+                stepped.append(time.monotonic())
+            stop_once_both_came_after_the_step()
             raise RuntimeError("a bug in a run")
 
+        def poll() -> None:
+            polls.append(time.monotonic())
+            stop_once_both_came_after_the_step()
+
         monkeypatch.setattr(service, "probe", probe)
+        monkeypatch.setattr(service, "poll_gateway_logs", poll)
+        polls.append(time.monotonic())  # as if one came at the start: the first is due at once
         await asyncio.wait_for(service.run(stop), timeout=30)  # a guard against a hang, not a timing
 
     asyncio.run(scenario())
     assert runs[1] - runs[0] < 2  # the interval and its jitter, not the hour of the step
+    last_poll_before, first_poll_after = max(p for p in polls if p <= stepped[0]), polls[-1]
+    assert first_poll_after - last_poll_before < GATEWAY_POLL_SECONDS + 1
 
 
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -630,6 +637,25 @@ def test_a_gateway_sending_non_ascii_headers_is_probed_stored_and_exported(tmp_p
     with Store(tmp_path / "kvwatch.db", readonly=True) as store:
         rounds = store.rounds(target="direct")
     assert rounds and {(r["error_kind"], r["backend"]) for r in rounds} == {(None, "r\xff1")}
+
+
+def test_a_cron_target_runs_on_its_schedule(tmp_path: Path):
+    """`schedule` instead of `interval_seconds`: every second by its seconds field, and exported with its
+    longest gap as its interval, which the stale-probe alert reads."""
+    target = {"name": "cron", "base_url": "", "model": "m", "schedule": "* * * * * *", "sessions_per_run": 1,
+              "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
+    with loopback_http(answering_bytes(STREAM_HEAD + b"\r\n" + STREAM_BODY)) as engine:
+        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
+        try:
+            assert probed_targets(url) == {"cron"}, log.read_text()
+            found = samples(url)
+            terminate(process, log)
+        finally:
+            stop(process)
+    route = {"target": "cron", "route_mode": "affinity"}
+    assert sample(found, "kvwatch_probe_interval_seconds", **route) == 1.0
+    assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
+    assert "Traceback" not in log.read_text()
 
 
 def broken_read_chunk(*args) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvwatch.cli import completion
+from kvwatch.cli import completion, generate
 from kvwatch.cli import dashboard as dashboard_cli
 from kvwatch.cli import lab as lab_cli
 from kvwatch.collectors.engines import scrape
@@ -42,6 +42,8 @@ EXIT_CODES = {
     "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
     "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
+    "generate": "0 once the files are written (with --check: when none is stale); 1 when --check finds "
+    f"stale files or the thresholds file cannot be used, the reason on stderr; {BAD_ARGUMENTS}",
 }
 
 
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     runner.add_parser(commands)
     checks.add_parser(commands)
     dashboard_cli.add_parser(commands)
+    generate.add_parser(commands)
     completion.add_parser(commands, build_parser)
     for path, command in runnable_commands(parser).items():
         command.epilog = f"Exit codes: {EXIT_CODES[path]}."

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from kvwatch.alerts.alerts import Alert, alerts
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
@@ -53,7 +54,8 @@ from kvwatch.core.redaction import redact
 from kvwatch.core.tokenizer import TemplateError, message_text, split_words
 from kvwatch.doctor import affinity
 from kvwatch.prometheus import promql, queries
-from kvwatch.prometheus.queries import CLUSTER_LABEL, THRESHOLDS, Alert, Grouping
+from kvwatch.prometheus.queries import CLUSTER_LABEL, Grouping
+from kvwatch.prometheus.thresholds import THRESHOLDS
 
 STATUSES = ("pass", "warn", "fail", "skipped")
 CAUSES = (
@@ -470,8 +472,8 @@ CHECKS = len(ROUTE_CHECKS) + 2  # the route's, prefix caching and the prompts' p
 def caching_off_alerts(cluster_label: str = CLUSTER_LABEL) -> list[Alert]:
     """The alert rules' two kinds of evidence, queried as they are, so that the doctor and the alerts
     agree; aggregated by `cluster_label`, so that each instance keeps its cluster."""
-    alerts = queries.alerts(THRESHOLDS, Grouping(cluster_label))
-    return [a for a in alerts if a.name == "KVWatchPrefixCachingDisabled"]
+    every_alert = alerts(THRESHOLDS, Grouping(cluster_label))
+    return [a for a in every_alert if a.name == "KVWatchPrefixCachingDisabled"]
 
 
 CACHING_OFF_EVIDENCE = {

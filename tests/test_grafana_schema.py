@@ -25,8 +25,9 @@ import promql_parser
 import pytest
 
 from conftest import REPO
+from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
-from kvwatch.grafana import boards
+from kvwatch.grafana import boards, panels
 from kvwatch.prometheus import promql, queries
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
@@ -115,8 +116,8 @@ NO_ENGINE_JOB_OR_INSTANCE = {
     "numerator, which picks its series",
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
-# board's filters do not narrow (see boards.verdict_stat).
-VERDICTS = {boards.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in queries.VERDICTS}
+# board's filters do not narrow (see panels.verdict_stat).
+VERDICTS = {panels.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
     promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
@@ -243,7 +244,7 @@ def lint_variables(board: dict) -> list[str]:
             problems.append(f"template-{name}-rule: no {name} variable")
             continue
         label = JOB_LABEL if name == "job" else name.title()
-        wanted = {"datasource": boards.DATASOURCE, "type": "query", "label": label, "multi": True,
+        wanted = {"datasource": panels.DATASOURCE, "type": "query", "label": label, "multi": True,
                   "allValue": ".+"}  # fmt: skip
         for key, value in wanted.items():
             if variable.get(key) != value:

@@ -24,6 +24,7 @@ from pathlib import Path
 import promql_parser
 import pytest
 
+import kvwatch.grafana.boards
 from conftest import REPO
 from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
@@ -351,7 +352,7 @@ def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
 
 def test_the_cluster_label_is_the_generators_to_set():
     boards = {name: text for name, text in generated_files(cluster_label="region").items() if ".json" in name}
-    assert len(boards) == 2 * len(boards.BOARDS)
+    assert len(boards) == 2 * len(kvwatch.grafana.boards.BOARDS)
     for name, text in boards.items():
         board = json.loads(text)
         assert unnarrowed(board, "region") == [], name

@@ -159,8 +159,8 @@ def verdict_stat(title: str, what: str, verdict: Verdict, legend: str) -> JSON:
     panel = stat(
         title,
         f"{what}: the state of {alert.name}, computed from the alert's own expression, windows and "
-        "thresholds (prometheus/queries.py), so that it is red exactly when the alert fires. The board's "
-        "filters do not apply; what the alert does not watch is not shown.\n\n"
+        "thresholds (alerts/alerts.py, prometheus/thresholds.py), so that it is red exactly when the alert "
+        "fires. The board's filters do not apply; what the alert does not watch is not shown.\n\n"
         f"Good: OK. Bad: firing. {alert.summary} {held}." + (FIXED_WINDOW if reads_a_rule else ""),
         [target(verdict.state, legend)],
         steps=[("green", None), ("orange", PENDING), ("red", FIRING)],

@@ -119,7 +119,7 @@ def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "{{ $value | humanizePercentage }} of the sessions that came back to {{ $labels.log }} / "
             "{{ $labels.listener }} within the spread window were served by more than one replica, with no "
             "failover to explain it: the gateway no longer pins sessions to the replica holding their cache.",
-            for_="1m",
+            for_=t.spread_for,
         ),
     )
 
@@ -150,7 +150,7 @@ def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "The cluster's prefix-cache hit ratio dropped.",
             "The cluster serves only {{ $value | humanizePercentage }} of its prompt tokens from cached KV, "
             "well below its own average of the previous hour or under the floor.",
-            for_="5m",
+            for_=t.hit_ratio_drop_for,
             labels={"scope": "cluster"},
         ),
         Alert(
@@ -162,7 +162,7 @@ def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "An instance's prefix-cache hit ratio dropped.",
             f"{name} serves only {{{{ $value | humanizePercentage }}}} of its prompt tokens from "
             "cached KV, well below its own average of the previous hour or under the floor.",
-            for_="5m",
+            for_=t.hit_ratio_drop_for,
             labels={"scope": "instance"},
         ),
         Alert(
@@ -172,7 +172,7 @@ def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "Warm rounds are not faster than the first round on a sticky route.",
             "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
             "time to first token: their history is not reused.",
-            for_="2m",
+            for_=t.warm_round_for,
         ),
         Alert(
             "KVWatchPrefixCachingDisabled",
@@ -262,7 +262,7 @@ def _load_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "Requests are spread unevenly over the replicas.",
             'The busiest replica serves {{ $value | printf "%.1f" }} times the mean: consistent hashing '
             "trades balance for cache reuse; check that it is not one hot session key.",
-            for_="15m",
+            for_=t.load_imbalance_for,
         ),
         Alert(
             "KVWatchRouterPredictionMiss",
@@ -275,7 +275,7 @@ def _load_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "{{ $labels.instance }} ({{ $labels.job }}) routes requests where its index predicts most of "
             "their prefix cached, but the engines serve only {{ $value | humanizePercentage }} of that "
             "prediction from cached KV: its index has drifted from the engines' caches, or caching is off.",
-            for_="5m",
+            for_=t.prediction_miss_for,
         ),
         Alert(
             "KVWatchStoreWritesDropped",

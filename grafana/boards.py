@@ -10,8 +10,10 @@ deterministic: uids hash the file name, panel ids count up in layout order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
+from kvwatch.alerts.alerts import alerts
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     INSTANCE_HIT_RATIO_DROP,
@@ -20,6 +22,7 @@ from kvwatch.alerts.verdicts import (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
+    Verdict,
 )
 from kvwatch.grafana.panels import (
     DRILLDOWN,
@@ -50,6 +53,7 @@ from kvwatch.grafana.panels import (
     verdict_stat,
 )
 from kvwatch.prometheus import queries
+from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 VERDICT_PANELS = (
@@ -70,9 +74,17 @@ VERDICT_PANELS = (
 )  # fmt: skip
 
 
+def judged_by(verdict: Verdict, t: Thresholds) -> Verdict:
+    """The verdict with its alert as `t` sets it: the `for` its panel describes is the rule's."""
+    (alert,) = (
+        a for a in alerts(t, Grouping()) if (a.name, a.labels) == (verdict.alert.name, verdict.alert.labels)
+    )
+    return dataclasses.replace(verdict, alert=alert)
+
+
 def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
     """What the routers predicted they would reuse, against what the engines delivered."""
-    miss = ROUTER_PREDICTION_MISS.alert.name
+    miss, held = ROUTER_PREDICTION_MISS.alert.name, judged_by(ROUTER_PREDICTION_MISS, t).alert.for_
     layout.row("Router: predicted vs delivered")
     layout.add(
         timeseries(
@@ -109,7 +121,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "The cluster's delivered hit ratio over each router's predicted one: what "
             f"{miss} judges (it fires below {t.delivered_per_predicted_below:.0%} while the router "
             f"predicts above {t.router_predicted_above:.0%}, for "
-            f"{ROUTER_PREDICTION_MISS.alert.for_}). Only llm-d's EPP, Dynamo's KV router and SMG's "
+            f"{held}). Only llm-d's EPP, Dynamo's KV router and SMG's "
             "cache_aware policy predict a hit ratio to compare.\n\n"
             "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
             "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
@@ -161,13 +173,13 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
     )
 
 
-def _verdict_row(layout: Layout) -> None:
+def _verdict_row(layout: Layout, t: Thresholds) -> None:
     """The alerts' verdicts, one stat each, across the whole width."""
     layout.row("What the alerts say")
     count = len(VERDICT_PANELS)
     for i, (title, what, verdict, legend) in enumerate(VERDICT_PANELS):
         width = GRID_WIDTH * (i + 1) // count - GRID_WIDTH * i // count  # one line, the whole width
-        layout.add(verdict_stat(title, what, verdict, legend), width, 4)
+        layout.add(verdict_stat(title, what, judged_by(verdict, t), legend), width, 4)
 
 
 def _reuse_row(layout: Layout) -> None:
@@ -275,7 +287,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "Median TTFT of rounds 2+ over round 1's, per probe route, in each run: the gauge the alert "
             "judges.\n\n"
             "Good: well below 100 % on a sticky route: warm rounds reuse their history (the alert fires "
-            f"above {t.warm_cold_ratio_above:.0%} for {ROUTE_WARM_ROUNDS.alert.for_}). Bad: "
+            f"above {t.warm_cold_ratio_above:.0%} for {judged_by(ROUTE_WARM_ROUNDS, t).alert.for_}). Bad: "
             "near or above 100 %: every round prefills the whole conversation, as on the round-robin route.",
             [target(queries.WARM_COLD_TTFT_RATIO, ROUTE_LEGEND)],
             unit="percentunit",
@@ -399,7 +411,7 @@ def _engine_ttft_row(layout: Layout) -> None:
 
 def overview(t: Thresholds = THRESHOLDS) -> JSON:
     layout = Layout()
-    _verdict_row(layout)
+    _verdict_row(layout, t)
     _reuse_row(layout)
     _pinning_row(layout, t)
     _session_keys_row(layout)

@@ -32,15 +32,20 @@ class Thresholds:
     keyless_share_window: str = "5m"  # ... both shares rated over this window
     spread_share_above: float = 0.5  # share of returning real sessions moved without a failover
     min_returning_sessions: int = 5  # traffic guard of the spread alert
+    spread_for: str = "1m"  # ... held this long
     warm_cold_ratio_above: float = 0.8  # warm-round TTFT over round-1 TTFT on a sticky route
+    warm_round_for: str = "2m"  # ... held this long
     hit_ratio_floor: float = 0.1
     hit_ratio_drop_factor: float = 0.5  # below half of its own average over the previous hour
     min_prompt_tokens_per_second: float = 50.0  # traffic guard of the hit-ratio alerts
+    hit_ratio_drop_for: str = "5m"  # ... held this long
     router_predicted_above: float = 0.5  # a router's mean predicted hit ratio
     delivered_per_predicted_below: float = 0.5  # ... of which the engines deliver less than this share
     min_router_predictions_per_second: float = 0.1  # traffic guard of the prediction alert
+    prediction_miss_for: str = "5m"  # ... held this long
     probe_stale_intervals: float = 3.0
     load_imbalance_above: float = 2.0  # busiest instance over the mean
+    load_imbalance_for: str = "15m"  # ... held this long
 
     def problem(self) -> str | None:
         """The first value no rule can use, as `key: what is wrong`; None when every one is usable."""

@@ -18,14 +18,15 @@ from kvwatch.prometheus.thresholds import THRESHOLDS, load_thresholds
 CHANGED = """\
 cluster_label: region
 hit_ratio_floor: 0.25
+hit_ratio_drop_for: 7m
 keyless_share_window: 7m
 load_imbalance_above: 3
 """
 
 
-def alert_exprs(text: str, name: str) -> list[str]:
+def alert_rules(text: str, name: str) -> list[dict]:
     rules = yaml.safe_load(text)["groups"][0]["rules"]
-    return [rule["expr"] for rule in rules if rule.get("alert") == name]
+    return [rule for rule in rules if rule.get("alert") == name]
 
 
 def test_the_example_file_holds_the_defaults():
@@ -39,9 +40,10 @@ def test_a_thresholds_file_moves_the_rules_alerts_and_boards(tmp_path):
     assert main(["generate", "--config", str(config), "--out", str(out)]) == 0
 
     alerts = (out / "alerts" / "kvwatch.rules.yml").read_text()
-    drops = alert_exprs(alerts, "KVWatchPrefixCacheHitRateDrop")
-    assert len(drops) == 2 and all("< 0.25)" in expr and "< 0.1)" not in expr for expr in drops)
-    (_, keyless) = alert_exprs(alerts, "KVWatchSessionIdNotPropagated")
+    drops = alert_rules(alerts, "KVWatchPrefixCacheHitRateDrop")
+    assert len(drops) == 2 and all("< 0.25)" in d["expr"] and "< 0.1)" not in d["expr"] for d in drops)
+    assert [d["for"] for d in drops] == ["7m", "7m"]
+    keyless = alert_rules(alerts, "KVWatchSessionIdNotPropagated")[1]["expr"]
     assert "[7m]" in keyless and "[7m] offset 1h" in keyless and "[5m]" not in keyless
     for relative in ("prometheus/rules/kvwatch-engines.yml", "deploy/k8s/prometheusrule.yaml"):
         text = (out / relative).read_text()
@@ -50,6 +52,7 @@ def test_a_thresholds_file_moves_the_rules_alerts_and_boards(tmp_path):
         board = json.loads((out / "grafana" / variant / "kvwatch-overview.json").read_text())
         described = " ".join(panel.get("description", "") for panel in board["panels"])
         assert "Bad: above 3, the alert's threshold" in described, variant
+        assert "it fires once that lasts 7m" in described and "lasts 5m" in described, variant
         assert {"name": "cluster", "definition": "label_values(up, region)"}.items() <= next(
             v for v in board["templating"]["list"] if v["name"] == "cluster"
         ).items()
@@ -72,11 +75,12 @@ def test_the_command_line_cluster_label_wins_over_the_files(tmp_path):
 
 
 KNOWN = (
-    "cluster_label, delivered_per_predicted_below, echo_ratio_below, hit_ratio_drop_factor, hit_ratio_floor, "
-    "keyless_rise_factor, keyless_share_above, keyless_share_window, load_imbalance_above, "
-    "min_prompt_tokens_per_second, min_returning_sessions, min_router_predictions_per_second, "
-    "probe_stale_intervals, router_predicted_above, spread_share_above, sticky_ratio_below, "
-    "warm_cold_ratio_above"
+    "cluster_label, delivered_per_predicted_below, echo_ratio_below, hit_ratio_drop_factor, "
+    "hit_ratio_drop_for, hit_ratio_floor, keyless_rise_factor, keyless_share_above, keyless_share_window, "
+    "load_imbalance_above, "
+    "load_imbalance_for, min_prompt_tokens_per_second, min_returning_sessions, "
+    "min_router_predictions_per_second, prediction_miss_for, probe_stale_intervals, router_predicted_above, "
+    "spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, warm_round_for"
 )
 
 

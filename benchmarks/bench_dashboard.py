@@ -29,7 +29,7 @@ import yaml
 from benchmarks.history import DAY, Fleet, backfill_order, exporter_scrapes, probe_runs, write_openmetrics
 from kvwatch.lab.configs import REPO, RULE_PATTERNS
 from kvwatch.lab.process import binary
-from kvwatch.prometheus.queries import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES
+from kvwatch.prometheus.rules import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES
 from kvwatch.store.history import Store
 
 REPLICAS = 64

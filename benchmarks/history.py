@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.prometheus.queries import Rule
+from kvwatch.prometheus.rules import Rule
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 
 DAY = 86400

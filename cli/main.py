@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvwatch.cli import completion, config, dashboard, doctor, experiment, lab, probe, scrape, serve
+from kvwatch.cli import completion, config, dashboard, doctor, experiment, generate, lab, probe, scrape, serve
 
 # What each command's exit code means, in one place: under the command's --help and in the README, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
@@ -34,6 +34,8 @@ EXIT_CODES = {
     "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
     "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
+    "generate": "0 once the files are written (with --check: when none is stale); 1 when --check finds "
+    f"stale files or the thresholds file cannot be used, the reason on stderr; {BAD_ARGUMENTS}",
 }
 
 
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_parser(commands)
     doctor.add_parser(commands)
     dashboard.add_parser(commands)
+    generate.add_parser(commands)
     completion.add_parser(commands, build_parser)
     for path, command in runnable_commands(parser).items():
         command.epilog = f"Exit codes: {EXIT_CODES[path]}."

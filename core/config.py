@@ -17,10 +17,11 @@ import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.collectors import gatewaylogs, identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.connections import url_problem
@@ -31,11 +32,13 @@ from kvwatch.core.redaction import redact
 from kvwatch.core.registry import unknown
 from kvwatch.core.schedule import longest_gap, time_zone
 from kvwatch.core.strict_yaml import StrictLoader
-from kvwatch.prometheus import queries
+from kvwatch.prometheus.queries import CLUSTER_LABEL
 from kvwatch.store import databases, history
 
 # Where `kvwatch lab up` keeps its state and writes its config: the dashboard's default config is there.
 LAB_DIRECTORY = Path(".kvwatch/lab")
+
+T = TypeVar("T")
 
 
 class ConfigError(KVWatchError):
@@ -417,7 +420,7 @@ class DashboardSettings:
     section shown in place."""
 
     report_directory: Path = Path(".kvwatch/experiment")
-    runbook_url: str = queries.RUNBOOK_URL  # as `make generate RUNBOOK_URL=...` links the alerts
+    runbook_url: str = RUNBOOK_URL  # as `make generate RUNBOOK_URL=...` links the alerts
 
     def __post_init__(self):
         _url(self.runbook_url, "runbook_url")
@@ -435,7 +438,7 @@ class Config:
     prometheus: Service = Service()
     alertmanager: Service = Service()
     dashboard: DashboardSettings = DashboardSettings()
-    cluster_label: str = queries.CLUSTER_LABEL  # the label that tells clusters apart
+    cluster_label: str = CLUSTER_LABEL  # the label that tells clusters apart
 
     def __post_init__(self):
         wrong = cluster_label_problem(self.cluster_label)
@@ -453,11 +456,17 @@ class Config:
 
 def load_config(path: str | os.PathLike) -> Config:
     """Read and check a config file; any problem is one `ConfigError` naming the file."""
+    return load_yaml(Config, path)
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
+    """Read a YAML file as the dataclass `cls`, checked as a config is (unknown keys, types, ranges, YAML
+    errors); any problem is one `ConfigError` naming the file."""
     try:
         with open(path, "rb") as file:
             data = file.read(MAX_CONFIG_BYTES + 1)  # no more: the path may be a huge file or /dev/zero
         _check(len(data) <= MAX_CONFIG_BYTES, "", "larger than 1 MiB; a kvwatch config is a few kilobytes")
-        return _parse(data.decode("utf-8"))
+        return _parse(data.decode("utf-8"), cls)
     except OSError as error:
         problem = f"cannot read it: {error.strerror}"
     except UnicodeDecodeError:
@@ -467,7 +476,7 @@ def load_config(path: str | os.PathLike) -> Config:
     raise ConfigError(f"error in {path}: {problem}")
 
 
-def _parse(text: str) -> Config:
+def _parse(text: str, cls: type[T]) -> T:
     try:
         data = yaml.load(text, Loader=StrictLoader)
     except yaml.MarkedYAMLError as error:
@@ -479,7 +488,7 @@ def _parse(text: str) -> Config:
         raise _Invalid("", f"invalid YAML: {str(error).splitlines()[0]}") from None
     _check(data is not None, "", "the file is empty")
     _check(isinstance(data, dict), "", f"the top level must be a mapping of keys, got {_describe(data)}")
-    return _build(Config, data, "")
+    return _build(cls, data, "")
 
 
 def _join(path: str, key: object) -> str:

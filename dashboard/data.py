@@ -23,6 +23,7 @@ import httpx
 import pandas as pd
 import streamlit as st
 
+from kvwatch.alerts.runbook import RUNBOOK
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.config import (
     ConfigError,
@@ -426,7 +427,7 @@ def runbook(url: str) -> Result:
     page, _, anchor = url.partition("#")
     if page != config.value.dashboard.runbook_url:
         return Result(None)
-    path = REPO / queries.RUNBOOK
+    path = REPO / RUNBOOK
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:

@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from kvwatch.alerts import verdicts
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
 from kvwatch.prometheus import queries
@@ -81,7 +82,7 @@ def matching(frame: pd.DataFrame, **labels: str) -> pd.DataFrame:
     return frame
 
 
-def judge(verdict: queries.Verdict, states: pd.DataFrame, ok: str, **labels: str) -> Verdict:
+def judge(verdict: verdicts.Verdict, states: pd.DataFrame, ok: str, **labels: str) -> Verdict:
     """What the alert behind `verdict` says now of the series with these labels, from `states` (its
     `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green."""
     alert = verdict.alert
@@ -89,9 +90,9 @@ def judge(verdict: queries.Verdict, states: pd.DataFrame, ok: str, **labels: str
     if rows.empty:
         return Verdict("gray", f"Not judged: {alert.name} has nothing to judge here now.")
     state = rows["value"].iloc[0]
-    if state == queries.FIRING:
+    if state == verdicts.FIRING:
         return Verdict("red", f"{alert.name} fires: {alert.summary}")
-    if state == queries.PENDING:
+    if state == verdicts.PENDING:
         lasts = f"its condition holds, and it fires once that lasts {alert.for_}"
         return Verdict("orange", f"{alert.name} is pending: {lasts}.")
     return Verdict("green", ok)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from kvwatch.alerts.alerts import Alert, alerts
 from kvwatch.core.config import label_name_problem
 from kvwatch.core.errors import KVWatchError, UpstreamError, UpstreamTimeout
 from kvwatch.core.promapi import PrometheusApi
@@ -13,7 +14,8 @@ from kvwatch.core.redaction import redact
 from kvwatch.doctor.findings import Check
 from kvwatch.doctor.route import Route
 from kvwatch.prometheus import promql, queries
-from kvwatch.prometheus.queries import CLUSTER_LABEL, THRESHOLDS, Alert, Grouping
+from kvwatch.prometheus.queries import CLUSTER_LABEL, Grouping
+from kvwatch.prometheus.thresholds import THRESHOLDS
 
 PROMETHEUS_TIMEOUT_S = 10.0
 
@@ -51,8 +53,8 @@ EVERY_CLUSTER = Cluster(None)
 def caching_off_alerts(cluster_label: str = CLUSTER_LABEL) -> list[Alert]:
     """The alert rules' two kinds of evidence, queried as they are, so that the doctor and the alerts
     agree; aggregated by `cluster_label`, so that each instance keeps its cluster."""
-    alerts = queries.alerts(THRESHOLDS, Grouping(cluster_label))
-    return [a for a in alerts if a.name == "KVWatchPrefixCachingDisabled"]
+    every_alert = alerts(THRESHOLDS, Grouping(cluster_label))
+    return [a for a in every_alert if a.name == "KVWatchPrefixCachingDisabled"]
 
 
 CACHING_OFF_EVIDENCE = {

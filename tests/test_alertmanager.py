@@ -21,12 +21,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, stop, wait_http
+from kvwatch.alerts.alerts import ALERTS, Alert
 from kvwatch.core.config import Config, ExporterSettings, StoreSettings, Target
 from kvwatch.lab import configs
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
-from kvwatch.prometheus import queries
 from kvwatch.serve import scheduler
 from kvwatch.serve.scheduler import Service
 from kvwatch.store.history import Store
@@ -45,8 +45,8 @@ def test_amtool_accepts_the_config():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("alert", queries.ALERTS, ids=lambda a: f"{a.name}-{a.severity}")
-def test_every_alert_reaches_the_kvwatch_webhook(alert: queries.Alert):
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.name}-{a.severity}")
+def test_every_alert_reaches_the_kvwatch_webhook(alert: Alert):
     labels = {"alertname": alert.name, "severity": alert.severity, **(alert.labels or {}), "target": "t"}
     result = amtool(
         "config", "routes", "test", f"--config.file={CONFIG}", "--verify.receivers=kvwatch",
@@ -56,7 +56,7 @@ def test_every_alert_reaches_the_kvwatch_webhook(alert: queries.Alert):
 
 
 def test_inhibitions_only_name_alerts_that_exist():
-    names = {alert.name for alert in queries.ALERTS}
+    names = {alert.name for alert in ALERTS}
     for rule in yaml.safe_load(CONFIG.read_text())["inhibit_rules"]:
         for matcher in rule["source_matchers"] + rule["target_matchers"]:
             if matcher.startswith("alertname"):

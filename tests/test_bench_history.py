@@ -8,7 +8,7 @@ import subprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from benchmarks.history import Fleet, backfill_order, write_openmetrics
-from kvwatch.prometheus.queries import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES, Rule
+from kvwatch.prometheus.rules import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES, Rule
 
 TARGET = {"job": "replicas", "instance": "127.0.0.1:20000"}
 

@@ -48,7 +48,7 @@ def test_the_script_registers_its_function_for_kvwatch(bash_script):
     ("line", "offered"),
     [
         ("kvwatch ", ["lab", "scrape", "probe", "config", "serve", "experiment", "doctor", "dashboard",
-                      "completion"]),
+                      "generate", "completion"]),
         ("kvwatch l", ["lab"]),
         ("kvwatch lab ", ["up", "down", "status", "fault", "heal", "replica", "traffic"]),
         ("kvwatch lab fault ", list(FAULTS)),

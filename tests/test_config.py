@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import free_port, kvwatch_bounded
+from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.cli import main
 from kvwatch.core.config import (
     BackendIdentity,
@@ -345,7 +346,7 @@ def test_minimal_file_takes_every_default():
     store = config.store
     assert (store.queue_capacity, store.retry_seconds, store.flush_seconds) == (1000, 120.0, 10.0)
     assert config.prometheus.url is None and config.alertmanager.url is None
-    assert config.dashboard.runbook_url == queries.RUNBOOK_URL  # where the generated alerts link
+    assert config.dashboard.runbook_url == RUNBOOK_URL  # where the generated alerts link
 
 
 def test_gateway_log_defaults_match_the_follower():

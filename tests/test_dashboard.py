@@ -26,6 +26,20 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
+from kvwatch.alerts.runbook import RUNBOOK_URL
+from kvwatch.alerts.verdicts import (
+    CLUSTER_HIT_RATIO_DROP,
+    FIRING,
+    INSTANCE_HIT_RATIO_DROP,
+    LISTENER_SPREAD,
+    LOAD_IMBALANCE,
+    OK,
+    PENDING,
+    ROUTE_STICKY,
+    ROUTE_WARM_ROUNDS,
+    ROUTER_PREDICTION_MISS,
+    Verdict,
+)
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
@@ -36,7 +50,7 @@ from kvwatch.dashboard.data import Result
 from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment.report import FILES
-from kvwatch.grafana import boards
+from kvwatch.grafana import panels
 from kvwatch.prometheus import promql, queries
 from kvwatch.store.history import Store
 
@@ -189,13 +203,13 @@ SERIES = {
     queries.CLUSTER_LOAD_IMBALANCE: lambda over: points(over, [1.2, 2.6]),
 }
 HEALTHY = {
-    queries.ROUTE_STICKY.state: states(**{"lab-affinity": queries.OK}),
-    queries.ROUTE_WARM_ROUNDS.state: states(**{"lab-affinity": queries.OK}),
-    queries.LISTENER_SPREAD.state: states(affinity=queries.OK),
-    queries.CLUSTER_HIT_RATIO_DROP.state: cluster_state(queries.OK),
-    queries.LOAD_IMBALANCE.state: cluster_state(queries.PENDING),
-    queries.INSTANCE_HIT_RATIO_DROP.state: pd.DataFrame(
-        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [queries.OK, queries.OK]}
+    ROUTE_STICKY.state: states(**{"lab-affinity": OK}),
+    ROUTE_WARM_ROUNDS.state: states(**{"lab-affinity": OK}),
+    LISTENER_SPREAD.state: states(affinity=OK),
+    CLUSTER_HIT_RATIO_DROP.state: cluster_state(OK),
+    LOAD_IMBALANCE.state: cluster_state(PENDING),
+    INSTANCE_HIT_RATIO_DROP.state: pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [OK, OK]}
     ),
 }
 INSTANT = {
@@ -225,7 +239,7 @@ def alerts_frame(**extra) -> pd.DataFrame:
         [{"alertname": "KVWatchSessionAffinityBroken", "severity": "critical", "state": "active",
           "target": "lab-affinity", "instance": None, "starts_at": pd.Timestamp(T0, unit="s", tz="UTC"),
           "summary": "Probe sessions through an affinity route change replica between rounds.",
-          "runbook_url": f"{queries.RUNBOOK_URL}#kvwatchsessionaffinitybroken", **extra}]
+          "runbook_url": f"{RUNBOOK_URL}#kvwatchsessionaffinitybroken", **extra}]
     )  # fmt: skip
 
 
@@ -391,24 +405,24 @@ def test_overview_shows_each_number_with_its_verdict(fake):
     assert f"from Prometheus at {PROMETHEUS}" in said
 
 
-def fires(verdict: queries.Verdict) -> str:
+def fires(verdict: Verdict) -> str:
     return f":red[{verdict.alert.name} fires: {verdict.alert.summary}]"
 
 
-def pending(verdict: queries.Verdict) -> str:
+def pending(verdict: Verdict) -> str:
     return f":orange[{verdict.alert.name} is pending: "
 
 
 # Each verdict on the Overview: its tile, its value when judged healthy and when not, the state frame
 # Prometheus answers to its query, and its words when the alert finds nothing wrong.
 VERDICT_TILES = {
-    "route stickiness": (queries.ROUTE_STICKY, queries.STICKY_RATIO, "lab-affinity",
+    "route stickiness": (ROUTE_STICKY, queries.STICKY_RATIO, "lab-affinity",
                          ":green[Sessions stay on their replica.]"),
-    "warm rounds": (queries.ROUTE_WARM_ROUNDS, queries.WARM_COLD_RATIO, "lab-affinity",
+    "warm rounds": (ROUTE_WARM_ROUNDS, queries.WARM_COLD_RATIO, "lab-affinity",
                     ":green[Warm rounds are faster than round 1"),
-    "gateway spread": (queries.LISTENER_SPREAD, queries.GATEWAY_SPREAD, "affinity",
+    "gateway spread": (LISTENER_SPREAD, queries.GATEWAY_SPREAD, "affinity",
                        ":green[Real sessions stay on their replica.]"),
-    "cluster hit ratio": (queries.CLUSTER_HIT_RATIO_DROP, queries.CLUSTER_HIT_RATIO, None,
+    "cluster hit ratio": (CLUSTER_HIT_RATIO_DROP, queries.CLUSTER_HIT_RATIO, None,
                           ":green[Reuse holds"),
 }  # fmt: skip
 
@@ -420,24 +434,24 @@ def state_of(subject: str | None, state: int) -> pd.DataFrame:
 @pytest.mark.parametrize("name", VERDICT_TILES)
 def test_each_overview_verdict_is_its_alerts_state(fake, name):
     verdict, signal, subject, ok = VERDICT_TILES[name]
-    for state, expected in ((queries.FIRING, fires(verdict)), (queries.PENDING, pending(verdict)),
-                            (queries.OK, ok)):  # fmt: skip
+    for state, expected in ((FIRING, fires(verdict)), (PENDING, pending(verdict)),
+                            (OK, ok)):  # fmt: skip
         fake.values[verdict.state] = state_of(subject, state)
         said = texts(open_page("overview"))
         assert expected in said, (name, state)
-        assert (fires(verdict) in said) == (state == queries.FIRING)
+        assert (fires(verdict) in said) == (state == FIRING)
 
 
 def test_a_tile_is_red_when_its_alert_fires_whatever_a_threshold_would_say(fake):
     """The issue's Overview: 89 % of sessions on one replica, in green, while the critical alert fired."""
     fake.ranges[queries.STICKY_RATIO] = lambda over: per_route(over, [1, 0.89], [0, 0])
-    fake.values[queries.ROUTE_STICKY.state] = states(**{"lab-affinity": queries.FIRING})
+    fake.values[ROUTE_STICKY.state] = states(**{"lab-affinity": FIRING})
     fake.ranges[queries.CLUSTER_HIT_RATIO] = lambda over: points(over, [0.8, 0.05])  # under the floor
-    fake.values[queries.CLUSTER_HIT_RATIO_DROP.state] = cluster_state(queries.OK)  # but not for 5 min
+    fake.values[CLUSTER_HIT_RATIO_DROP.state] = cluster_state(OK)  # but not for 5 min
     at = open_page("overview")
     assert metrics(at)["Sessions on one replica"][0] == "89%"
     said = texts(at)
-    assert fires(queries.ROUTE_STICKY) in said and ":green[Sessions stay" not in said
+    assert fires(ROUTE_STICKY) in said and ":green[Sessions stay" not in said
     assert ":green[Reuse holds" in said
 
 
@@ -445,11 +459,9 @@ def test_a_route_is_judged_when_expected_sticky_whatever_its_mode(fake):
     manual = Target("lab-round-robin", "http://127.0.0.1:18001", "lab-model", route_mode="round_robin",
                     expect_sticky=True)  # fmt: skip
     fake.settings = Result(replace(CONFIG, targets=(CONFIG.targets[0], manual)))
-    fake.values[queries.ROUTE_STICKY.state] = states(
-        **{"lab-affinity": queries.OK, "lab-round-robin": queries.FIRING}
-    )
+    fake.values[ROUTE_STICKY.state] = states(**{"lab-affinity": OK, "lab-round-robin": FIRING})
     said = texts(open_page("overview"))
-    assert ":green[Sessions stay on their replica.]" in said and fires(queries.ROUTE_STICKY) in said
+    assert ":green[Sessions stay on their replica.]" in said and fires(ROUTE_STICKY) in said
     assert said.count(":gray[Not expected to stay on one replica") == 1  # the round-robin log only
 
 
@@ -641,9 +653,9 @@ def test_replicas_show_share_imbalance_and_engines(fake):
     assert [line["name"] for line in charts["replicas_hit_ratio"]] == ["127.0.0.1:18010", "127.0.0.1:18011"]
     assert [line["name"] for line in charts["replicas_local"]] == ["127.0.0.1:18010"]
     assert [bar["name"] for bar in charts["replicas_sources"]] == ["device", "host"]
-    assert pending(queries.LOAD_IMBALANCE) in texts(at)  # above 2, for less than the alert's 15 minutes
-    fake.values[queries.LOAD_IMBALANCE.state] = cluster_state(queries.FIRING)
-    assert fires(queries.LOAD_IMBALANCE) in texts(at.run())
+    assert pending(LOAD_IMBALANCE) in texts(at)  # above 2, for less than the alert's 15 minutes
+    fake.values[LOAD_IMBALANCE.state] = cluster_state(FIRING)
+    assert fires(LOAD_IMBALANCE) in texts(at.run())
     engines = at.dataframe[0].value.set_index("instance")
     assert engines.loc["127.0.0.1:18010", "engine"] == "vLLM V1"
     assert engines.loc["127.0.0.1:18010", "prefix caching"] == "off"
@@ -654,12 +666,12 @@ def test_replicas_show_share_imbalance_and_engines(fake):
 def test_replicas_judge_each_instance_as_its_hit_ratio_alert_does(fake):
     said = texts(open_page("replicas"))
     assert "`127.0.0.1:18010`: :green[Its hit ratio holds against its own past.]" in said
-    fake.values[queries.INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
-        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [queries.OK, queries.FIRING]}
+    fake.values[INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
+        {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [OK, FIRING]}
     )
     said = texts(open_page("replicas"))
     assert "`127.0.0.1:18010`: :green[Its hit ratio holds against its own past.]" in said
-    assert f"`127.0.0.1:18011`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
+    assert f"`127.0.0.1:18011`: {fires(INSTANCE_HIT_RATIO_DROP)}" in said
 
 
 REPLICA_IDS = pd.DataFrame({"instance": ["127.0.0.1:18011"], "replica": ["r2"], "value": [1.0]})
@@ -703,12 +715,12 @@ def routers(fake: Fake, miss: int) -> None:
         queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: pd.DataFrame([{**EPP, "value": 0.08}]),
         queries.INSTANCE_ROUTER_PIN_KEPT: pd.DataFrame([{**SMG, "value": 6 / 7}]),
         queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS: pd.DataFrame([{**VLLM_ROUTER, "value": 0.75}]),
-        queries.ROUTER_PREDICTION_MISS.state: pd.DataFrame([{**EPP, "value": miss}]),
+        ROUTER_PREDICTION_MISS.state: pd.DataFrame([{**EPP, "value": miss}]),
     }
 
 
 def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered(fake):
-    routers(fake, queries.FIRING)
+    routers(fake, FIRING)
     at = open_page("replicas")
     assert not at.exception
     charts = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec)["data"] for c in at.get("plotly_chart")}
@@ -725,19 +737,19 @@ def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered
     assert figures.loc["smg"].isna().sum() == 3  # SMG's manual policy predicts no hit ratio
     assert figures.loc["vllm-router", "prefix-matched decisions"] == 0.75
     said = texts(at)
-    assert f"`epp / 10.0.0.5:9090`: {fires(queries.ROUTER_PREDICTION_MISS)}" in said
+    assert f"`epp / 10.0.0.5:9090`: {fires(ROUTER_PREDICTION_MISS)}" in said
     assert "`smg / 10.0.0.6:29000`: :gray[Not judged: KVWatchRouterPredictionMiss has nothing" in said
     assert NO_ROUTER not in said
 
 
-@pytest.mark.parametrize("miss", [queries.OK, queries.PENDING])
+@pytest.mark.parametrize("miss", [OK, PENDING])
 def test_replicas_judge_each_router_as_the_prediction_miss_alert_does(fake, miss):
     routers(fake, miss)
     said = texts(open_page("replicas"))
     ok = ":green[The engines deliver the reuse it predicts.]"
-    expected = ok if miss == queries.OK else pending(queries.ROUTER_PREDICTION_MISS)
+    expected = ok if miss == OK else pending(ROUTER_PREDICTION_MISS)
     assert f"`epp / 10.0.0.5:9090`: {expected}" in said
-    assert fires(queries.ROUTER_PREDICTION_MISS) not in said
+    assert fires(ROUTER_PREDICTION_MISS) not in said
 
 
 def test_replicas_say_when_no_router_exports_predictions(fake):
@@ -782,7 +794,7 @@ def test_alerts_from_alertmanager_and_the_webhook_with_runbooks(fake):
     assert at.expander[0].label == "Runbook: KVWatchSessionAffinityBroken"
     assert "## KVWatchSessionAffinityBroken" in at.expander[0].markdown[0].value
     (link,) = at.expander[0].get("link_button")
-    assert link.proto.url == f"{queries.RUNBOOK_URL}#kvwatchsessionaffinitybroken"
+    assert link.proto.url == f"{RUNBOOK_URL}#kvwatchsessionaffinitybroken"
 
 
 def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake, monkeypatch):
@@ -803,9 +815,9 @@ def in_cluster(query: str, cluster: str) -> str:
 def two_clusters(fake: Fake) -> None:
     """Prometheus scrapes clusters a and b, whose hit ratios and hit-ratio alerts differ."""
     fake.values[CLUSTERS] = pd.DataFrame({"cluster": ["b", "a"], "value": [1, 1]})
-    for cluster, ratios, state in (("a", [0.8, 0.9], queries.OK), ("b", [0.3, 0.05], queries.FIRING)):
+    for cluster, ratios, state in (("a", [0.8, 0.9], OK), ("b", [0.3, 0.05], FIRING)):
         fake.ranges[in_cluster(queries.CLUSTER_HIT_RATIO, cluster)] = lambda over, r=ratios: points(over, r)
-        fake.values[in_cluster(queries.CLUSTER_HIT_RATIO_DROP.state, cluster)] = cluster_state(state)
+        fake.values[in_cluster(CLUSTER_HIT_RATIO_DROP.state, cluster)] = cluster_state(state)
 
 
 def test_the_cluster_picker_shows_only_with_several_clusters(fake):
@@ -824,7 +836,7 @@ def test_the_overview_shows_each_clusters_hit_ratio_apart_while_all_are_shown(fa
     assert metrics(at)["Cluster hit ratio"] == ["90%", "5%"]  # a's, then b's: never the two summed
     assert [h.value for h in at.subheader][:2] == ["Cluster a", "Cluster b"]
     said = texts(at)
-    assert ":green[Reuse holds" in said and fires(queries.CLUSTER_HIT_RATIO_DROP) in said
+    assert ":green[Reuse holds" in said and fires(CLUSTER_HIT_RATIO_DROP) in said
 
 
 def test_a_picked_cluster_narrows_every_prometheus_read_and_its_alerts(fake):
@@ -838,7 +850,7 @@ def test_a_picked_cluster_narrows_every_prometheus_read_and_its_alerts(fake):
     assert not at.exception
     assert metrics(at)["Cluster hit ratio"] == ["5%"]
     said = texts(at)
-    assert fires(queries.CLUSTER_HIT_RATIO_DROP) in said and ":green[Reuse holds" not in said
+    assert fires(CLUSTER_HIT_RATIO_DROP) in said and ":green[Reuse holds" not in said
     assert "**KVWatchPrefixCacheHitRateDrop** (warning)" in said
     read = [query for query in fake.asked if query != CLUSTERS]
     assert read and all('cluster="b"' in query for query in read)
@@ -872,8 +884,8 @@ def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances
             points(over, [0.3, 0.1], cluster="b", instance=same),
         ]
     )
-    fake.values[queries.INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
-        {"cluster": ["a", "b"], "instance": [same, same], "value": [queries.OK, queries.FIRING]}
+    fake.values[INSTANCE_HIT_RATIO_DROP.state] = pd.DataFrame(
+        {"cluster": ["a", "b"], "instance": [same, same], "value": [OK, FIRING]}
     )
     fake.values[queries.INSTANCE_CACHE_SERIES] = pd.DataFrame(
         {"cluster": ["a", "b"], "instance": [same, same],
@@ -886,7 +898,7 @@ def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances
     assert [line["name"] for line in charts["replicas_hit_ratio"]] == [f"a / {same}", f"b / {same}"]
     said = texts(at)
     assert f"`a / {same}`: :green[Its hit ratio holds against its own past.]" in said
-    assert f"`b / {same}`: {fires(queries.INSTANCE_HIT_RATIO_DROP)}" in said
+    assert f"`b / {same}`: {fires(INSTANCE_HIT_RATIO_DROP)}" in said
     engines = at.dataframe[0].value
     assert list(zip(engines["cluster"], engines["engine"], strict=True)) == [
         ("a", "vLLM V1"),
@@ -1322,7 +1334,7 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
             time.sleep(0.2)
         assert data.clusters().value == ["a", "b"]
         assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
-        board = data.instant_query(boards.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
+        board = data.instant_query(panels.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
         assert dict(zip(board["cluster"], board["value"], strict=True)) == Clusters.WARM_COLD
         prometheus_url = f"http://127.0.0.1:{port}"
         route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)
@@ -1392,9 +1404,9 @@ def test_an_experiment_run_reads_each_targets_own_key_and_says_why_it_failed(con
 
 
 def test_runbook_sections_come_from_the_runbook_kvwatch_ships(fake):
-    section = data.runbook(f"{queries.RUNBOOK_URL}#kvwatchprobestale").value
+    section = data.runbook(f"{RUNBOOK_URL}#kvwatchprobestale").value
     assert section.startswith("## KVWatchProbeStale\n")
-    missing = data.runbook(f"{queries.RUNBOOK_URL}#nothing").error
+    missing = data.runbook(f"{RUNBOOK_URL}#nothing").error
     assert missing.startswith("No section #nothing in the runbook")
     assert data.runbook("https://wiki.example.net/other-runbook#kvwatchprobestale") == Result(None)
     wiki = "https://wiki.example.net/sre/kvwatch-runbook"  # where `make generate RUNBOOK_URL=...` put it

@@ -16,6 +16,16 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, http_get, stop_lab_serve
+from kvwatch.alerts.verdicts import (
+    CLUSTER_HIT_RATIO_DROP,
+    FIRING,
+    LISTENER_SPREAD,
+    LOAD_IMBALANCE,
+    PENDING,
+    ROUTE_STICKY,
+    ROUTE_WARM_ROUNDS,
+    Verdict,
+)
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.core.config import load_config
 from kvwatch.core.naming import replica_name
@@ -191,15 +201,15 @@ AFFINITY_LOG, ROUND_ROBIN_LOG = (
 # Every tile of the lab's Refresh in page order: label, query, labels of its series, and its verdict
 # where an alert judges it (the round-robin route and log are not expected sticky).
 OVERVIEW_TILES = [
-    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, queries.CLUSTER_HIT_RATIO_DROP),
+    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, CLUSTER_HIT_RATIO_DROP),
     ("Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, {}, None),
-    ("Sessions on one replica", queries.STICKY_RATIO, AFFINITY, queries.ROUTE_STICKY),
-    ("Warm / cold TTFT", queries.WARM_COLD_RATIO, AFFINITY, queries.ROUTE_WARM_ROUNDS),
+    ("Sessions on one replica", queries.STICKY_RATIO, AFFINITY, ROUTE_STICKY),
+    ("Warm / cold TTFT", queries.WARM_COLD_RATIO, AFFINITY, ROUTE_WARM_ROUNDS),
     ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, AFFINITY, None),
     ("Sessions on one replica", queries.STICKY_RATIO, ROUND_ROBIN, None),
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ROUND_ROBIN, None),
     ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ROUND_ROBIN, None),
-    ("Real sessions on several replicas", queries.GATEWAY_SPREAD, AFFINITY_LOG, queries.LISTENER_SPREAD),
+    ("Real sessions on several replicas", queries.GATEWAY_SPREAD, AFFINITY_LOG, LISTENER_SPREAD),
     ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**AFFINITY_LOG, "failover": "true"}, None),
     ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ROUND_ROBIN_LOG, None),
     ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**ROUND_ROBIN_LOG, "failover": "true"}, None),
@@ -244,17 +254,17 @@ def refresh(page) -> Refresh | None:
     return Refresh(shown_time(found["text"], "As of"), [Tile(*t) for t in found["tiles"]], found["text"])
 
 
-def state_of(verdict: queries.Verdict, words: str) -> str:
+def state_of(verdict: Verdict, words: str) -> str:
     """The colour the page gave the verdict, from its words: the alert's name says red or orange."""
     if words.startswith(f"{verdict.alert.name} fires:"):
         return "red"
     return "orange" if words.startswith(f"{verdict.alert.name} is pending:") else "green"
 
 
-def expected_state(lab, verdict: queries.Verdict, at: float, **labels: str) -> str:
+def expected_state(lab, verdict: Verdict, at: float, **labels: str) -> str:
     """What Prometheus says of the verdict's series at `at`: the colour the page must show."""
     state = value_of(prometheus(lab, verdict.state, at), **labels)
-    return {queries.FIRING: "red", queries.PENDING: "orange"}.get(state, "green")
+    return {FIRING: "red", PENDING: "orange"}.get(state, "green")
 
 
 def test_overview_shows_what_prometheus_holds(lab, page):
@@ -317,7 +327,7 @@ def refreshes(page, until, timeout: float = WAIT_S) -> list[Refresh]:
     pytest.fail(f"the Refresh did not get there within {timeout} s ({len(seen)} refreshes)")
 
 
-def alert_now(lab, verdict: queries.Verdict, **labels: str) -> dict:
+def alert_now(lab, verdict: Verdict, **labels: str) -> dict:
     """The alert as Prometheus holds it now (/api/v1/alerts): its state and activeAt."""
     held = http_get(f"{lab.status['prometheus']}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
     (found,) = [a for a in held if a["labels"]["alertname"] == verdict.alert.name
@@ -330,7 +340,7 @@ def unix(stamp: str) -> float:
     return datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", stamp.replace("Z", "+00:00"))).timestamp()
 
 
-def notified(lab, verdict: queries.Verdict, status: str, since: float, **labels: str) -> dict:
+def notified(lab, verdict: Verdict, status: str, since: float, **labels: str) -> dict:
     """The alert as kvwatch's webhook received it, firing (startsAt: when it fired) or resolved (endsAt)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -356,7 +366,7 @@ def assert_follows_the_alert(seen: list[Refresh], state, active_at: float, fired
 
 
 def test_the_route_verdict_is_red_exactly_while_the_affinity_alert_fires(lab, page):
-    verdict = queries.ROUTE_STICKY
+    verdict = ROUTE_STICKY
 
     def affinity_route(shown: Refresh) -> str:
         tile = shown.tiles[2]  # lab-affinity's first
@@ -389,7 +399,7 @@ def test_replicas_show_what_prometheus_holds(lab, page):
     imbalance = value_of(prometheus(lab, queries.CLUSTER_LOAD_IMBALANCE, shown.as_of))
     assert tile.label == "Load imbalance"
     assert number(tile.value) == pytest.approx(imbalance, abs=0.0051)
-    verdict = queries.LOAD_IMBALANCE
+    verdict = LOAD_IMBALANCE
     assert state_of(verdict, tile.verdict) == expected_state(lab, verdict, shown.as_of)
 
 

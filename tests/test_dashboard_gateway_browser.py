@@ -26,13 +26,15 @@ from test_dashboard_browser import (
     wait_for_data,
 )
 
+from kvwatch.alerts.verdicts import LISTENER_SPREAD
 from kvwatch.prometheus import queries
+from kvwatch.prometheus.thresholds import THRESHOLDS
 from kvwatch.store.history import Store
 
 browser, page = dashboard_browser.browser, dashboard_browser.page  # the same Chromium fixtures
 pytestmark = pytest.mark.integration
 
-VERDICT = queries.LISTENER_SPREAD
+VERDICT = LISTENER_SPREAD
 LISTENER = {"log": "affinity", "listener": "affinity"}  # the lab's background users go through it
 
 
@@ -62,7 +64,7 @@ def color(shown: Refresh) -> str:
 def test_real_sessions_spread_turns_red_with_its_alert_without_any_probe(lab, page):
     visit(page, lab, "Overview", '[data-testid="stMetric"]', "overview-no-probes")
     healthy = refreshes(page, lambda shown: color(shown) == "green")[-1]
-    assert number(spread(healthy).value) < queries.THRESHOLDS.spread_share_above
+    assert number(spread(healthy).value) < THRESHOLDS.spread_share_above
     broke = time.time()
     assert lab.cli("fault", "break-affinity").returncode == 0
     try:
@@ -76,7 +78,7 @@ def test_real_sessions_spread_turns_red_with_its_alert_without_any_probe(lab, pa
     red = seen[-1]
     truth = value_of(prometheus(lab, as_asked(queries.GATEWAY_SPREAD, red.as_of), red.as_of), **LISTENER)
     assert number(spread(red).value) == pytest.approx(truth, abs=0.0051)
-    assert truth > queries.THRESHOLDS.spread_share_above  # the signal rose past the alert's threshold
+    assert truth > THRESHOLDS.spread_share_above  # the signal rose past the alert's threshold
     assert "Firing now: KVWatchGatewaySessionsSpread (critical) on affinity / affinity" in red.text
     # and not a single probe ran
     assert "No probe targets in" in red.text

@@ -19,7 +19,7 @@ import yaml
 
 from conftest import REPO
 from kvwatch.core.config import Config, load_config
-from kvwatch.prometheus import queries
+from kvwatch.prometheus.rules import RULE_FILES
 from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"
@@ -123,7 +123,7 @@ def test_a_kind_without_a_schema_is_refused():
 
 def test_prometheus_rule_has_exactly_the_rule_files_groups():
     rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
-    files = [REPO / path for path in queries.RULE_FILES]
+    files = [REPO / path for path in RULE_FILES]
     assert {path.name for path in files} >= {
         "kvwatch-engines.yml",
         "kvwatch-routers.yml",

@@ -37,13 +37,28 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, stop_lab_serve
+from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
+from kvwatch.alerts.verdicts import FIRING, OK, PENDING, ROUTE_STICKY, ROUTER_PREDICTION_MISS, VERDICTS
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.dashboard.stats import CONFIDENCE
 from kvwatch.grafana import boards
+from kvwatch.grafana.panels import (
+    DATASOURCE,
+    FIXED_WINDOW,
+    GRID_WIDTH,
+    OVERVIEW,
+    SCHEMA_VERSION,
+    as_board_runs,
+    cluster_legend,
+    runbook_link,
+    uid,
+)
 from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus.rules import GATEWAY_RULES, WINDOWED_RULES
 from kvwatch.serve.exporter import TTFT_BUCKETS
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS
 from kvwatch.store.history import Store
+from tools import board_preview
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
 IMPORTED = sorted((REPO / "grafana" / "import").glob("*.json"))
@@ -70,7 +85,7 @@ def every_query() -> dict[str, str]:
 def in_clusters(expr: str) -> str:
     """A query of prometheus/queries.py as the boards' time series and stats run it: narrowed to the
     picked clusters, one series per cluster."""
-    return boards.as_board_runs(expr, queries.CLUSTER_LABEL)
+    return as_board_runs(expr, queries.CLUSTER_LABEL)
 
 
 def filled(expr: str) -> str:
@@ -88,15 +103,15 @@ def test_committed_boards_are_exactly_the_generated_ones():
 @pytest.mark.parametrize("path", PROVISIONED + IMPORTED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_board_structure(path: Path):
     board = load(path)
-    assert board["id"] is None and board["uid"] == boards.uid(path.name) and 8 <= len(board["uid"]) <= 40
-    assert board["schemaVersion"] == boards.SCHEMA_VERSION and board["title"]
+    assert board["id"] is None and board["uid"] == uid(path.name) and 8 <= len(board["uid"]) <= 40
+    assert board["schemaVersion"] == SCHEMA_VERSION and board["title"]
     ids = [panel["id"] for panel in board["panels"]]
     assert len(ids) == len(set(ids)), "panel ids repeat"
     cells: dict[tuple[int, int], str] = {}
     for panel in board["panels"]:
         pos = panel["gridPos"]
         assert set(pos) == {"h", "w", "x", "y"} and pos["w"] > 0 and pos["h"] > 0, panel["title"]
-        assert pos["x"] + pos["w"] <= boards.GRID_WIDTH, panel["title"]
+        assert pos["x"] + pos["w"] <= GRID_WIDTH, panel["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[x, y]}"
@@ -125,17 +140,17 @@ def test_every_panel_and_query_uses_the_datasource_variable(path: Path):
     (source,) = [v for v in variables if v["type"] == "datasource"]
     assert (source["name"], source["label"], source["query"]) == ("datasource", "Data source", "prometheus")
     for panel in panels(board):
-        assert panel["datasource"] == boards.DATASOURCE, panel["title"]
-        assert panel["targets"] and all(t["datasource"] == boards.DATASOURCE for t in panel["targets"])
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"] and all(t["datasource"] == DATASOURCE for t in panel["targets"])
     builtin = {"type": "grafana", "uid": "-- Grafana --"}  # the built-in annotations, in every board
-    hard_coded = [ref for ref in datasource_refs(board) if ref not in (boards.DATASOURCE, builtin)]
+    hard_coded = [ref for ref in datasource_refs(board) if ref not in (DATASOURCE, builtin)]
     assert not hard_coded, f"hard-coded data sources: {hard_coded}"
     for variable in variables:
         if variable["type"] == "query":
             assert variable["refresh"] == 2, f"{variable['name']} must reload on time-range change"
 
 
-VERDICT_STATES = {in_clusters(verdict.state): verdict for verdict in queries.VERDICTS}
+VERDICT_STATES = {in_clusters(verdict.state): verdict for verdict in VERDICTS}
 
 
 @pytest.mark.parametrize("path", PROVISIONED, ids=lambda p: p.name)
@@ -155,11 +170,11 @@ def test_rate_windows_counters_units_and_descriptions(path: Path):
 
 
 def test_panels_on_recording_rules_say_their_window_is_fixed():
-    recorded = {rule.record for rule in queries.WINDOWED_RULES}
+    recorded = {rule.record for rule in WINDOWED_RULES}
     for path in PROVISIONED:
         for panel in panels(load(path)):
             reads_a_rule = any(name in t["expr"] for t in panel["targets"] for name in recorded)
-            assert reads_a_rule == (boards.FIXED_WINDOW in panel["description"]), panel["title"]
+            assert reads_a_rule == (FIXED_WINDOW in panel["description"]), panel["title"]
 
 
 def test_every_panel_query_is_a_named_dashboard_query():
@@ -169,7 +184,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
         values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
         for per_cluster in named:
             named[per_cluster] |= {
-                boards.as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
+                as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
                 for v in values
                 if name.isupper()
             }
@@ -200,13 +215,13 @@ def test_with_all_clusters_every_line_and_stat_keeps_its_cluster_and_names_it(pa
 def test_cluster_legends_read_well_without_the_label():
     """Grafana shows a label the series lacks as its name: one cluster without the label reads
     "cluster" for the cluster's line and "cluster / ..." before an instance's."""
-    assert boards.cluster_legend("cluster", "cluster") == "{{cluster}}"
-    assert boards.cluster_legend("{{instance}}", "region") == "{{region}} / {{instance}}"
+    assert cluster_legend("cluster", "cluster") == "{{cluster}}"
+    assert cluster_legend("{{instance}}", "region") == "{{region}} / {{instance}}"
     one_cluster = {"instance": "10.0.0.7:8000"}
-    assert boards._legend(boards.cluster_legend("{{instance}}", "cluster"), one_cluster) == (
+    assert board_preview._legend(cluster_legend("{{instance}}", "cluster"), one_cluster) == (
         "cluster / 10.0.0.7:8000"
     )
-    assert boards._legend(boards.cluster_legend("cluster", "cluster"), one_cluster) == "cluster"
+    assert board_preview._legend(cluster_legend("cluster", "cluster"), one_cluster) == "cluster"
 
 
 def test_board_queries_keep_every_grouping_and_match_per_cluster():
@@ -222,17 +237,17 @@ def test_board_queries_keep_every_grouping_and_match_per_cluster():
 
 def test_every_verdict_is_shown_as_its_alerts_state():
     """One stat per verdict on the overview, its query the alert's own, coloured by the alert's state."""
-    board = load(REPO / "grafana" / "dashboards" / boards.OVERVIEW)
+    board = load(REPO / "grafana" / "dashboards" / OVERVIEW)
     verdicts = [p for p in panels(board) if p["type"] == "stat" and p["targets"][0]["expr"] in VERDICT_STATES]
     assert sorted(p["targets"][0]["expr"] for p in verdicts) == sorted(VERDICT_STATES)
     for panel in verdicts:
         verdict = VERDICT_STATES[panel["targets"][0]["expr"]]
-        assert panel["links"] == [boards.runbook_link(verdict.alert.name)], panel["title"]
+        assert panel["links"] == [runbook_link(verdict.alert.name)], panel["title"]
         assert "the alert's own expression" in panel["description"], panel["title"]
         (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
         words = {int(value): (shown["text"], shown["color"]) for value, shown in mapping["options"].items()}
-        assert words == {queries.OK: ("OK", "green"), queries.PENDING: ("pending", "orange"),
-                         queries.FIRING: ("firing", "red")}  # fmt: skip
+        assert words == {OK: ("OK", "green"), PENDING: ("pending", "orange"),
+                         FIRING: ("firing", "red")}  # fmt: skip
 
 
 def test_every_board_marks_the_kvwatch_alerts():
@@ -240,8 +255,8 @@ def test_every_board_marks_the_kvwatch_alerts():
         marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
         assert [(a["expr"], a["datasource"]) for a in marks] == [
             (
-                boards.as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
-                boards.DATASOURCE,
+                as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
+                DATASOURCE,
             )
         ], path.name
 
@@ -252,12 +267,12 @@ def github_anchors(markdown: str) -> set[str]:
 
 
 def test_runbook_links_point_at_runbook_sections():
-    anchors = github_anchors((REPO / queries.RUNBOOK).read_text())
+    anchors = github_anchors((REPO / RUNBOOK).read_text())
     links = [link for path in PROVISIONED for panel in panels(load(path)) for link in panel["links"]]
     assert links
     for link in links:
         path, anchor = link["url"].split("#")
-        assert path == queries.RUNBOOK_URL and anchor in anchors, link
+        assert path == RUNBOOK_URL and anchor in anchors, link
 
 
 def test_the_import_variant_is_the_provisioned_board_plus_inputs():
@@ -315,7 +330,7 @@ ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
     queries.INSTANCE_ROUTER_PIN_KEPT,
     queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
-    queries.ROUTER_PREDICTION_MISS.state,
+    ROUTER_PREDICTION_MISS.state,
 }
 
 
@@ -438,7 +453,7 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
     # The round-robin route's first run may land before the affinity route's: wait for the latter too.
     healthy_sticky = poll(lambda: affinity_value(prometheus, sticky), lambda v: not math.isnan(v), 60)
     assert healthy_sticky == 1 and affinity_value(prometheus, switches) == 0
-    assert affinity_value(prometheus, queries.ROUTE_STICKY.state) == queries.OK
+    assert affinity_value(prometheus, ROUTE_STICKY.state) == OK
     efficiency = affinity_value(prometheus, queries.AFFINITY_EFFICIENCY)
     healthy_spread = real_spread(prometheus)
     assert healthy_spread == 0, "real sessions spread while affinity holds"
@@ -458,7 +473,7 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
         assert affinity_value(prometheus, queries.AFFINITY_EFFICIENCY) < efficiency
         firing = poll(lambda: instant(prometheus, queries.FIRING_ALERTS_BY_NAME), bool, 15)
         assert "KVWatchSessionAffinityBroken" in {alert["metric"]["alertname"] for alert in firing}
-        assert affinity_value(prometheus, queries.ROUTE_STICKY.state) == queries.FIRING  # the verdict panel
+        assert affinity_value(prometheus, ROUTE_STICKY.state) == FIRING  # the verdict panel
         value = poll(lambda: real_spread(prometheus), lambda v: v > 0, 30)
         assert value > 0, "real sessions through the affinity listener do not spread"
         # The panel against the gateway log itself, at the exporter's last poll: Prometheus scrapes the
@@ -767,7 +782,7 @@ def test_gateway_panels_are_the_access_logs(lab, ended):
     killed, and the share of requests without a session key, against the affinity listener's access
     log up to the exporter's last poll. The spread's recording rule by its own expression there: what
     its evaluation records from that scrape."""
-    (rule,) = [rule for rule in queries.GATEWAY_RULES if rule.record == queries.REAL_SESSIONS_SPREAD]
+    (rule,) = [rule for rule in GATEWAY_RULES if rule.record == queries.REAL_SESSIONS_SPREAD]
     log, listener = AFFINITY_LISTENER["log"], AFFINITY_LISTENER["listener"]
 
     def last_poll(at: float) -> float:

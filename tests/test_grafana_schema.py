@@ -24,9 +24,11 @@ from pathlib import Path
 import promql_parser
 import pytest
 
+import kvwatch.grafana.boards
 from conftest import REPO
+from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
-from kvwatch.grafana import boards
+from kvwatch.grafana import boards, panels
 from kvwatch.prometheus import promql, queries
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
@@ -115,8 +117,8 @@ NO_ENGINE_JOB_OR_INSTANCE = {
     "numerator, which picks its series",
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
-# board's filters do not narrow (see boards.verdict_stat).
-VERDICTS = {boards.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in queries.VERDICTS}
+# board's filters do not narrow (see panels.verdict_stat).
+VERDICTS = {panels.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
     promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
@@ -243,7 +245,7 @@ def lint_variables(board: dict) -> list[str]:
             problems.append(f"template-{name}-rule: no {name} variable")
             continue
         label = JOB_LABEL if name == "job" else name.title()
-        wanted = {"datasource": boards.DATASOURCE, "type": "query", "label": label, "multi": True,
+        wanted = {"datasource": panels.DATASOURCE, "type": "query", "label": label, "multi": True,
                   "allValue": ".+"}  # fmt: skip
         for key, value in wanted.items():
             if variable.get(key) != value:
@@ -350,7 +352,7 @@ def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
 
 def test_the_cluster_label_is_the_generators_to_set():
     boards = {name: text for name, text in generated_files(cluster_label="region").items() if ".json" in name}
-    assert len(boards) == 2 * len(boards.BOARDS)
+    assert len(boards) == 2 * len(kvwatch.grafana.boards.BOARDS)
     for name, text in boards.items():
         board = json.loads(text)
         assert unnarrowed(board, "region") == [], name

@@ -7,7 +7,9 @@ import promql_parser
 import pytest
 from test_grafana_schema import expand, selectors
 
+from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus.rules import RULE_FILES
 
 MATCHER = 'cluster=~"$cluster"'
 
@@ -23,9 +25,9 @@ def parses(expr: str) -> bool:
 def every_query() -> set[str]:
     """The rules', the alerts', the verdicts' and every named query (the boards' and the pages'), but
     the parts of queries (`and on(...) ...`) and the names alone."""
-    rules = {rule.expr for _, rules in queries.RULE_FILES.values() for rule in rules}
+    rules = {rule.expr for _, rules in RULE_FILES.values() for rule in rules}
     named = {v for name, v in vars(queries).items() if name.isupper() and isinstance(v, str) and "(" in v}
-    return {e for e in rules | named | {v.state for v in queries.VERDICTS} if parses(e)}
+    return {e for e in rules | named | {v.state for v in VERDICTS} if parses(e)}
 
 
 @pytest.mark.parametrize(

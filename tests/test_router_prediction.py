@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from conftest import free_base_port, free_port, http_get, stop, wait_http
+from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
-from kvwatch.grafana import boards
+from kvwatch.grafana import boards, panels
 from kvwatch.lab.configs import rule_files
 from kvwatch.lab.stack import prometheus_process
 from kvwatch.lab.state import LabState
@@ -107,10 +108,10 @@ def value(prometheus: str, expr: str) -> float | None:
 
 def router_panel_queries() -> set[str]:
     """The queries of the overview's router row and of its router verdict panel."""
-    layout = boards.Layout()
+    layout = panels.Layout()
     boards.router_row(layout)
     row = {t["expr"] for panel in layout.panels for t in panel.get("targets", [])}
-    return row | {queries.ROUTER_PREDICTION_MISS.state}
+    return row | {ROUTER_PREDICTION_MISS.state}
 
 
 def panel_values(prometheus: str, expr: str) -> dict[str, float]:
@@ -184,7 +185,7 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
             queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0, "smg-cache-aware": 0},
             queries.INSTANCE_ROUTER_PIN_KEPT: {"smg": 6 / 7},  # 6 kept their worker, 1 moved
             queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS: {"smg-cache-aware": 15 / 18},  # 3 by wait
-            queries.ROUTER_PREDICTION_MISS.state: dict.fromkeys(PREDICTING, queries.FIRING),
+            ROUTER_PREDICTION_MISS.state: dict.fromkeys(PREDICTING, FIRING),
         }
         assert set(expected) == router_panel_queries()
         for expr, by_job in expected.items():

@@ -11,9 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+import kvwatch.prometheus.rules
 from conftest import REPO
+from kvwatch.alerts.alerts import ALERTS, Alert, alerts
+from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
 from kvwatch.cli import generate
 from kvwatch.prometheus import queries
+from kvwatch.prometheus.rules import Rule, rule_files
+from kvwatch.prometheus.thresholds import THRESHOLDS
 
 RULE_FILES = sorted((REPO / "prometheus" / "rules").glob("*.yml")) + sorted(
     (REPO / "alerts").glob("*.rules.yml")
@@ -35,20 +40,20 @@ def test_generated_rule_files_are_up_to_date():
 
 
 def test_runbook_links_open_in_the_projects_repository_by_default():
-    assert queries.RUNBOOK_URL == "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
-    assert (REPO / queries.RUNBOOK).is_file()
+    assert RUNBOOK_URL == "https://github.com/kvwatch/kvwatch/blob/main/alerts/runbook.md"
+    assert (REPO / RUNBOOK).is_file()
 
 
 def test_one_setting_moves_every_runbook_link_of_the_alerts_and_the_boards():
     wiki = "https://wiki.example.net/sre/kvwatch-runbook"
     files = generate.generated_files(wiki)
-    assert all(queries.RUNBOOK_URL not in text for text in files.values())
+    assert all(RUNBOOK_URL not in text for text in files.values())
     annotations = [
         rule["annotations"]["runbook_url"]
         for group in yaml.safe_load(files["alerts/kvwatch.rules.yml"])["groups"]
         for rule in group["rules"]
     ]
-    assert annotations == [f"{wiki}#{alert.name.lower()}" for alert in queries.ALERTS]
+    assert annotations == [f"{wiki}#{alert.name.lower()}" for alert in ALERTS]
     for name in ("kvwatch-overview.json", "kvwatch-drilldown.json"):
         board = json.loads(files[f"grafana/dashboards/{name}"])
         links = [link["url"] for panel in board["panels"] for link in panel.get("links", [])]
@@ -94,15 +99,15 @@ def test_promtool_unit_tests_pass(path: Path):
 
 def test_every_recording_rule_is_exercised_by_a_unit_test():
     tested = "\n".join(path.read_text() for path in TEST_FILES)
-    for _, rules in queries.RULE_FILES.values():
+    for _, rules in kvwatch.prometheus.rules.RULE_FILES.values():
         for rule in rules:
-            if isinstance(rule, queries.Rule):
+            if isinstance(rule, Rule):
                 assert rule.record in tested, f"{rule.record} has no promtool test"
 
 
 def runbook_anchors() -> set[str]:
     """GitHub-style anchors of the runbook's headings."""
-    text = (REPO / queries.RUNBOOK).read_text()
+    text = (REPO / RUNBOOK).read_text()
     return {
         line.lstrip("#").strip().lower().replace(" ", "-")
         for line in text.splitlines()
@@ -110,20 +115,20 @@ def runbook_anchors() -> set[str]:
     }
 
 
-@pytest.mark.parametrize("alert", queries.ALERTS, ids=lambda a: f"{a.name}-{a.labels}")
-def test_every_alert_follows_the_conventions(alert: queries.Alert):
+@pytest.mark.parametrize("alert", ALERTS, ids=lambda a: f"{a.name}-{a.labels}")
+def test_every_alert_follows_the_conventions(alert: Alert):
     assert re.fullmatch(r"(KVWatch[A-Z][A-Za-z]+|Watchdog)", alert.name)
     assert alert.severity in ("critical", "warning", "info", "none")
     assert alert.summary.endswith(".") and alert.summary[0].isupper()
     assert alert.description.endswith(".")
     page, _, anchor = alert.runbook_url.partition("#")
-    assert page == queries.RUNBOOK_URL and anchor in runbook_anchors(), alert.runbook_url
+    assert page == RUNBOOK_URL and anchor in runbook_anchors(), alert.runbook_url
 
 
 def test_every_alert_fires_and_stays_quiet_in_a_promtool_test():
     tests = yaml.safe_load((REPO / "alerts" / "tests" / "kvwatch-test.yml").read_text())["tests"]
     cases = [case for test in tests for case in test.get("alert_rule_test", [])]
-    for name in {alert.name for alert in queries.ALERTS}:
+    for name in {alert.name for alert in ALERTS}:
         mine = [case for case in cases if case["alertname"] == name]
         assert any(case["exp_alerts"] for case in mine), f"{name} has no firing case"
         if name != "Watchdog":
@@ -139,9 +144,9 @@ def test_every_aggregation_and_join_keeps_the_cluster_label(label, tmp_path):
     """No rule or alert may merge two clusters: each `by (...)` and `on(...)` lists the label (the alert
     templates' replica look-up too), so a cluster's sum is its own and a join matches within a cluster."""
     assert generate.main(["--cluster-label", label, "--out", str(tmp_path)]) == 0
-    for relative in queries.rule_files(label):
+    for relative in rule_files(label):
         assert promtool("check", "rules", str(tmp_path / relative)).returncode == 0, relative
-    for relative in [*queries.rule_files(label), "deploy/k8s/prometheusrule.yaml"]:
+    for relative in [*rule_files(label), "deploy/k8s/prometheusrule.yaml"]:
         text = (tmp_path / relative).read_text()
         aggregations = AGGREGATION.findall(text)
         assert aggregations, relative
@@ -155,22 +160,18 @@ def test_every_aggregation_and_join_keeps_the_cluster_label(label, tmp_path):
 
 def test_alert_summaries_name_the_cluster_only_where_the_series_has_one():
     (drop,) = (
-        a
-        for a in queries.ALERTS
-        if a.name == "KVWatchPrefixCacheHitRateDrop" and a.labels["scope"] == "cluster"
+        a for a in ALERTS if a.name == "KVWatchPrefixCacheHitRateDrop" and a.labels["scope"] == "cluster"
     )
     assert drop.notification_summary == (
         "The cluster's prefix-cache hit ratio dropped{{ with $labels.cluster }} in cluster {{ . }}{{ end }}."
     )
     (region,) = (
         a
-        for a in queries.rule_files("region")["alerts/kvwatch.rules.yml"][1]
+        for a in rule_files("region")["alerts/kvwatch.rules.yml"][1]
         if a.name == drop.name and a.labels == drop.labels
     )
     assert "{{ with $labels.region }} in region {{ . }}{{ end }}" in region.notification_summary
-    assert (
-        queries.alerts(queries.THRESHOLDS, queries.WHOLE)[0].notification_summary == queries.ALERTS[0].summary
-    )
+    assert alerts(THRESHOLDS, queries.WHOLE)[0].notification_summary == ALERTS[0].summary
 
 
 def test_the_generator_refuses_a_cluster_label_that_is_no_label_name(capsys):

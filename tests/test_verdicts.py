@@ -14,8 +14,19 @@ import pytest
 import yaml
 
 from conftest import REPO
+from kvwatch.alerts.verdicts import (
+    CLUSTER_HIT_RATIO_DROP,
+    FIRING,
+    LISTENER_SPREAD,
+    LOAD_IMBALANCE,
+    OK,
+    PENDING,
+    ROUTE_STICKY,
+    ROUTE_WARM_ROUNDS,
+    ROUTER_PREDICTION_MISS,
+    Verdict,
+)
 from kvwatch.prometheus import queries
-from kvwatch.prometheus.queries import FIRING, OK, PENDING
 
 EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
 ENGINE = 'job="replicas", instance="127.0.0.1:18010"'
@@ -27,7 +38,7 @@ MODEST_ROUTER = 'job="epp", instance="127.0.0.1:9091"'
 
 @dataclass(frozen=True)
 class Scenario:
-    verdict: queries.Verdict
+    verdict: Verdict
     series: dict[str, str]  # input series -> promtool values, one a minute
     minutes: range  # when to compare the verdict with the alert
     expected: dict[int, int]  # minute -> the judged subject's state, to prove the alert really moves
@@ -37,7 +48,7 @@ class Scenario:
 
 SCENARIOS = {
     "route stickiness": Scenario(
-        queries.ROUTE_STICKY,
+        ROUTE_STICKY,
         {
             f'kvwatch_probe_sticky_ratio{{{CHAT}}}':
                 "1 1 0.2 0.2 1 1 1 1 1 1",
@@ -53,7 +64,7 @@ SCENARIOS = {
         ['kvwatch_verdict{target="rr"}'],  # not expected sticky: not judged
     ),
     "warm rounds": Scenario(
-        queries.ROUTE_WARM_ROUNDS,
+        ROUTE_WARM_ROUNDS,
         {
             f'kvwatch_probe_warm_cold_ttft_ratio{{{CHAT}}}':
                 "0.3 0.3 0.9 0.9 0.9 0.9 0.9 0.3 0.3 0.3",
@@ -69,7 +80,7 @@ SCENARIOS = {
         ['kvwatch_verdict{target="rr"}'],
     ),
     "gateway spread": Scenario(
-        queries.LISTENER_SPREAD,
+        LISTENER_SPREAD,
         {
             f'{queries.GATEWAY_SPREAD_SHARE}{{log="gw", listener="chat", failover="false"}}':
                 "0 0 0.8 0.8 0.8 0.8 0.1 0.1 0.1 0.1",
@@ -89,7 +100,7 @@ SCENARIOS = {
         ['kvwatch_verdict{log="rr"}', 'kvwatch_verdict{listener="quiet"} != 0'],
     ),
     "cluster hit ratio": Scenario(
-        queries.CLUSTER_HIT_RATIO_DROP,
+        CLUSTER_HIT_RATIO_DROP,
         {
             queries.CLUSTER_HIT_RATIO: "0.8x80 0.05x9 0.8x9",
             f"{queries.INSTANCE_PROMPT_TOKENS}{{{ENGINE}}}": "100x98",
@@ -99,7 +110,7 @@ SCENARIOS = {
         "",
     ),
     "router prediction": Scenario(
-        queries.ROUTER_PREDICTION_MISS,
+        ROUTER_PREDICTION_MISS,
         {
             f"{queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED}{{{ROUTER}}}": "1 1 0.1x7 1x6",
             f"{queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO}{{{ROUTER}}}": "0.8x15",
@@ -116,7 +127,7 @@ SCENARIOS = {
         ['kvwatch_verdict{instance="127.0.0.1:9091"} != 0'],
     ),
     "load imbalance": Scenario(
-        queries.LOAD_IMBALANCE,
+        LOAD_IMBALANCE,
         {queries.CLUSTER_LOAD_IMBALANCE: "1 1 3x20 1x5"},
         range(28),
         {1: OK, 5: PENDING, 20: FIRING, 27: OK},

@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
+from kvwatch.alerts import verdicts
 from kvwatch.core.config import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
@@ -30,7 +31,7 @@ class Shown:
     query: str
     unit: ui.Unit
     help: str
-    verdict: queries.Verdict | None = None
+    verdict: verdicts.Verdict | None = None
     ok: str = ""  # in green, where the alert finds nothing wrong
     unjudged: str = NOT_STICKY  # in grey, where no alert judges it
 
@@ -39,7 +40,7 @@ CLUSTER_HIT_RATIO = Shown(
     "Cluster hit ratio", queries.CLUSTER_HIT_RATIO, ui.RATIO,
     "Prompt tokens served from cached KV (the prefix cache, host memory, disk or another instance) over "
     f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %.",
-    queries.CLUSTER_HIT_RATIO_DROP, "Reuse holds: no drop against its own past, and above the floor.",
+    verdicts.CLUSTER_HIT_RATIO_DROP, "Reuse holds: no drop against its own past, and above the floor.",
 )  # fmt: skip
 LOCAL_HIT_RATIO = Shown(
     "Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, ui.RATIO,
@@ -50,12 +51,12 @@ LOCAL_HIT_RATIO = Shown(
 STICKY = Shown(
     "Sessions on one replica", queries.STICKY_RATIO, ui.RATIO,
     f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}.",
-    queries.ROUTE_STICKY, "Sessions stay on their replica.",
+    verdicts.ROUTE_STICKY, "Sessions stay on their replica.",
 )  # fmt: skip
 WARM_COLD = Shown(
     "Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR,
     f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}.",
-    queries.ROUTE_WARM_ROUNDS, "Warm rounds are faster than round 1: the history is reused.",
+    verdicts.ROUTE_WARM_ROUNDS, "Warm rounds are faster than round 1: the history is reused.",
 )  # fmt: skip
 AFFINITY_EFFICIENCY = Shown(
     "Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO,
@@ -67,7 +68,7 @@ SPREAD = Shown(
     "Real sessions on several replicas", queries.GATEWAY_SPREAD, ui.RATIO,
     "Of the real sessions that came back within the gateway log's spread window, the share served by more "
     "than one replica with no failover to explain it, as the alert judges it.",
-    queries.LISTENER_SPREAD, "Real sessions stay on their replica.",
+    verdicts.LISTENER_SPREAD, "Real sessions stay on their replica.",
 )  # fmt: skip
 MOVED_BY_FAILOVER = Shown(
     "Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO,

@@ -10,6 +10,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
+from kvwatch.alerts.verdicts import INSTANCE_HIT_RATIO_DROP, LOAD_IMBALANCE, ROUTER_PREDICTION_MISS
 from kvwatch.dashboard import data, ui
 from kvwatch.prometheus import queries
 
@@ -42,11 +43,11 @@ ROUTER_FIGURES = {
 
 def instance_verdicts(over: data.Span) -> None:
     """Each instance's verdict, from the instance-scope hit-ratio alert's own state."""
-    state = data.instant(queries.INSTANCE_HIT_RATIO_DROP.state, over)
+    state = data.instant(INSTANCE_HIT_RATIO_DROP.state, over)
     if ui.failed(state) or state.value.empty:
         return
     for name, rows in ui.named_replicas(state.value, over).groupby("instance"):
-        verdict = ui.judge(queries.INSTANCE_HIT_RATIO_DROP, rows, HIT_RATIO_OK)
+        verdict = ui.judge(INSTANCE_HIT_RATIO_DROP, rows, HIT_RATIO_OK)
         st.markdown(f"`{name}`: :{verdict.color}[{verdict.text}]")
 
 
@@ -119,7 +120,7 @@ def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> N
         data.series(q, over) for q in (queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, queries.CLUSTER_HIT_RATIO)
     )
     latest = {name: data.instant(q, over) for name, q in ROUTER_FIGURES.items()}
-    state = data.instant(queries.ROUTER_PREDICTION_MISS.state, over)
+    state = data.instant(ROUTER_PREDICTION_MISS.state, over)
     if any(ui.failed(result) for result in (predicted, cluster, state, *latest.values())):
         return
     exported = {name: result.value for name, result in latest.items() if not result.value.empty}
@@ -141,9 +142,7 @@ def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> N
     percent = {name: st.column_config.NumberColumn(name, format="percent") for name in exported}
     st.dataframe(figures, hide_index=True, column_config=percent)
     for job, instance in figures[["job", "instance"]].itertuples(index=False):
-        verdict = ui.judge(
-            queries.ROUTER_PREDICTION_MISS, state.value, PREDICTION_OK, job=job, instance=instance
-        )
+        verdict = ui.judge(ROUTER_PREDICTION_MISS, state.value, PREDICTION_OK, job=job, instance=instance)
         st.markdown(f"`{job} / {instance}`: :{verdict.color}[{verdict.text}]")
 
 
@@ -192,10 +191,10 @@ def replicas(seconds: int) -> None:
         st.subheader("Request share")
         shares(queries.REQUEST_SHARE_BY_INSTANCE, over, "No finished requests in the last window.",
                "replicas_share", labels={"value": "share of requests"})  # fmt: skip
-        spread = data.series(queries.LOAD_IMBALANCE.signal, over)
-        state = data.instant(queries.LOAD_IMBALANCE.state, over)
+        spread = data.series(LOAD_IMBALANCE.signal, over)
+        state = data.instant(LOAD_IMBALANCE.state, over)
         if not (ui.failed(spread) or ui.failed(state)):
-            verdict = ui.judge(queries.LOAD_IMBALANCE, state.value, IMBALANCE_OK)
+            verdict = ui.judge(LOAD_IMBALANCE, state.value, IMBALANCE_OK)
             ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, verdict, IMBALANCE_HELP)
     with latency:
         st.subheader("Engine TTFT")

@@ -1,0 +1,307 @@
+"""kvwatch's alerts, generated into alerts/kvwatch.rules.yml (prometheus/rules.py writes the file) with
+the thresholds of prometheus/thresholds.py, from the signals and series of prometheus/queries.py. Each
+alert's runbook_url opens its section of the runbook (alerts/runbook.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvwatch.alerts.runbook import RUNBOOK_URL
+from kvwatch.prometheus.queries import (
+    CLUSTER_HIT_RATIO,
+    CLUSTER_LOAD_IMBALANCE,
+    ENGINE_PRESENCE_SERIES,
+    INSTANCE_CACHE_SERIES,
+    INSTANCE_HIT_RATIO,
+    INSTANCE_PROMPT_TOKENS,
+    INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+    INSTANCE_ROUTER_PREDICTIONS,
+    Grouping,
+    first_of,
+    gateway_spread,
+    instance_name,
+    per_route,
+    sticky_ratio,
+    warm_cold_ratio,
+    watched_listeners,
+    watched_routes,
+)
+from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str
+    summary: str
+    description: str
+    for_: str = "0m"
+    keep_firing_for: str | None = None
+    labels: dict[str, str] | None = None
+    cluster: str = ""  # the label naming the cluster of the alert's series; "" for none
+
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOK_URL}#{self.name.lower()}"
+
+    @property
+    def notification_summary(self) -> str:
+        """The summary as notifications carry it: naming the cluster when the alert's series has one, so
+        that a Prometheus of one cluster without the label reads as the summary itself."""
+        if not self.cluster:
+            return self.summary
+        where = f"{{{{ with $labels.{self.cluster} }}}} in {self.cluster} {{{{ . }}}}{{{{ end }}}}"
+        return f"{self.summary.removesuffix('.')}{where}."
+
+
+def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Every alert, judging by `t`, its series aggregated by `by`."""
+    judged = (*_affinity_alerts(t, by), *_cache_alerts(t, by), *_probe_alerts(t, by), *_load_alerts(t, by))
+    return tuple(dataclasses.replace(alert, cluster=by.cluster) for alert in judged)
+
+
+def _cluster_prompt_tokens(by: Grouping) -> str:
+    return f"sum by ({by.keeping()}) ({INSTANCE_PROMPT_TOKENS})"
+
+
+def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Whether sessions stay on one replica, and carry the key that pins them."""
+    window = t.keyless_share_window
+    keyless_share = (
+        f"sum by ({by.listener}) (rate(kvwatch_gateway_requests_without_session_key_total[{window}]))\n"
+        f"  / (sum by ({by.listener}) (rate(kvwatch_gateway_requests_total[{window}])) > 0)"
+    )
+    keyless_share_an_hour_ago = keyless_share.replace(f"[{window}]", f"[{window}] offset 1h")
+    return (
+        Alert(
+            "KVWatchSessionAffinityBroken",
+            f"{sticky_ratio(by)} < {t.sticky_ratio_below}\nand {watched_routes(by)}",
+            "critical",
+            "Probe sessions through a sticky route change replica between rounds.",
+            "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
+            "{{ $labels.target }} stayed on one replica: the gateway no longer pins sessions, so rounds 2+ "
+            "pay a full prefill.",
+            keep_firing_for="2m",
+        ),
+        Alert(
+            "KVWatchSessionIdNotPropagated",
+            f"{per_route('min', 'kvwatch_probe_session_id_echo_ratio', by)} < {t.echo_ratio_below}",
+            "warning",
+            "The gateway does not echo the session id.",
+            "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
+            "{{ $labels.target }} got their session id back: the id is dropped or replaced before the router "
+            "sees it.",
+            keep_firing_for="2m",
+            labels={"source": "probe"},
+        ),
+        Alert(
+            "KVWatchSessionIdNotPropagated",
+            f"({keyless_share}) > {t.keyless_share_above}\n"
+            f"unless ({keyless_share}) <= {t.keyless_rise_factor} * ({keyless_share_an_hour_ago})",
+            "warning",
+            "Requests reach the gateway without a session key.",
+            "{{ $value | humanizePercentage }} of the requests on {{ $labels.log }} / {{ $labels.listener }} "
+            "carried no session key, far more than an hour ago: clients stopped sending it.",
+            for_="5m",
+            labels={"source": "gateway_log"},
+        ),
+        Alert(
+            "KVWatchGatewaySessionsSpread",
+            f"{gateway_spread(by)} > {t.spread_share_above}\n"
+            f"and on({by.listener}) sum by ({by.listener}) (kvwatch_gateway_returning_sessions)"
+            f" >= {t.min_returning_sessions}\n"
+            f"and {watched_listeners(by)}",
+            "critical",
+            "Real sessions through a sticky gateway listener are served by several replicas.",
+            "{{ $value | humanizePercentage }} of the sessions that came back to {{ $labels.log }} / "
+            "{{ $labels.listener }} within the spread window were served by more than one replica, with no "
+            "failover to explain it: the gateway no longer pins sessions to the replica holding their cache.",
+            for_=t.spread_for,
+        ),
+    )
+
+
+def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Whether the engines' prefix caches serve what they should."""
+
+    def baseline(ratio: str) -> str:
+        """The ratio's own average over the hour before the last 10 minutes."""
+        return f"avg_over_time({ratio}[1h] offset 10m)"
+
+    instance, cluster, name = by.instance, by.keeping(), instance_name(by)
+    # A minute of prompt tokens without a single lookup: prefix caching is off (a restart gives no lookups
+    # to the window from the moment the samples before it are a minute old).
+    prompt_rate = first_of("vllm:prompt_tokens_total", by=instance, window="1m")
+    lookup_rate = first_of(
+        "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total", by=instance, window="1m"
+    )
+    cluster_prompt_tokens = _cluster_prompt_tokens(by)
+    engines = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
+    return (
+        Alert(
+            "KVWatchPrefixCacheHitRateDrop",
+            f"({CLUSTER_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(CLUSTER_HIT_RATIO)}\n"
+            f"  or {CLUSTER_HIT_RATIO} < {t.hit_ratio_floor})\n"
+            f"and on({cluster}) {cluster_prompt_tokens} > {t.min_prompt_tokens_per_second}",
+            "warning",
+            "The cluster's prefix-cache hit ratio dropped.",
+            "The cluster serves only {{ $value | humanizePercentage }} of its prompt tokens from cached KV, "
+            "well below its own average of the previous hour or under the floor.",
+            for_=t.hit_ratio_drop_for,
+            labels={"scope": "cluster"},
+        ),
+        Alert(
+            "KVWatchPrefixCacheHitRateDrop",
+            f"({INSTANCE_HIT_RATIO} < {t.hit_ratio_drop_factor} * {baseline(INSTANCE_HIT_RATIO)}\n"
+            f"  or {INSTANCE_HIT_RATIO} < {t.hit_ratio_floor})\n"
+            f"and on({instance}) {INSTANCE_PROMPT_TOKENS} > {t.min_prompt_tokens_per_second}",
+            "warning",
+            "An instance's prefix-cache hit ratio dropped.",
+            f"{name} serves only {{{{ $value | humanizePercentage }}}} of its prompt tokens from "
+            "cached KV, well below its own average of the previous hour or under the floor.",
+            for_=t.hit_ratio_drop_for,
+            labels={"scope": "instance"},
+        ),
+        Alert(
+            "KVWatchWarmRoundNoGain",
+            f"{warm_cold_ratio(by)} > {t.warm_cold_ratio_above}\nand {watched_routes(by)}",
+            "warning",
+            "Warm rounds are not faster than the first round on a sticky route.",
+            "Through {{ $labels.target }}, rounds 2+ take {{ $value | humanizePercentage }} of round 1's "
+            "time to first token: their history is not reused.",
+            for_=t.warm_round_for,
+        ),
+        Alert(
+            "KVWatchPrefixCachingDisabled",
+            f"{prompt_rate} > 0\nand on({instance}) ({lookup_rate}) == 0",
+            "warning",
+            "An instance serves prompts without looking up its prefix cache.",
+            f"{name} processes prompt tokens while its prefix-cache lookups stay flat: prefix "
+            "caching is off there.",
+            for_="30s",
+            keep_firing_for="5m",  # sparse traffic must not make it flap
+            labels={"evidence": "lookups"},
+        ),
+        Alert(
+            "KVWatchPrefixCachingDisabled",
+            f'max by ({instance}) (vllm:cache_config_info{{enable_prefix_caching="False"}}) == 1',
+            "warning",
+            "An instance runs with prefix caching disabled.",
+            f"{name} reports enable_prefix_caching=False: start it with prefix caching on.",
+            labels={"evidence": "config"},
+        ),
+        Alert(
+            "KVWatchEngineCacheMetricsMissing",
+            f"group by ({instance}) ({engines})\nunless on({instance}) {INSTANCE_CACHE_SERIES}",
+            "warning",
+            "An engine exports none of the prefix-cache series kvwatch reads.",
+            f"{name} ({{{{ $labels.job }}}}) is a vLLM or SGLang engine but exports none of the "
+            "prefix-cache series kvwatch reads: a renamed metric, or a pipeline that rewrote ':' to '_', "
+            "would make the hit-ratio panels empty.",
+            for_="10m",
+        ),
+    )
+
+
+def _probe_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Whether the probe runs, is let in, and reaches its targets."""
+
+    def probe_errors(auth_match: str) -> str:
+        selector = f'kind{auth_match}"unauthorized|forbidden"'
+        return f"sum by ({by.route}, kind) (increase(kvwatch_probe_errors_total{{{selector}}}[3m]))"
+
+    name = instance_name(by)
+    return (
+        Alert(
+            "KVWatchProbeFailing",
+            f"{probe_errors('!~')} > 0",
+            "warning",
+            "Probe rounds fail.",
+            "Probe rounds through {{ $labels.target }} failed with {{ $labels.kind }} in the last 3 minutes.",
+            for_="1m",
+        ),
+        Alert(
+            "KVWatchProbeUnauthorized",
+            f"{probe_errors('=~')} > 0",
+            "critical",
+            "The probe's API key is refused.",
+            "{{ $labels.target }} answers {{ $labels.kind }} to the probe: the key is missing, wrong, "
+            "expired or not allowed to use the model.",
+        ),
+        Alert(
+            "KVWatchProbeStale",
+            f"time() - {per_route('max', 'kvwatch_probe_last_run_timestamp_seconds', by)}\n"
+            f"  > {t.probe_stale_intervals} * {per_route('max', 'kvwatch_probe_interval_seconds', by)}",
+            "warning",
+            "Probe results are stale.",
+            "The last probe run through {{ $labels.target }} finished {{ $value | humanizeDuration }} ago: "
+            "the scheduler is stuck or overloaded.",
+        ),
+        Alert(
+            "KVWatchTargetDown",
+            "up == 0",
+            "critical",
+            "A scrape target is down.",
+            f"{{{{ $labels.job }}}} / {name} has not answered Prometheus's scrapes.",
+            for_="1m",
+        ),
+    )
+
+
+def _load_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Load balance, routers' predictions, kvwatch's own store, and the pipeline's heartbeat."""
+    instance, cluster, cluster_prompt_tokens = by.instance, by.keeping(), _cluster_prompt_tokens(by)
+    return (
+        Alert(
+            "KVWatchReplicaLoadImbalance",
+            f"{CLUSTER_LOAD_IMBALANCE} > {t.load_imbalance_above}",
+            "info",
+            "Requests are spread unevenly over the replicas.",
+            'The busiest replica serves {{ $value | printf "%.1f" }} times the mean: consistent hashing '
+            "trades balance for cache reuse; check that it is not one hot session key.",
+            for_=t.load_imbalance_for,
+        ),
+        Alert(
+            "KVWatchRouterPredictionMiss",
+            f"{INSTANCE_ROUTER_DELIVERED_PER_PREDICTED} < {t.delivered_per_predicted_below}\n"
+            f"and on({instance}) {INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > {t.router_predicted_above}\n"
+            f"and on({instance}) {INSTANCE_ROUTER_PREDICTIONS} > {t.min_router_predictions_per_second}\n"
+            f"and on({cluster}) {cluster_prompt_tokens} > {t.min_prompt_tokens_per_second}",
+            "warning",
+            "A router predicts prefix reuse that the engines do not deliver.",
+            "{{ $labels.instance }} ({{ $labels.job }}) routes requests where its index predicts most of "
+            "their prefix cached, but the engines serve only {{ $value | humanizePercentage }} of that "
+            "prediction from cached KV: its index has drifted from the engines' caches, or caching is off.",
+            for_=t.prediction_miss_for,
+        ),
+        Alert(
+            "KVWatchStoreWritesDropped",
+            f"sum by ({instance}, reason) (increase(kvwatch_store_writes_dropped_total[10m])) > 0",
+            "warning",
+            "Writes to the kvwatch store were dropped.",
+            "{{ $labels.instance }} dropped store writes in the last 10 minutes ({{ $labels.reason }}): "
+            "probe sessions or received alerts are missing from the history the dashboard shows.",
+        ),
+        Alert(
+            "KVWatchStoreWritesRetried",
+            f"sum by ({instance}) (increase(kvwatch_store_write_retries_total[2m])) > 0",
+            "warning",
+            "The kvwatch store keeps refusing writes.",
+            "{{ $labels.instance }} has retried store writes for 5 minutes: the store is locked by another "
+            "process, or its disk is full or failing; a write is dropped once its retries run out.",
+            for_="5m",
+        ),
+        Alert(
+            "Watchdog",
+            "vector(1)",
+            "none",
+            "The kvwatch alerting pipeline is alive.",
+            "Always firing: if it stops arriving, Prometheus, Alertmanager or the route to you is broken.",
+        ),
+    )
+
+
+ALERTS = alerts(THRESHOLDS, Grouping())

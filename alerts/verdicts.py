@@ -1,0 +1,84 @@
+"""What the Streamlit pages and the Grafana boards say of a route, a gateway listener or the cluster: the
+state of the alert that watches it, computed from the alert's own expression, so that a page is red
+exactly when the alert fires, never by a threshold of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwatch.alerts.alerts import ALERTS, Alert
+from kvwatch.prometheus.queries import (
+    CLUSTER_HIT_RATIO,
+    CLUSTER_LOAD_IMBALANCE,
+    GATEWAY_SPREAD,
+    INSTANCE,
+    INSTANCE_HIT_RATIO,
+    INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    LISTENER,
+    ROUTE,
+    STICKY_RATIO,
+    WARM_COLD_RATIO,
+    WATCHED_LISTENERS,
+    WATCHED_ROUTES,
+)
+
+OK, PENDING, FIRING = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the alert watching `signal` says of each thing it judges, as one query for every page."""
+
+    alert: Alert
+    signal: str  # what the alert compares with its threshold, one series per `by`
+    by: str  # the labels naming what is judged; "" for the cluster
+    watched: str | None = None  # the `and` filter keeping only what the alert watches
+
+    def alerts(self, alertstate: str) -> str:
+        """The alert's own series in Prometheus in that state (firing also while `keep_firing_for`
+        holds it): the page reads the rule's evaluation instead of repeating its expression, so it
+        agrees with the alert under any rule windows (the lab scales them)."""
+        labels = {"alertname": self.alert.name, "alertstate": alertstate, **(self.alert.labels or {})}
+        return "ALERTS{" + ", ".join(f'{name}="{value}"' for name, value in labels.items()) + "}"
+
+    @property
+    def state(self) -> str:
+        """FIRING while the alert fires; PENDING while its condition holds for less than its `for`; OK
+        where it judges the signal and finds nothing wrong; no sample where it has nothing to judge."""
+        group = f"group by ({self.by})"  # by () for the cluster, so that the boards can add their label
+        judged = f"{self.signal}\nand {self.watched}" if self.watched else self.signal
+        return (
+            f"{FIRING} * {group} ({self.alerts('firing')})\n"
+            f"or {PENDING} * {group} ({self.alerts('pending')})\n"
+            f"or {OK} * {group} ({judged})"
+        )
+
+
+def _alert(name: str, **labels: str) -> Alert:
+    """The alert of that name, and of those labels where one name has several rules."""
+    (found,) = (a for a in ALERTS if a.name == name and labels.items() <= (a.labels or {}).items())
+    return found
+
+
+ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, WATCHED_ROUTES)
+ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
+LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)
+CLUSTER_HIT_RATIO_DROP = Verdict(
+    _alert("KVWatchPrefixCacheHitRateDrop", scope="cluster"), CLUSTER_HIT_RATIO, ""
+)
+INSTANCE_HIT_RATIO_DROP = Verdict(
+    _alert("KVWatchPrefixCacheHitRateDrop", scope="instance"), INSTANCE_HIT_RATIO, INSTANCE
+)
+LOAD_IMBALANCE = Verdict(_alert("KVWatchReplicaLoadImbalance"), CLUSTER_LOAD_IMBALANCE, "")
+ROUTER_PREDICTION_MISS = Verdict(
+    _alert("KVWatchRouterPredictionMiss"), INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, INSTANCE
+)
+VERDICTS = (
+    ROUTE_STICKY,
+    ROUTE_WARM_ROUNDS,
+    LISTENER_SPREAD,
+    CLUSTER_HIT_RATIO_DROP,
+    INSTANCE_HIT_RATIO_DROP,
+    LOAD_IMBALANCE,
+    ROUTER_PREDICTION_MISS,
+)

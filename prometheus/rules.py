@@ -1,0 +1,299 @@
+"""The recording rules, and the rule files they and the alerts are written to.
+
+prometheus/rules/, alerts/kvwatch.rules.yml and deploy/k8s/prometheusrule.yaml are generated from
+`rule_files()` by `kvwatch generate` (`make generate`; a test fails when the committed files are stale).
+The expressions and series names come from prometheus/queries.py, the thresholds from
+prometheus/thresholds.py. Rules are `level:metric:operations`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from kvwatch.alerts.alerts import Alert, alerts
+from kvwatch.prometheus.queries import (
+    CACHED_BY_SOURCE,
+    CLUSTER_HIT_RATIO,
+    CLUSTER_LABEL,
+    CLUSTER_LOAD_IMBALANCE,
+    DELIVERED,
+    ENGINE_CACHE_SERIES,
+    ENGINE_TTFT,
+    FINISHED_REQUESTS,
+    GATEWAY_SPREAD_SHARE,
+    INSTANCE_CACHE_SERIES,
+    INSTANCE_CACHED_BY_SOURCE,
+    INSTANCE_REQUEST_SHARE,
+    INSTANCE_REQUESTS,
+    INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_PIN_KEPT,
+    INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+    INSTANCE_ROUTER_PREDICTIONS,
+    INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+    INSTANCE_TTFT,
+    LMCACHE,
+    LOCAL,
+    PREFIX_MATCH_DECISIONS,
+    QUANTILES,
+    ROUTER_PREDICTED_HIT_RATIOS,
+    SMG_BRANCHES,
+    TTFT_BUCKETS,
+    WINDOW,
+    Grouping,
+    TokenRatio,
+    first_of,
+)
+from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
+
+
+@dataclass(frozen=True)
+class Rule:
+    record: str
+    expr: str
+    labels: dict[str, str] | None = None
+
+
+def token_ratio_rules(ratio: TokenRatio, by: Grouping) -> tuple[Rule, ...]:
+    """A token-weighted ratio's rules: its rates and its ratio per instance, its ratio per cluster."""
+    total, hits, cluster = ratio.instance_total, ratio.instance_hits, by.keeping()
+    hit_rate = first_of(*ratio.hit_counters, by=by.instance)
+    if ratio.zero_hits_until_created:
+        hit_rate += f"\n  or 0 * {first_of(ratio.zero_hits_until_created, by=by.instance)}"
+    instance_ratio = f"{hits} / ({total} > 0)"
+    if ratio.gauge:
+        instance_ratio += f"\n  or max by ({by.instance}) ({ratio.gauge} >= 0)"
+    return (
+        Rule(total, first_of(*ratio.total_counters, by=by.instance)),
+        # min(hit rate, total rate), on instances that have both
+        Rule(hits, f"{total} - clamp_min({total} - (\n  {hit_rate}\n), 0)"),
+        Rule(ratio.instance_ratio, instance_ratio),
+        Rule(
+            ratio.cluster_ratio,
+            f"sum by ({cluster}) ({hits}) / (sum by ({cluster}) ({total} and {hits}) > 0)",
+        ),
+    )
+
+
+def _ttft_buckets(by: str) -> str:
+    parts = [f"sum by ({by}, le) (rate({name}[{WINDOW}]))" for name in TTFT_BUCKETS]
+    return "\n  or ".join(parts)
+
+
+def _engine_ttft_buckets(by: Grouping) -> str:
+    """TTFT bucket rates summed per engine family, over the bounds every instance of the family in the
+    cluster has.
+
+    vLLM and SGLang buckets differ, and so do two vLLM instances' when one sets its own
+    (--custom-histogram-buckets): a bound that only some instances have would mix counts of different
+    ranges, so only the shared bounds (always at least +Inf) are summed. Exact, only coarser.
+    """
+
+    cluster, cluster_le = by.keeping(), by.keeping("le")
+
+    def shared_bounds(name: str) -> str:
+        buckets = f"sum by ({by.instance}, le) (rate({name}[{WINDOW}]))"
+        instances = f"count by ({cluster}) (count by ({by.instance}) ({buckets}))"
+        everywhere = f"count by ({cluster_le}) ({buckets}) == on({cluster}) group_left() {instances}"
+        shared = f"sum by ({cluster_le}) ({buckets} and on({cluster_le}) ({everywhere}))"
+        return f'label_replace({shared}, "engine", "{name.split(":")[0]}", "", "")'
+
+    return "\n  or ".join(map(shared_bounds, TTFT_BUCKETS))
+
+
+def _cached_by_source(instance: str) -> str:
+    """Each instance's cached-token rate per source, from its engine's finest split only."""
+
+    def by_source(selector: str, label: str, regex: str) -> str:
+        rate = f"rate({selector}[{WINDOW}])"
+        if label != "source":
+            rate = f'label_replace({rate}, "source", "$1", "{label}", "{regex}")'
+        return f"sum by ({instance}, source) ({rate})"
+
+    return f"\n  or on({instance}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
+
+
+def recording_rules(by: Grouping) -> tuple[Rule, ...]:
+    instance, cluster, requests = by.instance, by.keeping(), INSTANCE_REQUESTS
+    return (
+        *token_ratio_rules(DELIVERED, by),
+        *token_ratio_rules(LOCAL, by),
+        *token_ratio_rules(LMCACHE, by),
+        Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source(instance)),
+        *(
+            Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(instance)})", {"quantile": q})
+            for q in QUANTILES
+        ),
+        *(
+            Rule(ENGINE_TTFT, f"histogram_quantile({q}, {_engine_ttft_buckets(by)})", {"quantile": q})
+            for q in QUANTILES
+        ),
+        Rule(requests, first_of(*FINISHED_REQUESTS, by=instance)),
+        Rule(
+            INSTANCE_REQUEST_SHARE,
+            f"{requests}\n  / on({cluster}) group_left() (sum by ({cluster}) ({requests}) > 0)",
+        ),
+        Rule(
+            CLUSTER_LOAD_IMBALANCE,
+            f"max by ({cluster}) ({requests}) / (avg by ({cluster}) ({requests}) > 0)",
+        ),
+        Rule(
+            INSTANCE_CACHE_SERIES,
+            f"group by ({instance}, series) ("
+            + 'label_replace({__name__=~"'
+            + "|".join(ENGINE_CACHE_SERIES)
+            + '"}, "series", "$1", "__name__", "(.+)"))',
+        ),
+    )
+
+
+RECORDING_RULES = recording_rules(Grouping())
+
+
+# Real users' sessions, from the gateway access logs (collectors/gatewaylogs/follower.py): of the
+# sessions that came back within the spread window, the share served by more than one upstream, by whether
+# a failover moved them.
+def gateway_rules(by: Grouping) -> tuple[Rule, ...]:
+    listener = by.listener
+    return (
+        Rule(
+            GATEWAY_SPREAD_SHARE,
+            f"sum by ({listener}, failover) (kvwatch_gateway_session_spread_sessions)\n"
+            f"  / on({listener}) group_left()\n"
+            f"  (sum by ({listener}) (kvwatch_gateway_returning_sessions) > 0)",
+        ),
+    )
+
+
+GATEWAY_RULES = gateway_rules(Grouping())
+
+
+def _share_of(part: str, rest: str, instance: str) -> str:
+    """Per instance, the rate of `part` over that of `part` and `rest` together. Routers create a counter
+    on its first event, so a missing side counts 0; without traffic on either there is no sample."""
+    part_rate, rest_rate = first_of(part, by=instance), first_of(rest, by=instance)
+    part_or_0 = f"({part_rate}\n  or 0 * {rest_rate})"
+    return f"{part_or_0}\n  / ({part_or_0}\n  + ({rest_rate}\n  or 0 * {part_rate}) > 0)"
+
+
+def router_rules(by: Grouping) -> tuple[Rule, ...]:
+    instance = by.instance
+    predictions, predicted_sums = (
+        first_of(*(f"{name}_{part}" for name in ROUTER_PREDICTED_HIT_RATIOS), by=instance)
+        for part in ("count", "sum")
+    )
+    return (
+        Rule(
+            INSTANCE_ROUTER_PIN_KEPT,
+            _share_of(
+                f'{SMG_BRANCHES}{{branch="occupied_hit"}}',
+                f'{SMG_BRANCHES}{{branch="occupied_miss"}}',
+                instance,
+            ),
+        ),
+        Rule(
+            INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+            "\nor ".join(_share_of(*pair, instance) for pair in PREFIX_MATCH_DECISIONS),
+        ),
+        Rule(INSTANCE_ROUTER_PREDICTIONS, predictions),
+        Rule(
+            INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
+            f"({predicted_sums})\n  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",
+        ),
+        Rule(
+            INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+            f"{CLUSTER_HIT_RATIO}\n  / on({by.keeping()}) group_right()"
+            f" ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
+        ),
+    )
+
+
+ROUTER_RULES = router_rules(Grouping())
+# The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
+WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES)
+
+
+def rule_files(
+    cluster_label: str = CLUSTER_LABEL, t: Thresholds = THRESHOLDS
+) -> dict[str, tuple[str, tuple[Rule | Alert, ...]]]:
+    """Repository path -> (group, rules) of every rule file, aggregating by `cluster_label`, the alerts
+    judging by `t`: the committed files use the defaults, `kvwatch generate` writes them for others."""
+    by = Grouping(cluster_label)
+    return {
+        "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", recording_rules(by)),
+        "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", gateway_rules(by)),
+        "prometheus/rules/kvwatch-routers.yml": ("kvwatch-routers", router_rules(by)),
+        "alerts/kvwatch.rules.yml": ("kvwatch-alerts", alerts(t, by)),
+    }
+
+
+RULE_FILES = rule_files()
+
+
+HEADER = "# Generated by `kvwatch generate` (prometheus/rules.py, alerts/alerts.py); do not edit.\n"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line PromQL as YAML block scalars, so the rule files stay readable."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+    ),
+)
+
+
+def _expr(expr: str) -> str:
+    return expr + "\n" if "\n" in expr else expr
+
+
+def _rule(rule: Rule) -> dict:
+    entry = {"record": rule.record, "expr": _expr(rule.expr)}
+    if rule.labels:
+        entry["labels"] = rule.labels
+    return entry
+
+
+def _alert(alert: Alert) -> dict:
+    entry = {"alert": alert.name, "expr": _expr(alert.expr), "for": alert.for_}
+    if alert.keep_firing_for:
+        entry["keep_firing_for"] = alert.keep_firing_for
+    entry["labels"] = {"severity": alert.severity, **(alert.labels or {})}
+    entry["annotations"] = {
+        "summary": alert.notification_summary,
+        "description": alert.description,
+        "runbook_url": alert.runbook_url,
+    }
+    return entry
+
+
+def rule_file(group: str, rules: tuple[Rule | Alert, ...]) -> str:
+    entries = [_alert(r) if isinstance(r, Alert) else _rule(r) for r in rules]
+    document = {"groups": [{"name": group, "rules": entries}]}
+    return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+def prometheus_rule(files: dict[str, tuple[str, tuple]]) -> str:
+    """Every rule group as one Kubernetes PrometheusRule (prometheus-operator), from the same source."""
+    groups = [yaml.safe_load(rule_file(group, rules))["groups"][0] for group, rules in files.values()]
+    document = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": "kvwatch",
+            "labels": {"app.kubernetes.io/name": "kvwatch", "role": "alert-rules"},
+        },
+        "spec": {"groups": groups},
+    }
+    return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+def rule_file_texts(cluster_label: str = CLUSTER_LABEL, t: Thresholds = THRESHOLDS) -> dict[str, str]:
+    """Repository path -> text of every rule file and of the Kubernetes PrometheusRule holding them all."""
+    files = rule_files(cluster_label, t)
+    texts = {path: rule_file(group, rules) for path, (group, rules) in files.items()}
+    texts["deploy/k8s/prometheusrule.yaml"] = prometheus_rule(files)
+    return texts

@@ -25,7 +25,7 @@ GRAFANA_SCHEMA := tools/grafana-schema
 GRAFANA_SCHEMA_STAMP := $(GRAFANA_SCHEMA)/node_modules/.kvwatch-installed
 LAB_WANTS_VLLM := $(or $(findstring --engine vllm,$(LAB_ARGS)),$(findstring --engine=vllm,$(LAB_ARGS)))
 
-.PHONY: bootstrap system-packages test-packages vllm grafana-schema up down test bench lint generate
+.PHONY: bootstrap system-packages test-packages vllm grafana-schema up down test test-unit bench lint generate
 
 bootstrap: system-packages $(STAMP)
 
@@ -58,6 +58,10 @@ down:
 
 test: bootstrap test-packages vllm grafana-schema
 	@sh scripts/test.sh $(BIN)/python
+
+# The inner loop: each package's unit tests, without the ones that start a lab or a real component.
+test-unit: bootstrap
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" tests/unit
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks

@@ -8,9 +8,10 @@
 set -u
 
 python=$1
-vllm_tests="tests/test_vllm_contract.py tests/test_vllm_lab.py"
-after_vllm="tests/test_alerts_lab.py tests/test_rules_lab.py tests/test_router_prediction.py tests/test_lab_envoy.py
-    tests/test_lab_envoy_maglev.py tests/test_lab_clusters.py"
+vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_lab.py"
+after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
+    tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py
+    tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py"
 log=test-artifacts/beside.log
 last_core=$(($(nproc) - 1))
 pin=""

@@ -1,4 +1,9 @@
-"""Shared fixtures: free loopback ports and real lab processes, always stopped by PID."""
+"""Shared fixtures: free loopback ports and real lab processes, always stopped by PID.
+
+The tests live in two trees: tests/unit/<package>/ (each kvwatch package's own tests, quick; `make
+test-unit`) and tests/integration/ (labs and real components). A test anywhere that starts a real
+component through a fixture here (a lab, a replica, a router, PostgreSQL) is marked `integration`, so
+that `make test-unit` leaves it out."""
 
 from __future__ import annotations
 
@@ -27,6 +32,12 @@ from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
+TESTDATA = REPO / "tests" / "testdata"
+# Test modules share helpers across the two trees (a payload, a parser): each test folder is importable.
+sys.path[:0] = sorted({str(p.parent) for p in (REPO / "tests").glob("*/**/test_*.py")})
+# Fixtures that start real components: a test that uses one is an integration test.
+INTEGRATION_FIXTURES = {"start_lab", "vllm_lab", "start_replica", "start_router", "start_smg", "postgres",
+                        "postgres_to_stop"}  # fmt: skip
 
 
 # One TLS context for the suite's own requests: httpx builds one per call otherwise, loading the CA
@@ -529,9 +540,13 @@ VLLM_LAB_RULE_TIME_SCALE = 0.25  # 30 s rate windows: a short burst of traffic f
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that needs the real-vLLM lab may be the one that waits for it to start."""
+    """A test that starts a real component is an integration test; one that needs the real-vLLM lab may
+    be the one that waits for it to start."""
     for item in items:
-        if "vllm_lab" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & INTEGRATION_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        if "vllm_lab" in fixtures:
             item.add_marker(pytest.mark.timeout(VLLM_LAB_START_TIMEOUT_S + 300))
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import free_base_port, free_port, http_get, stop, wait_http
+from conftest import TESTDATA, free_base_port, free_port, http_get, stop, wait_http
 from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
 from kvwatch.grafana import boards, panels
@@ -26,7 +26,7 @@ from kvwatch.lab.stack import prometheus_process
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus import queries
 
-ROUTERS = Path(__file__).parent / "testdata" / "routers"
+ROUTERS = TESTDATA / "routers"
 # Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky
 # decisions, its cache_aware policy (captured from the real SMG) its tree matches, and predicts too.
 ROUTER_EXPOSITIONS = {

@@ -33,6 +33,7 @@ def test_the_example_file_holds_the_defaults():
     assert load_thresholds(REPO / "examples" / "thresholds.yaml") == THRESHOLDS
 
 
+@pytest.mark.integration  # runs promtool
 def test_a_thresholds_file_moves_the_rules_alerts_and_boards(tmp_path):
     config = tmp_path / "thresholds.yaml"
     config.write_text(CHANGED)

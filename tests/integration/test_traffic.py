@@ -1,6 +1,6 @@
 """The lab's simulated users: probe sessions one after another, steered by the lab's control file.
 
-How a single conversation is run, timed and checked is the probe's (tests/test_probe.py).
+How a single conversation is run, timed and checked is the probe's (tests/unit/collectors/test_probe.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TESTDATA
 from kvwatch.collectors.probe import workload
 from kvwatch.collectors.probe.workload import (
     DEFAULT_SYSTEM_PROMPT,
@@ -21,7 +22,7 @@ from kvwatch.collectors.probe.workload import (
 )
 from kvwatch.core.tokenizer import split_words
 
-SAMPLE = Path(__file__).parent / "testdata" / "sharegpt-sample.json"
+SAMPLE = TESTDATA / "sharegpt-sample.json"
 
 
 def test_synthetic_conversations_share_one_system_prompt_and_have_their_own_turns():

@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import asynccontextmanager, suppress
 from itertools import pairwise
-from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import pytest
@@ -23,7 +22,7 @@ from aiohttp import web
 from loopback import QuietHandler, answering_bytes, loopback_http
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import REPO, free_port, http_get, http_post, kvwatch_bounded
+from conftest import REPO, TESTDATA, free_port, http_get, http_post, kvwatch_bounded
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.models import chosen_model
@@ -45,11 +44,9 @@ from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 from kvwatch.store.history import Store
 
-pytestmark = pytest.mark.integration
-
 MODEL = "lab-model"
 KEY = "kvw-secret-5f1c0e9a7d3b"  # distinctive, so a grep finds any leak
-SAMPLE = Path(__file__).parent / "testdata" / "sharegpt-sample.json"
+SAMPLE = TESTDATA / "sharegpt-sample.json"
 SMALL = f"--model {MODEL} --system-tokens 50 --turn-tokens 10 --max-tokens 8".split()  # a quick CLI run
 HEALTHY = {"api_keys": None, "expired_keys": [], "error_rate": 0.0, "extra_latency_s": 0.0}
 

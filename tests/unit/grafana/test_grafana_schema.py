@@ -6,7 +6,7 @@ TypeScript types only, so tools/grafana-schema/check.mjs type-checks each board 
 compiler.
 
 Lint: Grafana's dashboard-linter is a Go tool released as GitHub binaries, which cannot be installed
-here, so its rules that tests/test_grafana.py does not already check are re-implemented below on the
+here, so its rules that tests/unit/grafana/test_grafana.py does not already check are re-implemented below on the
 parsed PromQL (promql-parser), the way its Go code applies them. Where a rule does not fit a kvwatch
 board, an exclusion below says why.
 """
@@ -76,12 +76,14 @@ def schema_check(tmp_path_factory) -> tuple[str, Path, dict[str, int]]:
     return result.stdout + result.stderr, broken, mistakes
 
 
+@pytest.mark.integration  # runs Node with Grafana's published schema
 def test_every_board_fits_grafanas_schema(schema_check):
     output, broken, _ = schema_check
     errors = [line for line in output.splitlines() if not line.startswith(str(broken))]
     assert errors == [], output
 
 
+@pytest.mark.integration  # runs Node with Grafana's published schema
 def test_the_schema_check_finds_each_mistake_in_every_release(schema_check):
     output, broken, mistakes = schema_check
     releases = [spec.split("@")[-1] for spec in json.loads((SCHEMA_TOOL / "package.json").read_text())[

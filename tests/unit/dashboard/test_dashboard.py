@@ -1294,6 +1294,7 @@ class Clusters(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.integration
 def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, monkeypatch):
     """One real Prometheus scraping two clusters (the target label `cluster`, as external_labels or
     relabelling set it): the clusters are listed, and each cluster's read holds its series alone. The

@@ -81,6 +81,7 @@ def test_make_generate_passes_its_runbook_url_variable_to_the_generator():
 
 
 @pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+@pytest.mark.integration  # runs promtool
 def test_promtool_accepts_the_rules(path: Path):
     result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -92,6 +93,7 @@ def test_every_rules_file_has_a_promtool_test_file(path: Path):
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
+@pytest.mark.integration  # runs promtool
 def test_promtool_unit_tests_pass(path: Path):
     result = promtool("test", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -140,6 +142,7 @@ MATCHING = re.compile(r"\b(on|ignoring)\s*\(([^)]*)\)")
 
 
 @pytest.mark.parametrize("label", ["cluster", "region"])
+@pytest.mark.integration  # runs promtool
 def test_every_aggregation_and_join_keeps_the_cluster_label(label, tmp_path):
     """No rule or alert may merge two clusters: each `by (...)` and `on(...)` lists the label (the alert
     templates' replica look-up too), so a cluster's sum is its own and a join matches within a cluster."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_port, kvwatch_bounded
+from conftest import REPO, free_port, kvwatch_bounded
 from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.cli import main
 from kvwatch.core.config import (
@@ -34,7 +34,6 @@ from kvwatch.core.config import (
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.prometheus import queries
 
-REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, SHARED, Replica, free_port, http_get, stop
+from conftest import REPO, SHARED, TESTDATA, Replica, free_port, http_get, stop
 from kvwatch.collectors.engines import (
     Exposition,
     Snapshot,
@@ -31,7 +31,7 @@ from kvwatch.collectors.engines import (
 )
 
 SAMPLES = SHARED / "reference" / "samples"
-TESTDATA = Path(__file__).parent / "testdata"
+TESTDATA = TESTDATA
 ROUTERS = TESTDATA / "routers"
 BLOCK = 16  # the lab's default prefix-cache block size
 LAB_ARGS = ("--time-scale", "0.05", "--answer-tokens", "8")

@@ -106,7 +106,7 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(lab):
     about = [
         WORKLOAD.describe(),
         f"The lab: {REPLICAS} replicas behind nginx, replica time scale {TIME_SCALE} "
-        "(`tests/test_lab_experiment.py`).",
+        "(`tests/integration/test_lab_experiment.py`).",
     ]
     write_outputs(experiment, ARTIFACTS, about)
 

@@ -3,8 +3,6 @@ before it have resolved at the webhook and their Alertmanager groups are gone.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
@@ -26,9 +24,10 @@ from benchmarks.bench_detection import (
     unexpected,
     unresolved,
 )
+from conftest import REPO
 from kvwatch.lab.configs import scale_durations
 
-REPO_ALERTS = Path(__file__).resolve().parent.parent / "alerts"
+REPO_ALERTS = REPO / "alerts"
 SHIPPED_ROUTE = yaml.safe_load((REPO_ALERTS / "alertmanager.yml").read_text())["route"]
 
 

@@ -9,16 +9,15 @@ import importlib
 import inspect
 import pkgutil
 import re
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from conftest import REPO
 from kvwatch.core.errors import KVWatchError, QueryRefused, UnexpectedAnswer, Unreachable
 from kvwatch.core.promapi import PrometheusApi
 
-REPO = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(
     p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name not in {"tests", "tools"}
 )

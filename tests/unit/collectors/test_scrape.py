@@ -11,20 +11,19 @@ import json
 import re
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
 from test_engines import sgl_router_0_2
 
-from conftest import free_port, kvwatch
+from conftest import TESTDATA, free_port, kvwatch
 from kvwatch.cli.main import build_parser, main
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import metrics_url, scrape
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Prefill
 
-TESTDATA = Path(__file__).parent / "testdata"
+TESTDATA = TESTDATA
 JSON_KEYS = [
     "source",
     "flavour",

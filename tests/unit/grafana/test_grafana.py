@@ -293,6 +293,7 @@ def test_the_import_variant_is_the_provisioned_board_plus_inputs():
         assert variant == load(provisioned)
 
 
+@pytest.mark.integration  # runs promtool
 def test_every_panel_query_is_valid_promql(tmp_path: Path):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make bootstrap` installs Debian's prometheus package"
@@ -324,7 +325,7 @@ def test_provisioning_files():
 WINDOW = "30s"
 AFFINITY_TARGET = "lab-affinity"
 AFFINITY_LISTENER = {"log": "affinity", "listener": "affinity"}
-# The lab runs no router: tests/test_router_prediction.py proves these panels against a replayed one.
+# The lab runs no router: tests/integration/test_router_prediction.py proves these panels against a replayed one.
 ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from benchmarks.history import Fleet, backfill_order, write_openmetrics
@@ -48,6 +49,7 @@ def test_each_family_is_written_once_with_every_scrape_timed_and_labelled(tmp_pa
     assert written == 2 * (1 + 1 + 4)
 
 
+@pytest.mark.integration  # runs promtool
 def test_promtool_backfills_what_it_writes(tmp_path):
     fleet = Fleet(2)
     write_openmetrics(tmp_path / "scrapes.om", fleet.scrapes(1_800_000_000, 1_800_000_600, 30))

@@ -164,6 +164,7 @@ def spot_checks(scenario: Scenario) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.integration  # runs promtool
 def test_a_verdict_is_its_alerts_state(tmp_path: Path, name: str):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make bootstrap` installs Debian's prometheus package"

@@ -37,13 +37,13 @@ from kvwatch.grafana.panels import (
     NO_ROUTER_DATA,
     OVERVIEW,
     PROBE_MIN_INTERVAL,
-    ROUTE_LEGEND,
     Layout,
     cached_share_by_source,
     dashboard,
     heatmap,
     hit_ratio_by_instance,
     local_hit_ratio_by_instance,
+    probe_route_timeseries,
     request_share_by_instance,
     rounds_barchart,
     stat,
@@ -231,7 +231,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
     """Whether probe sessions stay on one replica, and what that saves them."""
     layout.row("Are sessions pinned?")
     layout.add(
-        timeseries(
+        probe_route_timeseries(
             "Sticky probe sessions",
             "Share of probe sessions whose rounds all landed on one replica (sessions without evidence "
             "either way are left out), over the rate window: a trend over more runs than the alert's, "
@@ -239,13 +239,10 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "Good: 100 % on a sticky route. Bad: below 100 % there: the gateway lost the session "
             "pinning (round robin back, session header dropped, hash key not the session id). A "
             "round-robin route sits near 0 %.",
-            [target(queries.PROBE_STICKY_SHARE, ROUTE_LEGEND)],
+            queries.PROBE_STICKY_SHARE,
             unit="percentunit",
             max_value=1,
-            no_value=NO_PROBE_DATA,
             alert="KVWatchSessionAffinityBroken",
-            interval=PROBE_MIN_INTERVAL,
-            drilldown="target",
         ),
         6,
     )
@@ -267,34 +264,28 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
         6,
     )
     layout.add(
-        timeseries(
+        probe_route_timeseries(
             "Backend switches per probe session",
             "How often consecutive rounds of a probe session changed replica.\n\n"
             "Good: 0 on a sticky route. Bad: above 0 there, up to rounds - 1 when every round lands "
             "elsewhere, as on a round-robin route.",
-            [target(queries.PROBE_BACKEND_SWITCHES_PER_SESSION, ROUTE_LEGEND)],
+            queries.PROBE_BACKEND_SWITCHES_PER_SESSION,
             unit="short",
-            no_value=NO_PROBE_DATA,
             alert="KVWatchSessionAffinityBroken",
-            interval=PROBE_MIN_INTERVAL,
-            drilldown="target",
         ),
         6,
     )
     layout.add(
-        timeseries(
+        probe_route_timeseries(
             "Warm / cold TTFT ratio",
             "Median TTFT of rounds 2+ over round 1's, per probe route, in each run: the gauge the alert "
             "judges.\n\n"
             "Good: well below 100 % on a sticky route: warm rounds reuse their history (the alert fires "
             f"above {t.warm_cold_ratio_above:.0%} for {judged_by(ROUTE_WARM_ROUNDS, t).alert.for_}). Bad: "
             "near or above 100 %: every round prefills the whole conversation, as on the round-robin route.",
-            [target(queries.WARM_COLD_TTFT_RATIO, ROUTE_LEGEND)],
+            queries.WARM_COLD_TTFT_RATIO,
             unit="percentunit",
-            no_value=NO_PROBE_DATA,
             alert="KVWatchWarmRoundNoGain",
-            interval=PROBE_MIN_INTERVAL,
-            drilldown="target",
         ),
         6,
     )
@@ -304,19 +295,16 @@ def _session_keys_row(layout: Layout) -> None:
     """Reuse per probe round, the session keys the gateway sees, and the load share."""
     layout.row("Reuse and session keys")
     layout.add(
-        timeseries(
+        probe_route_timeseries(
             "Affinity efficiency (cached / ideal tokens)",
             "Prompt tokens the engine reported cached in rounds 2+, over what a perfectly pinned replica "
             "would have cached (the previous round's prompt and answer, block-aligned).\n\n"
             "Good: near 100 % on an affinity route. Bad: falling towards the shared system prompt's share "
             "of the prompt: the history is recomputed on another replica; falling on every route: the KV "
             "cache evicts too early, or prefix caching is off.",
-            [target(queries.AFFINITY_EFFICIENCY, ROUTE_LEGEND)],
+            queries.AFFINITY_EFFICIENCY,
             unit="percentunit",
-            no_value=NO_PROBE_DATA,
             alert="KVWatchSessionAffinityBroken",
-            interval=PROBE_MIN_INTERVAL,
-            drilldown="target",
         ),
         8,
     )

@@ -118,6 +118,35 @@ def timeseries(
     return panel
 
 
+def probe_route_timeseries(title: str, description: str, expr: str, **options: Any) -> JSON:
+    """A probe signal per route, at the probe's pace, linked to the target's drill-down board."""
+    return timeseries(
+        title,
+        description,
+        [target(expr, ROUTE_LEGEND)],
+        no_value=NO_PROBE_DATA,
+        interval=PROBE_MIN_INTERVAL,
+        drilldown="target",
+        **options,
+    )
+
+
+def instance_share_timeseries(
+    title: str, description: str, targets: list[JSON], *, no_value: str = NO_ENGINE_DATA, **options: Any
+) -> JSON:
+    """Each engine instance's share, from 0 to 100 %, linked to the instance's drill-down board."""
+    return timeseries(
+        title,
+        description,
+        targets,
+        unit="percentunit",
+        max_value=1,
+        no_value=no_value,
+        drilldown="instance",
+        **options,
+    )
+
+
 def stat(
     title: str, description: str, targets: list[JSON], *, steps: list[tuple[str, float | None]], **options
 ) -> JSON:
@@ -253,7 +282,7 @@ def state_timeline(title: str, description: str, targets: list[JSON], **options:
 
 
 def hit_ratio_by_instance() -> JSON:
-    return timeseries(
+    return instance_share_timeseries(
         "Hit ratio per instance (cached / prompt tokens)",
         "Each instance's prompt tokens served from cached KV (its prefix cache, host memory, disk or "
         "another instance) over all its prompt tokens, token-weighted, vLLM and SGLang alike, with the "
@@ -263,16 +292,12 @@ def hit_ratio_by_instance() -> JSON:
         "reach the replica holding their history, or a timestamp leads the prompt), or one instance far "
         "below the rest (prefix caching off there, or just restarted)." + FIXED_WINDOW,
         [target(queries.HIT_RATIO_BY_INSTANCE, "{{instance}}"), target(queries.CLUSTER_HIT_RATIO, "cluster")],
-        unit="percentunit",
-        max_value=1,
-        no_value=NO_ENGINE_DATA,
         alert="KVWatchPrefixCacheHitRateDrop",
-        drilldown="instance",
     )
 
 
 def local_hit_ratio_by_instance() -> JSON:
-    return timeseries(
+    return instance_share_timeseries(
         "Local lookup ratio per instance (hits / lookups)",
         "The second figure beside the hit ratio: tokens found over tokens looked up in each engine's own "
         "prefix cache. vLLM stops looking up when caching is off, so such a replica drops out of this "
@@ -283,15 +308,11 @@ def local_hit_ratio_by_instance() -> JSON:
             target(queries.LOCAL_HIT_RATIO_BY_INSTANCE, "{{instance}}"),
             target(queries.CLUSTER_LOCAL_HIT_RATIO, "cluster"),
         ],
-        unit="percentunit",
-        max_value=1,
-        no_value=NO_ENGINE_DATA,
-        drilldown="instance",
     )
 
 
 def cached_share_by_source() -> JSON:
-    return timeseries(
+    return instance_share_timeseries(
         "Cached prompt tokens by source",
         "Each source's share of an instance's prompt tokens, as its engine names it (vLLM: device, host, "
         "disk, p2p, external; SGLang: device, host, storage): the hit ratio, split. Decode pods fed by KV "
@@ -299,25 +320,18 @@ def cached_share_by_source() -> JSON:
         "Good: the sources you deployed, steady. Bad: a source falling to 0 (an offload tier or the KV "
         "transfer stopped), or only the device where you expected more." + FIXED_WINDOW,
         [target(queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}")],
-        unit="percentunit",
-        max_value=1,
         no_value="No engine exports where its cached tokens came from",
-        drilldown="instance",
     )
 
 
 def request_share_by_instance() -> JSON:
-    return timeseries(
+    return instance_share_timeseries(
         "Request share per instance",
         "Each instance's share of the finished requests. Consistent hashing on the session id trades "
         "balance for cache reuse.\n\n"
         "Good: each near 1/N of N instances. Bad: one instance far above the rest (a hot session key, or "
         "replicas missing from the hash ring) or one at 0 (out of rotation)." + FIXED_WINDOW,
         [target(queries.REQUEST_SHARE_BY_INSTANCE, "{{instance}}")],
-        unit="percentunit",
-        max_value=1,
-        no_value=NO_ENGINE_DATA,
-        drilldown="instance",
     )
 
 

@@ -34,6 +34,15 @@ def show(alerts: pd.DataFrame, key: str) -> None:
     st.dataframe(named, hide_index=True, column_config=shown, key=key)
 
 
+def show_or_why_none(alerts: data.Result, key: str, why_none: str) -> None:
+    """The alerts, or what their absence means; a failed read says so itself."""
+    if not ui.failed(alerts):
+        if alerts.value.empty:
+            ui.empty(why_none)
+        else:
+            show(alerts.value, key)
+
+
 def runbooks(alerts: pd.DataFrame) -> None:
     """Each alert's runbook: a link that opens it, and kvwatch's own section in place."""
     for name, url in alerts[["alertname", "runbook_url"]].dropna().drop_duplicates("alertname").values:
@@ -47,26 +56,22 @@ def runbooks(alerts: pd.DataFrame) -> None:
 st.title("Alerts")
 st.subheader("Now, in Alertmanager")
 held = data.alerts()
-if not ui.failed(held):
-    if held.value.empty:
-        ui.empty(
-            "Alertmanager holds no alert: nothing is firing (not even Watchdog, so check that "
-            "Prometheus sends it alerts)."
-        )
-    else:
-        show(held.value, "alerts_now")
+show_or_why_none(
+    held,
+    "alerts_now",
+    "Alertmanager holds no alert: nothing is firing (not even Watchdog, so check that Prometheus sends "
+    "it alerts).",
+)
 
 st.subheader("Received by kvwatch's webhook")
 over = data.span(ui.time_range("alerts_range", default="1 day"))
 received = data.received_alerts(over.start)
-if not ui.failed(received):
-    if received.value.empty:
-        ui.empty(
-            "kvwatch's webhook received no alert in this range (Alertmanager sends to POST /alerts on "
-            "the exporter's address)."
-        )
-    else:
-        show(received.value, "alerts_received")
+show_or_why_none(
+    received,
+    "alerts_received",
+    "kvwatch's webhook received no alert in this range (Alertmanager sends to POST /alerts on the "
+    "exporter's address).",
+)
 
 shown = [r.value for r in (held, received) if not r.error and not r.value.empty]
 if shown:

@@ -1,4 +1,5 @@
-"""vLLM V1 engine metrics, as vLLM 0.32 exposes them (tests/integration/test_vllm_contract.py compares them with it)."""
+"""vLLM V1 engine metrics, as vLLM 0.32 exposes them (tests/integration/test_vllm_contract.py compares
+them with it)."""
 
 from __future__ import annotations
 

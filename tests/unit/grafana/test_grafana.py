@@ -325,7 +325,8 @@ def test_provisioning_files():
 WINDOW = "30s"
 AFFINITY_TARGET = "lab-affinity"
 AFFINITY_LISTENER = {"log": "affinity", "listener": "affinity"}
-# The lab runs no router: tests/integration/test_router_prediction.py proves these panels against a replayed one.
+# The lab runs no router: tests/integration/test_router_prediction.py proves these panels against a
+# replayed one.
 ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,

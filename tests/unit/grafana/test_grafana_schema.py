@@ -6,8 +6,8 @@ TypeScript types only, so tools/grafana-schema/check.mjs type-checks each board 
 compiler.
 
 Lint: Grafana's dashboard-linter is a Go tool released as GitHub binaries, which cannot be installed
-here, so its rules that tests/unit/grafana/test_grafana.py does not already check are re-implemented below on the
-parsed PromQL (promql-parser), the way its Go code applies them. Where a rule does not fit a kvwatch
+here, so its rules that tests/unit/grafana/test_grafana.py does not already check are re-implemented
+below on the parsed PromQL (promql-parser), the way its Go code applies them. Where a rule does not fit a kvwatch
 board, an exclusion below says why.
 """
 

@@ -7,8 +7,8 @@ compiler.
 
 Lint: Grafana's dashboard-linter is a Go tool released as GitHub binaries, which cannot be installed
 here, so its rules that tests/unit/grafana/test_grafana.py does not already check are re-implemented
-below on the parsed PromQL (promql-parser), the way its Go code applies them. Where a rule does not fit a kvwatch
-board, an exclusion below says why.
+below on the parsed PromQL (promql-parser), the way its Go code applies them. Where a rule does not fit
+a kvwatch board, an exclusion below says why.
 """
 
 from __future__ import annotations

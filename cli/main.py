@@ -7,7 +7,7 @@ import sys
 
 from kvwatch.cli import completion, config, dashboard, doctor, experiment, generate, lab, probe, scrape, serve
 
-# What each command's exit code means, in one place: under the command's --help and in the README, for
+# What each command's exit code means, in one place: under the command's --help and in docs/probing.md, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
 BAD_ARGUMENTS = "2 on bad arguments"
 NO_MODEL = "or without --model when GET <base URL>/models does not list exactly one model"

@@ -269,7 +269,7 @@ class Target:
 
 @dataclass(frozen=True)
 class GatewayLog:
-    """A gateway's JSON access log to follow (README, "Gateway access log")."""
+    """A gateway's JSON access log to follow (docs/gateway-logs.md)."""
 
     name: str  # the `log` label
     path: Path

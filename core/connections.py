@@ -69,7 +69,7 @@ def http_client(**options) -> httpx.AsyncClient:
 
 
 def request_sync(method: str, url: str, deadline_s: float, **options) -> httpx.Response:
-    """`request` for code that runs no event loop (the dashboard, the lab, the README picture)."""
+    """`request` for code that runs no event loop (the dashboard, the lab, the board preview)."""
 
     async def exchange() -> httpx.Response:
         async with http_client(timeout=deadline_s) as http:

@@ -1,5 +1,5 @@
 """Envoy's JSON access log (Istio, Envoy Gateway, kgateway) with the `json_format` kvwatch documents:
-examples/envoy-access-log.yaml (README, "Gateway access log").
+examples/envoy-access-log.yaml (docs/gateway-logs.md).
 
 Envoy renders a value it does not have as null: no session header, no upstream host. It has no field for
 where the session id came from, so a gateway that assigns ids gives a request without one its own

@@ -41,7 +41,7 @@ UNREADABLE_REASONS = ("not_found", "permission_denied", "is_directory", "not_reg
 # A gateway's request line limit (nginx: 8 KiB by default) keeps real lines far shorter; a longer one is
 # garbage and must not grow memory.
 MAX_LINE_BYTES = 64 * 1024
-# About 0.7 s of parsing (README, "Gateway access log"), so that a huge or endless log keeps neither
+# About 0.7 s of parsing (docs/benchmarks.md), so that a huge or endless log keeps neither
 # the other logs nor a shutdown waiting; at one poll per 5 s it still follows ~3 MB/s per log.
 MAX_BYTES_PER_POLL = 16 * 1024 * 1024
 # A file truncated in place (copytruncate) and written past the offset read up to by the next poll is

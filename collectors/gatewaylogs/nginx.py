@@ -1,4 +1,4 @@
-"""nginx's JSON access log: the `kvwatch_json` log_format of README, "Gateway access log" (the lab's too).
+"""nginx's JSON access log: the `kvwatch_json` log_format of docs/gateway-logs.md (the lab's too).
 
 nginx names the session's source itself (`session_source`), and lists every server it tried in
 `upstream_addr`: more than one is a failover.

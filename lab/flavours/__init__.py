@@ -1,7 +1,7 @@
 """Engine metrics flavours of the simulated replica: one module per engine, behind one interface.
 
 Each flavour exposes the exact metric names, types, labels and histogram buckets of the engine version
-it imitates (see the README's "The lab replica" section), so kvwatch's collectors, rules and
+it imitates (see docs/lab.md, "The lab replica"), so kvwatch's collectors, rules and
 dashboards are tested against what the real engines print. `SIMULATED_FLAVOURS.lookup` finds one by name.
 """
 

@@ -3,7 +3,7 @@
 Twenty sessions of six rounds with a growing history go through each listener, the same conversations
 interleaved: group A round robin, group B affinity. Round robin's TTFT grows with the history; affinity's
 stays near round 1's from round 2 on, and the replicas' own records show the cache reuse. Its report and
-plot land in test-artifacts/lab-experiment/ (the README shows one such run's, from docs/). The same lab
+plot land in test-artifacts/lab-experiment/ (docs/benchmarks.md shows one such run's). The same lab
 then runs `kvwatch experiment` under load: several sessions in flight per route. Every figure of the
 reports is held against the replicas' ground truth, and the Experiment page's tiles against the report.
 """
@@ -40,7 +40,7 @@ ARTIFACTS = REPO / "test-artifacts" / "lab-experiment"
 
 # A request reaches its replica after the client sent it, and its first token the client after the
 # replica made it: the client's figures are the replica's plus the way there and back through nginx and
-# the client's scheduling, a median of a few ms (README, "How many probe sessions one core sustains").
+# the client's scheduling, a median of a few ms (docs/benchmarks.md, "How many probe sessions one core sustains").
 # A median of 25 ms leaves room for a machine busy with other tests and fails a figure measured from the
 # wrong moment (at the lab's time scale an 8-token answer alone takes 70 ms to stream).
 CLIENT_SKEW_S = 0.025
@@ -149,7 +149,7 @@ def test_affinity_keeps_warm_rounds_fast_and_round_robin_does_not(lab):
         switches = served.agg(lambda replicas: sum(a != b for a, b in itertools.pairwise(replicas)))
         assert routes[route]["backend_switches_per_session"] == pytest.approx(switches.mean()), route
     assert routes["affinity"]["sticky_share"] == 1.0 and routes["round_robin"]["sticky_share"] < 0.2, routes
-    # The README shows such a run's report and plot, copied from test-artifacts/ into docs/ by hand:
+    # docs/benchmarks.md shows such a run's report and plot, copied from test-artifacts/ into docs/ by hand:
     # a test never rewrites tracked files.
 
 

@@ -702,7 +702,7 @@ def test_a_secret_file_at_the_size_limit_is_read(tmp_path):
 
 
 def readme_configuration_section() -> str:
-    """The configuration page of the docs, where the README's configuration table moved."""
+    """The configuration page of the docs: the table of every key."""
     return (REPO / "docs" / "configuration.md").read_text()
 
 

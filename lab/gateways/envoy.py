@@ -27,7 +27,8 @@ from kvwatch.lab.process import LabError, Process, is_ours, log_tail
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent.parent
-ACCESS_LOG_EXAMPLE = REPO / "examples" / "envoy-access-log.yaml"  # what docs/gateway-logs.md tells users to add
+# What docs/gateway-logs.md tells users to add.
+ACCESS_LOG_EXAMPLE = REPO / "examples" / "envoy-access-log.yaml"
 RELOAD_TIMEOUT_S = 30.0
 CONFIG_DUMP_TIMEOUT_S = 2.0
 LOAD_BALANCERS = {"ring-hash": "RING_HASH", "maglev": "MAGLEV"}
@@ -52,7 +53,8 @@ def _file_source(path: Path) -> dict:
 
 
 def _access_log(state: LabState, listener: str) -> dict:
-    """The documented access log (docs/gateway-logs.md), into the lab's file for `listener`; the lab's generation polls unlogged."""
+    """The documented access log (docs/gateway-logs.md), into the lab's file for `listener`; the lab's
+    generation polls unlogged."""
     (log,) = yaml.safe_load(ACCESS_LOG_EXAMPLE.read_text())["access_log"]
     log["typed_config"]["path"] = str(state.directory / "logs" / f"gateway-{listener}.jsonl")
     log["typed_config"]["log_format"]["json_format"]["listener"] = listener

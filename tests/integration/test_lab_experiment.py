@@ -40,7 +40,8 @@ ARTIFACTS = REPO / "test-artifacts" / "lab-experiment"
 
 # A request reaches its replica after the client sent it, and its first token the client after the
 # replica made it: the client's figures are the replica's plus the way there and back through nginx and
-# the client's scheduling, a median of a few ms (docs/benchmarks.md, "How many probe sessions one core sustains").
+# the client's scheduling, a median of a few ms (docs/benchmarks.md, "How many probe sessions one core
+# sustains").
 # A median of 25 ms leaves room for a machine busy with other tests and fails a figure measured from the
 # wrong moment (at the lab's time scale an 8-token answer alone takes 70 ms to stream).
 CLIENT_SKEW_S = 0.025

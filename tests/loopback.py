@@ -1,11 +1,15 @@
-"""A small HTTP server on 127.0.0.1 in a thread, for what a test needs a real server to answer."""
+"""Small HTTP servers on 127.0.0.1, for what a test needs a real server to answer: one in a thread
+(`loopback_http`), or an aiohttp app on the test's event loop (`serving`)."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from aiohttp import web
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -49,3 +53,18 @@ def answering_bytes(answer: bytes) -> type[QuietHandler]:
             self.close_connection = True
 
     return RawAnswer
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` on a free 127.0.0.1 port, on the running event loop: its base URL; stopped on leaving."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

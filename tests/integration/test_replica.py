@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +13,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
-from conftest import REPO, free_port, http_get, http_post
+from conftest import free_port, http_get, http_post, kvwatch
 from kvwatch.collectors.probe.session import ProbeSettings, probe_once
 from kvwatch.collectors.probe.workload import synthetic
 from kvwatch.lab.server import ARRIVAL_KEY, ArrivalDating, dated_arrival
@@ -336,33 +334,14 @@ def test_bad_fault_updates_are_rejected(start_replica, update, fragment):
 
 def test_taken_port_gives_a_clear_message(start_replica):
     replica = start_replica("r1", "vllm", *FAST)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvwatch.cli.main",
-            "lab",
-            "replica",
-            "--port",
-            str(replica.port),
-            "--id",
-            "r2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = kvwatch("lab", "replica", "--port", str(replica.port), "--id", "r2", timeout=30)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{replica.port}" in result.stderr
 
 
 def test_bad_replica_options_are_named():
-    result = subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli.main", "lab", "replica", "--port", str(free_port()),
-         "--id", "r1", "--cache-blocks", "0", "--prefill-rate", "-1"],
-        cwd=REPO, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    options = ("--id", "r1", "--cache-blocks", "0", "--prefill-rate", "-1")
+    result = kvwatch("lab", "replica", "--port", str(free_port()), *options, timeout=30)
     assert result.returncode == 2
     assert "--cache-blocks must be positive" in result.stderr
     assert "--prefill-rate must be positive" in result.stderr

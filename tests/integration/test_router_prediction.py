@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from loopback import QuietHandler, loopback_http
 
-from conftest import TESTDATA, free_base_port, free_port, http_get, stop, wait_http
+from conftest import TESTDATA, free_base_port, http_get, stop, wait_http
 from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
 from kvwatch.grafana import boards, panels
@@ -65,27 +64,13 @@ def router_replay() -> Iterator[str]:
     """The hand-written router expositions served over loopback, their counters growing with time."""
     texts, started = {path: file.read_text() for path, file in ROUTER_EXPOSITIONS.items()}, time.monotonic()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             body = replayed(texts[self.path], time.monotonic() - started).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(200, body, "text/plain; version=0.0.4")
 
-        def log_message(self, *args) -> None:  # quiet
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with loopback_http(Handler) as url:
+        yield url.removeprefix("http://")
 
 
 def test_replayed_counters_grow_at_their_recorded_rate():

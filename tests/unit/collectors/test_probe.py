@@ -13,13 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 from itertools import pairwise
 from urllib.parse import quote, urlsplit
 
 import pytest
 from aiohttp import web
-from loopback import QuietHandler, answering_bytes, loopback_http
+from loopback import QuietHandler, answering_bytes, loopback_http, serving
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import REPO, TESTDATA, free_port, http_get, http_post, kvwatch_bounded
@@ -309,18 +309,10 @@ def test_nothing_listening_is_connection_refused():
 # Small fake servers, for what no healthy engine does.
 
 
-@asynccontextmanager
-async def fake_server(handler):
+def fake_server(handler):
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return serving(app)
 
 
 async def sse(request: web.Request, events: list[str], headers: dict | None = None) -> web.StreamResponse:

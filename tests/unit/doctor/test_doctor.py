@@ -17,14 +17,13 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 from aiohttp import web
-from loopback import answering_bytes, loopback_http
+from loopback import answering_bytes, loopback_http, serving
 
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
@@ -192,22 +191,14 @@ def test_unreadable_or_too_small_samples_are_skipped_with_the_reason(tmp_path):
 # --- answers no healthy engine gives, from fake servers ------------------------------------------
 
 
-@asynccontextmanager
-async def fake_server(chat, prometheus_query=None):
+def fake_server(chat, prometheus_query=None):
     """A route answering with `chat`; with `prometheus_query`, a Prometheus at /prometheus too."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     if prometheus_query is not None:
         app.router.add_get("/prometheus/api/v1/query", prometheus_query)
     app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": MODEL}]}))
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return serving(app)
 
 
 def against(chat, gateway: str | None = None, **settings) -> Diagnosis:

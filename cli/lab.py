@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvwatch.cli.options import not_positive
 from kvwatch.core.config import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
@@ -179,19 +180,18 @@ def _run_replica(args: argparse.Namespace) -> int:
 
     fields = ReplicaSettings.__dataclass_fields__
     settings = ReplicaSettings(**{k: v for k, v in vars(args).items() if k in fields})
-    problems = [
-        f"--{name.replace('_', '-')} must be positive"
-        for name in ("block_size", "cache_blocks", "max_num_seqs", "answer_tokens", "ground_truth_max_bytes")
-        if getattr(settings, name) < 1
-    ] + [
-        f"{flag} must be positive"
-        for flag, value in (
-            ("--prefill-rate", settings.prefill_tokens_per_s),
-            ("--decode-rate", settings.decode_tokens_per_s),
-            ("--time-scale", settings.time_scale),
-        )
-        if value <= 0
-    ]
+    problems = not_positive(
+        {
+            "--block-size": settings.block_size,
+            "--cache-blocks": settings.cache_blocks,
+            "--max-num-seqs": settings.max_num_seqs,
+            "--answer-tokens": settings.answer_tokens,
+            "--ground-truth-max-bytes": settings.ground_truth_max_bytes,
+            "--prefill-rate": settings.prefill_tokens_per_s,
+            "--decode-rate": settings.decode_tokens_per_s,
+            "--time-scale": settings.time_scale,
+        }
+    )
     if settings.request_overhead_s < 0:
         problems.append("--overhead must not be negative")
     if problems:

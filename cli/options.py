@@ -108,6 +108,11 @@ def block_size_sources(args: argparse.Namespace, base_urls: Sequence[str]) -> bl
     return blocksize.sources_for(base_urls, args.prometheus, override, args.metrics_url)
 
 
+def not_positive(values: dict[str, float]) -> list[str]:
+    """ "FLAG must be positive" for each option of `values` (by flag, in order) that is not above zero."""
+    return [f"{flag} must be positive" for flag, value in values.items() if value <= 0]
+
+
 def positive(kind: type[int] | type[float]) -> Callable[[str], float]:
     """An argparse type: a number of `kind` above zero."""
 

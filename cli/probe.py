@@ -12,6 +12,7 @@ from kvwatch.cli.options import (
     add_route_arguments,
     add_session_arguments,
     block_size_sources,
+    not_positive,
     route_settings,
 )
 from kvwatch.collectors.probe import blocksize
@@ -106,16 +107,18 @@ def _read_args(
     args: argparse.Namespace,
 ) -> tuple[ProbeSettings, list[Conversation], blocksize.BlockSizeSources]:
     """The settings, the conversations and the block size's sources; ValueError naming a bad option."""
-    numbers = {
-        "--rounds": args.rounds,
-        "--sessions": args.sessions,
-        "--concurrency": args.concurrency,
-        "--system-tokens": args.system_tokens,
-        "--turn-tokens": args.turn_tokens,
-        "--max-tokens": args.max_tokens,
-        "--timeout": args.timeout,
-    }
-    if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
+    problems = not_positive(
+        {
+            "--rounds": args.rounds,
+            "--sessions": args.sessions,
+            "--concurrency": args.concurrency,
+            "--system-tokens": args.system_tokens,
+            "--turn-tokens": args.turn_tokens,
+            "--max-tokens": args.max_tokens,
+            "--timeout": args.timeout,
+        }
+    )
+    if problems:
         raise ValueError("; ".join(problems))
     api_key = resolve_api_key(args.api_key_env, args.api_key_file)
     sources = block_size_sources(args, [args.base_url])

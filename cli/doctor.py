@@ -8,16 +8,14 @@ import sys
 from pathlib import Path
 
 from kvwatch.cli.options import (
-    add_api_key_arguments,
-    add_base_url_argument,
     add_block_size_arguments,
-    add_identity_arguments,
-    add_model_argument,
+    add_route_arguments,
+    add_session_arguments,
     block_size_sources,
+    route_settings,
 )
-from kvwatch.collectors import identity
 from kvwatch.collectors.probe.models import chosen_model
-from kvwatch.collectors.probe.session import ProbeSettings, api_url, resolve_api_key
+from kvwatch.collectors.probe.session import api_url, resolve_api_key
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
@@ -36,16 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
         "front of the prompts. Each check prints its evidence and fix.",
     )
-    add_base_url_argument(parser)
-    add_model_argument(parser)
-    add_api_key_arguments(parser)
-    parser.add_argument(
-        "--session-header",
-        default=ProbeSettings.session_header,
-        metavar="H",
-        help="session id header, e.g. x-smg-routing-key for SMG (default %(default)s)",
-    )
-    add_identity_arguments(parser)
+    add_route_arguments(parser)
+    add_session_arguments(parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)")
     parser.add_argument(
         "--gateway",
         choices=list(affinity.SYSTEMS),
@@ -87,13 +77,11 @@ def run_cli(args: argparse.Namespace) -> int:
             raise ValueError("--cluster names a cluster in --prometheus: give --prometheus too")
         cluster = Cluster(args.cluster, args.cluster_label)
         api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-        probe = ProbeSettings(
+        probe = route_settings(
+            args,
             base_url=args.base_url,
             model=chosen_model(args.model, args.base_url, api_key, args.timeout, "doctor"),
             api_key=api_key,
-            session_header=args.session_header,
-            backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
-            router=args.router,
             timeout_seconds=args.timeout,
         )
     except ValueError as error:

@@ -9,11 +9,11 @@ from pathlib import Path
 from kvwatch.cli.options import (
     add_api_key_arguments,
     add_block_size_arguments,
-    add_identity_arguments,
     add_model_argument,
+    add_session_arguments,
     block_size_sources,
+    route_settings,
 )
-from kvwatch.collectors import identity
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key
 from kvwatch.core.progress import Progress
@@ -77,10 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="client: a new id per session; server: adopt the id the gateway returns; none: send none "
         "(default %(default)s)",
     )
-    parser.add_argument(
-        "--session-header", default=ProbeSettings.session_header, metavar="H", help="default %(default)s"
-    )
-    add_identity_arguments(parser)
+    add_session_arguments(parser, "default %(default)s")
     add_block_size_arguments(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -97,16 +94,14 @@ def run_cli(args: argparse.Namespace) -> int:
         # Both routes reach the same engines, so route A's listing speaks for both.
         model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
         a, b = (
-            ProbeSettings(
+            route_settings(
+                args,
                 base_url=url,
                 model=model,
                 api_key=api_key,
                 target=label,
                 route_mode=label,
                 session_mode=args.session_mode,
-                session_header=args.session_header,
-                backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
-                router=args.router,
                 max_tokens=args.max_tokens,
             )
             for url, label in ((args.a, args.label_a), (args.b, args.label_b))

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvwatch.cli.options import not_positive
 from kvwatch.core.config import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
@@ -63,57 +64,32 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
         help="engine whose metrics to expose (default %(default)s)",
     )
     replica.add_argument("--model", default=defaults.model, help="served model name")
-    replica.add_argument(
-        "--block-size",
-        type=int,
-        default=defaults.block_size,
-        help="prefix-cache block size in tokens (default %(default)s)",
-    )
-    replica.add_argument(
-        "--cache-blocks",
-        type=int,
-        default=defaults.cache_blocks,
-        help="prefix-cache capacity in blocks (default %(default)s)",
-    )
-    replica.add_argument(
-        "--prefill-rate",
-        type=float,
-        default=defaults.prefill_tokens_per_s,
-        dest="prefill_tokens_per_s",
-        help="prefill tokens per second (default %(default)s)",
-    )
-    replica.add_argument(
-        "--decode-rate",
-        type=float,
-        default=defaults.decode_tokens_per_s,
-        dest="decode_tokens_per_s",
-        help="decode tokens per second per sequence (default %(default)s)",
-    )
-    replica.add_argument(
-        "--overhead",
-        type=float,
-        default=defaults.request_overhead_s,
-        dest="request_overhead_s",
-        help="fixed seconds per request (default %(default)s)",
-    )
-    replica.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=defaults.max_num_seqs,
-        help="concurrent sequences before requests wait (default %(default)s)",
-    )
-    replica.add_argument(
-        "--answer-tokens",
-        type=int,
-        default=defaults.answer_tokens,
-        help="tokens per answer unless max_tokens is lower (default %(default)s)",
-    )
-    replica.add_argument(
-        "--time-scale",
-        type=float,
-        default=defaults.time_scale,
-        help="multiply every simulated delay, e.g. 0.1 for fast tests",
-    )
+    for flag, dest, kind, text in (
+        ("--block-size", "block_size", int, "prefix-cache block size in tokens (default %(default)s)"),
+        ("--cache-blocks", "cache_blocks", int, "prefix-cache capacity in blocks (default %(default)s)"),
+        ("--prefill-rate", "prefill_tokens_per_s", float, "prefill tokens per second (default %(default)s)"),
+        (
+            "--decode-rate",
+            "decode_tokens_per_s",
+            float,
+            "decode tokens per second per sequence (default %(default)s)",
+        ),
+        ("--overhead", "request_overhead_s", float, "fixed seconds per request (default %(default)s)"),
+        (
+            "--max-num-seqs",
+            "max_num_seqs",
+            int,
+            "concurrent sequences before requests wait (default %(default)s)",
+        ),
+        (
+            "--answer-tokens",
+            "answer_tokens",
+            int,
+            "tokens per answer unless max_tokens is lower (default %(default)s)",
+        ),
+        ("--time-scale", "time_scale", float, "multiply every simulated delay, e.g. 0.1 for fast tests"),
+    ):
+        replica.add_argument(flag, type=kind, dest=dest, default=getattr(defaults, dest), help=text)
     replica.add_argument(
         "--answer-style",
         choices=ANSWER_STYLES,
@@ -204,19 +180,18 @@ def _run_replica(args: argparse.Namespace) -> int:
 
     fields = ReplicaSettings.__dataclass_fields__
     settings = ReplicaSettings(**{k: v for k, v in vars(args).items() if k in fields})
-    problems = [
-        f"--{name.replace('_', '-')} must be positive"
-        for name in ("block_size", "cache_blocks", "max_num_seqs", "answer_tokens", "ground_truth_max_bytes")
-        if getattr(settings, name) < 1
-    ] + [
-        f"{flag} must be positive"
-        for flag, value in (
-            ("--prefill-rate", settings.prefill_tokens_per_s),
-            ("--decode-rate", settings.decode_tokens_per_s),
-            ("--time-scale", settings.time_scale),
-        )
-        if value <= 0
-    ]
+    problems = not_positive(
+        {
+            "--block-size": settings.block_size,
+            "--cache-blocks": settings.cache_blocks,
+            "--max-num-seqs": settings.max_num_seqs,
+            "--answer-tokens": settings.answer_tokens,
+            "--ground-truth-max-bytes": settings.ground_truth_max_bytes,
+            "--prefill-rate": settings.prefill_tokens_per_s,
+            "--decode-rate": settings.decode_tokens_per_s,
+            "--time-scale": settings.time_scale,
+        }
+    )
     if settings.request_overhead_s < 0:
         problems.append("--overhead must not be negative")
     if problems:

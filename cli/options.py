@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.core.connections import url_problem
 from kvwatch.core.redaction import redact
 
@@ -19,10 +20,6 @@ class _RefuseKey(argparse.Action):
             "the API key is never taken from the command line (ps and shell history would show it): "
             "use --api-key-env VAR or --api-key-file FILE"
         )
-
-
-def add_base_url_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
 
 
 def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +36,30 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
-    """--router (a router that names the replica only when asked) and --backend-header."""
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """--base-url, --model and the API key's options: the one route a command talks to."""
+    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    add_model_argument(parser)
+    add_api_key_arguments(parser)
+
+
+def route_settings(args: argparse.Namespace, **fields) -> ProbeSettings:
+    """ProbeSettings for one route: add_session_arguments' options from `args`, the rest (the base URL,
+    model, API key, timeouts...) as the command gives them."""
+    return ProbeSettings(
+        session_header=args.session_header,
+        backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
+        router=args.router,
+        **fields,
+    )
+
+
+def add_session_arguments(parser: argparse.ArgumentParser, session_header_help: str) -> None:
+    """--session-header (each command words its help for its use of it), --router (a router that names
+    the replica only when asked) and --backend-header: what route_settings reads."""
+    parser.add_argument(
+        "--session-header", default=ProbeSettings.session_header, metavar="H", help=session_header_help
+    )
     parser.add_argument(
         "--router",
         choices=sorted(identity.ROUTERS),
@@ -87,6 +106,11 @@ def block_size_sources(args: argparse.Namespace, base_urls: Sequence[str]) -> bl
             raise ValueError(f"{flag} {redact(url)} is not a valid URL: {reason}")
     override = None if args.block_size is None else blocksize.BlockSize(args.block_size, "--block-size")
     return blocksize.sources_for(base_urls, args.prometheus, override, args.metrics_url)
+
+
+def not_positive(values: dict[str, float]) -> list[str]:
+    """ "FLAG must be positive" for each option of `values` (by flag, in order) that is not above zero."""
+    return [f"{flag} must be positive" for flag, value in values.items() if value <= 0]
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], float]:

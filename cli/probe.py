@@ -8,14 +8,13 @@ import json
 import sys
 
 from kvwatch.cli.options import (
-    add_api_key_arguments,
-    add_base_url_argument,
     add_block_size_arguments,
-    add_identity_arguments,
-    add_model_argument,
+    add_route_arguments,
+    add_session_arguments,
     block_size_sources,
+    not_positive,
+    route_settings,
 )
-from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
@@ -40,9 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
         "ideal cached tokens and the backends seen, then each session's stickiness.",
     )
-    add_base_url_argument(parser)
-    add_model_argument(parser)
-    add_api_key_arguments(parser)
+    add_route_arguments(parser)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
         ("--sessions", "sessions", int, 3, "sessions"),
@@ -64,13 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="client: a new id per session; server: send none in round 1, then the id the gateway "
         "returned; none: never send one (default %(default)s)",
     )
-    parser.add_argument(
-        "--session-header",
-        default=ProbeSettings.session_header,
-        metavar="H",
-        help="session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)",
+    add_session_arguments(
+        parser, "session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)"
     )
-    add_identity_arguments(parser)
     parser.add_argument(
         "--sharegpt",
         metavar="FILE",
@@ -114,16 +107,18 @@ def _read_args(
     args: argparse.Namespace,
 ) -> tuple[ProbeSettings, list[Conversation], blocksize.BlockSizeSources]:
     """The settings, the conversations and the block size's sources; ValueError naming a bad option."""
-    numbers = {
-        "--rounds": args.rounds,
-        "--sessions": args.sessions,
-        "--concurrency": args.concurrency,
-        "--system-tokens": args.system_tokens,
-        "--turn-tokens": args.turn_tokens,
-        "--max-tokens": args.max_tokens,
-        "--timeout": args.timeout,
-    }
-    if problems := [f"{flag} must be positive" for flag, value in numbers.items() if value <= 0]:
+    problems = not_positive(
+        {
+            "--rounds": args.rounds,
+            "--sessions": args.sessions,
+            "--concurrency": args.concurrency,
+            "--system-tokens": args.system_tokens,
+            "--turn-tokens": args.turn_tokens,
+            "--max-tokens": args.max_tokens,
+            "--timeout": args.timeout,
+        }
+    )
+    if problems:
         raise ValueError("; ".join(problems))
     api_key = resolve_api_key(args.api_key_env, args.api_key_file)
     sources = block_size_sources(args, [args.base_url])
@@ -134,14 +129,12 @@ def _read_args(
         ]
     else:
         conversations = synthetic(args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions)
-    settings = ProbeSettings(  # last: the model may have to be asked for
+    settings = route_settings(  # last: the model may have to be asked for
+        args,
         base_url=args.base_url,
         model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
         api_key=api_key,
         session_mode=args.session_mode,
-        session_header=args.session_header,
-        backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
-        router=args.router,
         max_tokens=args.max_tokens,
         timeout_seconds=args.timeout,
     )

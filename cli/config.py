@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvwatch.cli.options import command
 from kvwatch.core.config import ConfigError, load_config
 
 
@@ -13,14 +14,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config", help="check a kvwatch config file", description="Work with the kvwatch config file."
     )
     commands = config.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
-    check = commands.add_parser(
+    check = command(
+        commands,
         "check",
+        run_check,
         help="check a config file and exit",
         description="Load a config file as `kvwatch serve` would. Print OK and what it configures, or "
         "the first error with its key's path and exit 1.",
     )
     check.add_argument("file", metavar="FILE", help="the YAML config, e.g. examples/kvwatch.lab.yaml")
-    check.set_defaults(handler=run_check)
 
 
 def run_check(args: argparse.Namespace) -> int:

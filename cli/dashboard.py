@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from kvwatch.cli.options import command
 from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    dashboard = commands.add_parser(
+    dashboard = command(
+        commands,
         "dashboard",
+        _run,
         help="serve the Streamlit dashboard",
         description="Serve the Streamlit dashboard. It reads Prometheus, Alertmanager and the SQLite "
         "store named in the kvwatch config.",
@@ -42,7 +45,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="HOST",
         help="address to bind; 0.0.0.0 for every interface (default %(default)s)",
     )
-    dashboard.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> NoReturn:

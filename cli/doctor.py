@@ -7,13 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvwatch.cli.options import (
-    add_block_size_arguments,
-    add_route_arguments,
-    add_session_arguments,
-    block_size_sources,
-    route_settings,
-)
+from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import api_url, resolve_api_key
 from kvwatch.core.progress import Progress
@@ -26,23 +20,27 @@ from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = options.command(
+        subparsers,
         "doctor",
+        run_cli,
         help="find why session affinity or the prefix cache does not work, and say how to fix it",
         description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
         "auth, the response's shape, whether the session id reaches the router and is its hash key, "
         "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
         "front of the prompts. Each check prints its evidence and fix.",
     )
-    add_route_arguments(parser)
-    add_session_arguments(parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)")
+    options.add_route_arguments(parser)
+    options.add_session_arguments(
+        parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"
+    )
     parser.add_argument(
         "--gateway",
         choices=list(affinity.SYSTEMS),
         help="the gateway or router in front of the replicas, whose settings the fixes name "
         "(envoy: Envoy and Istio); by default the one an answer's headers show, else every one",
     )
-    add_block_size_arguments(parser)
+    options.add_block_size_arguments(parser)
     parser.add_argument(
         "--requests-sample",
         metavar="FILE",
@@ -64,20 +62,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the label that tells clusters apart, as cluster_label in kvwatch.yaml (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help='print {"checks": [...], "causes": [...]}')
-    parser.set_defaults(handler=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
     try:
-        block_sources = block_size_sources(args, [args.base_url])
+        block_sources = options.block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
         if args.cluster is not None and not args.prometheus:
             raise ValueError("--cluster names a cluster in --prometheus: give --prometheus too")
         cluster = Cluster(args.cluster, args.cluster_label)
         api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-        probe = route_settings(
+        probe = options.route_settings(
             args,
             base_url=args.base_url,
             model=chosen_model(args.model, args.base_url, api_key, args.timeout, "doctor"),

@@ -6,14 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvwatch.cli.options import (
-    add_api_key_arguments,
-    add_block_size_arguments,
-    add_model_argument,
-    add_session_arguments,
-    block_size_sources,
-    route_settings,
-)
+from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key
 from kvwatch.core.progress import Progress
@@ -23,8 +16,10 @@ from kvwatch.experiment.runner import failures, run_into
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = options.command(
+        subparsers,
         "experiment",
+        run_cli,
         help="the source article's A/B run: the same sessions through two routes, TTFT and reuse by round",
         description="Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) "
         "and route B (e.g. session affinity), each conversation arriving for both at the same moment. Report "
@@ -40,9 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--label-b", default="affinity", metavar="LABEL", help="route B's name (default %(default)s)"
     )
-    add_model_argument(parser)
+    options.add_model_argument(parser)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for the results")
-    add_api_key_arguments(parser)
+    options.add_api_key_arguments(parser)
     workload = Workload()
     for flag, default, what in (
         ("--sessions", workload.sessions, "sessions per route"),
@@ -77,9 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="client: a new id per session; server: adopt the id the gateway returns; none: send none "
         "(default %(default)s)",
     )
-    add_session_arguments(parser, "default %(default)s")
-    add_block_size_arguments(parser)
-    parser.set_defaults(handler=run_cli)
+    options.add_session_arguments(parser, "default %(default)s")
+    options.add_block_size_arguments(parser)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -90,11 +84,11 @@ def run_cli(args: argparse.Namespace) -> int:
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
         load = Load(args.concurrency, args.request_rate, args.seed)
-        sources = block_size_sources(args, [args.a, args.b])
+        sources = options.block_size_sources(args, [args.a, args.b])
         # Both routes reach the same engines, so route A's listing speaks for both.
         model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
         a, b = (
-            route_settings(
+            options.route_settings(
                 args,
                 base_url=url,
                 model=model,

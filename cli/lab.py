@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvwatch.cli.options import not_positive
+from kvwatch.cli.options import command, not_positive
 from kvwatch.core.config import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
@@ -49,8 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_replica(commands: argparse._SubParsersAction) -> None:
     defaults = ReplicaSettings(replica_id="")
-    replica = commands.add_parser(
+    replica = command(
+        commands,
         "replica",
+        _run_replica,
         help="serve one simulated vLLM / SGLang replica on 127.0.0.1",
         description="Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
         "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults.",
@@ -119,15 +121,16 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
         "(default %(default)s: 64 MiB)",
     )
     replica.add_argument("--seed", type=int, default=defaults.seed, help="seed of the error fault")
-    replica.set_defaults(handler=_run_replica)
 
 
 def _add_traffic(commands: argparse._SubParsersAction) -> None:
     from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
 
     defaults = TrafficSettings(url="")
-    traffic = commands.add_parser(
+    traffic = command(
+        commands,
         "traffic",
+        run_cli,
         help="simulate users holding multi-turn conversations through a gateway",
         description="Run concurrent simulated users, each holding one multi-turn conversation after "
         "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM.",
@@ -172,7 +175,6 @@ def _add_traffic(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help='append every request\'s {"messages": [...]} to this JSONL file',
     )
-    traffic.set_defaults(handler=run_cli)
 
 
 def _run_replica(args: argparse.Namespace) -> int:
@@ -227,8 +229,10 @@ def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, d
 
 
 def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
-    up = commands.add_parser(
+    up = command(
+        commands,
         "up",
+        _run_up,
         help="start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users",
         description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
         "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
@@ -301,31 +305,30 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
-    up.set_defaults(handler=_run_up)
 
-    down = commands.add_parser("down", help="stop every process of the lab, by PID")
+    down = command(commands, "down", _run_down, help="stop every process of the lab, by PID")
     _state_dir_argument(down)
-    down.set_defaults(handler=_run_down)
 
-    status = commands.add_parser("status", help="print every URL of the running lab")
+    status = command(commands, "status", _run_status, help="print every URL of the running lab")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     _state_dir_argument(status)
-    status.set_defaults(handler=_run_status)
 
-    fault = commands.add_parser(
-        "fault", help="break the lab on purpose", description="Inject a fault; `kvwatch lab heal` undoes all."
+    fault = command(
+        commands,
+        "fault",
+        _run_fault,
+        help="break the lab on purpose",
+        description="Inject a fault; `kvwatch lab heal` undoes all.",
     )
     fault.add_argument("name", choices=FAULTS, metavar="NAME", help=", ".join(FAULTS))
     fault.add_argument("replica_id", nargs="?", help="replica for kill-replica / restart-replica")
     fault.add_argument("--replica", help="replica id, e.g. r2")
     fault.add_argument("--cluster", help="the cluster to break, in a lab of several (lab up --clusters)")
     _state_dir_argument(fault)
-    fault.set_defaults(handler=_run_fault)
 
-    heal = commands.add_parser("heal", help="undo every fault")
+    heal = command(commands, "heal", _run_heal, help="undo every fault")
     heal.add_argument("--cluster", help="heal only this cluster, in a lab of several (default: every one)")
     _state_dir_argument(heal)
-    heal.set_defaults(handler=_run_heal)
 
 
 def _fail(message: str) -> int:

@@ -12,6 +12,15 @@ from kvwatch.core.connections import url_problem
 from kvwatch.core.redaction import redact
 
 
+def command(
+    commands: argparse._SubParsersAction, name: str, handler: Callable, **texts: str
+) -> argparse.ArgumentParser:
+    """The subcommand `name` (its `help`, `description`, ... as argparse takes them), run by `handler`."""
+    parser = commands.add_parser(name, **texts)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 class _RefuseKey(argparse.Action):
     """`--api-key` exists only to say no, before argparse could echo the key in an error message."""
 

@@ -7,14 +7,7 @@ import asyncio
 import json
 import sys
 
-from kvwatch.cli.options import (
-    add_block_size_arguments,
-    add_route_arguments,
-    add_session_arguments,
-    block_size_sources,
-    not_positive,
-    route_settings,
-)
+from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
@@ -32,14 +25,16 @@ from kvwatch.core.progress import Progress
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
-    parser = subparsers.add_parser(
+    parser = options.command(
+        subparsers,
         "probe",
+        run,
         help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
         description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
         "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
         "ideal cached tokens and the backends seen, then each session's stickiness.",
     )
-    add_route_arguments(parser)
+    options.add_route_arguments(parser)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
         ("--sessions", "sessions", int, 3, "sessions"),
@@ -61,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="client: a new id per session; server: send none in round 1, then the id the gateway "
         "returned; none: never send one (default %(default)s)",
     )
-    add_session_arguments(
+    options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)"
     )
     parser.add_argument(
@@ -70,11 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
         "instead of synthetic ones",
     )
-    add_block_size_arguments(parser)
+    options.add_block_size_arguments(parser)
     parser.add_argument(
         "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
     )
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +101,7 @@ def _read_args(
     args: argparse.Namespace,
 ) -> tuple[ProbeSettings, list[Conversation], blocksize.BlockSizeSources]:
     """The settings, the conversations and the block size's sources; ValueError naming a bad option."""
-    problems = not_positive(
+    problems = options.not_positive(
         {
             "--rounds": args.rounds,
             "--sessions": args.sessions,
@@ -121,7 +115,7 @@ def _read_args(
     if problems:
         raise ValueError("; ".join(problems))
     api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-    sources = block_size_sources(args, [args.base_url])
+    sources = options.block_size_sources(args, [args.base_url])
     if args.sharegpt:
         conversations = [
             Conversation(c.system_prompt, c.user_turns[: args.rounds])
@@ -129,7 +123,7 @@ def _read_args(
         ]
     else:
         conversations = synthetic(args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions)
-    settings = route_settings(  # last: the model may have to be asked for
+    settings = options.route_settings(  # last: the model may have to be asked for
         args,
         base_url=args.base_url,
         model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),

@@ -6,14 +6,16 @@ import argparse
 import asyncio
 import json
 
-from kvwatch.cli.options import positive
+from kvwatch.cli.options import command, positive
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT, format_result, scrape
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = command(
+        subparsers,
         "scrape",
+        run,
         help="read engine / router /metrics and print normalised cache-reuse figures",
         description="Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
         "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
@@ -45,7 +47,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="refuse a source larger than N bytes (default %(default)d, 32 MiB)",
     )
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from kvwatch.cli.options import command
 from kvwatch.core.config import ConfigError, load_config
 from kvwatch.serve import shard
 from kvwatch.serve.scheduler import Service
@@ -16,8 +17,10 @@ from kvwatch.store.history import StoreError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser(
+    serve = command(
+        commands,
         "serve",
+        run,
         help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
         description="Run the configured probes on their schedules, follow the gateway logs, keep the "
         "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
@@ -31,7 +34,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="probe and export only the targets of shard I mod N of N, split by hashing their names as "
         "Prometheus' hashmod does; instances I and I+N are replicas of one shard (default: every target)",
     )
-    serve.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:

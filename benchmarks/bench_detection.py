@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from kvwatch.lab.process import kvwatch_command
 from kvwatch.store.history import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,7 +230,7 @@ def floor(state_dir: Path, case: Case) -> Floor:
 
 def _kvwatch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli.main", *args],
+        kvwatch_command(*args),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -15,29 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.lab.flavours import vllm_legacy
 from kvwatch.prometheus.rules import Rule
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 
 DAY = 86400
-# vLLM's own TTFT bucket bounds (seconds).
-VLLM_TTFT_BOUNDS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-)
 PROMPT_TOKENS_PER_REQUEST = 2048
 Scrape = tuple[float, dict[str, str], Iterable[Metric]]  # when, the target's labels, what it exported
 
@@ -88,7 +70,7 @@ class Fleet:
             {"job": "replicas", "instance": address, "replica": f"r{i + 1}", "flavour": "vllm"}
             for i, address in enumerate(self.addresses)
         ]
-        self.totals = [[0.0] * (4 + len(VLLM_TTFT_BOUNDS)) for _ in self.addresses]
+        self.totals = [[0.0] * (4 + len(vllm_legacy.TTFT_BUCKETS)) for _ in self.addresses]
 
     @staticmethod
     def hit_ratio(replica: int, at: float) -> float:
@@ -104,7 +86,8 @@ class Fleet:
         ratio = self.hit_ratio(replica, at)
         median = 0.05 + 0.2 * (1 - ratio)  # less reuse, longer prefills
         below = [
-            0.5 * math.erfc(-math.log(bound / median) / (0.6 * math.sqrt(2))) for bound in VLLM_TTFT_BOUNDS
+            0.5 * math.erfc(-math.log(bound / median) / (0.6 * math.sqrt(2)))
+            for bound in vllm_legacy.TTFT_BUCKETS
         ]
         prompt = requests * PROMPT_TOKENS_PER_REQUEST
         added = [requests, prompt, prompt * ratio, requests * median * 1.2, *(requests * b for b in below)]
@@ -122,7 +105,9 @@ class Fleet:
         by_source.add_metric(["device"], 0.9 * hits)
         by_source.add_metric(["host"], 0.1 * hits)
         ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds", "")
-        bounds = [(repr(bound), count) for bound, count in zip(VLLM_TTFT_BOUNDS, buckets, strict=True)]
+        bounds = [
+            (repr(bound), count) for bound, count in zip(vllm_legacy.TTFT_BUCKETS, buckets, strict=True)
+        ]
         ttft.add_metric([], [*bounds, ("+Inf", requests)], ttft_sum)
         config = GaugeMetricFamily("vllm:cache_config_info", "", labels=["enable_prefix_caching"])
         config.add_metric(["True"], 1)

@@ -1,10 +1,6 @@
-"""Start, inspect, break, heal and stop the lab: replicas behind a gateway (nginx or Envoy: lab/gateways/),
-Prometheus, Alertmanager and background users, all on 127.0.0.1 and every process tracked by PID in the
-lab state.
-
-A component is one entry in a group of `planned_processes`: its command line and the URL that answers
-once it is ready. Adding one (the exporter, the dashboard) is adding an entry there and, if it has a
-port, a property in `lab.state.Ports`.
+"""The lab's commands: start, inspect, break, heal and stop the lab (replicas behind a gateway, nginx or
+Envoy: lab/gateways/, Prometheus, Alertmanager and background users, all on 127.0.0.1). Its processes
+are in `lab.components`, how they are run in `lab.supervisor`.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -27,8 +21,8 @@ import yaml
 from kvwatch.core.connections import request_sync
 from kvwatch.core.errors import UpstreamError
 from kvwatch.core.promapi import PrometheusApi
+from kvwatch.lab.components import planned_processes, replica_process
 from kvwatch.lab.configs import (
-    REPO,
     render_alertmanager,
     render_kvwatch_config,
     render_prometheus,
@@ -36,15 +30,12 @@ from kvwatch.lab.configs import (
     write_webhook_token,
 )
 from kvwatch.lab.gateways import GATEWAYS
-from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
-from kvwatch.lab.process import kvwatch_command as _kvwatch
+from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
+from kvwatch.lab.supervisor import check_ports_free, reap, running_processes, start_processes, stop_processes
 
-STOP_TIMEOUT_S = 10.0
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
-# Each poll of a waiting loop, the whole answer included: a server that trickles must not outlast the loop.
-READY_POLL_TIMEOUT_S = 1.0
 PROMETHEUS_STATUS_TIMEOUT_S = 5.0
 # How long a command waits for another one changing the same lab: a real-vLLM restart takes minutes.
 LOCK_TIMEOUT_S = 600.0
@@ -53,214 +44,10 @@ REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
 FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
 
 
-def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
-    return REPLICA_KINDS.lookup(state.engine).process(state, replica)
-
-
-def prometheus_process(state: LabState) -> Process:
-    """Without --web.enable-lifecycle, which would let anyone stop it (POST /-/quit): the lab reloads it
-    with SIGHUP. A cluster's of a lab of several clusters is an agent; the central one receives theirs."""
-    d, port = state.directory, state.ports.prometheus
-    argv = [
-        binary("prometheus", "/usr/bin/prometheus"),
-        f"--config.file={d}/prometheus.yml",
-        f"--web.listen-address=127.0.0.1:{port}",
-        f"--web.external-url=http://127.0.0.1:{port}",
-    ]
-    if state.cluster:
-        return Process(
-            "prometheus",
-            [*argv, "--enable-feature=agent", f"--storage.agent.path={d}/prometheus-data"],
-            f"http://127.0.0.1:{port}/-/ready",
-        )
-    argv += [f"--storage.tsdb.path={d}/prometheus-data", "--storage.tsdb.retention.time=2d"]
-    if state.clusters:
-        argv.append("--web.enable-remote-write-receiver")
-    if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
-        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * state.rule_time_scale))}s")
-    return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
-
-
-def alertmanager_process(state: LabState) -> Process:
-    port = state.ports.alertmanager
-    argv = [
-        binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
-        f"--config.file={state.directory}/alertmanager.yml",
-        f"--storage.path={state.directory}/alertmanager",
-        f"--web.listen-address=127.0.0.1:{port}",
-        f"--web.external-url=http://127.0.0.1:{port}",
-        "--cluster.listen-address=",
-    ]
-    return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
-
-
-def serve_process(state: LabState) -> Process:
-    """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook."""
-    argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
-    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy")
-
-
-def dashboard_process(state: LabState) -> Process:
-    port = state.ports.dashboard
-    argv = _kvwatch("dashboard", "--config", str(state.directory / "kvwatch.yaml"), "--port", str(port))
-    if state.fast:  # as often as the probes run
-        argv += ["--refresh-seconds", str(round(REPLICA_KINDS.lookup(state.engine).fast_probe_interval_s))]
-    return Process("dashboard", argv, f"http://127.0.0.1:{port}/_stcore/health")
-
-
-def traffic_process(state: LabState) -> Process:
-    argv = _kvwatch(
-        "lab",
-        "traffic",
-        "--url",
-        f"http://127.0.0.1:{state.ports.affinity}",
-        "--users",
-        str(state.users),
-        "--think",
-        str(state.think_seconds),
-        "--control",
-        str(state.directory / "traffic.json"),
-    )
-    return Process("traffic", argv, None)
-
-
-def planned_processes(state: LabState) -> list[list[Process]]:
-    """Every process of the lab, in groups started one after the other; a group starts side by side.
-    The gateways and Alertmanager come before Prometheus, kvwatch serve and the users, so that the first
-    probes and the first alerts find them. In a lab of several clusters the central lab runs Alertmanager
-    and Prometheus, each cluster the rest."""
-    if state.clusters:
-        return [[alertmanager_process(state)], [prometheus_process(state)]]
-    last = [prometheus_process(state), serve_process(state)]
-    if state.dashboard:
-        last.append(dashboard_process(state))
-    if state.users:
-        last.append(traffic_process(state))
-    alerting = [] if state.cluster else [alertmanager_process(state)]
-    return [
-        [replica_process(state, replica) for replica in state.replicas],
-        [GATEWAYS.lookup(state.gateway).process(state), *alerting],
-        last,
-    ]
-
-
-# --- processes ------------------------------------------------------------------------------------
-
-
-def _reap() -> None:
-    """Collect exited children so they do not linger as zombies while a foreground lab runs."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-
-
-def _spawn(state: LabState, process: Process) -> subprocess.Popen:
-    """Start one process in a session of its own (its children share its process group)."""
-    log = state.directory / "logs" / f"{process.name}.log"
-    with log.open("ab") as out:
-        popen = subprocess.Popen(
-            process.argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-            env={**os.environ, **process.env},
-            start_new_session=True,
-        )
-    state.processes[process.name] = popen.pid
-    state.save()
-    return popen
-
-
-def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]) -> None:
-    """Wait until every started process serves; the first that exits or times out raises LabError."""
-    began = time.monotonic()
-    waiting = dict(enumerate(started))
-    while waiting:
-        for key, (process, popen) in list(waiting.items()):
-            if popen.poll() is not None:
-                raise LabError(
-                    f"{process.name} exited with code {popen.returncode} while starting:\n"
-                    f"{log_tail(state, process.name)}"
-                )
-            if process.ready_url is None:
-                if time.monotonic() - began > 0.3:
-                    del waiting[key]
-                continue
-            try:
-                if request_sync("GET", process.ready_url, READY_POLL_TIMEOUT_S).status_code == 200:
-                    del waiting[key]
-                    continue
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - began > process.ready_timeout_s:
-                raise LabError(
-                    f"{process.name} did not become ready at {process.ready_url} in "
-                    f"{process.ready_timeout_s:.0f} s; its log ends:\n{log_tail(state, process.name)}"
-                )
-        time.sleep(0.1)
-
-
-def _start(state: LabState, *processes: Process) -> None:
-    """Start processes side by side and return once all of them serve."""
-    _wait_ready(state, [(process, _spawn(state, process)) for process in processes])
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    """Signal a process and its children (a real engine's workers), which share its process group."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signum)
-
-
-def _stop(state: LabState, names: list[str]) -> float:
-    """SIGTERM each named process that still runs, wait, then SIGKILL what is left; forget their PIDs.
-    Returns once they are gone, with the wall time of the SIGTERM: a server stops listening at it but
-    exits only once its in-flight requests are done, seconds later."""
-    pids = {name: state.processes[name] for name in names if name in state.processes}
-    running = [pid for pid in pids.values() if is_ours(state, pid)]  # a dead one's PID may be reused
-    signalled = time.time()
-    for pid in running:
-        _signal_group(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while any(is_ours(state, pid) for pid in running) and time.monotonic() < deadline:
-        _reap()
-        time.sleep(0.05)
-    for pid in running:
-        _signal_group(pid, signal.SIGKILL)  # the leader's stragglers too; the group is still ours
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while (left := [pid for pid in running if is_ours(state, pid)]) and time.monotonic() < deadline:
-        _reap()
-        time.sleep(0.05)
-    if left:
-        raise LabError(f"processes {left} survived SIGKILL for {STOP_TIMEOUT_S:.0f} s")
-    for name in pids:
-        del state.processes[name]
-    state.save()
-    return signalled
-
-
-def _check_ports_free(ports: dict[str, int]) -> None:
-    for name, port in ports.items():
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                raise LabError(
-                    f"port {port} on 127.0.0.1 ({name}) is already in use; choose another --base-port"
-                ) from None
-
-
 def idle() -> None:
     """Wait a little while a foreground lab runs, collecting children that exited."""
     time.sleep(0.5)
-    _reap()
-
-
-def running_processes(state: LabState) -> dict[str, int]:
-    return {name: pid for name, pid in state.processes.items() if is_ours(state, pid)}
+    reap()
 
 
 # --- configs --------------------------------------------------------------------------------------
@@ -443,7 +230,7 @@ def up(
             if any(running_processes(lab) for lab in labs(LabState.load(directory))):
                 raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
     planned = plan(directory, base_port, replicas, flavours, clusters, **options)
-    _check_ports_free(listening_ports(planned))
+    check_ports_free(listening_ports(planned))
     try:
         for lab in planned:  # every config first: the central ones name the clusters' webhook tokens
             if not lab.clusters:
@@ -453,7 +240,7 @@ def up(
             if lab.replicas:
                 REPLICA_KINDS.lookup(lab.engine).prepare(lab)
             for group in planned_processes(lab):
-                _start(lab, *group)
+                start_processes(lab, *group)
     except BaseException:
         down(planned[0])
         raise
@@ -463,7 +250,7 @@ def up(
 def down(state: LabState) -> None:
     """Stop every process of the lab, each cluster's before the central ones."""
     for lab in reversed(labs(state)):
-        _stop(lab, list(reversed(lab.processes)))
+        stop_processes(lab, list(reversed(lab.processes)))
 
 
 def status(state: LabState) -> dict:
@@ -563,14 +350,14 @@ def _switch_prefix_caching(state: LabState, replica: ReplicaSpec, enabled: bool)
         replica.prefix_caching = enabled
         state.save()
         _stop_replica(state, replica)
-        _start(state, replica_process(state, replica))
+        start_processes(state, replica_process(state, replica))
     return time.time()
 
 
 def _stop_replica(state: LabState, replica: ReplicaSpec) -> float:
     """Stop a replica; return once the gateway has let go of it too, so the next request fails over,
     with the wall time it stopped listening (its SIGTERM)."""
-    stopped = _stop(state, [f"replica-{replica.id}"])
+    stopped = stop_processes(state, [f"replica-{replica.id}"])
     if forget := GATEWAYS.lookup(state.gateway).forget_replica:
         forget(state, replica.port)
     return stopped
@@ -617,17 +404,17 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         done = f"replica {replica.name} killed"
     elif name == "restart-replica":
         began = _stop_replica(state, replica)
-        _start(state, replica_process(state, replica))
+        start_processes(state, replica_process(state, replica))
         state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
         done = f"replica {replica.name} restarted (its counters start from zero)"
     elif name == "scale-out":
         index = len(state.replicas)
         replica = ReplicaSpec(f"r{index + 1}", state.ports.replica(index), state.replicas[0].flavour)
-        _check_ports_free({f"replica {replica.name}": replica.port})
+        check_ports_free({f"replica {replica.name}": replica.port})
         state.replicas.append(replica)
         state.faults.append(f"{name}:{replica.id}")
         state.save()
-        _start(state, replica_process(state, replica))
+        start_processes(state, replica_process(state, replica))
         began = _reconfigure(state)
         done = f"replica {replica.name} added"
     else:
@@ -651,12 +438,12 @@ def heal(state: LabState) -> str:
     described = [describe_fault(state, entry) for entry in state.faults]  # before scale-out's replicas go
     extra = state.replicas[state.initial_replicas :]
     if extra:
-        _stop(state, [f"replica-{r.id}" for r in extra])
+        stop_processes(state, [f"replica-{r.id}" for r in extra])
         state.replicas = state.replicas[: state.initial_replicas]
     stopped = [r for r in state.replicas if not _serves(state, r)]
     for replica in stopped:
         replica.prefix_caching = True
-    _start(state, *(replica_process(state, r) for r in stopped))
+    start_processes(state, *(replica_process(state, r) for r in stopped))
     for replica in state.replicas:
         _switch_prefix_caching(state, replica, enabled=True)
     healed = list(state.faults)

@@ -46,6 +46,9 @@ class SglangMetrics(EngineMetrics):
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, list(scheduler), registry=reg).labels(**scheduler)
 
+        def streamed_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, [*request, "is_streaming"], registry=reg, buckets=buckets)
+
         self.prompt_tokens = counter(
             "sglang:prompt_tokens", "Number of prefill tokens processed.", ["is_streaming"]
         )
@@ -62,19 +65,13 @@ class SglangMetrics(EngineMetrics):
         self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.queued = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.token_usage = gauge("sglang:token_usage", "The token usage.")
-        self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            [*request, "is_streaming"],
-            registry=reg,
-            buckets=TTFT_BUCKETS,
+        self.ttft = streamed_histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.e2e = Histogram(
+        self.e2e = streamed_histogram(
             "sglang:e2e_request_latency_seconds",
             "Histogram of End-to-end request latency in seconds",
-            [*request, "is_streaming"],
-            registry=reg,
-            buckets=E2E_BUCKETS,
+            E2E_BUCKETS,
         )
 
     def _streaming(self, streaming: bool) -> dict[str, str]:

@@ -73,55 +73,76 @@ def request_token_buckets(max_model_len: int) -> tuple[float, ...]:
         scale *= 10
 
 
+def set_cache_config_info(info: Gauge, cache: CacheConfig, **more_labels: str) -> None:
+    """vLLM's cache_config_info, V0 and V1: one child whose labels are the configuration."""
+    info.clear()
+    info.labels(
+        block_size=str(cache.block_size),
+        cache_dtype="auto",
+        enable_prefix_caching=str(cache.prefix_caching),
+        num_gpu_blocks=str(cache.num_gpu_blocks),
+        **more_labels,
+    ).set(1)
+
+
 class VllmMetrics(EngineMetrics):
     name = "vllm"
 
     def __init__(self, model_name: str, cache: CacheConfig) -> None:
         super().__init__(model_name, cache)
-        engine = {"model_name": model_name, "engine": "0"}
-        reg = self.registry
+        self._engine = {"model_name": model_name, "engine": "0"}
+        # In the order vLLM registers them, which is the order of the exposition.
+        self._add_prefix_cache_counters()
+        self._add_token_counters()
+        self._add_load_gauges()
+        self._add_latency_histograms(request_token_buckets(cache.max_model_len))
+        self.set_prefix_caching(cache.prefix_caching)
 
-        # `one`: a family with the engine's only child; `each`: a child per value of one more label.
-        def one(kind: type, name: str, doc: str, **options):
-            return kind(name, doc, list(engine), registry=reg, **options).labels(**engine)
+    def _one(self, kind: type, name: str, doc: str, **options):
+        """A family with the engine's only child."""
+        return kind(name, doc, list(self._engine), registry=self.registry, **options).labels(**self._engine)
 
-        def each(kind: type, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict:
-            metric = kind(name, doc, [*engine, label], registry=reg)
-            return {value: metric.labels(**engine, **{label: value}) for value in values}
+    def _each(self, kind: type, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict:
+        """A family with a child per value of one more label."""
+        metric = kind(name, doc, [*self._engine, label], registry=self.registry)
+        return {value: metric.labels(**self._engine, **{label: value}) for value in values}
 
-        self.queries = one(
+    def _add_prefix_cache_counters(self) -> None:
+        self.queries = self._one(
             Counter,
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
         )
-        self.hits = one(
+        self.hits = self._one(
             Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         # The lab has no KV connector: external lookups stay at zero, as on a vLLM without one.
-        one(
+        self._one(
             Counter,
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
             "in terms of number of queried tokens.",
         )
-        one(
+        self._one(
             Counter,
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
         )
-        self.prompt_tokens = one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.prompt_tokens_by_source = each(
+
+    def _add_token_counters(self) -> None:
+        self.prompt_tokens = self._one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_by_source = self._each(
             Counter,
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
             "source",
             PROMPT_TOKEN_SOURCES,
         )
-        self.prompt_tokens_cached = one(
+        self.prompt_tokens_cached = self._one(
             Counter, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        self.prompt_tokens_cached_by_source = each(
+        self.prompt_tokens_cached_by_source = self._each(
             Counter,
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
@@ -131,21 +152,25 @@ class VllmMetrics(EngineMetrics):
             "source",
             CACHE_HIT_SOURCES,
         )
-        self.generation_tokens = one(
+        self.generation_tokens = self._one(
             Counter, "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self.request_success = each(
+        self.request_success = self._each(
             Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
             "finished_reason",
             FINISHED_REASONS,
         )
-        self.running = one(
+
+    def _add_load_gauges(self) -> None:
+        self.running = self._one(
             Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
         )
-        self.waiting = one(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.waiting_by_reason = each(
+        self.waiting = self._one(
+            Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.waiting_by_reason = self._each(
             Gauge,
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
@@ -154,7 +179,9 @@ class VllmMetrics(EngineMetrics):
             "reason",
             WAITING_REASONS,
         )
-        self.kv_usage = one(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_usage = self._one(
+            Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -168,40 +195,40 @@ class VllmMetrics(EngineMetrics):
                 "kv_offloading_size",
                 "num_gpu_blocks",
             ],
-            registry=reg,
+            registry=self.registry,
         )
-        self.ttft = one(
+
+    def _add_latency_histograms(self, token_buckets: tuple[float, ...]) -> None:
+        self.ttft = self._one(
             Histogram,
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
             buckets=TTFT_BUCKETS,
         )
-        self.e2e = one(
+        self.e2e = self._one(
             Histogram,
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self.queue_time = one(
+        self.queue_time = self._one(
             Histogram,
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             buckets=REQUEST_LATENCY_BUCKETS,
         )
-        token_buckets = request_token_buckets(cache.max_model_len)
-        self.request_prompt_tokens = one(
+        self.request_prompt_tokens = self._one(
             Histogram,
             "vllm:request_prompt_tokens",
             "Number of prefill tokens processed.",
             buckets=token_buckets,
         )
-        self.prefill_kv_computed = one(
+        self.prefill_kv_computed = self._one(
             Histogram,
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             buckets=token_buckets,
         )
-        self.set_prefix_caching(cache.prefix_caching)
 
     def prefill_done(self, prefill: Prefill) -> None:
         # Without prefix caching vLLM looks nothing up, so queries and hits do not count at all.
@@ -231,14 +258,11 @@ class VllmMetrics(EngineMetrics):
 
     def set_prefix_caching(self, enabled: bool) -> None:
         super().set_prefix_caching(enabled)
-        self.cache_config_info.clear()
-        self.cache_config_info.labels(
-            block_size=str(self.cache.block_size),
-            cache_dtype="auto",
-            enable_prefix_caching=str(enabled),
+        set_cache_config_info(
+            self.cache_config_info,
+            self.cache,
             engine="0",
             kv_cache_size_tokens=str(self.cache.num_gpu_blocks * self.cache.block_size),
             kv_offloading_backend="native",
             kv_offloading_size="None",
-            num_gpu_blocks=str(self.cache.num_gpu_blocks),
-        ).set(1)
+        )

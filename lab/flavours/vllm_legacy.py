@@ -88,13 +88,7 @@ class VllmLegacyMetrics(EngineMetrics):
 
     def set_prefix_caching(self, enabled: bool) -> None:
         super().set_prefix_caching(enabled)
-        self.cache_config_info.clear()
-        self.cache_config_info.labels(
-            block_size=str(self.cache.block_size),
-            cache_dtype="auto",
-            enable_prefix_caching=str(enabled),
-            num_gpu_blocks=str(self.cache.num_gpu_blocks),
-        ).set(1)
+        vllm.set_cache_config_info(self.cache_config_info, self.cache)
         self._publish_hit_rate()
 
     def _publish_hit_rate(self) -> None:

@@ -25,7 +25,7 @@ from kvwatch.core import connections
 from kvwatch.core.errors import UpstreamTimeout
 from kvwatch.dashboard import data
 from kvwatch.doctor import caching, route
-from kvwatch.lab import stack
+from kvwatch.lab import stack, supervisor
 from kvwatch.lab.process import LabError, Process
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus import queries
@@ -164,13 +164,13 @@ def lab_process(tmp_path) -> Iterator[subprocess.Popen]:
 def test_the_lab_waits_no_longer_than_its_deadline_on_a_trickling_process(
     trickle, tmp_path, monkeypatch, lab_process
 ):
-    monkeypatch.setattr(stack, "READY_POLL_TIMEOUT_S", DEADLINE_S)
+    monkeypatch.setattr(supervisor, "READY_POLL_TIMEOUT_S", DEADLINE_S)
     state = LabState(tmp_path, 20000)
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "prometheus.log").write_text("")
     waited = Process("prometheus", [], f"{trickle}/-/ready", ready_timeout_s=DEADLINE_S / 2)
     with pytest.raises(LabError, match="did not become ready"):
-        within_deadline(lambda: stack._wait_ready(state, [(waited, lab_process)]))
+        within_deadline(lambda: supervisor._wait_ready(state, [(waited, lab_process)]))
 
 
 @HANGS_WITHOUT_A_DEADLINE

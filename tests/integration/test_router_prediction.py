@@ -20,8 +20,8 @@ from conftest import TESTDATA, free_base_port, http_get, stop, wait_http
 from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
 from kvwatch.grafana import boards, panels
+from kvwatch.lab.components import prometheus_process
 from kvwatch.lab.configs import rule_files
-from kvwatch.lab.stack import prometheus_process
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus import queries
 

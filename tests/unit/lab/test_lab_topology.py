@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from kvwatch.cli.main import main
-from kvwatch.lab import stack
+from kvwatch.lab import components, stack
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, render_prometheus
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import MAX_CLUSTER_REPLICAS, MAX_CLUSTERS, LabState
@@ -44,7 +44,7 @@ def test_a_clusters_prometheus_is_an_agent_remote_writing_its_samples_with_its_n
         "prometheus": [f"127.0.0.1:{a.ports.prometheus}"],
         "kvwatch": [f"127.0.0.1:{a.ports.exporter}"],
     }
-    argv = stack.prometheus_process(a).argv
+    argv = components.prometheus_process(a).argv
     assert "--enable-feature=agent" in argv and f"--storage.agent.path={a.directory}/prometheus-data" in argv
     assert not any(arg.startswith("--storage.tsdb") for arg in argv)
 
@@ -60,8 +60,8 @@ def test_the_central_prometheus_receives_evaluates_and_alerts(planned):
         "prometheus": [f"127.0.0.1:{central.ports.prometheus}"],
         "alertmanager": [alertmanager],
     }
-    assert "--web.enable-remote-write-receiver" in stack.prometheus_process(central).argv
-    assert [[p.name for p in group] for group in stack.planned_processes(central)] == [
+    assert "--web.enable-remote-write-receiver" in components.prometheus_process(central).argv
+    assert [[p.name for p in group] for group in components.planned_processes(central)] == [
         ["alertmanager"],
         ["prometheus"],
     ]
@@ -71,9 +71,9 @@ def test_a_single_cluster_lab_neither_receives_nor_writes(tmp_path):
     (lab,) = stack.plan(tmp_path, BASE, 2, ["vllm"])
     config = yaml.safe_load(render_prometheus(lab))
     assert "remote_write" not in config and config["global"]["external_labels"] == {"kvwatch": "lab"}
-    argv = stack.prometheus_process(lab).argv
+    argv = components.prometheus_process(lab).argv
     assert not {"--enable-feature=agent", "--web.enable-remote-write-receiver"} & set(argv)
-    names = [[p.name for p in group] for group in stack.planned_processes(lab)]
+    names = [[p.name for p in group] for group in components.planned_processes(lab)]
     assert names == [
         ["replica-r1", "replica-r2"],
         ["nginx", "alertmanager"],

@@ -1,0 +1,104 @@
+"""The processes of a lab: each component's command line and the URL that answers once it is ready.
+
+A component is one entry in a group of `planned_processes`. Adding one (the exporter, the dashboard) is
+adding an entry there and, if it has a port, a property in `lab.state.Ports`.
+"""
+
+from __future__ import annotations
+
+from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.process import Process, binary
+from kvwatch.lab.process import kvwatch_command as _kvwatch
+from kvwatch.lab.replicas import REPLICA_KINDS
+from kvwatch.lab.state import LabState, ReplicaSpec
+
+
+def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
+    return REPLICA_KINDS.lookup(state.engine).process(state, replica)
+
+
+def prometheus_process(state: LabState) -> Process:
+    """Without --web.enable-lifecycle, which would let anyone stop it (POST /-/quit): the lab reloads it
+    with SIGHUP. A cluster's of a lab of several clusters is an agent; the central one receives theirs."""
+    d, port = state.directory, state.ports.prometheus
+    argv = [
+        binary("prometheus", "/usr/bin/prometheus"),
+        f"--config.file={d}/prometheus.yml",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.external-url=http://127.0.0.1:{port}",
+    ]
+    if state.cluster:
+        return Process(
+            "prometheus",
+            [*argv, "--enable-feature=agent", f"--storage.agent.path={d}/prometheus-data"],
+            f"http://127.0.0.1:{port}/-/ready",
+        )
+    argv += [f"--storage.tsdb.path={d}/prometheus-data", "--storage.tsdb.retention.time=2d"]
+    if state.clusters:
+        argv.append("--web.enable-remote-write-receiver")
+    if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
+        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * state.rule_time_scale))}s")
+    return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
+
+
+def alertmanager_process(state: LabState) -> Process:
+    port = state.ports.alertmanager
+    argv = [
+        binary("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
+        f"--config.file={state.directory}/alertmanager.yml",
+        f"--storage.path={state.directory}/alertmanager",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--web.external-url=http://127.0.0.1:{port}",
+        "--cluster.listen-address=",
+    ]
+    return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
+
+
+def serve_process(state: LabState) -> Process:
+    """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook."""
+    argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
+    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy")
+
+
+def dashboard_process(state: LabState) -> Process:
+    port = state.ports.dashboard
+    argv = _kvwatch("dashboard", "--config", str(state.directory / "kvwatch.yaml"), "--port", str(port))
+    if state.fast:  # as often as the probes run
+        argv += ["--refresh-seconds", str(round(REPLICA_KINDS.lookup(state.engine).fast_probe_interval_s))]
+    return Process("dashboard", argv, f"http://127.0.0.1:{port}/_stcore/health")
+
+
+def traffic_process(state: LabState) -> Process:
+    argv = _kvwatch(
+        "lab",
+        "traffic",
+        "--url",
+        f"http://127.0.0.1:{state.ports.affinity}",
+        "--users",
+        str(state.users),
+        "--think",
+        str(state.think_seconds),
+        "--control",
+        str(state.directory / "traffic.json"),
+    )
+    return Process("traffic", argv, None)
+
+
+def planned_processes(state: LabState) -> list[list[Process]]:
+    """Every process of the lab, in groups started one after the other; a group starts side by side.
+    The gateways and Alertmanager come before Prometheus, kvwatch serve and the users, so that the first
+    probes and the first alerts find them. In a lab of several clusters the central lab runs Alertmanager
+    and Prometheus, each cluster the rest."""
+    if state.clusters:
+        return [[alertmanager_process(state)], [prometheus_process(state)]]
+    last = [prometheus_process(state), serve_process(state)]
+    if state.dashboard:
+        last.append(dashboard_process(state))
+    if state.users:
+        last.append(traffic_process(state))
+    alerting = [] if state.cluster else [alertmanager_process(state)]
+    return [
+        [replica_process(state, replica) for replica in state.replicas],
+        [GATEWAYS.lookup(state.gateway).process(state), *alerting],
+        last,
+    ]

@@ -267,9 +267,16 @@ def test_prefill_is_serialised_so_load_queues(start_replica):
     replica = start_replica("r1", "vllm", "--answer-tokens", "2", "--time-scale", "0.5")
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda i: chat(replica.url, long_prompt(2000, tag=f"user{i}-")), range(6)))
-    waits = sorted(t["queue_seconds"] for t in replica.ground_truth())
-    # Distinct 2,000-token prompts: each prefill takes ~0.17 s at this scale, one at a time.
-    assert waits[0] < 0.05 and waits[-1] > 0.35, waits
+    # Each request's prefill, from the replica's own clock: (start, end, arrival).
+    spans = sorted(
+        (t["time"] + t["queue_seconds"], t["time"] + t["ttft_seconds"], t["time"])
+        for t in replica.ground_truth()
+    )
+    pairs = list(zip(spans, spans[1:], strict=False))
+    # One prefill at a time: each starts once the one before has ended (the records' rounding aside)...
+    assert all(start >= ended - 0.002 for (_, ended, _), (start, _, _) in pairs), spans
+    # ...so a request that arrives during another's prefill waits for it: load queues.
+    assert any(arrived < ended <= start + 0.002 for (_, ended, _), (start, _, arrived) in pairs), spans
 
 
 def test_faults_prefix_caching_off_then_reset(start_replica):

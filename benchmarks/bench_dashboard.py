@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import httpx
 import yaml
 
 from benchmarks.history import DAY, Fleet, backfill_order, exporter_scrapes, probe_runs, write_openmetrics
+from kvwatch.core.stats import median
 from kvwatch.lab.configs import REPO, RULE_PATTERNS
 from kvwatch.lab.process import binary
 from kvwatch.prometheus.rules import GATEWAY_RULES, RECORDING_RULES, ROUTER_RULES
@@ -167,7 +167,7 @@ def render_times(at: float) -> list[tuple[str, float, float, float, str]]:
             st.cache_data.clear()
             cold.append(render(page)[0])
         warm = [render(page)[0] for _ in range(RENDERS)]
-        rows.append((page.stem, first, statistics.median(cold), statistics.median(warm), errors))
+        rows.append((page.stem, first, median(cold), median(warm), errors))
     return rows
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 from kvwatch.collectors.probe.session import ProbeSettings, run_session
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic
+from kvwatch.core.stats import median_and_p90
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 28390
@@ -134,7 +134,7 @@ def _started(replica: subprocess.Popen, url: str, log: Path) -> None:
 
 
 def _row(level: int, decode: int, name: str, skews: list[float], floor: tuple[float, float] | None) -> str:
-    median, p90 = statistics.median(skews), statistics.quantiles(skews, n=10)[-1]
+    median, p90 = median_and_p90(skews)
     times = f" | {median / floor[0]:.2f}x | {p90 / floor[1]:.2f}x" if floor else " | 1x | 1x"
     skew = f"{median * 1000:.2f} ms | {p90 * 1000:.2f} ms"
     return f"| {level} | {decode} | {name} | {len(skews)} | {skew}{times} |"
@@ -148,7 +148,7 @@ def _level(url: str, level: int, decode: int) -> list[str]:
         for name, batch in (("reference", _reference), ("kvwatch", _kvwatch)):
             skews[name] += _skews(url, batch, conversations)
     ref = skews["reference"]
-    floor = (statistics.median(ref), statistics.quantiles(ref, n=10)[-1])
+    floor = median_and_p90(ref)
     return [
         _row(level, decode, "raw socket", ref, None),
         _row(level, decode, "kvwatch", skews["kvwatch"], floor),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from kvwatch.core.stats import median_and_p90
 from kvwatch.serve.scheduler import MAX_CONCURRENT_SESSIONS
 from kvwatch.store.history import Store
 
@@ -158,7 +158,7 @@ def _row(kind: str, targets: int, sessions: int, cap: int) -> str:
     within = sum(length <= INTERVAL for length in runs)
     skew = "no round finished | -"
     if len(skews) > 1:
-        median, p90 = statistics.median(skews), statistics.quantiles(skews, n=10)[-1]
+        median, p90 = median_and_p90(skews)
         skew = f"{median * 1000:.1f} ms | {p90 * 1000:.1f} ms"
     return (
         f"| {kind} | {targets} x {sessions} | {cap} | {within}/{len(runs)} | {_in_flight(stored)} "

@@ -1,54 +1,17 @@
 """The experiment's figures, one list of rows per CSV: per route and round, per route, per replica, and
-every round; TTFT quantiles with percentile-bootstrap intervals."""
+every round; TTFT quantiles with percentile-bootstrap intervals (`core.stats` says how)."""
 
 from __future__ import annotations
 
-import math
-import random
 import statistics
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvwatch.collectors.probe.records import RoundResult
+from kvwatch.core.stats import bootstrap_cis, quantile
 from kvwatch.experiment.design import Experiment, interleave
 
-RESAMPLES = 2000
-CONFIDENCE = 0.95
 TTFT_QUANTILES = {"median": 0.5, "p90": 0.9, "p99": 0.99}
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The q-quantile of sorted values, linearly interpolated (numpy's and pandas' default method)."""
-    position = q * (len(values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (position - low)
-
-
-def bootstrap_cis(
-    values: Sequence[float],
-    quantiles: Sequence[float] = (0.5,),
-    resamples: int = RESAMPLES,
-    confidence: float = CONFIDENCE,
-    seed: int = 0,
-) -> dict[float, tuple[float, float]]:
-    """Percentile-bootstrap intervals for each q-quantile of `values`, from one set of resamples; seeded,
-    so that a report is reproducible.
-
-    TTFT is skewed and its tail is what load changes, so no normal approximation is assumed. A p99 of
-    fewer than 100 values is close to their largest, and so is its interval.
-    """
-    if not values:
-        raise ValueError("no values to resample")
-    rng = random.Random(seed)
-    drawn = [sorted(rng.choices(values, k=len(values))) for _ in range(resamples)]
-    tail = (1 - confidence) / 2
-    intervals = {}
-    for q in quantiles:
-        estimates = sorted(quantile(sample, q) for sample in drawn)
-        intervals[q] = quantile(estimates, tail), quantile(estimates, 1 - tail)
-    return intervals
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

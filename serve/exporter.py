@@ -23,6 +23,7 @@ from kvwatch.collectors.gatewaylogs import follower
 from kvwatch.collectors.probe.records import ERROR_KINDS, SessionResult
 from kvwatch.core.config import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
+from kvwatch.core.stats import median
 
 log = logging.getLogger("kvwatch.exporter")
 
@@ -284,7 +285,7 @@ class ProbeCollector(Collector):
                 last_ttft.add_metric([*labels, str(round_)], value)
             warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
             if medians.get(1) and warm:
-                warm_cold.add_metric(labels, _median(warm) / medians[1])
+                warm_cold.add_metric(labels, median(warm) / medians[1])
             if route[0] in self.intervals:
                 interval.add_metric(labels, self.intervals[route[0]])
         yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, interval)
@@ -296,10 +297,4 @@ def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]
         for r in session.rounds:
             if r.ok and r.ttft_seconds is not None:
                 by_round[r.round].append(r.ttft_seconds)
-    return {round_: _median(values) for round_, values in sorted(by_round.items())}
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {round_: median(values) for round_, values in sorted(by_round.items())}

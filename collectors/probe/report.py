@@ -4,7 +4,6 @@ first for each error kind."""
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -13,6 +12,7 @@ from kvwatch.collectors.probe.blocksize import BlockSize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings, api_url
 from kvwatch.core.redaction import redact
+from kvwatch.core.stats import median
 
 # One line per error kind: what to check first.
 HINTS = {
@@ -72,7 +72,7 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult], block:
         rows.append(
             (
                 str(number),
-                f"{statistics.median(ttfts) * 1000:.1f} ms" if ttfts else "-",
+                f"{median(ttfts) * 1000:.1f} ms" if ttfts else "-",
                 f"{_total(r.cached_tokens for r in ok)} / {_total(r.ideal_cached_tokens for r in ok)}",
                 ", ".join(sorted({r.backend for r in ok if r.backend})) or "unknown",
                 ", ".join(f"{kind} x{count}" for kind, count in errors.items()) or "-",

@@ -45,6 +45,7 @@ from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.core.stats import quantile_interval
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
 from kvwatch.doctor import checks
@@ -1417,10 +1418,10 @@ def test_runbook_sections_come_from_the_runbook_kvwatch_ships(fake):
 
 def test_quantile_intervals_hold_the_quantile():
     values = pd.Series(range(1, 101), dtype=float).to_numpy()
-    median, low, high = stats.quantile_interval(values, 0.5)
+    median, low, high = quantile_interval(values, 0.5)
     assert median == 50.5 and low < median < high
     assert (low, high) == (40.0, 61.0)  # 1.76 % of Binomial(100, 0.5) lies below 40, 1.76 % above 60
-    assert stats.quantile_interval(values[:1], 0.9) == (1.0, 1.0, 1.0)
+    assert quantile_interval(values[:1], 0.9) == (1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("n", [5, 20, 28, 30, 45, 100, 1000])
@@ -1428,7 +1429,7 @@ def test_quantile_intervals_hold_the_quantile():
 def test_quantile_intervals_are_95_percent_or_the_widest_there_is(n, q):
     """The samples ranked low and high hold the true quantile when B, the number of samples below it
     (Binomial(n, q)), is at least low's rank and below high's."""
-    _, low, high = stats.quantile_interval(np.arange(1, n + 1, dtype=float), q)
+    _, low, high = quantile_interval(np.arange(1, n + 1, dtype=float), q)
     held = sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(int(low), int(high)))
     assert held >= min(0.95, 1 - q**n - (1 - q) ** n) - 1e-12  # [smallest, largest] when too few for 95 %
 

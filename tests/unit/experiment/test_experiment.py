@@ -21,13 +21,14 @@ from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.workload import Conversation, synthetic
+from kvwatch.core.stats import bootstrap_cis, quantile
 from kvwatch.core.tokenizer import split_words
 from kvwatch.experiment import plot
 from kvwatch.experiment import runner as experiment_module
 from kvwatch.experiment.design import Experiment, Load, interleave, tag
 from kvwatch.experiment.report import FILES, plot_panels, report
 from kvwatch.experiment.runner import run_experiment
-from kvwatch.experiment.tables import bootstrap_cis, load_rows, quantile, replica_rows, round_rows, route_rows
+from kvwatch.experiment.tables import load_rows, replica_rows, round_rows, route_rows
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
 SESSIONS, ROUNDS = 6, 4

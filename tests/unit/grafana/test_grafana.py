@@ -40,7 +40,7 @@ from conftest import REPO, TLS, http_get, stop_lab_serve
 from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
 from kvwatch.alerts.verdicts import FIRING, OK, PENDING, ROUTE_STICKY, ROUTER_PREDICTION_MISS, VERDICTS
 from kvwatch.collectors.probe.records import ERROR_KINDS
-from kvwatch.dashboard.stats import CONFIDENCE
+from kvwatch.core.stats import CONFIDENCE
 from kvwatch.grafana import boards
 from kvwatch.grafana.panels import (
     DATASOURCE,

@@ -61,7 +61,7 @@ test: bootstrap test-packages vllm grafana-schema
 
 # The inner loop: each package's unit tests, without the ones that start a lab or a real component.
 test-unit: bootstrap
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto -m "not integration" tests/unit
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks

@@ -228,7 +228,7 @@ def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, d
     )
 
 
-def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
+def _add_up_command(commands: argparse._SubParsersAction) -> None:
     up = command(
         commands,
         "up",
@@ -305,6 +305,10 @@ def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
     _state_dir_argument(up)
+
+
+def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
+    _add_up_command(commands)
 
     down = command(commands, "down", _run_down, help="stop every process of the lab, by PID")
     _state_dir_argument(down)

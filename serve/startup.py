@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvwatch.collectors.probe import workload
-from kvwatch.collectors.probe.models import list_models
+from kvwatch.collectors.probe.models import list_models, listing_failed
 from kvwatch.collectors.probe.session import api_url
 from kvwatch.core.config import (
     Config,
@@ -133,12 +133,8 @@ async def _target_problem(client: httpx.AsyncClient, target: Target, api_key: st
     url = redact(api_url(target.base_url, "models"))
     try:
         models = await list_models(client, target.base_url, api_key, ONLINE_DEADLINE_SECONDS)
-    except httpx.HTTPStatusError as error:
-        reason = f"answered HTTP {error.response.status_code}"
-    except (httpx.TimeoutException, ValueError) as error:
-        reason = f"failed: {error}"
-    except httpx.HTTPError as error:
-        reason = f"failed: {connect_reason(error)}"
+    except (httpx.HTTPError, ValueError) as error:
+        reason = listing_failed(error)
     else:
         if target.model in models:
             return None

@@ -5,9 +5,7 @@ rules, and an Alertmanager config whose receiver is kvwatch's webhook with that 
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from kvwatch.core.credentials import write_new_token
 from kvwatch.core.errors import KVWatchError
 from kvwatch.onboarding.survey import Survey, Target
 
@@ -177,6 +176,4 @@ def write(files: dict[Path, str], token_file: Path, force: bool) -> None:
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        os.fchmod(out.fileno(), 0o600)
-        out.write(secrets.token_urlsafe(32) + "\n")
+    write_new_token(token_file)

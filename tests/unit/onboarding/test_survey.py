@@ -1,0 +1,89 @@
+"""What `kvwatch init` learns from a gateway, against fake gateways on loopback: the session mode and the
+identity convention come from what the answers carry, and every guess is said."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+from loopback import serving
+
+from kvwatch.onboarding.survey import Request, Survey, SurveyError, _survey
+
+MODEL = "m1"
+
+
+def gateway(headers_for, seen: list | None = None, models: object = None) -> web.Application:
+    """A streaming chat route whose answers carry `headers_for(request headers)`; `seen` collects the
+    request headers; `models` replaces the model list's answer."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if seen is not None:
+            seen.append(dict(request.headers))
+        headers = headers_for(request.headers)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
+        answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        usage = {"prompt_tokens": 40, "completion_tokens": 1}
+        for chunk in (
+            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+            {"choices": [], "usage": usage},
+        ):
+            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await answer.write(b"data: [DONE]\n\n")
+        return answer
+
+    listed = {"data": [{"id": MODEL}]} if models is None else models
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", lambda _: web.json_response(listed))
+    return app
+
+
+def survey_of(app: web.Application, **request) -> Survey:
+    async def scenario() -> Survey:
+        async with serving(app) as url:
+            return await _survey(Request(base_url=url, **request))
+
+    return asyncio.run(scenario())
+
+
+def test_a_gateway_that_sets_its_own_session_id_gets_server_mode_and_smgs_worker_header():
+    found = survey_of(
+        gateway(lambda _: {"X-Session-Id": "gw-1", "x-smg-routed-worker-id": "http://10.0.0.1:8000"})
+    )
+    assert (found.model, found.session_mode, found.session_assigned) == (MODEL, "server", True)
+    assert (found.identity_header, found.identity_convention) == ("x-smg-routed-worker-id", "smg")
+    assert any("sets its own X-Session-Id" in line for line in found.assumed)
+
+
+def test_a_gateway_that_echoes_nothing_and_names_no_replica_is_said_so():
+    found = survey_of(gateway(lambda _: {}))
+    assert (found.session_mode, found.session_echoed, found.identity_header) == ("client", False, None)
+    said = "\n".join(found.assumed)
+    assert "X-Session-Id is not echoed" in said and "no response header names the replica" in said
+    assert "no --prometheus" in said
+
+
+def test_an_echoing_gateway_keeps_client_mode_and_smg_is_probed_with_its_routing_key():
+    seen: list[dict] = []
+    echo = gateway(lambda sent: {"X-SMG-Routing-Key": sent.get("X-SMG-Routing-Key", "")}, seen)
+    found = survey_of(echo, gateway="smg")
+    assert (found.session_mode, found.session_echoed) == ("client", True)
+    assert any("X-SMG-Routing-Key" in headers for headers in seen)
+
+
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        ({"status": "success", "data": {"resultType": "vector"}}, "is this an OpenAI-compatible API?"),
+        ({"data": []}, "the route lists no model"),
+    ],
+)
+def test_a_route_without_a_model_list_is_refused_before_anything_is_written(models, message):
+    with pytest.raises(SurveyError, match=message):
+        survey_of(gateway(lambda _: {}, models=models))

@@ -45,9 +45,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="where kvwatch serve listens for Prometheus and Alertmanager "
                         "(default %(default)s)")  # fmt: skip
     parser.add_argument("--name", help="the target's name (default: from the URL's host)")
-    parser.add_argument("--route-mode", default="affinity", choices=RouteMode.__args__,
+    parser.add_argument("--route-mode", choices=RouteMode.__args__,
                         help="how the gateway picks a replica; sticky: "
-                        f"{', '.join(sorted(STICKY_ROUTE_MODES))} (default %(default)s)")  # fmt: skip
+                        f"{', '.join(sorted(STICKY_ROUTE_MODES))} (default: manual with --gateway smg, "
+                        "else affinity)")  # fmt: skip
     parser.add_argument("--interval", type=options.positive(int), default=writers.Layout.interval_seconds,
                         metavar="S", help="seconds between probe runs (default %(default)s)")  # fmt: skip
     parser.add_argument(
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             prometheus_url=args.prometheus or writers.Layout.prometheus_url,
             alertmanager_url=args.alertmanager,
             target_name=args.name or writers.target_name(args.base_url),
-            route_mode=args.route_mode,
+            route_mode=args.route_mode or wanted.route_mode,
             interval_seconds=args.interval,
             api_key_env=args.api_key_env,
             api_key_file=args.api_key_file and str(Path(args.api_key_file).resolve()),

@@ -13,6 +13,7 @@ import httpx
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.models import list_models
+from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation
@@ -25,9 +26,11 @@ from kvwatch.prometheus.queries import ENGINE_PRESENCE_SERIES, ENGINE_TARGETS, R
 TIMEOUT_S = 15.0
 # A short real conversation: enough rounds to see the id come back and the replica stay or move.
 ROUNDS = ("Say hello.", "Say it again.", "Once more.")
-# The session header each router routes on where it is not the usual X-Session-Id.
+# The session header each router routes on where it is not the usual X-Session-Id, and how it routes.
 SESSION_HEADERS = {"smg": "X-SMG-Routing-Key"}
 DEFAULT_SESSION_HEADER = "X-Session-Id"
+ROUTE_MODES = {"smg": "manual"}  # SMG's manual policy pins a routing key to a worker
+DEFAULT_ROUTE_MODE = "affinity"
 
 
 class SurveyError(KVWatchError, ValueError):
@@ -48,6 +51,11 @@ class Request:
     @property
     def session_header(self) -> str:
         return SESSION_HEADERS.get(self.gateway or "", DEFAULT_SESSION_HEADER)
+
+    @property
+    def route_mode(self) -> str:
+        """How the gateway picks a replica, as far as its kind says; sticky unless told otherwise."""
+        return ROUTE_MODES.get(self.gateway or "", DEFAULT_ROUTE_MODE)
 
 
 @dataclass(frozen=True)
@@ -162,14 +170,20 @@ async def _sessions(settings: ProbeSettings, found: Survey) -> None:
         session = await run_session(streams, settings, Conversation("You are brief.", ROUNDS))
     if not session.ok:
         first = next(r for r in session.rounds if not r.ok)
+        hint = f"; {HINTS[first.error_kind]}" if first.error_kind in HINTS else ""
         raise SurveyError(
-            f"a probe session failed in round {first.round}: {first.error_kind} ({first.error_detail})"
+            f"a probe session failed in round {first.round}: {first.error_kind} ({first.error_detail}){hint}"
         )
     found.session_echoed, found.backends, found.sticky = (
         session.session_id_echoed,
         session.backends,
         session.sticky,
     )
+    if found.sticky is False:
+        found.assumed.append(
+            "the probe session moved between replicas: if this route does not pin sessions, say so with "
+            "--route-mode round_robin (or cache_aware, random), else the affinity alert fires at once"
+        )
     header = settings.session_header
     if found.session_echoed:
         return

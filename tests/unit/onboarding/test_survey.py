@@ -15,16 +15,19 @@ from kvwatch.onboarding.survey import Request, Survey, SurveyError, _survey
 MODEL = "m1"
 
 
-def gateway(headers_for, seen: list | None = None, models: object = None) -> web.Application:
+def gateway(
+    headers_for, seen: list | None = None, models: object = None, streams: bool = True
+) -> web.Application:
     """A streaming chat route whose answers carry `headers_for(request headers)`; `seen` collects the
-    request headers; `models` replaces the model list's answer."""
+    request headers; `models` replaces the model list's answer; without `streams`, a whole completion
+    answers a request for a stream too."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if seen is not None:
             seen.append(dict(request.headers))
         headers = headers_for(request.headers)
-        if not body.get("stream"):
+        if not (body.get("stream") and streams):
             return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
         answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
         await answer.prepare(request)
@@ -87,3 +90,32 @@ def test_an_echoing_gateway_keeps_client_mode_and_smg_is_probed_with_its_routing
 def test_a_route_without_a_model_list_is_refused_before_anything_is_written(models, message):
     with pytest.raises(SurveyError, match=message):
         survey_of(gateway(lambda _: {}, models=models))
+
+
+def test_sessions_that_move_between_replicas_say_how_to_name_a_route_that_does_not_pin():
+    served = iter(range(100))
+    found = survey_of(
+        gateway(
+            lambda sent: {
+                "X-Upstream": f"10.0.0.{next(served) % 2}:8000",
+                "X-Session-Id": sent.get("X-Session-Id", ""),
+            }
+        )
+    )
+    assert found.sticky is False
+    assert any("--route-mode round_robin" in line for line in found.assumed)
+
+
+def test_a_route_that_does_not_stream_fails_the_survey_with_the_probes_hint():
+    with pytest.raises(
+        SurveyError,
+        match=r"failed in round 1: stream_error \(a whole completion came back .*\); the event stream broke",
+    ):
+        survey_of(gateway(lambda _: {}, streams=False))
+
+
+def test_smg_routes_are_manual_by_default():
+    assert (Request("http://x", gateway="smg").route_mode, Request("http://x").route_mode) == (
+        "manual",
+        "affinity",
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe.session import resolve_api_key
-from kvwatch.core.config import STICKY_ROUTE_MODES, RouteMode
+from kvwatch.core.config import STICKY_ROUTE_MODES, ConfigError, RouteMode
 from kvwatch.doctor import affinity
 from kvwatch.onboarding import summary, survey, writers
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         found = survey.survey(wanted)
         files = writers.planned(found, layout)
         writers.write(files, layout.directory / writers.TOKEN, args.force)
-    except (survey.SurveyError, writers.ExistingFiles) as error:
+    except (survey.SurveyError, writers.ExistingFiles, ConfigError) as error:
         print(f"kvwatch init: {error}", file=sys.stderr)
         return 1
     print(summary.summary(found, layout, [*files, layout.directory / writers.TOKEN]))

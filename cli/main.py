@@ -45,8 +45,8 @@ EXIT_CODES = {
     f"{BAD_ARGUMENTS}, {NO_MODEL}",
     "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
-    "init": "0 once the files are written; 1 when the gateway cannot be looked at or a file exists (without "
-    f"--force), the reason on stderr; {BAD_ARGUMENTS}",
+    "init": "0 once the files are written; 1 when the gateway cannot be looked at, the config would be "
+    f"invalid or a file exists (without --force), the reason on stderr; {BAD_ARGUMENTS}",
     "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
     "generate": "0 once the files are written (with --check: when none is stale); 1 when --check finds "
     f"stale files or the thresholds file cannot be used, the reason on stderr; {BAD_ARGUMENTS}",

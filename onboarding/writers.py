@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 import socket
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from kvwatch.core.config import load_config
 from kvwatch.core.credentials import write_new_token
 from kvwatch.core.errors import KVWatchError
 from kvwatch.onboarding.survey import Survey, Target
@@ -158,10 +160,20 @@ def rule_files() -> dict[str, str]:
     return {p.name: p.read_text() for pattern in RULE_FILES for p in sorted(PACKAGE.glob(pattern))}
 
 
+def checked(config_text: str) -> str:
+    """The config text, once it loads as `kvwatch serve` loads it: ConfigError (naming the key, e.g. a
+    `--listen` that is no host:port) before anything is written."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        file.write(config_text)
+        file.flush()
+        load_config(file.name)
+    return config_text
+
+
 def planned(found: Survey, layout: Layout) -> dict[Path, str]:
     """Every file init writes, by path, the token last (it is written apart, readable by its owner only)."""
     files = {
-        layout.directory / CONFIG: kvwatch_config(found, layout),
+        layout.directory / CONFIG: checked(kvwatch_config(found, layout)),
         layout.directory / PROMETHEUS: prometheus_config(found, layout),
         layout.directory / ALERTMANAGER: alertmanager_config(layout),
     }

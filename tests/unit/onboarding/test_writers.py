@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvwatch.collectors.probe.blocksize import BlockSize
-from kvwatch.core.config import load_config
+from kvwatch.core.config import ConfigError, load_config
 from kvwatch.onboarding import summary, writers
 from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _pick_model, _target
 from kvwatch.prometheus import queries
@@ -181,3 +181,9 @@ def test_a_scraped_engine_keeps_its_replica_or_pod_name_and_flavour():
         ).replica
         == "r"
     )
+
+
+def test_a_config_that_serve_would_refuse_is_never_planned(tmp_path):
+    with pytest.raises(ConfigError, match=r"exporter\.listen"):
+        writers.planned(found(), writers.Layout(directory=tmp_path, listen="9464"))
+    assert list(tmp_path.iterdir()) == []

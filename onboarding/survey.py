@@ -113,6 +113,11 @@ async def _survey(wanted: Request) -> Survey:
         found.assumed.append("no --prometheus: the engines are only those given with --engine")
     sources = blocksize.sources_for([wanted.base_url], wanted.prometheus_url)
     found.block = await blocksize.learn(sources, [])
+    if found.block.source.startswith("default"):
+        found.assumed.append(
+            f"the KV block size: no engine told it, so {found.block.tokens} tokens; each probe run looks "
+            "again (set block_size in the config if your engines use another)"
+        )
     return found
 
 
@@ -208,6 +213,12 @@ async def _scraped(url: str, found: Survey) -> None:
         return
     found.engines = sorted({_target(s["metric"]) for s in engines}, key=lambda t: (t.job, t.instance))
     found.routers = sorted({_target(s["metric"]) for s in routers}, key=lambda t: (t.job, t.instance))
+    renamed = sorted({s["metric"].get("__name__", "") for s in engines} - {"", *ENGINE_PRESENCE_SERIES[::2]})
+    if renamed:
+        found.assumed.append(
+            f"the engines' metric names arrive with ':' rewritten ({', '.join(renamed)}): kvwatch's rules "
+            "read the names the engines export, so keep them unchanged"
+        )
     if not found.engines:
         names = ", ".join(ENGINE_PRESENCE_SERIES[::2])
         found.assumed.append(

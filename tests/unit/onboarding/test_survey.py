@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 from loopback import serving
 
-from kvwatch.onboarding.survey import Request, Survey, SurveyError, _survey
+from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _survey
+from kvwatch.prometheus.queries import ENGINE_TARGETS
 
 MODEL = "m1"
 
@@ -119,3 +120,23 @@ def test_smg_routes_are_manual_by_default():
         "manual",
         "affinity",
     )
+
+
+def test_engines_whose_names_a_pipeline_rewrote_and_an_unknown_block_size_are_said():
+    async def prometheus(request: web.Request) -> web.Response:
+        engine = {"__name__": "vllm_num_requests_running", "instance": "10.0.0.7:8000", "job": "vllm"}
+        series = [{"metric": engine, "value": [0, "1"]}] if request.query["query"] == ENGINE_TARGETS else []
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": series}})
+
+    app = gateway(lambda sent: {"X-Session-Id": sent.get("X-Session-Id", "")})
+    app.router.add_get("/api/v1/query", prometheus)
+
+    async def scenario() -> Survey:
+        async with serving(app) as url:
+            return await _survey(Request(base_url=url, prometheus_url=url))
+
+    found = asyncio.run(scenario())
+    assert found.engines == [Target("10.0.0.7:8000", "vllm", None, "vllm")]
+    said = "\n".join(found.assumed)
+    assert "metric names arrive with ':' rewritten (vllm_num_requests_running)" in said
+    assert "the KV block size: no engine told it, so 16 tokens" in said

@@ -4,11 +4,10 @@ identity convention come from what the answers carry, and every guess is said.""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from aiohttp import web
-from loopback import serving
+from loopback import chat_answer, serving
 
 from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _survey
 from kvwatch.prometheus.queries import ENGINE_TARGETS
@@ -24,22 +23,9 @@ def gateway(
     answers a request for a stream too."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
         if seen is not None:
             seen.append(dict(request.headers))
-        headers = headers_for(request.headers)
-        if not (body.get("stream") and streams):
-            return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
-        answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
-        await answer.prepare(request)
-        usage = {"prompt_tokens": 40, "completion_tokens": 1}
-        for chunk in (
-            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
-            {"choices": [], "usage": usage},
-        ):
-            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await answer.write(b"data: [DONE]\n\n")
-        return answer
+        return await chat_answer(request, headers_for(request.headers), streams)
 
     listed = {"data": [{"id": MODEL}]} if models is None else models
     app = web.Application()

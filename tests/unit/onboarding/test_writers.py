@@ -185,5 +185,5 @@ def test_a_scraped_engine_keeps_its_replica_or_pod_name_and_flavour():
 
 def test_a_config_that_serve_would_refuse_is_never_planned(tmp_path):
     with pytest.raises(ConfigError, match=r"exporter\.listen"):
-        writers.planned(found(), writers.Layout(directory=tmp_path, listen="9464"))
+        writers.planned(found(), writers.Layout(directory=tmp_path, listen="127.0.0.1"))
     assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ import sys
 import httpx
 
 from kvwatch.collectors.probe.session import api_url
-from kvwatch.core.connections import connect_reason, http_client, request, url_problem
+from kvwatch.core.connections import connect_reason, endpoint_problem, http_client, request, url_problem
 from kvwatch.core.redaction import redact
 
 
@@ -36,6 +36,8 @@ def chosen_model(
         return model
     if problem := url_problem(base_url):
         raise ValueError(f"base URL {redact(base_url)} is not a valid URL: {problem}")
+    if problem := endpoint_problem(base_url):
+        raise ValueError(f"base URL {redact(base_url)} {problem}")
     url = redact(api_url(base_url, "models"))
 
     async def listing() -> list[str]:

@@ -21,6 +21,7 @@ from loopback import QuietHandler, loopback_http, serving
 
 from conftest import free_port, stop, wait_http
 from kvwatch.cli.main import main
+from kvwatch.collectors.probe import session as probe_session
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.core.config import ConfigError, load_config
@@ -309,3 +310,15 @@ def test_where_sessions_land_is_not_judged_when_nothing_tells_it():
         "sessions landed"
     )
     assert hash_key.evidence.startswith("not judged: no response header (")
+
+
+def test_reachability_is_not_passed_when_kvwatch_itself_failed_the_round(monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug of kvwatch's")
+
+    monkeypatch.setattr(probe_session, "_stream", broken)
+    with loopback_http(TeamWiki) as url:
+        found = check(doctor(url), "reachability")
+    assert found.status == "skipped" and found.evidence.startswith(
+        "not judged: internal_error (RuntimeError at "
+    )

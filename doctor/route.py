@@ -113,8 +113,8 @@ async def reachability(route: Route) -> Check:
         return moved
     if problem := server.not_an_api():
         fix = (
-            "set the base URL to the gateway or engine that serves /v1/chat/completions and /v1/models "
-            "(vLLM, SGLang, or a gateway in front of them)"
+            "set the base URL to the API root of the gateway or engine that serves /v1/chat/completions "
+            "and /v1/models (vLLM, SGLang, or a gateway in front of them)"
         )
         return Check(name, "fail", problem, fix, "not_openai_api")
     if first.error_kind == "not_found":

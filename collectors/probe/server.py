@@ -51,10 +51,9 @@ class Server:
         """That no OpenAI-compatible API answers at the base URL, and what does; None when one does."""
         if self.openai_compatible:
             return None
-        origin = httpx.URL(self.base_url).copy_with(path="/", query=None, fragment=None)
         named = f"; the server calls itself {self.name}" if self.name else ""
         return (
-            f"{redact(str(origin).rstrip('/'))} is no OpenAI-compatible API: "
+            f"no OpenAI-compatible API answers at {self._url('')}: "
             f"POST {self._url('chat/completions')} answers {self.chat_answer}, no OpenAI error object, "
             f"and GET {self._url('models')} {self.models_answer}{named}"
         )
@@ -65,7 +64,7 @@ class Server:
 
 async def explanation(probe: ProbeSettings) -> str | None:
     """What the server says of a round that got no completion: the models it serves instead of the one
-    asked for, or that it is no OpenAI-compatible API; None when it says neither."""
+    asked for, or that no OpenAI-compatible API answers there; None when it says neither."""
     async with http_client(timeout=probe.timeout_seconds) as client:
         server = await what_answers(client, probe)
     return server.unserved_model(probe.model) or server.not_an_api()

@@ -132,11 +132,12 @@ def test_a_web_server_that_is_no_llm_api_is_named_as_it_names_itself(capsys):
         code, said = probe_cli(url, capsys)
     found = reachability_fails_with(diagnosis, "not_openai_api")
     assert found.evidence == (
-        f"{url} is no OpenAI-compatible API: POST {url}/v1/chat/completions answers HTTP 404 (text/plain), "
+        f"no OpenAI-compatible API answers at {url}/v1: POST {url}/v1/chat/completions answers HTTP 404 "
+        "(text/plain), "
         f"no OpenAI error object, and GET {url}/v1/models answers HTTP 404; "
         "the server calls itself 'Team wiki'"
     )
-    assert found.fix.startswith("set the base URL to the gateway or engine that serves /v1/chat/completions")
+    assert found.fix.startswith("set the base URL to the API root of the gateway or engine that serves ")
     assert code == 1 and f"  {found.evidence}\n" in said
 
 
@@ -164,9 +165,9 @@ def test_a_prometheus_given_as_the_base_url_is_named_not_an_llm_api(tmp_path, ca
         diagnosis = doctor(url)
         code, said = probe_cli(url, capsys)
     found = reachability_fails_with(diagnosis, "not_openai_api")
-    assert found.evidence.startswith(f"{url} is no OpenAI-compatible API: POST {url}/v1/chat/completions ")
+    assert found.evidence.startswith(f"no OpenAI-compatible API answers at {url}/v1: POST {url}/v1/chat/")
     assert found.evidence.endswith(f"; the server calls itself {PROMETHEUS_TITLE}"), found.evidence
-    assert code == 1 and "is no OpenAI-compatible API" in said and PROMETHEUS_TITLE in said
+    assert code == 1 and f"no OpenAI-compatible API answers at {url}/v1" in said and PROMETHEUS_TITLE in said
     assert [c.name for c in diagnosis.checks if c.status == "pass"] == []  # no `PASS auth` any more
 
 

@@ -9,9 +9,8 @@ import sys
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
-from kvwatch.collectors.probe.server import NO_COMPLETION, explanation
 from kvwatch.collectors.probe.session import (
     SESSION_MODES,
     ProbeSettings,

@@ -14,10 +14,9 @@ import httpx
 
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
-from kvwatch.collectors.probe.models import list_models
+from kvwatch.collectors.probe.models import NO_COMPLETION, Server, list_models, what_answers
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.report import HINTS
-from kvwatch.collectors.probe.server import NO_COMPLETION, Server, what_answers
 from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session, with_block_size
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic

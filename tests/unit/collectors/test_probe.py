@@ -1114,7 +1114,8 @@ def test_the_one_model_served_is_chosen_and_said(listings, capsys):
         ("two", "/two/v1/models lists 2 models (m1, m2): name the one to use with --model"),
         ("none", "/none/v1/models lists no model: name the one to use with --model"),
         ("broken", "/broken/v1/models answered HTTP 500: name the model with --model"),
-        ("other", "/other/v1/models failed: the answer is no model list: no `data` of objects with an `id`"),
+        # A server that lists no models and answers no chat request is said to be no API.
+        ("other", "/other/v1/models answers no model list: no `data` of objects with an `id`; the server"),
         ("silent", "/silent/v1/models failed: no complete answer within 0.5 s: name the model with --model"),
     ],
 )

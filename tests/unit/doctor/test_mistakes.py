@@ -139,6 +139,11 @@ def test_a_web_server_that_is_no_llm_api_is_named_as_it_names_itself(capsys):
     )
     assert found.fix.startswith("set the base URL to the API root of the gateway or engine that serves ")
     assert code == 1 and f"  {found.evidence}\n" in said
+    with loopback_http(TeamWiki) as url:
+        code = main(["probe", "--base-url", url])  # no --model: the model list is asked for first
+    said = capsys.readouterr().err
+    assert code == 2 and said.startswith("kvwatch probe: no --model given, and no OpenAI-compatible API ")
+    assert said.endswith("; the server calls itself 'Team wiki'\n"), said
 
 
 @contextmanager

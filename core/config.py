@@ -24,7 +24,7 @@ import yaml
 from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.collectors import gatewaylogs, identity
 from kvwatch.collectors.probe import blocksize
-from kvwatch.core.connections import url_problem
+from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.errors import KVWatchError
 from kvwatch.core.labels import label_value_problem
@@ -223,6 +223,8 @@ class Target:
     def __post_init__(self):
         _name(self.name, "name")
         _url(self.base_url, "base_url")
+        pasted = endpoint_problem(self.base_url)  # a pasted …/v1/chat/completions
+        _check(pasted is None, "base_url", pasted or "")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")

@@ -95,9 +95,12 @@ def not_watching(blind: data.Result) -> bool:
         return False
     for link in blind.value:
         if link.status == pipeline.BROKEN:
-            words, show = f"**{ui.NOT_WATCHING}**: {link.name} fails.", st.error
+            words, show = f'**{ui.NOT_WATCHING}**: the link "{link.name}" is broken.', st.error
         else:
-            words, show = f"Cannot tell: {link.name}.", st.warning
+            words, show = (
+                f'Cannot tell whether kvwatch watches: the link "{link.name}" is unknown.',
+                st.warning,
+            )
         fix = f" Fix: {link.fix}" if link.fix else ""
         show(f"{words} {link.evidence}{fix}", icon=":material/visibility_off:")
     return not blind.value

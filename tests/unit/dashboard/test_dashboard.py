@@ -521,9 +521,9 @@ def test_a_blind_overview_shows_no_healthy_banner_and_names_what_it_cannot_see(f
     shown = banners(open_page("overview"))
     assert shown == [(
         "error",
-        "**Not watching**: Prometheus scrapes kvwatch serve fails. Prometheus has no scrape target on port "
-        "9464 and holds none of kvwatch serve's series. Fix: Add a scrape job for kvwatch serve's /metrics "
-        "on port 9464.",
+        '**Not watching**: the link "Prometheus scrapes kvwatch serve" is broken. Prometheus has no scrape '
+        "target on port 9464 and holds none of kvwatch serve's series. Fix: Add a scrape job for kvwatch "
+        "serve's /metrics on port 9464.",
     )]  # fmt: skip
 
 
@@ -531,7 +531,11 @@ def test_a_link_that_cannot_be_judged_is_no_health_either(fake):
     fake.blind = Result((NOT_EVALUATED,))
     shown = banners(open_page("overview"))
     assert shown == [
-        ("warning", "Cannot tell: Prometheus evaluates kvwatch's rules. Not evaluated yet: Watchdog.")
+        (
+            "warning",
+            'Cannot tell whether kvwatch watches: the link "Prometheus evaluates kvwatch\'s rules" is '
+            "unknown. Not evaluated yet: Watchdog.",
+        )
     ]
 
 

@@ -101,6 +101,7 @@ def alertmanager_routes(config: Config, timeout_s: float) -> Link:
             "Set alertmanager.url to the Alertmanager Prometheus sends alerts to.",
         )
     status_url = f"{config.alertmanager.url.rstrip('/')}/api/v2/status"
+    shown_url = redact(status_url)
     try:
         response = request_sync("GET", status_url, timeout_s)
         response.raise_for_status()
@@ -109,11 +110,11 @@ def alertmanager_routes(config: Config, timeout_s: float) -> Link:
         return Link(
             name,
             BROKEN,
-            f"Alertmanager at {status_url} did not answer: {connect_reason(error)}.",
+            f"Alertmanager at {shown_url} did not answer: {connect_reason(error)}.",
             "Start Alertmanager, or set alertmanager.url to where it listens.",
         )
     except (ValueError, KeyError, TypeError):
-        return Link(name, UNKNOWN, f"{status_url} did not answer like Alertmanager's v2 API.")
+        return Link(name, UNKNOWN, f"{shown_url} did not answer like Alertmanager's v2 API.")
     routed = routed_receivers(name, original, timeout_s)
     if isinstance(routed, Link):
         return routed

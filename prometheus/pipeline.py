@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from kvwatch.core.errors import UpstreamError
 from kvwatch.core.promapi import PrometheusApi
+from kvwatch.core.redaction import redact
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.rules import RULE_FILES
 
@@ -46,12 +47,12 @@ def links(prometheus: PrometheusApi, exporter_port: int) -> tuple[Link, ...]:
         down = Link(
             "Prometheus answers",
             BROKEN,
-            f"Prometheus at {prometheus.url} did not answer: {error}.",
+            f"Prometheus at {redact(prometheus.url)} did not answer: {error}.",
             "Start Prometheus, or set prometheus.url in the config to where it listens.",
         )
-        unasked = f"Not asked: Prometheus at {prometheus.url} did not answer."
+        unasked = f"Not asked: Prometheus at {redact(prometheus.url)} did not answer."
         return (down, *(Link(name, UNKNOWN, unasked) for name, _ in CHECKS))
-    answers = Link("Prometheus answers", OK, f"Prometheus at {prometheus.url} answers its API.")
+    answers = Link("Prometheus answers", OK, f"Prometheus at {redact(prometheus.url)} answers its API.")
     return (answers, *(_judged(name, check, prometheus, targets, exporter_port) for name, check in CHECKS))
 
 

@@ -192,3 +192,12 @@ def test_a_link_prometheus_fails_to_answer_is_unknown_and_the_others_judged(prom
     del prometheus.answers["alertmanagers"]["activeAlertmanagers"]
     found = statuses(prometheus.links())
     assert found == {**dict.fromkeys(EVERY_LINK, OK), "Prometheus sends alerts to Alertmanager": UNKNOWN}
+
+
+def test_a_password_in_prometheus_url_is_never_shown(prometheus):
+    url = prometheus.url.replace("http://", "http://kvwatch:s3cret@")
+    found = links(PrometheusApi(url, 5), EXPORTER_PORT) + links(
+        PrometheusApi(f"http://u:s3cret@127.0.0.1:{free_port()}", 5), EXPORTER_PORT
+    )
+    assert found[0].status == OK and found[len(EVERY_LINK)].status == BROKEN
+    assert not [link for link in found if "s3cret" in link.evidence + link.fix]

@@ -27,6 +27,16 @@ async def list_models(
     return [str(model["id"]) for model in listed]
 
 
+def listing_failed(error: httpx.HTTPError | ValueError) -> str:
+    """Why `list_models` gave no list, to follow "GET <url>": an error status, a timeout, no model list,
+    or the operating system's reason for no connection."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"answered HTTP {error.response.status_code}"
+    if isinstance(error, httpx.TimeoutException | ValueError):
+        return f"failed: {error}"
+    return f"failed: {connect_reason(error)}"
+
+
 def chosen_model(
     model: str | None, base_url: str, api_key: str | None, deadline_s: float, command: str
 ) -> str:
@@ -44,12 +54,8 @@ def chosen_model(
 
     try:
         models = asyncio.run(listing())
-    except httpx.HTTPStatusError as error:
-        reason = f"answered HTTP {error.response.status_code}"
-    except (httpx.TimeoutException, ValueError) as error:
-        reason = f"failed: {error}"
-    except httpx.HTTPError as error:
-        reason = f"failed: {connect_reason(error)}"
+    except (httpx.HTTPError, ValueError) as error:
+        reason = listing_failed(error)
     else:
         if len(models) == 1:
             print(f"kvwatch {command}: model {models[0]}, the one {url} lists", file=sys.stderr)

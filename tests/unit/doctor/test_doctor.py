@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from aiohttp import web
-from loopback import answering_bytes, loopback_http, serving
+from loopback import answering_bytes, chat_answer, loopback_http, serving
 
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
@@ -330,22 +330,10 @@ def route(marks: dict[str, str], session_id=lambda sent: sent, spread: bool = Tr
     served = itertools.count()
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
         headers = {**marks, "X-Upstream": f"r{next(served) % 3 + 1}" if spread else "r1"}
         if echoed := session_id(request.headers.get("X-Session-Id")):
             headers["X-Session-Id"] = echoed
-        if not body.get("stream"):
-            return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
-        answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
-        await answer.prepare(request)
-        usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        for chunk in (
-            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
-            {"choices": [], "usage": usage},
-        ):
-            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await answer.write(b"data: [DONE]\n\n")
-        return answer
+        return await chat_answer(request, headers)
 
     return chat
 

@@ -43,7 +43,8 @@ EXIT_CODES = {
     f"cannot listen; {BAD_ARGUMENTS}",
     "experiment": "0 when it ran, whatever it found; 1 when every session failed; "
     f"{BAD_ARGUMENTS}, {NO_MODEL}",
-    "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
+    "doctor": f"0 when no check fails; 1 when one does (with --setup: when a link is broken or could not be "
+    f"judged); {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
     "init": "0 once the files are written; 1 when the gateway cannot be looked at, the config would be "
     f"invalid or a file exists (without --force), the reason on stderr; {BAD_ARGUMENTS}",

@@ -62,9 +62,9 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+def add_route_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """--base-url, --model and the API key's options: the one route a command talks to."""
-    parser.add_argument("--base-url", required=True, help="API root, with or without /v1")
+    parser.add_argument("--base-url", required=required, help="API root, with or without /v1")
     add_model_argument(parser)
     add_api_key_arguments(parser)
 

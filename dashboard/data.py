@@ -43,7 +43,7 @@ from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner
 from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import pipeline, promql, queries
 from kvwatch.serve.scheduler import probe_settings
 from kvwatch.store.databases import ERRORS as STORE_ERRORS
 from kvwatch.store.history import ROUND_FIELDS, Store, StoreError
@@ -162,6 +162,17 @@ def range_query(query: str, over: Span) -> Result:
     """`series` of a query already narrowed: cached by it, so each cluster has its own answers."""
     expr = filled(query, over)
     return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
+
+
+@_cached
+def blind_spots() -> Result:
+    """The links of kvwatch's pipeline that do not hold (prometheus.pipeline): what kvwatch cannot see,
+    and why, as Prometheus reports it; none while it sees everything."""
+    url, config = _service_url("prometheus"), settings()
+    if url.error:
+        return url
+    found = pipeline.links(PrometheusApi(url.value, TIMEOUT_SECONDS), config.value.exporter.port)
+    return Result(tuple(link for link in found if link.status != pipeline.OK))
 
 
 # --- the cluster picked in the sidebar ----------------------------------------------------------------

@@ -60,6 +60,9 @@ RATIO = Unit(lambda v: f"{v:.0%}", lambda d: f"{d * 100:+.0f} pp")
 FACTOR = Unit(lambda v: f"{v:.2f}×", lambda d: f"{d:+.2f}×")
 
 
+NOT_WATCHING = "Not watching"  # a verdict whose signal is absent: neither healthy nor broken, unknown
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The words under a number, in the colour of its alert's state."""
@@ -88,7 +91,7 @@ def judge(verdict: verdicts.Verdict, states: pd.DataFrame, ok: str, **labels: st
     alert = verdict.alert
     rows = matching(states, **labels)
     if rows.empty:
-        return Verdict("gray", f"Not judged: {alert.name} has nothing to judge here now.")
+        return Verdict("gray", f"{NOT_WATCHING}: Prometheus holds no series {alert.name} judges here now.")
     state = rows["value"].iloc[0]
     if state == verdicts.FIRING:
         return Verdict("red", f"{alert.name} fires: {alert.summary}")

@@ -175,6 +175,7 @@ ENGINE_PRESENCE_SERIES = tuple(
     for name in ("vllm:num_requests_running", "sglang:num_running_reqs")
     for spelling in (name, name.replace(":", "_"))
 )
+ENGINE_PRESENCE = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
 
 # The engines and routers a Prometheus scrapes now, one series per target (`kvwatch init` lists them):
 # engines by their running-requests gauge, routers by the prefix of their metrics' names.
@@ -433,3 +434,11 @@ CLUSTER_CACHED_SHARE_BY_SOURCE = (
     f"  / on() group_left() (sum({INSTANCE_PROMPT_TOKENS}) > 0)"
 )
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"
+
+
+# --- kvwatch's own pipeline ----------------------------------------------------------------------------
+# What prometheus/pipeline.py asks to tell whether kvwatch can see: the engines Prometheus scrapes, and the
+# series of kvwatch serve's exporter (every name it exports starts with kvwatch_; the recorded series have
+# a level and colons before theirs).
+ENGINES_SCRAPED = f"group by (job, instance) ({ENGINE_PRESENCE})"
+EXPORTER_SERIES = 'group by (job, instance) ({__name__=~"kvwatch_.+"})'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class ProbeResults:
         self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
         self._backends: dict[Route, BoundedLabel] = {}
-        self._routes: set[Route] = set()
+        self._routes: dict[Route, float] = {}  # when each route was first declared or run
 
     def declare(self, route: Route, rounds: int = 0) -> None:
         """Export a route's outcome counters, and its per-round counters and TTFT histograms of rounds
@@ -110,7 +111,7 @@ class ProbeResults:
 
     def _start_at_zero(self, route: Route) -> None:
         """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
-        self._routes.add(route)
+        self._routes.setdefault(route, time.time())
         for key, values in (
             ("sessions", ("success", "failure")),
             ("stickiness", ("true", "false", "unknown")),
@@ -145,14 +146,14 @@ class ProbeResults:
             if r.ttft_seconds is not None:
                 self._ttft[labels].observe(r.ttft_seconds)
 
-    def snapshot(self) -> tuple[set[Route], dict[Route, LastRun], Counter, dict]:
+    def snapshot(self) -> tuple[dict[Route, float], dict[Route, LastRun], Counter, dict]:
         with self._lock:
             ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
             totals = Counter(self._totals)
             for route, backends in self._backends.items():
                 for reason, count in backends.folded.items():
                     totals["folded", (*route, "backend", reason)] = count
-            return set(self._routes), dict(self._last), totals, ttft
+            return dict(self._routes), dict(self._last), totals, ttft
 
 
 _ROUTE = ["target", "route_mode"]
@@ -217,6 +218,7 @@ class ProbeCollector(Collector):
     def collect(self) -> Iterator:
         routes, last, totals, ttft = self.results.snapshot()
         yield self._route_info(routes)
+        yield from self._watched_families(routes)
         families = {
             key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
             for key, (name, doc, extra) in _COUNTERS.items()
@@ -235,7 +237,7 @@ class ProbeCollector(Collector):
         yield histogram
         yield from self._last_run_families(last)
 
-    def _route_info(self, routes: set[Route]) -> GaugeMetricFamily:
+    def _route_info(self, routes: dict[Route, float]) -> GaugeMetricFamily:
         """Which routes the affinity alerts watch: they select on expect_sticky, not on a route mode name."""
         info = GaugeMetricFamily(
             "kvwatch_probe_route_info",
@@ -246,6 +248,23 @@ class ProbeCollector(Collector):
             sticky = self.expect_sticky.get(target, mode in STICKY_ROUTE_MODES)
             info.add_metric([target, mode, str(sticky).lower()], 1)
         return info
+
+    def _watched_families(self, routes: dict[Route, float]) -> Iterator[GaugeMetricFamily]:
+        """Every configured route from the start, before its first result: KVWatchProbeNoResults fires
+        for one whose results never come, which no alert on its results can see."""
+        since = GaugeMetricFamily(
+            "kvwatch_probe_watched_since_timestamp_seconds",
+            "When kvwatch serve began to probe the route.",
+            labels=_ROUTE,
+        )
+        interval = GaugeMetricFamily(
+            "kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs.", labels=_ROUTE
+        )
+        for route, declared_at in sorted(routes.items()):
+            since.add_metric(list(route), declared_at)
+            if route[0] in self.intervals:
+                interval.add_metric(list(route), self.intervals[route[0]])
+        yield from (since, interval)
 
     def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -268,7 +287,6 @@ class ProbeCollector(Collector):
         warm_cold = gauge(
             "kvwatch_probe_warm_cold_ttft_ratio", "Median TTFT of rounds 2+ over round 1's in the last run"
         )
-        interval = gauge("kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs")
         for route, run in sorted(last.items()):
             labels = list(route)
             timestamp.add_metric(labels, run.finished_at)
@@ -286,9 +304,7 @@ class ProbeCollector(Collector):
             warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
             if medians.get(1) and warm:
                 warm_cold.add_metric(labels, median(warm) / medians[1])
-            if route[0] in self.intervals:
-                interval.add_metric(labels, self.intervals[route[0]])
-        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, interval)
+        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold)
 
 
 def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]:

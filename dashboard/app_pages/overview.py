@@ -15,7 +15,7 @@ from kvwatch.core.config import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.ui import Verdict
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import pipeline, queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
 LAST_RUN = "in the last probe run, as the alert judges it"
@@ -88,10 +88,30 @@ def subject(alert: pd.Series) -> str:
     return "the cluster"
 
 
-def banner(firing: pd.DataFrame) -> None:
-    """Every kvwatch alert firing at the page's time, the critical ones first; or that none is."""
+def not_watching(blind: data.Result) -> bool:
+    """What kvwatch cannot see and the likely cause, each with its fix; True while it sees everything."""
+    if blind.error:
+        st.warning(f"Cannot tell what kvwatch sees: {blind.error}", icon=":material/visibility_off:")
+        return False
+    for link in blind.value:
+        if link.status == pipeline.BROKEN:
+            words, show = f'**{ui.NOT_WATCHING}**: the link "{link.name}" is broken.', st.error
+        else:
+            words, show = (
+                f'Cannot tell whether kvwatch watches: the link "{link.name}" is unknown.',
+                st.warning,
+            )
+        fix = f" Fix: {link.fix}" if link.fix else ""
+        show(f"{words} {link.evidence}{fix}", icon=":material/visibility_off:")
+    return not blind.value
+
+
+def banner(firing: pd.DataFrame, watching: bool) -> None:
+    """Every kvwatch alert firing at the page's time, the critical ones first; or that none is, only
+    while kvwatch sees everything: a blind kvwatch fires nothing, and that is no health."""
     if firing.empty:
-        st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
+        if watching:
+            st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
         return
     rank = {severity: i for i, severity in enumerate(SEVERITIES)}
     alerts = sorted(
@@ -235,7 +255,7 @@ def overview() -> None:
     if ui.failed(firing) or board.failed():
         return
     with top:
-        banner(firing.value)
+        banner(firing.value, not_watching(data.blind_spots()))
     st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {redact(config.value.prometheus.url)}.")
     for cluster in data.clusters_apart():
         cache_reuse(board, cluster)

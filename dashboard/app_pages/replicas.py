@@ -44,7 +44,10 @@ ROUTER_FIGURES = {
 def instance_verdicts(over: data.Span) -> None:
     """Each instance's verdict, from the instance-scope hit-ratio alert's own state."""
     state = data.instant(INSTANCE_HIT_RATIO_DROP.state, over)
-    if ui.failed(state) or state.value.empty:
+    if ui.failed(state):
+        return
+    if state.value.empty:  # no instance's hit ratio in Prometheus: say so, not nothing
+        ui.judge(INSTANCE_HIT_RATIO_DROP, state.value, HIT_RATIO_OK).show()
         return
     for name, rows in ui.named_replicas(state.value, over).groupby("instance"):
         verdict = ui.judge(INSTANCE_HIT_RATIO_DROP, rows, HIT_RATIO_OK)

@@ -38,6 +38,7 @@ from kvwatch.alerts.verdicts import (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
+    VERDICTS,
     Verdict,
 )
 from kvwatch.cli.main import main
@@ -52,7 +53,8 @@ from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment.report import FILES
 from kvwatch.grafana import panels
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import pipeline, promql, queries
+from kvwatch.prometheus.pipeline import Link
 from kvwatch.store.history import Store
 
 APP = REPO / "dashboard" / "app.py"
@@ -253,7 +255,7 @@ BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or direct
 
 READERS = ("settings", "range_query", "instant_query", "sessions", "rounds", "ttft_by_round",
            "received_alerts", "faults", "alerts", "experiment_report", "run_experiment",
-           "run_doctor")  # fmt: skip
+           "run_doctor", "blind_spots")  # fmt: skip
 FAULT_AT, ALERT_AT, HEAL_AT = 600, 660, 1200  # seconds into the span
 
 
@@ -272,6 +274,7 @@ class Fake:
         self.doctor = Result(error="the doctor was not expected to run")
         self.runs: list[tuple] = []
         self.asked: list[str] = []  # every query Prometheus was asked, as narrowed
+        self.blind = Result(())  # the pipeline's links that do not hold: none
         for name in READERS:
             monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
         monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
@@ -294,6 +297,9 @@ class Fake:
     def _instant_query(self, query: str, over: data.Span) -> Result:
         self.asked.append(query)
         return self._frame(self.prometheus, self.values.get(query, NO_FRAME))
+
+    def _blind_spots(self) -> Result:
+        return self.blind
 
     def _sessions(self, since: float) -> Result:
         return self._frame(self.store, sessions_frame())
@@ -493,6 +499,73 @@ def test_the_overview_banner_names_what_fires_now(fake, firing, kind, banner):
     title, top, *_ = (e for e in at.main if e.type not in ("main", "flex_container"))
     assert (title.value, top.type) == ("Overview", kind)  # right under the title
     assert top.value.startswith(banner), top.value
+
+
+NOT_SCRAPED = Link(
+    "Prometheus scrapes kvwatch serve",
+    pipeline.BROKEN,
+    "Prometheus has no scrape target on port 9464 and holds none of kvwatch serve's series.",
+    "Add a scrape job for kvwatch serve's /metrics on port 9464.",
+)
+NOT_EVALUATED = Link("Prometheus evaluates kvwatch's rules", pipeline.UNKNOWN, "Not evaluated yet: Watchdog.")
+
+
+def banners(at: AppTest) -> list[tuple[str, str]]:
+    """(kind, text) of every banner above the page's content."""
+    return [(e.type, e.value) for kind in ("success", "error", "warning") for e in getattr(at, kind)]
+
+
+def test_a_blind_overview_shows_no_healthy_banner_and_names_what_it_cannot_see(fake):
+    """The issue's blind kvwatch: nothing fires because nothing is scraped; not green, and why."""
+    fake.blind = Result((NOT_SCRAPED,))
+    shown = banners(open_page("overview"))
+    assert shown == [(
+        "error",
+        '**Not watching**: the link "Prometheus scrapes kvwatch serve" is broken. Prometheus has no scrape '
+        "target on port 9464 and holds none of kvwatch serve's series. Fix: Add a scrape job for kvwatch "
+        "serve's /metrics on port 9464.",
+    )]  # fmt: skip
+
+
+def test_a_link_that_cannot_be_judged_is_no_health_either(fake):
+    fake.blind = Result((NOT_EVALUATED,))
+    shown = banners(open_page("overview"))
+    assert shown == [
+        (
+            "warning",
+            'Cannot tell whether kvwatch watches: the link "Prometheus evaluates kvwatch\'s rules" is '
+            "unknown. Not evaluated yet: Watchdog.",
+        )
+    ]
+
+
+def test_when_the_pipeline_cannot_be_asked_the_overview_says_so_and_is_not_green(fake):
+    fake.blind = Result(error="Prometheus at http://127.0.0.1:18002 did not answer within 5 s.")
+    shown = banners(open_page("overview"))
+    said = "Cannot tell what kvwatch sees: Prometheus at http://127.0.0.1:18002 did not answer within 5 s."
+    assert shown == [("warning", said)]
+
+
+def test_alerts_that_fire_are_shown_beside_what_kvwatch_cannot_see(fake):
+    fake.blind = Result((NOT_SCRAPED,))
+    fake.values[queries.FIRING_ALERTS_NOW] = pd.DataFrame([firing_alert("KVWatchTargetDown", "critical")])
+    kinds = [kind for kind, _ in banners(open_page("overview"))]
+    assert kinds == ["error", "error"]  # not watching, and what fires
+
+
+@pytest.mark.parametrize("page", ["overview", "replicas"])
+def test_every_verdict_whose_series_is_absent_says_it_is_not_watching(fake, page):
+    """No state of a verdict's alert: Prometheus holds no series it judges. Never green, never "fine"."""
+    for verdict in (*VERDICTS, ROUTER_PREDICTION_MISS):
+        fake.values[verdict.state] = NO_FRAME
+    said = texts(open_page(page))
+    assert ":green[" not in said
+    judged = {"overview": (CLUSTER_HIT_RATIO_DROP, ROUTE_STICKY, ROUTE_WARM_ROUNDS, LISTENER_SPREAD),
+              "replicas": (INSTANCE_HIT_RATIO_DROP, LOAD_IMBALANCE)}[page]  # fmt: skip
+    for verdict in judged:
+        assert (
+            f":gray[Not watching: Prometheus holds no series {verdict.alert.name} judges here now.]" in said
+        )
 
 
 def marks(at: AppTest, key: str) -> list[tuple[str, str]]:
@@ -739,7 +812,10 @@ def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered
     assert figures.loc["vllm-router", "prefix-matched decisions"] == 0.75
     said = texts(at)
     assert f"`epp / 10.0.0.5:9090`: {fires(ROUTER_PREDICTION_MISS)}" in said
-    assert "`smg / 10.0.0.6:29000`: :gray[Not judged: KVWatchRouterPredictionMiss has nothing" in said
+    assert (
+        "`smg / 10.0.0.6:29000`: :gray[Not watching: Prometheus holds no series KVWatchRouterPredictionMiss"
+        in said
+    )
     assert NO_ROUTER not in said
 
 

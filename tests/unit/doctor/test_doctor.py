@@ -296,6 +296,20 @@ def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the following arguments are required: --base-url (or --setup --config FILE)"),
+        (["--setup"], "--setup checks the pipeline --config FILE sets up: give --config, not --base-url"),
+        (["--setup", "--config", "k.yaml", "--base-url", "http://127.0.0.1:1"], "not --base-url"),
+        (["--setup", "--config", "/nonexistent/kvwatch.yaml"], "error in /nonexistent/kvwatch.yaml"),
+    ],
+)
+def test_the_route_or_the_setup_is_asked_for_and_nothing_else(args, message, capsys):
+    assert main(["doctor", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 # --- fixes in the words of the gateway or router in front -------------------------------------------
 
 NGINX_HASH = "nginx: `hash $http_x_session_id consistent;`"

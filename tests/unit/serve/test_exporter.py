@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import logging
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -76,6 +77,20 @@ def test_a_sticky_session_is_counted_round_by_round(exporter):
     assert value(registry, "kvwatch_probe_success") == 1
     assert value(registry, "kvwatch_probe_sticky_ratio") == 1
     assert value(registry, "kvwatch_probe_interval_seconds") == 30
+
+
+def test_a_configured_route_is_exported_from_the_start_before_any_result(exporter, monkeypatch):
+    """KVWatchProbeNoResults fires on these for a route whose runs never finish: no last-run series."""
+    results, registry = exporter
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    results.declare(("lab-affinity", "affinity"), rounds=3)
+    assert value(registry, "kvwatch_probe_watched_since_timestamp_seconds") == 1000
+    assert value(registry, "kvwatch_probe_interval_seconds") == 30
+    assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") is None
+    monkeypatch.setattr(time, "time", lambda: 1090.0)  # a run, and a declaration again: the start stays
+    results.add_run(("lab-affinity", "affinity"), [session(round_result(1))], 1080, 1090)
+    results.declare(("lab-affinity", "affinity"), rounds=3)
+    assert value(registry, "kvwatch_probe_watched_since_timestamp_seconds") == 1000
 
 
 def test_switches_errors_and_totals_accumulate_across_runs(exporter):

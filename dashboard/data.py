@@ -23,6 +23,7 @@ import httpx
 import pandas as pd
 import streamlit as st
 
+from kvwatch.alerts import verdicts
 from kvwatch.alerts.runbook import RUNBOOK
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.config import (
@@ -164,6 +165,51 @@ def range_query(query: str, over: Span) -> Result:
     return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
 
 
+HELD_NONE = pd.DataFrame(
+    {
+        "alertname": pd.Series(dtype=str),
+        **{c: pd.Series(dtype="datetime64[ns, UTC]") for c in ("stopped_at", "clears_at")},
+        "keep_firing_for": pd.Series(dtype=float),
+    }
+)
+
+
+@_cached
+def held_alerts(at: float) -> Result:
+    """The alerts Prometheus keeps firing by their rule's keep_firing_for at `at`, although their
+    expression stopped matching (Prometheus' rules API, asked now: those whose expression stopped by
+    `at`): a column per label, `stopped_at` (the evaluation that first found it empty), `clears_at`
+    (the evaluation that will resolve it) and `keep_firing_for` in seconds, as the rule Prometheus
+    loaded says (the generator's, scaled in a lab started with --rule-time-scale)."""
+
+    def held(prometheus: PrometheusApi) -> pd.DataFrame:
+        rows = [
+            {
+                **alert["labels"],
+                "stopped_at": _rfc3339(alert["keepFiringSince"]),
+                "clears_at": verdicts.clears_at(
+                    _rfc3339(alert["keepFiringSince"]), rule["keepFiringFor"], rule["interval"]
+                ),
+                "keep_firing_for": float(rule["keepFiringFor"]),
+            }
+            for rule in prometheus.alerting_rules()
+            for alert in rule.get("alerts", [])
+            if alert.get("keepFiringSince") and alert.get("state") == "firing"
+        ]
+        kept = pd.DataFrame(rows)
+        if kept.empty:
+            return HELD_NONE
+        kept = kept[kept["stopped_at"] <= at]
+        return _times(kept.reset_index(drop=True), "stopped_at", "clears_at")
+
+    return _call_prometheus(held)
+
+
+def _rfc3339(stamp: str) -> float:
+    """Unix seconds of an RFC 3339 time as Prometheus writes it (nanoseconds, Z)."""
+    return pd.Timestamp(stamp).timestamp()
+
+
 # --- the cluster picked in the sidebar ----------------------------------------------------------------
 
 PICKED_CLUSTER = "cluster"  # the sidebar's key in the session state
@@ -224,12 +270,17 @@ def in_cluster(query: str, cluster: str | None = None) -> str:
 def _ask_prometheus(ask: Callable[[PrometheusApi], list[dict]]) -> Result:
     """One query to Prometheus, within TIMEOUT_SECONDS in all: its answer as a frame, or its failure in
     one line."""
+    return _call_prometheus(lambda prometheus: _frame(ask(prometheus)))
+
+
+def _call_prometheus(ask: Callable[[PrometheusApi], pd.DataFrame]) -> Result:
+    """One call of Prometheus' API, within TIMEOUT_SECONDS in all: its frame, or its failure in one line."""
     url = _service_url("prometheus")
     if url.error:
         return url
     where = f"Prometheus at {url.value}"
     try:
-        return Result(_frame(ask(PrometheusApi(url.value, TIMEOUT_SECONDS))))
+        return Result(ask(PrometheusApi(url.value, TIMEOUT_SECONDS)))
     except UpstreamTimeout:
         return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
     except Unreachable as error:

@@ -165,7 +165,7 @@ def range_query(query: str, over: Span) -> Result:
     return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
 
 
-HELD_NONE = pd.DataFrame(
+FIRING_NONE = pd.DataFrame(
     {
         "alertname": pd.Series(dtype=str),
         **{c: pd.Series(dtype="datetime64[ns, UTC]") for c in ("stopped_at", "clears_at")},
@@ -175,34 +175,39 @@ HELD_NONE = pd.DataFrame(
 
 
 @_cached
-def held_alerts(at: float) -> Result:
-    """The alerts Prometheus keeps firing by their rule's keep_firing_for at `at`, although their
-    expression stopped matching (Prometheus' rules API, asked now: those whose expression stopped by
-    `at`): a column per label, `stopped_at` (the evaluation that first found it empty), `clears_at`
-    (the evaluation that will resolve it) and `keep_firing_for` in seconds, as the rule Prometheus
-    loaded says (the generator's, scaled in a lab started with --rule-time-scale)."""
+def firing_alerts(at: float) -> Result:
+    """The alerts Prometheus' rules API says fire now, asked once per refresh (`at`, the page's time, is
+    the cache's key): a column per label, and for each alert that its rule's keep_firing_for holds
+    although its expression stopped matching, `stopped_at` (the evaluation that first found it empty),
+    `clears_at` (the evaluation that will resolve it) and `keep_firing_for` in seconds, as the rule
+    Prometheus loaded says (the generator's, scaled in a lab started with --rule-time-scale); NaT and
+    NaN for the others."""
 
-    def held(prometheus: PrometheusApi) -> pd.DataFrame:
+    def firing(prometheus: PrometheusApi) -> pd.DataFrame:
         rows = [
             {
                 **alert["labels"],
-                "stopped_at": _rfc3339(alert["keepFiringSince"]),
-                "clears_at": verdicts.clears_at(
-                    _rfc3339(alert["keepFiringSince"]), rule["keepFiringFor"], rule["interval"]
-                ),
-                "keep_firing_for": float(rule["keepFiringFor"]),
+                **_held(alert.get("keepFiringSince"), rule["keepFiringFor"], rule["interval"]),
             }
             for rule in prometheus.alerting_rules()
             for alert in rule.get("alerts", [])
-            if alert.get("keepFiringSince") and alert.get("state") == "firing"
+            if alert.get("state") == "firing"
         ]
-        kept = pd.DataFrame(rows)
-        if kept.empty:
-            return HELD_NONE
-        kept = kept[kept["stopped_at"] <= at]
-        return _times(kept.reset_index(drop=True), "stopped_at", "clears_at")
+        return _times(pd.DataFrame(rows), "stopped_at", "clears_at") if rows else FIRING_NONE
 
-    return _call_prometheus(held)
+    return _call_prometheus(firing)
+
+
+def _held(since: str | None, keep_firing_for: float, interval: float) -> dict[str, float]:
+    if not since:
+        return {"stopped_at": None, "clears_at": None, "keep_firing_for": None}
+    stopped = _rfc3339(since)
+    held_for = float(keep_firing_for)
+    return {
+        "stopped_at": stopped,
+        "clears_at": verdicts.clears_at(stopped, held_for, interval),
+        "keep_firing_for": held_for,
+    }
 
 
 def _rfc3339(stamp: str) -> float:

@@ -82,11 +82,13 @@ def matching(frame: pd.DataFrame, **labels: str) -> pd.DataFrame:
     return frame
 
 
-def held_alert(held: pd.DataFrame, name: str, labels: dict[str, str]) -> pd.Series | None:
-    """The row of `held` (data.held_alerts) for the alert of that name whose labels include `labels`:
-    Prometheus keeps it firing by its keep_firing_for although its expression stopped matching."""
-    rows = matching(held, alertname=name, **labels)
-    return None if rows.empty else rows.sort_values("clears_at").iloc[-1]
+def now_firing(firing: pd.DataFrame, name: str, labels: dict[str, str]) -> pd.Series | None:
+    """Of `firing` (data.firing_alerts), the alert of that name whose labels include `labels`: held by
+    its keep_firing_for where any such one is, else firing; None where none fires now."""
+    rows = matching(firing, alertname=name, **labels)
+    if rows.empty:
+        return None
+    return rows.iloc[0] if rows["stopped_at"].isna().any() else rows.sort_values("clears_at").iloc[-1]
 
 
 def resolving(name: str, held: pd.Series) -> str:
@@ -98,20 +100,29 @@ def resolving(name: str, held: pd.Series) -> str:
 
 
 def judge(
-    verdict: verdicts.Verdict, states: pd.DataFrame, ok: str, held: pd.DataFrame | None = None, **labels: str
+    verdict: verdicts.Verdict,
+    states: pd.DataFrame,
+    ok: str,
+    firing: pd.DataFrame | None = None,
+    **labels: str,
 ) -> Verdict:
     """What the alert behind `verdict` says now of the series with these labels, from `states` (its
-    `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green; blue
-    while it fires only because `held` (data.held_alerts) says its keep_firing_for holds it."""
+    `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green. Where
+    `firing` (data.firing_alerts, now) is given, blue once the signal is healthy again while the alert
+    still fires: held by its keep_firing_for, with when it clears, or cleared since the page's time."""
     alert = verdict.alert
     rows = matching(states, **labels)
     if rows.empty:
         return Verdict("gray", f"Not judged: {alert.name} has nothing to judge here now.")
     state = rows["value"].iloc[0]
     if state == verdicts.FIRING:
-        kept = None if held is None else held_alert(held, alert.name, {**(alert.labels or {}), **labels})
-        if kept is not None:
-            return Verdict("blue", resolving(alert.name, kept))
+        now = None if firing is None else now_firing(firing, alert.name, {**(alert.labels or {}), **labels})
+        if firing is not None and now is None:
+            return Verdict(
+                "blue", f"Healthy again: {alert.name} fired at this page's time and has cleared since."
+            )
+        if now is not None and pd.notna(now["stopped_at"]):
+            return Verdict("blue", resolving(alert.name, now))
         return Verdict("red", f"{alert.name} fires: {alert.summary}")
     if state == verdicts.PENDING:
         lasts = f"its condition holds, and it fires once that lasts {alert.for_}"

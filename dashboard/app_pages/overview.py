@@ -92,54 +92,56 @@ def subject(alert: pd.Series) -> str:
     return "the cluster"
 
 
-HELD_COLUMNS = ("stopped_at", "clears_at", "keep_firing_for")  # data.held_alerts' columns besides labels
+def clearing(firing: pd.DataFrame, now: pd.DataFrame) -> list[str | None]:
+    """For each alert firing at the page's time (ALERTS rows), from `now` (data.firing_alerts): None
+    while it fires, when it clears while its keep_firing_for holds it, or that it has cleared since."""
+    found = []
+    for alert in firing.to_dict("records"):
+        labels = {k: v for k, v in alert.items() if k not in ("__name__", "alertname", "alertstate", "value")}
+        held = ui.now_firing(now, alert["alertname"], {k: v for k, v in labels.items() if isinstance(v, str)})
+        if held is None:
+            found.append("cleared since this page's time")
+        else:
+            found.append(
+                None if pd.isna(held["stopped_at"]) else f"clearing at {ui.clock(held['clears_at'])}"
+            )
+    return found
 
 
-def clears_at(firing: pd.DataFrame, kept: pd.DataFrame) -> list[pd.Timestamp | None]:
-    """For each firing alert (ALERTS rows), when its keep_firing_for stops holding it (the latest of
-    `kept`, data.held_alerts, whose labels it carries); None for one whose condition still holds."""
-    held = [
-        (row["clears_at"], {k: v for k, v in row.items() if k not in HELD_COLUMNS and isinstance(v, str)})
-        for row in kept.to_dict("records")
-    ]
-    return [
-        max((at for at, labels in held if labels.items() <= alert.items()), default=None)
-        for alert in firing.to_dict("records")
-    ]
-
-
-def banner(firing: pd.DataFrame, kept: pd.DataFrame) -> None:
+def banner(firing: pd.DataFrame, now: pd.DataFrame | None) -> None:
     """Every kvwatch alert firing at the page's time, the critical ones first, apart from those whose
-    signal is healthy again and that keep_firing_for holds (with when they clear); or that none is."""
-    clearing = firing.assign(clears_at=clears_at(firing, kept)) if not firing.empty else firing
+    signal is healthy again (with when they clear); or that none is. `now` (data.firing_alerts) tells
+    them apart; None when it could not be read."""
     if firing.empty:
         st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
         return
-    firing, clearing = clearing[clearing["clears_at"].isna()], clearing[clearing["clears_at"].notna()]
-    if not firing.empty:
+    clears = [None] * len(firing) if now is None else clearing(firing, now)
+    firing = firing.assign(clears=clears)
+    still, healed = firing[firing["clears"].isna()], firing[firing["clears"].notna()]
+    if not still.empty:
         rank = {severity: i for i, severity in enumerate(SEVERITIES)}
         alerts = sorted(
             (rank.get(a["severity"], len(rank)), a["alertname"], subject(a), a["severity"])
-            for _, a in firing.iterrows()
+            for _, a in still.iterrows()
         )
         names = "; ".join(f"**{name}** ({severity}) on {about}" for _, name, about, severity in alerts)
         show = st.error if alerts[0][0] == 0 else st.warning
         show(f"Firing now: {names}. See the Alerts page for their runbooks.", icon=":material/notifications:")
-    if not clearing.empty:
+    if not healed.empty:
         names = "; ".join(
-            f"**{a['alertname']}** on {subject(a)} at {ui.clock(a['clears_at'])}"
-            for _, a in clearing.sort_values(["alertname", "clears_at"]).iterrows()
+            f"**{a['alertname']}** on {subject(a)}, {a['clears']}"
+            for _, a in healed.sort_values("alertname").iterrows()
         )
         st.info(
-            f"Healthy again, clearing: {names}. Their signals are fine again; each alert's keep_firing_for "
-            "holds it firing a while after, so that a flapping signal does not page twice.",
+            f"Healthy again: {names}. Their signals are fine again; an alert's keep_firing_for holds it "
+            "firing a while after, so that a flapping signal does not page twice.",
             icon=":material/published_with_changes:",
         )
 
 
 class Board:
     """One refresh of the Overview: every number's points over the span, every verdict's states at its end
-    and the alerts held by their keep_firing_for then, in `cluster` (else the picked one)."""
+    and the alerts firing now, in `cluster` (else the picked one)."""
 
     def __init__(self, over: data.Span, shown: tuple[Shown, ...] = SHOWN, cluster: str | None = None):
         self.over = over
@@ -147,15 +149,15 @@ class Board:
         self.states = {
             s.verdict.state: data.instant(s.verdict.state, over, cluster) for s in shown if s.verdict
         }
-        self.held = data.held_alerts(over.end)
+        self.firing = data.firing_alerts(over.end)
 
     def failed(self) -> bool:
         return any(ui.failed(result) for result in (*self.results.values(), *self.states.values()))
 
-    def kept(self) -> pd.DataFrame:
-        """The alerts held by their keep_firing_for at the page's time; none when that cannot be read
-        (said once, under the banner), so that the verdicts then read as the alerts' plain state."""
-        return data.HELD_NONE if self.held.error else data.of_picked_cluster(self.held.value)
+    def now(self) -> pd.DataFrame | None:
+        """The alerts firing now, from Prometheus' rules API; None when that cannot be read (said once,
+        under the banner): the verdicts are then the alerts' plain state at the page's time."""
+        return None if self.firing.error else data.of_picked_cluster(self.firing.value)
 
     def points(self, shown: Shown, **labels: str) -> pd.DataFrame:
         return ui.matching(self.results[shown.query].value, **labels)
@@ -168,7 +170,7 @@ class Board:
         """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
         if shown.verdict and judged:
             states = self.states[shown.verdict.state].value
-            verdict = ui.judge(shown.verdict, states, shown.ok, self.kept(), **labels)
+            verdict = ui.judge(shown.verdict, states, shown.ok, self.now(), **labels)
         else:
             verdict = ui.Verdict("gray", shown.unjudged)
         points = self.points(shown, **labels)
@@ -301,9 +303,9 @@ def overview() -> None:
     if ui.failed(firing) or board.failed():
         return
     with top:
-        banner(firing.value, board.kept())
-        if board.held.error:
-            st.caption(f"Alerts held by their keep_firing_for are not told apart: {board.held.error}")
+        banner(firing.value, board.now())
+        if board.firing.error:
+            st.caption(f"Alerts held by their keep_firing_for are not told apart: {board.firing.error}")
     st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {redact(config.value.prometheus.url)}.")
 
     targets, logs = config.value.targets, config.value.gateway_logs

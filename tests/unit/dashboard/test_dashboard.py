@@ -251,7 +251,7 @@ NO_ALERTMANAGER = f"Cannot reach Alertmanager at {ALERTMANAGER}/api/v2/alerts: C
 BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or directory."
 
 
-READERS = ("settings", "range_query", "instant_query", "held_alerts", "sessions", "rounds", "ttft_by_round",
+READERS = ("settings", "range_query", "instant_query", "firing_alerts", "sessions", "rounds", "ttft_by_round",
            "received_alerts", "faults", "alerts", "experiment_report", "run_experiment",
            "run_doctor")  # fmt: skip
 FAULT_AT, ALERT_AT, HEAL_AT = 600, 660, 1200  # seconds into the span
@@ -272,7 +272,9 @@ class Fake:
         self.doctor = Result(error="the doctor was not expected to run")
         self.runs: list[tuple] = []
         self.asked: list[str] = []  # every query Prometheus was asked, as narrowed
-        self.held = data.HELD_NONE  # the alerts Prometheus' rules API says keep_firing_for holds
+        # What Prometheus' rules API says fires now; unread unless a test says, so that every verdict is
+        # the alert's plain state at the page's time.
+        self.firing = Result(error="Prometheus' rules API is not asked here")
         for name in READERS:
             monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
         monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
@@ -296,8 +298,8 @@ class Fake:
         self.asked.append(query)
         return self._frame(self.prometheus, self.values.get(query, NO_FRAME))
 
-    def _held_alerts(self, at: float) -> Result:
-        return self._frame(self.prometheus, self.held)
+    def _firing_alerts(self, at: float) -> Result:
+        return self.firing if self.firing.error else self._frame(self.prometheus, self.firing.value)
 
     def _sessions(self, since: float) -> Result:
         return self._frame(self.store, sessions_frame())

@@ -41,7 +41,7 @@ STOPPED, CLEARS = NOW - 40, NOW + 83  # the affinity alert's expression stopped 
 
 
 def held(**labels: str) -> pd.DataFrame:
-    """data.held_alerts' answer: the affinity alert held by its keep_firing_for of 2 minutes."""
+    """data.firing_alerts' answer: the affinity alert held by its keep_firing_for of 2 minutes."""
     at = {
         key: pd.Timestamp(t, unit="s", tz="UTC")
         for key, t in (("stopped_at", STOPPED), ("clears_at", CLEARS))
@@ -57,6 +57,11 @@ def held(**labels: str) -> pd.DataFrame:
             }
         ]
     )
+
+
+def still_firing(**labels: str) -> pd.DataFrame:
+    """data.firing_alerts' answer for an alert whose expression still matches."""
+    return held(**labels).assign(stopped_at=pd.NaT, clears_at=pd.NaT, keep_firing_for=float("nan"))
 
 
 def firing_now(**labels: str) -> pd.DataFrame:
@@ -84,20 +89,25 @@ def test_a_recovered_signal_whose_alert_is_held_reads_as_resolving_with_its_clea
     recovered(fake)
     said = texts(open_page("overview"))
     assert fires(ROUTE_STICKY) in said and RESOLVING not in said  # nothing says it is held: red
-    fake.held = held(target="lab-affinity", route_mode="affinity")
+    fake.firing = Result(still_firing(target="lab-affinity", route_mode="affinity"))
+    assert fires(ROUTE_STICKY) in texts(open_page("overview"))  # Prometheus says it still fires: red
+    fake.firing = Result(held(target="lab-affinity", route_mode="affinity"))
     at = open_page("overview")
     said = texts(at)
     assert RESOLVING in said and fires(ROUTE_STICKY) not in said
     assert not at.error and not at.success  # neither "Firing now" nor "No kvwatch alert is firing"
     assert at.info[0].value.startswith(
-        f"Healthy again, clearing: **{ROUTE_STICKY.alert.name}** on lab-affinity at "
+        f"Healthy again: **{ROUTE_STICKY.alert.name}** on lab-affinity, clearing at "
         f"{ui.clock(pd.Timestamp(CLEARS, unit='s', tz='UTC'))}."
     )
 
 
 def test_a_held_alert_of_another_route_leaves_a_firing_one_red(fake):
     recovered(fake)
-    fake.held = held(target="other-route", route_mode="affinity")
+    fake.firing = Result(
+        pd.concat([held(target="other-route", route_mode="affinity"),
+                   still_firing(target="lab-affinity", route_mode="affinity")])
+    )  # fmt: skip
     at = open_page("overview")
     assert fires(ROUTE_STICKY) in texts(at) and RESOLVING not in texts(at)
     assert at.error[0].value.startswith(
@@ -105,9 +115,23 @@ def test_a_held_alert_of_another_route_leaves_a_firing_one_red(fake):
     )
 
 
-def test_when_prometheus_rules_cannot_be_read_the_verdicts_are_the_alerts_plain_state(fake, monkeypatch):
+def test_an_alert_cleared_since_the_pages_time_reads_as_healthy_again(fake):
+    """The page reads Prometheus a few seconds back (data.now): its alert may have cleared since."""
     recovered(fake)
-    monkeypatch.setattr(data, "held_alerts", lambda at: Result(error="Prometheus at X refused: nope"))
+    fake.firing = Result(data.FIRING_NONE)
+    at = open_page("overview")
+    assert (
+        f":blue[Healthy again: {ROUTE_STICKY.alert.name} fired at this page's time and has cleared since.]"
+        in (texts(at))
+    )
+    assert not at.error and at.info[0].value.startswith(
+        f"Healthy again: **{ROUTE_STICKY.alert.name}** on lab-affinity, cleared since this page's time."
+    )
+
+
+def test_when_prometheus_rules_cannot_be_read_the_verdicts_are_the_alerts_plain_state(fake):
+    recovered(fake)
+    fake.firing = Result(error="Prometheus at X refused: nope")
     at = open_page("overview")
     assert fires(ROUTE_STICKY) in texts(at)
     assert "Alerts held by their keep_firing_for are not told apart: Prometheus at X refused" in texts(at)
@@ -256,29 +280,30 @@ def test_without_watchdog_the_alerts_page_says_the_pipeline_is_broken(fake):
     assert not at.success
 
 
-def test_the_data_layer_reads_the_held_alerts_from_prometheus_rules_api(monkeypatch):
-    """keepFiringSince, keepFiringFor and the group's interval as Prometheus 2.42 answers them; an
-    alert whose expression stopped after the page's time is not held yet at that time."""
+def test_the_data_layer_reads_the_firing_and_held_alerts_from_prometheus_rules_api(monkeypatch):
+    """keepFiringSince, keepFiringFor and the group's interval as Prometheus 2.42 answers them."""
     rules = [
         {"name": ROUTE_STICKY.alert.name, "keepFiringFor": 12, "interval": 5.0, "alerts": [
             {"labels": {"alertname": ROUTE_STICKY.alert.name, "target": "a"}, "state": "firing",
              "activeAt": "2026-12-05T04:22:56.6Z", "keepFiringSince": "2026-12-05T04:22:57.632510205Z"},
             {"labels": {"alertname": ROUTE_STICKY.alert.name, "target": "b"}, "state": "firing",
              "activeAt": "2026-12-05T04:22:56.6Z"},
-            {"labels": {"alertname": ROUTE_STICKY.alert.name, "target": "c"}, "state": "firing",
-             "activeAt": "2026-12-05T04:22:56.6Z", "keepFiringSince": "2026-12-05T04:23:30Z"}]},
+            {"labels": {"alertname": ROUTE_STICKY.alert.name, "target": "c"}, "state": "pending",
+             "activeAt": "2026-12-05T04:22:56.6Z"}]},
         {"name": "Watchdog", "keepFiringFor": 0, "interval": 5.0, "alerts": [
             {"labels": {"alertname": "Watchdog"}, "state": "firing", "activeAt": "2026-12-05T04:00:00Z"}]},
     ]  # fmt: skip
     monkeypatch.setattr(data, "_service_url", lambda name: Result("http://127.0.0.1:1"))
     monkeypatch.setattr(data.PrometheusApi, "alerting_rules", lambda self: rules)
-    at = pd.Timestamp("2026-12-05T04:23:10Z").timestamp()
     st.cache_data.clear()
-    (row,) = data.held_alerts(at).value.to_dict("records")
+    found = data.firing_alerts(0).value.set_index(["alertname", "target"], drop=False)
     st.cache_data.clear()
-    assert row["target"] == "a" and row["keep_firing_for"] == 12
+    assert sorted(found["target"].fillna("-")) == ["-", "a", "b"]  # firing ones only
+    held_a, firing_b = found.loc[(ROUTE_STICKY.alert.name, "a")], found.loc[(ROUTE_STICKY.alert.name, "b")]
     stopped, clears = (
         pd.Timestamp(t).timestamp() for t in ("2026-12-05T04:22:57.63251Z", "2026-12-05T04:23:12.63251Z")
     )
-    assert row["stopped_at"].timestamp() == pytest.approx(stopped, abs=1e-6)
-    assert row["clears_at"].timestamp() == pytest.approx(clears, abs=1e-6)  # 3 evaluations of 5 s on
+    assert held_a["stopped_at"].timestamp() == pytest.approx(stopped, abs=1e-6)
+    assert held_a["clears_at"].timestamp() == pytest.approx(clears, abs=1e-6)  # 3 evaluations of 5 s on
+    assert held_a["keep_firing_for"] == 12
+    assert pd.isna(firing_b["stopped_at"]) and pd.isna(firing_b["clears_at"])

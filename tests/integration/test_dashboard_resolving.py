@@ -6,7 +6,6 @@ in; then green."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
@@ -18,7 +17,7 @@ import streamlit as st
 import yaml
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, free_port, http_get, stop, wait_http
+from conftest import REPO, free_port, http_get, start_prometheus, stop
 from kvwatch.alerts.verdicts import ROUTE_STICKY
 from kvwatch.dashboard import data, ui
 from kvwatch.lab.configs import scale_durations
@@ -93,14 +92,8 @@ def test_a_recovered_route_reads_as_resolving_until_prometheus_resolves_its_aler
     )
     monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(config)])
     monkeypatch.setattr(data, "now", time.time)  # the page's time: now, not a refresh grid's
-    log = tmp_path / "prometheus.log"
-    with log.open("w") as out:
-        prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path}/prometheus.yml", f"--storage.tsdb.path={tmp_path}/data",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT
-        )  # fmt: skip
+    prometheus, log = start_prometheus(tmp_path, port)
     try:
-        wait_http(f"{prometheus_url}/-/ready", prometheus, log)
         until(
             lambda: verdict(overview()) == ":green[Sessions stay on their replica.]", "no green verdict", log
         )

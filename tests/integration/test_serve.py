@@ -30,7 +30,7 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
+from conftest import REPO, free_port, http_get, http_post, launch, set_wall_clock, stop
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
@@ -159,16 +159,8 @@ def start_serve(
         })
     )  # fmt: skip
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/-/healthy", process, log)
-    except BaseException:
-        stop(process)
-        raise
+    argv = [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options]
+    process = launch(argv, log, f"http://127.0.0.1:{port}/-/healthy", cwd=REPO)
     return process, f"http://127.0.0.1:{port}", log
 
 

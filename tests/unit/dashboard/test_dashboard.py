@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ import yaml
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
+from conftest import REPO, decoded, experiment_replica_bars, free_port, start_prometheus, stop
 from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
@@ -1324,14 +1323,8 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
     )
     monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(config)])
     monkeypatch.setattr(data, "now", time.time)  # Prometheus holds nothing before it started
-    log = tmp_path / "prometheus.log"
-    with log.open("w") as out:
-        prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path}/prometheus.yml", f"--storage.tsdb.path={tmp_path}/data",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT
-        )  # fmt: skip
+    prometheus, log = start_prometheus(tmp_path, port)
     try:
-        wait_http(f"http://127.0.0.1:{port}/-/ready", prometheus, log)
         deadline = time.monotonic() + 15
         while True:
             st.cache_data.clear()

@@ -165,30 +165,20 @@ def range_query(query: str, over: Span) -> Result:
     return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
 
 
-FIRING_NONE = pd.DataFrame(
-    {
-        "alertname": pd.Series(dtype=str),
-        **{c: pd.Series(dtype="datetime64[ns, UTC]") for c in ("stopped_at", "clears_at")},
-        "keep_firing_for": pd.Series(dtype=float),
-    }
-)
+FIRING_NONE = pd.DataFrame(columns=["alertname", "stopped_at", "clears_at", "keep_firing_for"])
 
 
 @_cached
 def firing_alerts(at: float) -> Result:
     """The alerts Prometheus' rules API says fire now, asked once per refresh (`at`, the page's time, is
-    the cache's key): a column per label, and for each alert that its rule's keep_firing_for holds
-    although its expression stopped matching, `stopped_at` (the evaluation that first found it empty),
-    `clears_at` (the evaluation that will resolve it) and `keep_firing_for` in seconds, as the rule
-    Prometheus loaded says (the generator's, scaled in a lab started with --rule-time-scale); NaT and
-    NaN for the others."""
+    the cache's key): a column per label; for those its rule's keep_firing_for holds after their
+    expression stopped matching, `stopped_at` (the evaluation that first found it empty), `clears_at`
+    (the one that will resolve it) and `keep_firing_for` in seconds as Prometheus loaded the rule (scaled
+    in a lab started with --rule-time-scale); NaT and NaN for the others."""
 
     def firing(prometheus: PrometheusApi) -> pd.DataFrame:
         rows = [
-            {
-                **alert["labels"],
-                **_held(alert.get("keepFiringSince"), rule["keepFiringFor"], rule["interval"]),
-            }
+            {**alert["labels"], **_held(alert, rule)}
             for rule in prometheus.alerting_rules()
             for alert in rule.get("alerts", [])
             if alert.get("state") == "firing"
@@ -198,14 +188,14 @@ def firing_alerts(at: float) -> Result:
     return _call_prometheus(firing)
 
 
-def _held(since: str | None, keep_firing_for: float, interval: float) -> dict[str, float]:
-    if not since:
-        return {"stopped_at": None, "clears_at": None, "keep_firing_for": None}
-    stopped = _rfc3339(since)
-    held_for = float(keep_firing_for)
+def _held(alert: dict, rule: dict) -> dict[str, float | None]:
+    """When the alert's expression stopped matching and when its rule's keep_firing_for lets it clear."""
+    if not alert.get("keepFiringSince"):
+        return dict.fromkeys(("stopped_at", "clears_at", "keep_firing_for"))
+    stopped, held_for = _rfc3339(alert["keepFiringSince"]), float(rule.get("keepFiringFor", 0))
     return {
         "stopped_at": stopped,
-        "clears_at": verdicts.clears_at(stopped, held_for, interval),
+        "clears_at": verdicts.clears_at(stopped, held_for, rule["interval"]),
         "keep_firing_for": held_for,
     }
 

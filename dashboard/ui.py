@@ -247,17 +247,18 @@ def grouped(marks: pd.DataFrame, span_seconds: float) -> list[pd.DataFrame]:
     return [marks.loc[group] for group in groups]
 
 
-def mark(figure: go.Figure, marks: pd.DataFrame, span_seconds: float) -> go.Figure:
+def mark(figure: go.Figure, marks: pd.DataFrame, over: data.Span) -> go.Figure:
     """A dotted line for each event of `events()`, and labels at the top of the chart that do not
     overlap: events too close to be told apart share one label, a line of text each, the newest nearest
-    its line."""
+    its line. The time axis spans `over` whole, as the labels are laid out for."""
+    figure.update_xaxes(range=[pd.Timestamp(t, unit="s", tz="UTC") for t in over[:2]])
     for event in marks.itertuples():
         color = EVENT_COLORS.get(event.kind, "gray")
         figure.add_shape(
             type="line", x0=event.time, x1=event.time, y0=0, y1=1, yref="paper",
             line={"color": color, "dash": "dot", "width": 1},
         )  # fmt: skip
-    for group in grouped(marks, span_seconds):
+    for group in grouped(marks, over.end - over.start):
         colors = {EVENT_COLORS.get(kind, "gray") for kind in group["kind"]}
         figure.add_annotation(
             x=group["time"].iloc[0], y=1, yref="paper", text="<br>".join(group["text"][::-1]),

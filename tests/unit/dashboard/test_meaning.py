@@ -231,6 +231,8 @@ def test_marks_too_close_to_read_apart_share_one_label(fake, monkeypatch, apart,
     (figure,) = figures(open_page("overview")).values()
     assert sorted(annotations(figure)) == sorted(labels)  # the repeated notification marked once
     assert len(figure.layout.shapes) == 3  # a line for each event still
+    start, end = (pd.Timestamp(t, unit="s", tz="UTC") for t in (NOW - 3600, NOW))
+    assert [pd.Timestamp(t) for t in figure.layout.xaxis.range] == [start, end]  # as the labels are laid out
     assert FAULT_AT < ALERT_AT  # the Fake's default: 60 s apart
 
 

@@ -247,18 +247,24 @@ def grouped(marks: pd.DataFrame, span_seconds: float) -> list[pd.DataFrame]:
     return [marks.loc[group] for group in groups]
 
 
-def mark(figure: go.Figure, marks: pd.DataFrame, over: data.Span) -> go.Figure:
+def shown_seconds(figure: go.Figure, marks: pd.DataFrame) -> float:
+    """How many seconds the chart's time axis shows: from its first point or mark to its last."""
+    drawn = [pd.to_datetime(pd.Series(trace.x), utc=True) for trace in figure.data if len(trace.x)]
+    times = pd.concat([*drawn, pd.to_datetime(marks["time"], utc=True)])
+    return (times.max() - times.min()).total_seconds() if len(times) else 0.0
+
+
+def mark(figure: go.Figure, marks: pd.DataFrame) -> go.Figure:
     """A dotted line for each event of `events()`, and labels at the top of the chart that do not
-    overlap: events too close to be told apart share one label, a line of text each, the newest nearest
-    its line. The time axis spans `over` whole, as the labels are laid out for."""
-    figure.update_xaxes(range=[pd.Timestamp(t, unit="s", tz="UTC") for t in over[:2]])
+    overlap: events too close to be told apart on the chart's time axis share one label, a line of text
+    each, the newest nearest its line."""
     for event in marks.itertuples():
         color = EVENT_COLORS.get(event.kind, "gray")
         figure.add_shape(
             type="line", x0=event.time, x1=event.time, y0=0, y1=1, yref="paper",
             line={"color": color, "dash": "dot", "width": 1},
         )  # fmt: skip
-    for group in grouped(marks, over.end - over.start):
+    for group in grouped(marks, shown_seconds(figure, marks)):
         colors = {EVENT_COLORS.get(kind, "gray") for kind in group["kind"]}
         figure.add_annotation(
             x=group["time"].iloc[0], y=1, yref="paper", text="<br>".join(group["text"][::-1]),

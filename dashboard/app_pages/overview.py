@@ -287,7 +287,7 @@ def changes(board: Board, config: Config) -> None:
     }  # fmt: skip
     st.subheader("Over the range")
     st.caption("The lab's faults and the alerts kvwatch's webhook received are marked when they happened.")
-    figure = ui.mark(changes_figure(lines), ui.events(board.over), board.over)
+    figure = ui.mark(changes_figure(lines), ui.events(board.over))
     st.plotly_chart(figure, key="overview_changes")
 
 

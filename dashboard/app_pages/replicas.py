@@ -85,7 +85,7 @@ def ratio_chart(
         margin={"t": 10},
         height=height,
     )
-    return ui.mark(figure, marks, over)
+    return ui.mark(figure, marks)
 
 
 def shares(query: str, over: data.Span, empty: str, key: str, **bars) -> None:

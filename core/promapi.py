@@ -38,6 +38,20 @@ class PrometheusApi:
         start_time, end_time = (datetime.fromtimestamp(t, UTC) for t in (start, end))
         return _series(lambda: self._connect.custom_query_range(expr, start_time, end_time, f"{step:g}"))
 
+    def alerting_rules(self) -> list[dict]:
+        """The alerting rules Prometheus evaluates, each with its group's `interval` and its alerts
+        (/api/v1/rules?type=alert): their state, activeAt, and keepFiringSince while keep_firing_for
+        holds one whose expression stopped matching."""
+        answer = self._session.get(f"{self.url}/api/v1/rules", params={"type": "alert"}).json()
+        try:
+            return [
+                {**rule, "interval": float(group["interval"])}
+                for group in answer["data"]["groups"]
+                for rule in group["rules"]
+            ]
+        except (KeyError, TypeError, ValueError) as error:
+            raise UnexpectedAnswer(f"no rule groups in the answer: {error!r}") from None
+
     def loaded_config(self) -> str:
         """The configuration Prometheus runs with, as YAML (/api/v1/status/config)."""
         return str(self._data("status/config", "yaml"))

@@ -19,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+from collections import Counter
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
 from kvwatch.collectors.probe import blocksize, workload
@@ -32,6 +33,7 @@ from kvwatch.collectors.probe.session import (
 )
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.core.config import Config, Target
+from kvwatch.core.naming import plural
 from kvwatch.core.redaction import redact
 from kvwatch.core.schedule import cron_trigger
 from kvwatch.serve import shard, startup
@@ -77,6 +79,21 @@ def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.
     if target.block_size is not None:
         override = blocksize.BlockSize(target.block_size, f"block_size of target {target.name} in the config")
     return blocksize.sources_for([target.base_url], prometheus_url, override)
+
+
+def run_summary(sessions: list[SessionResult], seconds: float) -> str:
+    """One run in a line: its sessions and time, the share that stayed on one replica, and the failed
+    ones by error kind, `8 sessions in 12.4 s, 100% on one replica, 2 failed (timeout 1, http_5xx 1)`."""
+    judged = [s.sticky for s in sessions if s.sticky is not None]
+    sticky = f"{sum(judged) / len(judged):.0%} on one replica" if judged else "stickiness not judged"
+    kinds = Counter(s.error_kind or "unknown" for s in sessions if not s.ok)
+    errors = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+    interrupted = sum(s.interrupted for s in sessions)
+    return (
+        f"{plural(len(sessions), 'session')} in {seconds:.1f} s, {sticky}, {sum(kinds.values())} failed"
+        + (f" ({errors})" if errors else "")
+        + (f", {interrupted} cut short by the stop" if interrupted else "")
+    )
 
 
 class Conversations:
@@ -191,17 +208,7 @@ class Service:
         self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
         for uid, session in zip(uids, sessions, strict=True):
             self.writer.submit(self.store.add_session, session, uid)
-        failed = [s.error_kind for s in sessions if not s.ok]
-        interrupted = sum(s.interrupted for s in sessions)
-        log.info(
-            "%s: %d sessions, %d failed%s%s; %s",
-            target.name,
-            len(sessions),
-            len(failed),
-            f" ({', '.join(sorted(set(failed)))})" if failed else "",
-            f", {interrupted} cut short by the stop" if interrupted else "",
-            block.describe(),
-        )
+        log.info("%s: %s; %s", target.name, run_summary(sessions, time.time() - started), block.describe())
 
     async def _block_size(self, target: Target, sessions: list[SessionResult]) -> blocksize.BlockSize:
         """The engine's block size, or the default when learning it failed unforeseen: the run's sessions
@@ -236,7 +243,7 @@ class Service:
             if t.schedule is None:
                 jobs.every(name, run, t.interval_seconds, phase=phase(t.name, t.interval_seconds))
             else:
-                jobs.add(name, run, cron_trigger(t.schedule, t.timezone))
+                jobs.add(name, run, cron_trigger(t.schedule, t.timezone), f'on "{t.schedule}" ({t.timezone})')
         if self.followers:
             poll = functools.partial(asyncio.to_thread, self.poll_gateway_logs)
             jobs.every("gateway-log poll", poll, GATEWAY_POLL_SECONDS, phase=None)

@@ -102,6 +102,27 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 2
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def launch(argv: list[str], log: Path, ready: str, **options) -> subprocess.Popen:
+    """`argv` started with its output in `log`, once `ready` (a URL) answers 200; stopped if it never does."""
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **options)
+    try:
+        wait_http(ready, process, log)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+def start_prometheus(directory: Path, port: int) -> tuple[subprocess.Popen, Path]:
+    """A real Prometheus of `directory`/prometheus.yml on 127.0.0.1:`port`, its data and its log in
+    `directory`, once it is ready: the process and its log."""
+    log = directory / "prometheus.log"
+    argv = ["prometheus", f"--config.file={directory}/prometheus.yml",
+            f"--storage.tsdb.path={directory}/data", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    return launch(argv, log, f"http://127.0.0.1:{port}/-/ready"), log
+
+
 def stop(process: subprocess.Popen) -> None:
     """Stop a process we started, by its PID: SIGTERM, then SIGKILL after 10 s."""
     if process.poll() is None:

@@ -49,6 +49,7 @@ def show_load(report: data.Report) -> None:
             barmode="group",
             labels={"replica": "", "requests": "requests served"},
             height=300,
+            color_discrete_sequence=ui.SERIES_COLORS,
         )
         st.plotly_chart(figure, key="experiment_replicas")
 

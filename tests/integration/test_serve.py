@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import stat
@@ -29,7 +30,7 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
+from conftest import REPO, free_port, http_get, http_post, launch, set_wall_clock, stop
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
@@ -158,16 +159,8 @@ def start_serve(
         })
     )  # fmt: skip
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/-/healthy", process, log)
-    except BaseException:
-        stop(process)
-        raise
+    argv = [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options]
+    process = launch(argv, log, f"http://127.0.0.1:{port}/-/healthy", cwd=REPO)
     return process, f"http://127.0.0.1:{port}", log
 
 
@@ -656,6 +649,53 @@ def test_a_cron_target_runs_on_its_schedule(tmp_path: Path):
     assert sample(found, "kvwatch_probe_interval_seconds", **route) == 1.0
     assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
     assert "Traceback" not in log.read_text()
+
+
+RUN_LINES = {
+    "steady": r"steady: 1 session in \d+\.\d s, 100% on one replica, 0 failed; ",
+    "cron": r"cron: 1 session in \d+\.\d s, 100% on one replica, 0 failed; ",
+    "down": r"down: 1 session in \d+\.\d s, stickiness not judged, 1 failed \(http_error 1\); ",
+}
+
+
+def test_serve_says_each_schedule_at_start_and_sums_up_each_run(tmp_path: Path):
+    """A real `kvwatch serve` of an interval target through a sticky engine, a cron target and a target
+    whose engine answers 503: each schedule and first run logged as it starts, before any run, and one
+    line per run with its sessions, time, stickiness and failures by kind."""
+    workload = {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}
+    one = {"model": "m", "sessions_per_run": 1, "rounds": 2, "workload": workload}
+    failing = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+    sticky = STREAM_HEAD + b"X-Upstream: 127.0.0.1:9001\r\n\r\n" + STREAM_BODY
+    with loopback_http(answering_bytes(sticky)) as engine, loopback_http(answering_bytes(failing)) as down:
+        targets = [
+            {"name": "steady", "base_url": engine, "interval_seconds": 1, **one},
+            {"name": "cron", "base_url": engine, "schedule": "* * * * * *", **one},
+            {"name": "down", "base_url": down, "interval_seconds": 1, **one},
+        ]
+        process, _, log = start_serve(tmp_path, targets)
+        try:
+            deadline = time.monotonic() + 30
+            while not all(re.search(p, log.read_text()) for p in RUN_LINES.values()):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            terminate(process, log)
+        finally:
+            stop(process)
+    lines = log.read_text().splitlines()
+    at = r"first run at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
+    schedules = [
+        rf"probe run of steady: every 1 s, {at}",
+        rf'probe run of cron: on "\* \* \* \* \* \*" \(UTC\), {at}',
+        rf"probe run of down: every 1 s, {at}",
+    ]
+
+    def first(pattern: str) -> int:
+        found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+        assert found, (pattern, lines)
+        return found[0]
+
+    first_run = min(first(pattern) for pattern in RUN_LINES.values())
+    assert all(first(pattern) < first_run for pattern in schedules), lines
 
 
 def broken_read_chunk(*args) -> None:

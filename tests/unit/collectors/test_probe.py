@@ -995,7 +995,16 @@ def test_cli_prints_rounds_and_sessions_and_exits_0(lab, capsys):
     ]
 
 
+def wait_for_series(prometheus: str, name: str, timeout: float = 60.0) -> None:
+    """Until Prometheus holds `name`: a lab's first scrape comes a moment after it serves."""
+    deadline = time.monotonic() + timeout
+    while not http_get(f"{prometheus}/api/v1/query", params={"query": name}).json()["data"]["result"]:
+        assert time.monotonic() < deadline, f"Prometheus at {prometheus} holds no {name}"
+        time.sleep(0.2)
+
+
 def test_cli_json_has_every_session_and_round(lab, capsys):
+    wait_for_series(lab.status["prometheus"], '{__name__="vllm:cache_config_info"}')
     flags = ["--rounds", "2", "--sessions", "2", "--seed", "11", "--session-mode", "server", "--json"]
     code = main(
         ["probe", "--base-url", lab.affinity, *SMALL, *flags, "--prometheus", lab.status["prometheus"]]

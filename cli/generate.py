@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvwatch.alerts.runbook import RUNBOOK_URL
-from kvwatch.core.config import ConfigError, cluster_label_problem
+from kvwatch.config.settings import ConfigError, cluster_label_problem
 from kvwatch.core.connections import url_problem
 from kvwatch.grafana import boards
 from kvwatch.prometheus.rules import rule_file_texts

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvwatch.cli.options import command, not_positive
-from kvwatch.core.config import LAB_DIRECTORY
+from kvwatch.config.settings import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS

@@ -19,7 +19,7 @@ from kvwatch.collectors.probe.session import (
     with_block_size,
 )
 from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
-from kvwatch.core.config import Target, Workload
+from kvwatch.config.settings import Target, Workload
 from kvwatch.core.progress import Progress
 
 

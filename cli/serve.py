@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvwatch.cli.options import command
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.config.settings import ConfigError, load_config
 from kvwatch.serve import shard
 from kvwatch.serve.scheduler import Service
 from kvwatch.store.history import StoreError

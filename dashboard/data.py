@@ -25,7 +25,7 @@ import streamlit as st
 
 from kvwatch.alerts.runbook import RUNBOOK
 from kvwatch.collectors.probe import blocksize
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     ConfigError,
     Target,
     load_config,

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from kvwatch.alerts.alerts import Alert, alerts
-from kvwatch.core.config import label_name_problem
+from kvwatch.config.settings import label_name_problem
 from kvwatch.core.errors import KVWatchError, UpstreamError, UpstreamTimeout
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.core.config import GatewayLog
+from kvwatch.config.settings import GatewayLog
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvwatch.collectors.gatewaylogs import follower
 from kvwatch.collectors.probe.records import ERROR_KINDS, SessionResult
-from kvwatch.core.config import STICKY_ROUTE_MODES
+from kvwatch.config.settings import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
 from kvwatch.core.stats import median
 

@@ -31,7 +31,7 @@ from kvwatch.collectors.probe.session import (
     with_block_size,
 )
 from kvwatch.collectors.probe.streaming import StreamClient
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     Config,
     Target,
     resolve_api_key,

@@ -11,7 +11,7 @@ import plotly.express as px
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.core.config import Config, GatewayLog, Target
+from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.ui import Verdict

@@ -33,7 +33,7 @@ from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop,
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     LAB_DIRECTORY,
     PROMETHEUS_LABELS,
     Config,

@@ -44,7 +44,7 @@ from kvwatch.cli.main import main
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.config.settings import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
 from kvwatch.core.stats import quantile_interval
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result

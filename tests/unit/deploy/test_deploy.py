@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.core.config import Config, load_config
+from kvwatch.config.settings import Config, load_config
 from kvwatch.prometheus.rules import RULE_FILES
 from kvwatch.serve import shard
 

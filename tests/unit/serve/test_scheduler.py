@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import set_wall_clock
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.serve.jobs import GUARD_TICK_SECONDS, STEP_TOLERANCE_SECONDS, ClockStepGuard, Jobs
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 

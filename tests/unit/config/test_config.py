@@ -14,7 +14,7 @@ import yaml
 from conftest import REPO, free_port, kvwatch_bounded
 from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.cli import main
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     BackendIdentity,
     Config,
     ConfigError,

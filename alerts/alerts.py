@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,

@@ -10,13 +10,13 @@ from pathlib import Path
 from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import api_url, resolve_api_key
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
 from kvwatch.doctor.caching import Cluster
 from kvwatch.doctor.checks import CHECKS, diagnose
 from kvwatch.doctor.report import format_diagnosis
-from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -17,9 +17,9 @@ import re
 import sys
 from pathlib import Path
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.config.settings import ConfigError, cluster_label_problem
 from kvwatch.core.connections import url_problem
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.grafana import boards
 from kvwatch.prometheus.rules import rule_file_texts
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds, load_thresholds

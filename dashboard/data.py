@@ -23,7 +23,6 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from kvwatch.alerts.runbook import RUNBOOK
 from kvwatch.collectors.probe import blocksize
 from kvwatch.config.settings import (
     ConfigError,
@@ -34,6 +33,7 @@ from kvwatch.config.settings import (
 )
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.errors import QueryRefused, UnexpectedAnswer, Unreachable, UpstreamTimeout
+from kvwatch.core.naming import RUNBOOK
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import yaml
 
 from kvwatch.alerts.alerts import Alert, alerts
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.prometheus.queries import (
     CACHED_BY_SOURCE,
     CLUSTER_HIT_RATIO,
-    CLUSTER_LABEL,
     CLUSTER_LOAD_IMBALANCE,
     DELIVERED,
     ENGINE_CACHE_SERIES,

@@ -30,6 +30,7 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
+from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
@@ -47,7 +48,6 @@ from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import LabState
 from kvwatch.serve import shard
-from kvwatch.serve.exporter import label_names
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 from kvwatch.store.history import Store
 

@@ -26,7 +26,6 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     FIRING,
@@ -45,6 +44,8 @@ from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.config.settings import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.stats import quantile_interval
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
@@ -806,11 +807,11 @@ def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake
 
 # --- several clusters in one Prometheus ------------------------------------------------------------------
 
-CLUSTERS = queries.clusters(queries.CLUSTER_LABEL)
+CLUSTERS = queries.clusters(CLUSTER_LABEL)
 
 
 def in_cluster(query: str, cluster: str) -> str:
-    return promql.with_matcher(query, queries.one_cluster(queries.CLUSTER_LABEL, cluster))
+    return promql.with_matcher(query, queries.one_cluster(CLUSTER_LABEL, cluster))
 
 
 def two_clusters(fake: Fake) -> None:

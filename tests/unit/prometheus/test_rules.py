@@ -14,8 +14,8 @@ import yaml
 import kvwatch.prometheus.rules
 from conftest import REPO
 from kvwatch.alerts.alerts import ALERTS, Alert, alerts
-from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
 from kvwatch.cli import generate
+from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.rules import Rule, rule_files
 from kvwatch.prometheus.thresholds import THRESHOLDS

@@ -18,18 +18,17 @@ from kvwatch.doctor.caching import Cluster
 from kvwatch.doctor.checks import CHECKS, diagnose
 from kvwatch.doctor.report import format_diagnosis
 
+HELP = "find why session affinity or the prefix cache does not work, and say how to fix it"
+DESCRIPTION = (
+    "Walk the troubleshooting checklist against one route: reachability and the base URL, "
+    "auth, the response's shape, whether the session id reaches the router and is its hash key, "
+    "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
+    "front of the prompts. Each check prints its evidence and fix."
+)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = options.command(
-        subparsers,
-        "doctor",
-        run_cli,
-        help="find why session affinity or the prefix cache does not work, and say how to fix it",
-        description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
-        "auth, the response's shape, whether the session id reaches the router and is its hash key, "
-        "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-        "front of the prompts. Each check prints its evidence and fix.",
-    )
+    parser = options.command(subparsers, "doctor", run_cli, help=HELP, description=DESCRIPTION)
     options.add_route_arguments(parser)
     options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"

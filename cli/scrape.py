@@ -10,18 +10,17 @@ from kvwatch.cli.options import command, positive
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT, format_result, scrape
 
+HELP = "read engine / router /metrics and print normalised cache-reuse figures"
+DESCRIPTION = (
+    "Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
+    "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
+    "requests per worker and the router's predicted hit ratio. One scrape "
+    "gives lifetime figures; --interval scrapes twice and gives the figures of that window."
+)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = command(
-        subparsers,
-        "scrape",
-        run,
-        help="read engine / router /metrics and print normalised cache-reuse figures",
-        description="Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
-        "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
-        "requests per worker and the router's predicted hit ratio. One scrape "
-        "gives lifetime figures; --interval scrapes twice and gives the figures of that window.",
-    )
+    parser = command(subparsers, "scrape", run, help=HELP, description=DESCRIPTION)
     parser.add_argument(
         "sources",
         nargs="+",

@@ -19,6 +19,14 @@ DESCRIPTION = (
 )
 
 
+# The limits on one read: (flag, type, default, metavar, help).
+_LIMITS = (
+    ("--timeout", float, DEFAULT_TIMEOUT, "S", "seconds a URL has to answer in full (default %(default)g)"),
+    ("--max-bytes", int, DEFAULT_MAX_BYTES, "N",
+     "refuse a source larger than N bytes (default %(default)d, 32 MiB)"),
+)  # fmt: skip
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = command(subparsers, "scrape", run, help=HELP, description=DESCRIPTION)
     parser.add_argument(
@@ -32,20 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--flavour", choices=sorted(ENGINE_FLAVOURS), help="skip detection and read as this flavour"
     )
-    parser.add_argument(
-        "--timeout",
-        type=positive(float),
-        default=DEFAULT_TIMEOUT,
-        metavar="S",
-        help="seconds a URL has to answer in full (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=positive(int),
-        default=DEFAULT_MAX_BYTES,
-        metavar="N",
-        help="refuse a source larger than N bytes (default %(default)d, 32 MiB)",
-    )
+    for flag, kind, default, metavar, text in _LIMITS:
+        parser.add_argument(flag, type=positive(kind), default=default, metavar=metavar, help=text)
 
 
 def run(args: argparse.Namespace) -> int:

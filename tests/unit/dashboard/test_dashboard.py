@@ -1096,20 +1096,16 @@ PROMETHEUS_PAGES = ("overview", "replicas")
 STORE_PAGES = ("per_round", "sessions", "alerts")
 
 
-@pytest.mark.parametrize("page", PROMETHEUS_PAGES)
-def test_an_unreachable_prometheus_is_named(fake, page):
-    fake.prometheus = DOWN
+@pytest.mark.parametrize(
+    "source, error, page",
+    [("prometheus", DOWN, page) for page in PROMETHEUS_PAGES]
+    + [("store", NO_STORE, page) for page in STORE_PAGES],
+)
+def test_an_unreachable_prometheus_or_a_missing_store_is_named(fake, source, error, page):
+    setattr(fake, source, error)
     at = open_page(page)
     assert not at.exception
-    assert at.error[0].value == DOWN
-
-
-@pytest.mark.parametrize("page", STORE_PAGES)
-def test_a_missing_store_is_named(fake, page):
-    fake.store = NO_STORE
-    at = open_page(page)
-    assert not at.exception
-    assert at.error[0].value == NO_STORE
+    assert at.error[0].value == error
 
 
 def test_an_unreachable_alertmanager_leaves_the_received_alerts(fake):

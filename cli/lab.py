@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvwatch.cli.options import command, not_positive
+from kvwatch.cli.options import command, kvwatch_command, not_positive
 from kvwatch.config.settings import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
@@ -26,6 +26,8 @@ from kvwatch.lab.state import (
     MAX_CLUSTER_REPLICAS,
     MAX_CLUSTERS,
     LabState,
+    forget_running,
+    record_running,
 )
 
 TRAFFIC_HELP = "simulate users holding multi-turn conversations through a gateway"
@@ -43,7 +45,8 @@ REPLICA_DESCRIPTION = (
 UP_HELP = "start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users"
 UP_DESCRIPTION = (
     "Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
-    "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`."
+    "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`, from any "
+    "directory."
 )
 
 # Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
@@ -212,12 +215,33 @@ def _run_replica(args: argparse.Namespace) -> int:
     return 0
 
 
-def _state_dir_argument(parser: argparse.ArgumentParser) -> None:
+def _state_dir_argument(parser: argparse.ArgumentParser, default: Path | None = None) -> None:
+    """--state-dir: for `up` where to start the lab; for the others, unset, the running lab (`_lab_dir`)."""
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=LAB_DIRECTORY,
-        help="where the lab keeps configs, logs and PIDs (default %(default)s)",
+        default=default,
+        help="where the lab keeps configs, logs and PIDs (default %(default)s)"
+        if default
+        else f"the lab's directory (default: {LAB_DIRECTORY} when a lab runs there, else the one lab "
+        "running for this user, from any directory)",
+    )
+
+
+def _lab_dir(args: argparse.Namespace) -> Path:
+    """The lab a command acts on: the one named, else the running one (stack.find)."""
+    return args.state_dir.resolve() if args.state_dir else stack.find(LAB_DIRECTORY)
+
+
+def _how_to_reach() -> str:
+    """How to run the lab's commands from a new shell, where `make up`'s virtualenv is not active."""
+    kvwatch = kvwatch_command()
+    if kvwatch == "kvwatch":
+        return "Lab commands work from any directory: `kvwatch lab status`, `kvwatch lab fault ...`."
+    venv = Path(kvwatch).parent.parent
+    return (
+        f"In a new shell, kvwatch is {kvwatch} (or run `. {venv}/bin/activate` first), e.g. "
+        f"`{kvwatch} lab status`; lab commands work from any directory."
     )
 
 
@@ -301,7 +325,7 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         f"{CLUSTER_PORT_STRIDE} * (i + 1) (default %(default)s)",
     )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
-    _state_dir_argument(up)
+    _state_dir_argument(up, LAB_DIRECTORY)
 
 
 def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
@@ -415,9 +439,11 @@ def _run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("Interrupted while starting; everything started was stopped.", file=sys.stderr)
         return 130
+    record_running(state.directory)
     _print_status(stack.status(state))
+    print(_how_to_reach())
     if args.detach:
-        print("The lab runs in the background; stop it with `kvwatch lab down`.")
+        print(f"The lab runs in the background; stop it with `{kvwatch_command()} lab down`.")
         return 0
     print("The lab is up. Press Ctrl-C to stop it.")
     stop = []
@@ -430,6 +456,7 @@ def _run_up(args: argparse.Namespace) -> int:
             stack.down(LabState.load(state.directory))  # as other commands left it: scale-out adds replicas
     except stack.LabError as error:
         return _fail(str(error))
+    forget_running(state.directory)
     print("The lab is down.")
     return 0
 
@@ -441,7 +468,7 @@ def _say_waiting(holder: str) -> None:
 @contextlib.contextmanager
 def _changing(args: argparse.Namespace) -> Iterator[LabState]:
     """The lab's state, loaded under the lab's lock and changed before it is released."""
-    directory = args.state_dir.resolve()
+    directory = _lab_dir(args)
     LabState.load(directory)  # no lab here: say how to start one, before a lock file is made
     with stack.locked(directory, _say_waiting):
         yield LabState.load(directory)
@@ -453,14 +480,15 @@ def _run_down(args: argparse.Namespace) -> int:
             stack.down(state)
     except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
+    forget_running(state.directory)
     print("The lab is down.")
     return 0
 
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        info = stack.status(LabState.load(args.state_dir.resolve()))
-    except FileNotFoundError as error:
+        info = stack.status(LabState.load(_lab_dir(args)))
+    except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
     if args.json:
         print(json.dumps(info, indent=2))

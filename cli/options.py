@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
@@ -19,6 +23,19 @@ def command(
     parser = commands.add_parser(name, **texts)
     parser.set_defaults(handler=handler)
     return parser
+
+
+def kvwatch_command() -> str:
+    """How to run this kvwatch from a new shell, for the commands a message suggests: `kvwatch` when the
+    one on PATH is this one outside an activated virtualenv, else this one's full path (a virtualenv,
+    such as the one `make up` makes, is not activated in a new shell)."""
+    installed = Path(sys.executable).parent / "kvwatch"
+    if not installed.is_file():
+        return "kvwatch"
+    on_path = shutil.which("kvwatch")
+    if on_path and Path(on_path).resolve() == installed.resolve() and not os.environ.get("VIRTUAL_ENV"):
+        return "kvwatch"
+    return str(installed.absolute())
 
 
 class _RefuseKey(argparse.Action):

@@ -9,7 +9,7 @@ import sys
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
 from kvwatch.collectors.probe.session import (
     SESSION_MODES,
@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
         for line in failure_hints(failed):
             print(f"  {line}", file=sys.stderr)
+        if any(s.error_kind in NO_COMPLETION for s in failed) and (
+            said := asyncio.run(explanation(settings))
+        ):
+            print(f"  {said}", file=sys.stderr)
         return 1
     return 0
 

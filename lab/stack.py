@@ -32,7 +32,14 @@ from kvwatch.lab.configs import (
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
-from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
+from kvwatch.lab.state import (
+    CLUSTER_PORT_STRIDE,
+    LabState,
+    ReplicaSpec,
+    cluster_names,
+    forget_running,
+    recorded_labs,
+)
 from kvwatch.lab.supervisor import check_ports_free, reap, running_processes, start_processes, stop_processes
 
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
@@ -225,10 +232,8 @@ def up(
     """Start the whole lab, with `clusters` > 1 a central lab and that many clusters feeding it; on any
     failure stop what was started and raise LabError."""
     directory = directory.resolve()
-    if (directory / "state.json").exists():
-        with contextlib.suppress(FileNotFoundError):  # a cluster's state of an earlier lab may be gone
-            if any(running_processes(lab) for lab in labs(LabState.load(directory))):
-                raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
+    if is_running(directory):
+        raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
     planned = plan(directory, base_port, replicas, flavours, clusters, **options)
     check_ports_free(listening_ports(planned))
     try:
@@ -245,6 +250,35 @@ def up(
         down(planned[0])
         raise
     return planned[0]
+
+
+def is_running(directory: Path) -> bool:
+    """Whether a process of the lab in `directory` (or of one of its clusters) still runs."""
+    with contextlib.suppress(FileNotFoundError):  # no lab there, or a cluster's state of an earlier lab
+        return any(running_processes(lab) for lab in labs(LabState.load(directory)))
+    return False
+
+
+def find(default: Path) -> Path:
+    """The lab the commands act on when none is named: the one in `default` when it runs, else the one
+    lab recorded as running for this user, from any directory (the records of labs that died are
+    dropped), else `default`, where loading says how to start one. LabError when several run elsewhere."""
+    default = default.resolve()
+    if is_running(default):
+        return default
+    running = []
+    for directory in recorded_labs():
+        if is_running(directory):
+            running.append(directory)
+        else:
+            forget_running(directory)
+    if len(running) > 1:
+        where = ", ".join(str(directory) for directory in running)
+        raise LabError(
+            f"no lab runs from {default}, and {len(running)} run elsewhere ({where}): name one with "
+            "--state-dir"
+        )
+    return running[0] if running else default
 
 
 def down(state: LabState) -> None:

@@ -1,12 +1,15 @@
 """The lab's state: what runs where, which faults are on, and the PIDs of everything started.
 
 It lives in one directory (default `.kvwatch/lab/`) as state.json, next to the generated configs and a
-log per component, so `kvwatch lab status|fault|heal|down` can find a running lab.
+log per component, so `kvwatch lab status|fault|heal|down` can find a running lab. Each running lab is also
+recorded for its user (`running_labs_directory`), so that those commands find it from any directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -144,3 +147,34 @@ class LabState:
         data["directory"] = Path(data["directory"])
         data["replicas"] = [ReplicaSpec(**r) for r in data["replicas"]]
         return cls(**data)
+
+
+def running_labs_directory() -> Path:
+    """Where this user's running labs are recorded, one file each holding its state directory: under
+    $XDG_RUNTIME_DIR (per login, cleared at logout), else the user's cache directory."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvwatch" / "running-labs"
+
+
+def _record(directory: Path) -> Path:
+    return running_labs_directory() / hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+
+
+def record_running(directory: Path) -> None:
+    """Note that the lab of `directory` (absolute) runs, for commands started from elsewhere."""
+    record = _record(directory)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(str(directory))
+
+
+def forget_running(directory: Path) -> None:
+    _record(directory).unlink(missing_ok=True)
+
+
+def recorded_labs() -> list[Path]:
+    """The state directories of the labs recorded as running, in order (some may have died since)."""
+    try:
+        records = list(running_labs_directory().iterdir())
+    except FileNotFoundError:
+        return []
+    return sorted(Path(record.read_text()) for record in records if record.is_file())

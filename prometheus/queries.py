@@ -174,6 +174,17 @@ ENGINE_PRESENCE_SERIES = tuple(
     for spelling in (name, name.replace(":", "_"))
 )
 
+# The engines and routers a Prometheus scrapes now, one series per target (`kvwatch init` lists them):
+# engines by their running-requests gauge, routers by the prefix of their metrics' names.
+ENGINE_TARGETS = (
+    'group by (__name__, job, instance, replica, pod) ({__name__=~"'
+    + "|".join(ENGINE_PRESENCE_SERIES)
+    + '"})'
+)
+ROUTER_METRIC_PREFIXES = ("smg_", "sgl_router_", "vllm_router_", "llm_d_epp_", "inference_extension_",
+                          "dynamo_component_router_", "aibrix_prefix_cache_routing_")  # fmt: skip
+ROUTER_TARGETS = 'group by (job, instance) ({__name__=~"(' + "|".join(ROUTER_METRIC_PREFIXES) + ').+"})'
+
 INSTANCE_HIT_RATIO = DELIVERED.instance_ratio
 CLUSTER_HIT_RATIO = DELIVERED.cluster_ratio
 CLUSTER_LOCAL_HIT_RATIO = LOCAL.cluster_ratio  # the second, labelled figure beside the headline

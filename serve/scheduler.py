@@ -31,19 +31,13 @@ from kvwatch.collectors.probe.session import (
     with_block_size,
 )
 from kvwatch.collectors.probe.streaming import StreamClient
-from kvwatch.config.settings import (
-    Config,
-    Target,
-    resolve_api_key,
-    resolve_store_password,
-    resolve_webhook_token,
-)
+from kvwatch.config.settings import Config, Target
 from kvwatch.core.redaction import redact
 from kvwatch.core.schedule import cron_trigger
-from kvwatch.serve import shard
+from kvwatch.serve import shard, startup
 from kvwatch.serve.exporter import LabelledRegistry, ProbeCollector, ProbeResults
 from kvwatch.serve.jobs import Jobs
-from kvwatch.store.history import AlertsAdded, Store, StoreWriter, WriteDropped
+from kvwatch.store.history import AlertsAdded, StoreWriter, WriteDropped
 
 log = logging.getLogger("kvwatch.serve")
 
@@ -90,13 +84,10 @@ class Conversations:
     is then a true cold prefill and rounds 2+ can only reuse their own session's history, so the
     warm/cold TTFT ratio and the cached tokens measure affinity and nothing else."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, sharegpt: list[workload.Conversation] | None = None) -> None:
         self.target = target
-        spec = target.workload
         self._runs = itertools.count()
-        self._pool = None
-        if spec.sharegpt is not None:
-            self._pool = itertools.cycle(workload.load_sharegpt(spec.sharegpt, seed=spec.seed))
+        self._pool = None if sharegpt is None else itertools.cycle(sharegpt)
 
     def next_run(self) -> list[workload.Conversation]:
         target, spec = self.target, self.target.workload
@@ -116,12 +107,16 @@ class Conversations:
 class Service:
     """Everything `kvwatch serve` runs, built from one config: the probes of the targets in its shard."""
 
-    def __init__(self, config: Config, part: shard.Shard = shard.WHOLE) -> None:
+    def __init__(
+        self, config: Config, part: shard.Shard = shard.WHOLE, prepared: startup.Prepared | None = None
+    ) -> None:
         self.config = config
         self.shard = part
         self.targets = part.select(config.targets)
-        password = resolve_store_password(config.store)
-        self.store = Store(config.store.location, config.store.retention_days, password=password)
+        # The keys, files and store, read and checked once at start (startup.prepare, which `kvwatch config
+        # check` runs too): any problem is a StartRefused before anything runs.
+        prepared = prepared or startup.prepare(config, part)
+        self.store = prepared.store
         self.writer = StoreWriter(
             config.store.queue_capacity, config.store.retry_seconds, self.store.location
         )
@@ -151,10 +146,9 @@ class Service:
         self.registry.register(self.writer)
         for target in self.targets:
             self.results.declare((target.name, target.route_mode), target.rounds)
-        # Keys are read once at start; a missing one is a ConfigError before anything runs.
-        self.probes = {t.name: probe_settings(t, resolve_api_key(t)) for t in self.targets}
-        self.webhook_token = resolve_webhook_token(config.exporter)
-        self.conversations = {t.name: Conversations(t) for t in self.targets}
+        self.probes = {t.name: probe_settings(t, prepared.api_keys[t.name]) for t in self.targets}
+        self.webhook_token = prepared.webhook_token
+        self.conversations = {t.name: Conversations(t, prepared.sharegpt[t.name]) for t in self.targets}
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in self.targets}
         self._gate: asyncio.Semaphore | None = None
         self._client: StreamClient | None = None

@@ -22,7 +22,7 @@ LAYERS = (
     ("serve",),
     ("prometheus",),
     ("alerts",),
-    ("grafana", "doctor", "experiment"),
+    ("grafana", "doctor", "experiment", "onboarding"),
     ("dashboard",),
     ("cli",),
 )
@@ -102,7 +102,7 @@ def later():
     # the top layer may import every other, but not the lab
     assert problems("cli/x.py", source) == ["cli/x.py:8 imports kvwatch.lab: only lab/ and cli/lab.py may"]
     later = "a later layer (order: core -> collectors -> store -> config -> serve -> prometheus -> alerts -> "
-    later += "grafana|doctor|experiment -> dashboard -> cli)"
+    later += "grafana|doctor|experiment|onboarding -> dashboard -> cli)"
     assert problems("collectors/probe/x.py", source) == [
         f"collectors/probe/x.py:3 imports kvwatch.store: {later}",
         f"collectors/probe/x.py:4 imports kvwatch.serve: {later}",

@@ -95,6 +95,24 @@ def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1030
 
 
+def test_a_name_that_does_not_resolve_and_a_scheme_mismatch_are_counted_by_their_own_kinds(exporter):
+    results, registry = exporter
+    route, kinds = (
+        ("lab-affinity", "affinity"),
+        ("dns_error", "tls_mismatch", "connection_refused", "tls_error"),
+    )
+
+    def counted() -> dict[str, float | None]:
+        return {kind: value(registry, "kvwatch_probe_errors_total", kind=kind) for kind in kinds}
+
+    results.add_run(route, [session(round_result(1), round_result(2))], 1000, 1010)
+    assert counted() == dict.fromkeys(kinds, 0)  # exported from 0, as every kind
+    typo = session(round_result(1, error="dns_error", status=None, ttft_seconds=None))
+    https_to_http = session(round_result(1, error="tls_mismatch", status=None, ttft_seconds=None))
+    results.add_run(route, [typo, typo, https_to_http], 1020, 1030)
+    assert counted() == {"dns_error": 2, "tls_mismatch": 1, "connection_refused": 0, "tls_error": 0}
+
+
 def folded(registry, reason: str) -> float | None:
     return value(registry, "kvwatch_probe_label_values_folded_total", label="backend", reason=reason)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
@@ -28,6 +28,7 @@ from kvwatch.prometheus.queries import (
     watched_listeners,
     watched_routes,
 )
+from kvwatch.prometheus.rules import rule_expr
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 
@@ -55,6 +56,19 @@ class Alert:
             return self.summary
         where = f"{{{{ with $labels.{self.cluster} }}}} in {self.cluster} {{{{ . }}}}{{{{ end }}}}"
         return f"{self.summary.removesuffix('.')}{where}."
+
+    def entry(self) -> dict:
+        """The alert as its rule file holds it."""
+        entry = {"alert": self.name, "expr": rule_expr(self.expr), "for": self.for_}
+        if self.keep_firing_for:
+            entry["keep_firing_for"] = self.keep_firing_for
+        entry["labels"] = {"severity": self.severity, **(self.labels or {})}
+        entry["annotations"] = {
+            "summary": self.notification_summary,
+            "description": self.description,
+            "runbook_url": self.runbook_url,
+        }
+        return entry
 
 
 def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:

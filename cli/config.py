@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from kvwatch.cli.options import command
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.config.settings import ConfigError, load_config
 from kvwatch.serve import startup
 
 

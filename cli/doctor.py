@@ -11,7 +11,8 @@ from pathlib import Path
 from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import api_url, resolve_api_key
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
@@ -20,22 +21,20 @@ from kvwatch.doctor.checks import CHECKS, diagnose
 from kvwatch.doctor.report import format_diagnosis, format_links
 from kvwatch.doctor.setup import check_setup
 from kvwatch.prometheus.pipeline import OK
-from kvwatch.prometheus.queries import CLUSTER_LABEL
+
+HELP = "find why session affinity or the prefix cache does not work, and say how to fix it"
+DESCRIPTION = (
+    "Walk the troubleshooting checklist against one route: reachability and the base URL, "
+    "auth, the response's shape, whether the session id reaches the router and is its hash key, "
+    "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
+    "front of the prompts. Each check prints its evidence and fix. With --setup --config FILE, check "
+    "kvwatch's own pipeline instead: serve, Prometheus' scrapes, rules and Alertmanager, Alertmanager's "
+    "route to kvwatch's webhook, the store."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = options.command(
-        subparsers,
-        "doctor",
-        run_cli,
-        help="find why session affinity or the prefix cache does not work, and say how to fix it",
-        description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
-        "auth, the response's shape, whether the session id reaches the router and is its hash key, "
-        "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-        "front of the prompts. Each check prints its evidence and fix. With --setup --config FILE, check "
-        "kvwatch's own pipeline instead: serve, Prometheus' scrapes, rules and Alertmanager, Alertmanager's "
-        "route to kvwatch's webhook, the store.",
-    )
+    parser = options.command(subparsers, "doctor", run_cli, help=HELP, description=DESCRIPTION)
     parser.add_argument(
         "--setup",
         action="store_true",

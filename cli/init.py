@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe.session import resolve_api_key
-from kvwatch.core.config import STICKY_ROUTE_MODES, ConfigError, RouteMode
+from kvwatch.config.settings import STICKY_ROUTE_MODES, ConfigError, RouteMode
 from kvwatch.doctor import affinity
 from kvwatch.onboarding import summary, survey, writers
 

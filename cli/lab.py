@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvwatch.cli.options import command, kvwatch_command, not_positive
-from kvwatch.core.config import LAB_DIRECTORY
+from kvwatch.config.settings import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS
@@ -28,6 +28,25 @@ from kvwatch.lab.state import (
     LabState,
     forget_running,
     record_running,
+)
+
+TRAFFIC_HELP = "simulate users holding multi-turn conversations through a gateway"
+TRAFFIC_DESCRIPTION = (
+    "Run concurrent simulated users, each holding one multi-turn conversation after "
+    "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM."
+)
+
+REPLICA_HELP = "serve one simulated vLLM / SGLang replica on 127.0.0.1"
+REPLICA_DESCRIPTION = (
+    "Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
+    "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults."
+)
+
+UP_HELP = "start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users"
+UP_DESCRIPTION = (
+    "Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
+    "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`, from any "
+    "directory."
 )
 
 # Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
@@ -51,14 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_replica(commands: argparse._SubParsersAction) -> None:
     defaults = ReplicaSettings(replica_id="")
-    replica = command(
-        commands,
-        "replica",
-        _run_replica,
-        help="serve one simulated vLLM / SGLang replica on 127.0.0.1",
-        description="Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
-        "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults.",
-    )
+    replica = command(commands, "replica", _run_replica, help=REPLICA_HELP, description=REPLICA_DESCRIPTION)
     replica.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
     replica.add_argument("--id", required=True, dest="replica_id", help="replica name, e.g. r1")
     replica.add_argument(
@@ -129,14 +141,7 @@ def _add_traffic(commands: argparse._SubParsersAction) -> None:
     from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
 
     defaults = TrafficSettings(url="")
-    traffic = command(
-        commands,
-        "traffic",
-        run_cli,
-        help="simulate users holding multi-turn conversations through a gateway",
-        description="Run concurrent simulated users, each holding one multi-turn conversation after "
-        "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM.",
-    )
+    traffic = command(commands, "traffic", run_cli, help=TRAFFIC_HELP, description=TRAFFIC_DESCRIPTION)
     traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
     for flag, dest, kind, text in (
         ("--users", "users", int, "concurrent users"),
@@ -252,15 +257,7 @@ def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, d
 
 
 def _add_up_command(commands: argparse._SubParsersAction) -> None:
-    up = command(
-        commands,
-        "up",
-        _run_up,
-        help="start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users",
-        description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
-        "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`, from any "
-        "directory.",
-    )
+    up = command(commands, "up", _run_up, help=UP_HELP, description=UP_DESCRIPTION)
     _family_argument(up, "--engine", REPLICA_KINDS, "sim")
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(

@@ -19,21 +19,20 @@ from kvwatch.collectors.probe.session import (
     with_block_size,
 )
 from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
-from kvwatch.core.config import Target, Workload
+from kvwatch.config.settings import Target, Workload
 from kvwatch.core.progress import Progress
+
+HELP = "run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness"
+DESCRIPTION = (
+    "Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
+    "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
+    "ideal cached tokens and the backends seen, then each session's stickiness."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
-    parser = options.command(
-        subparsers,
-        "probe",
-        run,
-        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
-        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
-        "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
-        "ideal cached tokens and the backends seen, then each session's stickiness.",
-    )
+    parser = options.command(subparsers, "probe", run, help=HELP, description=DESCRIPTION)
     options.add_route_arguments(parser)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),

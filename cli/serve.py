@@ -10,20 +10,19 @@ import sys
 from pathlib import Path
 
 from kvwatch.cli.options import command
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.config.settings import ConfigError, load_config
 from kvwatch.serve import shard, startup
 from kvwatch.serve.scheduler import Service
 
+HELP = "run probes on a schedule and serve /metrics and the Alertmanager webhook"
+DESCRIPTION = (
+    "Run the configured probes on their schedules, follow the gateway logs, keep the "
+    "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts)."
+)
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    serve = command(
-        commands,
-        "serve",
-        run,
-        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
-        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
-        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
-    )
+    serve = command(commands, "serve", run, help=HELP, description=DESCRIPTION)
     serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
     serve.add_argument(
         "--shard",

@@ -24,9 +24,8 @@ import pandas as pd
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.alerts.runbook import RUNBOOK
 from kvwatch.collectors.probe import blocksize
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     ConfigError,
     Target,
     load_config,
@@ -35,6 +34,7 @@ from kvwatch.core.config import (
 )
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.errors import QueryRefused, UnexpectedAnswer, Unreachable, UpstreamTimeout
+from kvwatch.core.naming import RUNBOOK
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.core.config import GatewayLog
+from kvwatch.config.settings import GatewayLog
 from kvwatch.core.credentials import write_new_token
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import LabState
-from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,40 +28,24 @@ def cluster_names(count: int) -> list[str]:
     return [chr(ord("a") + i) for i in range(count)]
 
 
+def _above_base(offset: int) -> property:
+    """A port `offset` above the lab's base port."""
+    return property(lambda ports: ports.base + offset)
+
+
 @dataclass(frozen=True)
 class Ports:
     """Every lab port, derived from one base port."""
 
     base: int
 
-    @property
-    def affinity(self) -> int:
-        return self.base
-
-    @property
-    def round_robin(self) -> int:
-        return self.base + 1
-
-    @property
-    def prometheus(self) -> int:
-        return self.base + 2
-
-    @property
-    def alertmanager(self) -> int:
-        return self.base + 3
-
-    @property
-    def exporter(self) -> int:
-        return self.base + 4
-
-    @property
-    def dashboard(self) -> int:
-        return self.base + 5
-
-    @property
-    def gateway_admin(self) -> int:
-        """A gateway's admin API and metrics (Envoy's); nginx has none."""
-        return self.base + 6
+    affinity = _above_base(0)
+    round_robin = _above_base(1)
+    prometheus = _above_base(2)
+    alertmanager = _above_base(3)
+    exporter = _above_base(4)
+    dashboard = _above_base(5)
+    gateway_admin = _above_base(6)  # a gateway's admin API and metrics (Envoy's); nginx has none
 
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index

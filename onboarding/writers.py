@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.core.credentials import write_new_token
 from kvwatch.core.errors import KVWatchError
 from kvwatch.onboarding.survey import Survey, Target

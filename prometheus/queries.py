@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.prometheus import promql
 
 WINDOW = "2m"
-# The label that tells clusters apart, as the Prometheus (external_labels, remote_write) or kvwatch's own
-# exporter (exporter.cluster) sets it; a Prometheus of one cluster without it reads as one cluster.
-CLUSTER_LABEL = "cluster"
 INSTANCE = "job, instance"
 ROUTE = "target, route_mode"
 LISTENER = "log, listener"

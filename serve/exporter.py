@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvwatch.collectors.gatewaylogs import follower
+from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
 from kvwatch.collectors.probe.records import ERROR_KINDS, SessionResult
-from kvwatch.core.config import STICKY_ROUTE_MODES
+from kvwatch.config.settings import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
 from kvwatch.core.stats import median
 
@@ -156,51 +156,6 @@ class ProbeResults:
             return dict(self._routes), dict(self._last), totals, ttft
 
 
-_ROUTE = ["target", "route_mode"]
-_COUNTERS = {
-    # key: (name, help, extra labels)
-    "sessions": ("kvwatch_probe_sessions", "Probe sessions by outcome.", ["outcome"]),
-    "rounds": ("kvwatch_probe_rounds", "Successful probe rounds.", ["round"]),
-    "errors": ("kvwatch_probe_errors", "Failed probe rounds by error kind.", ["kind"]),
-    "prompt": ("kvwatch_probe_prompt_tokens", "Prompt tokens of successful probe rounds.", ["round"]),
-    "cached": (
-        "kvwatch_probe_cached_tokens",
-        "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
-        ["round"],
-    ),
-    "ideal": (
-        "kvwatch_probe_ideal_cached_tokens",
-        "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "
-        "answer, block-aligned.",
-        ["round"],
-    ),
-    "stickiness": (
-        "kvwatch_probe_stickiness_sessions",
-        "Probe sessions by whether every round landed on one replica (unknown: no evidence).",
-        ["sticky"],
-    ),
-    "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
-    "echo": (
-        "kvwatch_probe_session_id_echo_sessions",
-        "Probe sessions by whether the gateway echoed the session id on every round.",
-        ["echoed"],
-    ),
-    "backend": ("kvwatch_probe_backend_rounds", "Successful probe rounds per serving backend.", ["backend"]),
-    "folded": (
-        "kvwatch_probe_label_values_folded",
-        'Probe rounds whose label value was shown as "other": beyond 32 values per route, or too long.',
-        ["label", "reason"],
-    ),
-}
-
-
-def label_names() -> frozenset[str]:
-    """Every label of kvwatch's own series (probes, gateway logs, the store's writer): a cluster label of
-    the same name would overwrite it on every sample (collectors.config refuses one)."""
-    probes = {*_ROUTE, "expect_sticky", *(label for _, _, extra in _COUNTERS.values() for label in extra)}
-    return frozenset(probes | follower.LABEL_NAMES | {"reason"})  # the store's kvwatch_store_writes_dropped
-
-
 class ProbeCollector(Collector):
     """Turns the probe results into fresh metric families at every scrape."""
 
@@ -220,8 +175,8 @@ class ProbeCollector(Collector):
         yield self._route_info(routes)
         yield from self._watched_families(routes)
         families = {
-            key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
-            for key, (name, doc, extra) in _COUNTERS.items()
+            key: CounterMetricFamily(name, doc, labels=[*ROUTE_LABELS, *extra])
+            for key, (name, doc, extra) in COUNTERS.items()
         }
         for (key, labels), value in sorted(totals.items()):
             families[key].add_metric(list(labels), value)
@@ -230,7 +185,7 @@ class ProbeCollector(Collector):
         histogram = HistogramMetricFamily(
             "kvwatch_probe_ttft_seconds",
             "Client-side time to first token of successful probe rounds.",
-            labels=[*_ROUTE, "round"],
+            labels=[*ROUTE_LABELS, "round"],
         )
         for labels, (buckets, total) in sorted(ttft.items()):
             histogram.add_metric(list(labels), buckets, total)
@@ -242,7 +197,7 @@ class ProbeCollector(Collector):
         info = GaugeMetricFamily(
             "kvwatch_probe_route_info",
             "A probed route's settings: expect_sticky says whether its sessions must stay on one replica.",
-            labels=[*_ROUTE, "expect_sticky"],
+            labels=[*ROUTE_LABELS, "expect_sticky"],
         )
         for target, mode in sorted(routes):
             sticky = self.expect_sticky.get(target, mode in STICKY_ROUTE_MODES)
@@ -255,10 +210,10 @@ class ProbeCollector(Collector):
         since = GaugeMetricFamily(
             "kvwatch_probe_watched_since_timestamp_seconds",
             "When kvwatch serve began to probe the route.",
-            labels=_ROUTE,
+            labels=ROUTE_LABELS,
         )
         interval = GaugeMetricFamily(
-            "kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs.", labels=_ROUTE
+            "kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs.", labels=ROUTE_LABELS
         )
         for route, declared_at in sorted(routes.items()):
             since.add_metric(list(route), declared_at)
@@ -269,7 +224,7 @@ class ProbeCollector(Collector):
     def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(
-                name, doc + " (cached; refreshed by the scheduler)", labels=[*_ROUTE, *extra]
+                name, doc + " (cached; refreshed by the scheduler)", labels=[*ROUTE_LABELS, *extra]
             )
 
         timestamp = gauge("kvwatch_probe_last_run_timestamp_seconds", "When the last probe run finished")

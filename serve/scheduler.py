@@ -32,7 +32,7 @@ from kvwatch.collectors.probe.session import (
     with_block_size,
 )
 from kvwatch.collectors.probe.streaming import StreamClient
-from kvwatch.core.config import Config, Target
+from kvwatch.config.settings import Config, Target
 from kvwatch.core.naming import plural
 from kvwatch.core.redaction import redact
 from kvwatch.core.schedule import cron_trigger

@@ -20,7 +20,7 @@ import httpx
 from kvwatch.collectors.probe import workload
 from kvwatch.collectors.probe.models import list_models, listing_failed
 from kvwatch.collectors.probe.session import api_url
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     Config,
     ConfigError,
     ExporterSettings,

@@ -13,7 +13,7 @@ from pathlib import Path
 import plotly.express as px
 import streamlit as st
 
-from kvwatch.core.config import Target
+from kvwatch.config.settings import Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.core.config import Config, GatewayLog, Target
+from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 from kvwatch.prometheus import pipeline, queries

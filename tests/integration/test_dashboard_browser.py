@@ -27,7 +27,7 @@ from kvwatch.alerts.verdicts import (
     Verdict,
 )
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
 from kvwatch.lab.replicas import REPLICA_KINDS

@@ -13,7 +13,7 @@ import yaml
 from conftest import free_base_port
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
 from kvwatch.lab.gateways import GATEWAYS, envoy
 from kvwatch.lab.state import LabState, ReplicaSpec

@@ -31,10 +31,11 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, http_post, launch, set_wall_clock, stop
+from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.streaming import StreamClient
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     LAB_DIRECTORY,
     PROMETHEUS_LABELS,
     Config,
@@ -48,7 +49,6 @@ from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import LabState
 from kvwatch.serve import shard
-from kvwatch.serve.exporter import label_names
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 from kvwatch.store.history import Store
 
@@ -611,18 +611,24 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
 STREAM_BODY = b"".join(b"data: %s\n\n" % event.encode() for event in [*map(json.dumps, ANSWER), "[DONE]"])
 
 
+def probed_once(tmp_path: Path, target: dict) -> tuple[dict[tuple, float], Path]:
+    """The samples of a `kvwatch serve` of `target` once it has probed it, and its log; stopped cleanly."""
+    process, url, log = start_serve(tmp_path, target)
+    try:
+        assert probed_targets(url) == {target["name"]}, log.read_text()
+        found = samples(url)
+        terminate(process, log)
+    finally:
+        stop(process)
+    return found, log
+
+
 def test_a_gateway_sending_non_ascii_headers_is_probed_stored_and_exported(tmp_path: Path):
     head = STREAM_HEAD + b"Server: caf\xc3\xa9-gateway\r\nX-Upstream: r\xff1\r\n\r\n"
     target = {"name": "direct", "base_url": "", "model": "m", "interval_seconds": 1, "sessions_per_run": 1,
               "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
     with loopback_http(answering_bytes(head + STREAM_BODY)) as engine:
-        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
-        try:
-            assert probed_targets(url) == {"direct"}, log.read_text()
-            found = samples(url)
-            terminate(process, log)
-        finally:
-            stop(process)
+        found, _ = probed_once(tmp_path, {**target, "base_url": engine})
     route = {"target": "direct", "route_mode": "affinity"}
     assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
     assert sample(found, "kvwatch_probe_last_run_timestamp_seconds", **route) > time.time() - 60
@@ -638,13 +644,7 @@ def test_a_cron_target_runs_on_its_schedule(tmp_path: Path):
     target = {"name": "cron", "base_url": "", "model": "m", "schedule": "* * * * * *", "sessions_per_run": 1,
               "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
     with loopback_http(answering_bytes(STREAM_HEAD + b"\r\n" + STREAM_BODY)) as engine:
-        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
-        try:
-            assert probed_targets(url) == {"cron"}, log.read_text()
-            found = samples(url)
-            terminate(process, log)
-        finally:
-            stop(process)
+        found, log = probed_once(tmp_path, {**target, "base_url": engine})
     route = {"target": "cron", "route_mode": "affinity"}
     assert sample(found, "kvwatch_probe_interval_seconds", **route) == 1.0
     assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1

@@ -25,7 +25,6 @@ from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, decoded, experiment_replica_bars, free_port, start_prometheus, stop
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     FIRING,
@@ -44,7 +43,9 @@ from kvwatch.cli.main import main
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.config.settings import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.stats import quantile_interval
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
@@ -888,11 +889,11 @@ def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake
 
 # --- several clusters in one Prometheus ------------------------------------------------------------------
 
-CLUSTERS = queries.clusters(queries.CLUSTER_LABEL)
+CLUSTERS = queries.clusters(CLUSTER_LABEL)
 
 
 def in_cluster(query: str, cluster: str) -> str:
-    return promql.with_matcher(query, queries.one_cluster(queries.CLUSTER_LABEL, cluster))
+    return promql.with_matcher(query, queries.one_cluster(CLUSTER_LABEL, cluster))
 
 
 def two_clusters(fake: Fake) -> None:
@@ -1177,20 +1178,16 @@ PROMETHEUS_PAGES = ("overview", "replicas")
 STORE_PAGES = ("per_round", "sessions", "alerts")
 
 
-@pytest.mark.parametrize("page", PROMETHEUS_PAGES)
-def test_an_unreachable_prometheus_is_named(fake, page):
-    fake.prometheus = DOWN
+@pytest.mark.parametrize(
+    "source, error, page",
+    [("prometheus", DOWN, page) for page in PROMETHEUS_PAGES]
+    + [("store", NO_STORE, page) for page in STORE_PAGES],
+)
+def test_an_unreachable_prometheus_or_a_missing_store_is_named(fake, source, error, page):
+    setattr(fake, source, error)
     at = open_page(page)
     assert not at.exception
-    assert at.error[0].value == DOWN
-
-
-@pytest.mark.parametrize("page", STORE_PAGES)
-def test_a_missing_store_is_named(fake, page):
-    fake.store = NO_STORE
-    at = open_page(page)
-    assert not at.exception
-    assert at.error[0].value == NO_STORE
+    assert at.error[0].value == error
 
 
 def test_an_unreachable_alertmanager_leaves_the_received_alerts(fake):

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.core.config import Config, load_config
-from kvwatch.prometheus.rules import RULE_FILES
+from kvwatch.cli.generate import RULE_FILES
+from kvwatch.config.settings import Config, load_config
 from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvwatch.collectors.probe.blocksize import BlockSize
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.config.settings import ConfigError, load_config
 from kvwatch.onboarding import summary, writers
 from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _pick_model, _target
 from kvwatch.prometheus import queries

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from conftest import REPO
+from kvwatch.cli.generate import rule_files
 from kvwatch.cli.main import main
-from kvwatch.prometheus.rules import rule_files
 from kvwatch.prometheus.thresholds import THRESHOLDS, load_thresholds
 
 CHANGED = """\

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.core.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 from kvwatch.serve.endpoints import (
     MAX_WEBHOOK_BYTES,

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import set_wall_clock
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.serve.jobs import GUARD_TICK_SECONDS, STEP_TOLERANCE_SECONDS, ClockStepGuard, Jobs
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service, phase, run_summary
 

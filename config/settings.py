@@ -21,18 +21,18 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.collectors import gatewaylogs, identity
+from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize
 from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.errors import KVWatchError
-from kvwatch.core.labels import label_value_problem
+from kvwatch.core.labels import CLUSTER_LABEL, label_value_problem
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.redaction import redact
 from kvwatch.core.registry import did_you_mean, unknown
 from kvwatch.core.schedule import longest_gap, time_zone
 from kvwatch.core.strict_yaml import StrictLoader, plain_problem
-from kvwatch.prometheus.queries import CLUSTER_LABEL
 from kvwatch.store import databases, history
 
 # Where `kvwatch lab up` keeps its state and writes its config: the dashboard's default config is there.
@@ -98,8 +98,6 @@ PROMETHEUS_LABELS = frozenset({"le", "quantile", "job", "instance"})
 def cluster_label_problem(name: str) -> str | None:
     """What keeps `name` from telling clusters apart: it must be a label name of the user's, and not one
     that kvwatch's series or Prometheus already use, which it would overwrite on every sample."""
-    from kvwatch.serve.exporter import label_names  # the exporter imports this module
-
     if wrong := label_name_problem(name):
         return wrong
     taken = label_names() | PROMETHEUS_LABELS

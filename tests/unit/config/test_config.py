@@ -12,9 +12,8 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port, kvwatch_bounded
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.cli import main
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     BackendIdentity,
     Config,
     ConfigError,
@@ -32,7 +31,8 @@ from kvwatch.core.config import (
     resolve_webhook_token,
 )
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
-from kvwatch.prometheus import queries
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 
 TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
@@ -395,7 +395,7 @@ def test_minimal_file_takes_every_default():
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"
     assert config.exporter.cluster is None  # the exporter's series carry no cluster label
-    assert config.cluster_label == queries.CLUSTER_LABEL == "cluster"
+    assert config.cluster_label == CLUSTER_LABEL == "cluster"
     assert (config.exporter.host, config.exporter.port) == ("127.0.0.1", 9464)
     assert config.store == StoreSettings(path=Path(".kvwatch/kvwatch.db"), retention_days=14.0)
     store = config.store

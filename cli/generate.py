@@ -25,6 +25,7 @@ from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.grafana import boards
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.rules import (
+    RULE_GROUPS,
     RuleEntry,
     gateway_rules,
     prometheus_rule,
@@ -44,12 +45,13 @@ def rule_files(
     """Repository path -> (group, rules) of every rule file, aggregating by `cluster_label`, the alerts
     judging by `t`: the committed files use the defaults, `kvwatch generate` writes them for others."""
     by = Grouping(cluster_label)
-    return {
-        "prometheus/rules/kvwatch-engines.yml": ("kvwatch-engines", recording_rules(by)),
-        "prometheus/rules/kvwatch-gateway.yml": ("kvwatch-gateway", gateway_rules(by)),
-        "prometheus/rules/kvwatch-routers.yml": ("kvwatch-routers", router_rules(by)),
-        "alerts/kvwatch.rules.yml": ("kvwatch-alerts", alerts(t, by)),
+    rules = {
+        "kvwatch-engines": recording_rules(by),
+        "kvwatch-gateway": gateway_rules(by),
+        "kvwatch-routers": router_rules(by),
+        "kvwatch-alerts": alerts(t, by),
     }
+    return {RULE_GROUPS[group]: (group, entries) for group, entries in rules.items()}
 
 
 RULE_FILES = rule_files()

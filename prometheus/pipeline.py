@@ -15,11 +15,10 @@ from kvwatch.core.errors import UpstreamError
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.prometheus import queries
-from kvwatch.prometheus.rules import RULE_FILES
+from kvwatch.prometheus.rules import RULE_GROUPS
 
 OK, BROKEN, UNKNOWN = "ok", "broken", "unknown"
 STATUSES = (OK, BROKEN, UNKNOWN)
-RULE_GROUPS = {group: path for path, (group, _) in RULE_FILES.items()}
 MAX_NAMED = 3  # rules or targets a link's evidence names one by one
 
 

@@ -307,7 +307,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     if answer is None:
         return await chat_completions(request)
     engine.record({"time": time.time(), "session_id": session_id, "status": 200, "session": answer.text})
-    return web.Response(text=answer.text, headers=answer.headers)
+    return web.Response(body=answer.text.encode(), headers=answer.headers)  # no type, as vLLM sends none
 
 
 async def render(request: web.Request) -> web.Response:

@@ -122,7 +122,8 @@ class Call:
     streaming: bool
     request_id: str
     region: str = "us-east-1"
-    session_id: str | None = None
+    sent_session: str | None = None  # as the client sent it, for the access log
+    session_id: str | None = None  # as the container gets it
     instance: Instance | None = None
     tried: tuple[str, ...] = ()
     status: int = 0
@@ -150,9 +151,8 @@ async def _handle(call: Call) -> web.StreamResponse:
         call.region = check_signature(request.headers, time.time())
         if request.match_info["name"] != front.config.endpoint:
             raise errors.endpoint_not_found(request.match_info["name"])
-        call.session_id = validated_session(request.headers.get(sessions.SESSION_HEADER), call.streaming)
-        if IGNORE_SESSIONS in front.config.faults:
-            call.session_id = None
+        call.sent_session = validated_session(request.headers.get(sessions.SESSION_HEADER), call.streaming)
+        call.session_id = None if IGNORE_SESSIONS in front.config.faults else call.sent_session
         body = await request.read()
         headers = forwarded_headers(request.headers, call.streaming, call.session_id)
         upstream = await _send(call, body, headers)
@@ -257,7 +257,7 @@ async def _stream(call: Call, upstream: aiohttp.ClientResponse) -> web.StreamRes
 def _access_log(call: Call) -> None:
     """One line in nginx's JSON format of the lab (collectors.gatewaylogs.nginx) per request."""
     front, now = call.front, time.time()
-    opened = call.session_id in (None, sessions.NEW_SESSION)
+    opened = call.sent_session in (None, sessions.NEW_SESSION)
     entry = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now)),
         "msec": round(now, 3),
@@ -267,7 +267,7 @@ def _access_log(call: Call) -> None:
         "upstream_addr": ", ".join(
             i.url.removeprefix("http://") for t in call.tried if (i := front.instance(t)) is not None
         ),
-        "session_id": "" if opened else call.session_id,
+        "session_id": "" if opened else call.sent_session,
         "session_source": "assigned" if opened else "client",
     }
     path = front.config.log_directory / f"gateway-{call.listener}.jsonl"

@@ -12,9 +12,9 @@ import signal
 import sys
 import time
 
-from kvwatch.lab.gateways.base import Gateway, generation, listener_generations, wait_for
+from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
 from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH
-from kvwatch.lab.process import LabError, Process, is_ours, log_tail
+from kvwatch.lab.process import LabError, Process, is_ours
 from kvwatch.lab.state import LabState
 
 # The front fault: it passes no session id to the containers and pins nothing (`kvwatch lab fault`).
@@ -80,11 +80,9 @@ def apply(state: LabState) -> float:
         answers = listener_generations(state)
         return None if set(answers.values()) == {expected} else f"answers {answers}, not {expected}"
 
-    if seen := wait_for(problem, RELOAD_TIMEOUT_S):
-        raise LabError(
-            f"the SageMaker front did not load its config within {RELOAD_TIMEOUT_S:.0f} s: {seen}; "
-            f"logs/sagemaker.log ends:\n{log_tail(state, 'sagemaker')}"
-        )
+    await_serving(
+        state, problem, RELOAD_TIMEOUT_S, "the SageMaker front did not load its config", "sagemaker"
+    )
     return reloaded
 
 

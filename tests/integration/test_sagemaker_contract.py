@@ -22,7 +22,7 @@ def answer(url: str, body, session_id: str | None = None) -> dict:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = http_post(f"{url}/invocations", content=content, headers=headers, timeout=120)
     kept = {
-        name: UUID.sub("<id>", value)
+        name.lower(): UUID.sub("<id>", value)
         for name, value in response.headers.items()
         if name.lower().startswith("x-amzn-sagemaker")
     }
@@ -86,7 +86,7 @@ def test_the_simulated_container_answers_session_requests_as_real_vllm(real_cont
     assert http_get(f"{sim.url}/ping", timeout=5).status_code == 200
     assert http_get(f"{real_container}/ping", timeout=5).status_code == 200
     real = session_protocol(real_container)
-    assert real[0]["headers"] == {"X-Amzn-SageMaker-New-Session-Id": "<id>; Expires=<date>"}
+    assert real[0]["headers"] == {"x-amzn-sagemaker-new-session-id": "<id>; Expires=<date>"}
     assert session_protocol(sim.url) == real
 
 
@@ -115,3 +115,18 @@ def test_real_vllm_behind_the_front_keeps_a_session_and_reuses_its_prefix(
     with pytest.raises(client.exceptions.ModelError) as refused:
         conversation.round("after the close")
     assert f"session not found: {session_id}" in refused.value.response["OriginalMessage"]
+
+
+def test_fault_expire_sessions_expires_real_vllms_sessions(vllm_sagemaker_lab, sagemaker_runtime):
+    client = sagemaker_runtime(vllm_sagemaker_lab.affinity)
+    session_id, _ = open_session(client)
+    conversation = Conversation(client, "expiry", system_words=50, max_tokens=2, session_id=session_id)
+    conversation.round("first")
+    result = vllm_sagemaker_lab.cli("fault", "expire-sessions")
+    assert result.returncode == 0, result.stderr
+    assert "every open session expired" in result.stdout
+    conversation.round("second")  # vLLM restored the session expired, and drops it on this request
+    with pytest.raises(client.exceptions.ModelError) as refused:
+        conversation.round("third")
+    assert f"session not found: {session_id}" in refused.value.response["OriginalMessage"]
+    assert vllm_sagemaker_lab.cli("heal").returncode == 0

@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from kvwatch.core.errors import Unreachable  # a container not answering: refused, reset before an answer
 from kvwatch.lab import sessions
 from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, errors
 from kvwatch.lab.gateways.sagemaker.eventstream import encode_exception, payload_part
@@ -68,10 +69,6 @@ class FrontConfig:
         for listener in data["listeners"].values():
             STRATEGIES.lookup(listener["routing"])
         return cls(**data)
-
-
-class Unreachable(Exception):
-    """The container could not be reached (connection refused, reset before an answer)."""
 
 
 class Front:
@@ -178,7 +175,7 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
         try:
             call.instance = front.instance(pinned)
             if call.instance is None:
-                raise Unreachable
+                raise Unreachable(f"instance {pinned} is no longer in the endpoint")
             upstream = await _post(front, call.instance, body, headers)
         except Unreachable:
             front.pins.pop(call.session_id, None)
@@ -210,7 +207,7 @@ async def _post(front: Front, instance: Instance, body: bytes, headers: dict) ->
     except (TimeoutError, aiohttp.ClientConnectionError) as error:
         front.load.outstanding[instance.id] -= 1
         log.warning("instance %s unreachable: %r", instance.id, error)
-        raise Unreachable from error
+        raise Unreachable(f"instance {instance.id}: {error!r}") from error
 
 
 def _answer_headers(call: Call, upstream: aiohttp.ClientResponse) -> dict[str, str]:

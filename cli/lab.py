@@ -358,6 +358,9 @@ def _print_status(info: dict) -> None:
         return
     print(f"engine               {info['engine']}, model {info['model']}")
     print(f"gateway              {info['gateway']}")
+    if endpoint := info.get("sagemaker"):
+        routed = f"variant {endpoint['variant']}, {endpoint['routing']}"
+        print(f"sagemaker endpoint   {endpoint['endpoint']} ({routed})")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
     for name in ("prometheus", "alertmanager", "exporter", "dashboard"):

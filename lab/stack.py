@@ -31,7 +31,7 @@ from kvwatch.lab.configs import (
     write_webhook_token,
 )
 from kvwatch.lab.gateways import GATEWAYS
-from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS
+from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, sagemaker_endpoint
 from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
@@ -297,6 +297,7 @@ def status(state: LabState) -> dict:
             for r in state.replicas
         ],
         "traffic_users": state.users if "traffic" in alive else 0,
+        "sagemaker": sagemaker_endpoint(state) if state.gateway == "sagemaker" else None,
         "faults": list(state.faults),
         "faults_described": [describe_fault(state, entry) for entry in state.faults],
         "processes": alive,

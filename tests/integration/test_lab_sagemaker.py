@@ -51,6 +51,15 @@ def fault(lab, *args: str) -> str:
     return result.stdout
 
 
+def test_lab_status_names_the_endpoint(lab):
+    assert lab.status["sagemaker"] == {
+        "endpoint": ENDPOINT, "variant": "AllTraffic", "routing": "LEAST_OUTSTANDING_REQUESTS"
+    }  # fmt: skip
+    assert lab.status["traffic_users"] == 0
+    printed = "sagemaker endpoint   lab-endpoint (variant AllTraffic, LEAST_OUTSTANDING_REQUESTS)"
+    assert printed in lab.up_output
+
+
 def test_a_session_stays_on_the_instance_that_opened_it_and_reuses_its_prefix(lab, client):
     session_id, opened = open_session(client)
     assert opened["InvokedProductionVariant"] == "AllTraffic"

@@ -46,6 +46,11 @@ def _config(state: LabState, stamp: str) -> dict:
     }
 
 
+def sagemaker_endpoint(state: LabState) -> dict:
+    """What a SageMaker client of the lab needs besides the listeners' URLs (`lab status --json`)."""
+    return {"endpoint": ENDPOINT, "variant": VARIANT, "routing": state.sagemaker_routing}
+
+
 def config_generation(state: LabState) -> str:
     return generation(lambda stamp: {"front.json": json.dumps(_config(state, stamp), sort_keys=True)})
 

@@ -19,6 +19,7 @@ from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
+from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_ROUTING, STRATEGIES
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
@@ -267,6 +268,12 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         "maglev (MAGLEV); with --gateway envoy (default ring-hash)",
     )
     up.add_argument(
+        "--sagemaker-routing",
+        choices=list(STRATEGIES),
+        help="how the SageMaker endpoint's affinity listener routes requests without a session "
+        "(its round_robin listener: RANDOM); with --gateway sagemaker (default LEAST_OUTSTANDING_REQUESTS)",
+    )
+    up.add_argument(
         "--replicas",
         type=int,
         help=f"number of replicas (default {DEFAULT_REPLICAS['sim']}, or {DEFAULT_REPLICAS['vllm']} "
@@ -372,6 +379,9 @@ def _print_status(info: dict) -> None:
         return
     print(f"engine               {info['engine']}, model {info['model']}")
     print(f"gateway              {info['gateway']}")
+    if endpoint := info.get("sagemaker"):
+        routed = f"variant {endpoint['variant']}, {endpoint['routing']}"
+        print(f"sagemaker endpoint   {endpoint['endpoint']} ({routed})")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
     for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
@@ -392,6 +402,12 @@ def _run_up(args: argparse.Namespace) -> int:
         )
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
+    if args.sagemaker_routing and args.gateway != "sagemaker":
+        return _fail(f"--sagemaker-routing is for --gateway sagemaker, not {args.gateway}")
+    if args.gateway == "sagemaker" and args.users:
+        return _fail(
+            "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0"
+        )
     flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
     unknown = sorted(set(flavours) - set(SIMULATED_FLAVOURS))
     if unknown or not flavours:
@@ -401,6 +417,8 @@ def _run_up(args: argparse.Namespace) -> int:
         )
     args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
     args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users
+    if args.gateway == "sagemaker":
+        args.users = 0
     if (
         args.replicas < 1
         or args.users < 0
@@ -433,6 +451,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 engine=kind.name,
                 gateway=args.gateway,
                 envoy_lb=args.envoy_lb or "ring-hash",
+                sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
             )
     except stack.LabError as error:
         return _fail(str(error))

@@ -165,7 +165,9 @@ def render_kvwatch_config(state: LabState) -> str:
             target["interval_seconds"] = kind.fast_probe_interval_s
         if kind.probe_workload:
             target["workload"] = {**target.get("workload", {}), **kind.probe_workload}
-    if not state.probes or state.clusters:  # the central kvwatch only receives the alerts
+    # The central kvwatch only receives the alerts; the example's targets speak OpenAI's API, which a
+    # SageMaker endpoint does not.
+    if not state.probes or state.clusters or state.gateway == "sagemaker":
         config["targets"] = []
     if state.clusters:
         config["gateway_logs"] = []

@@ -81,6 +81,8 @@ class LabState:
     engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
     envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
+    # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
+    sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
     model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0

@@ -44,8 +44,10 @@ from kvwatch.grafana.panels import (
     hit_ratio_by_instance,
     local_hit_ratio_by_instance,
     probe_route_timeseries,
+    probe_timeseries,
     request_share_by_instance,
     rounds_barchart,
+    router_share_timeseries,
     stat,
     state_timeline,
     target,
@@ -116,7 +118,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
         10,
     )
     layout.add(
-        timeseries(
+        router_share_timeseries(
             "Delivered per predicted",
             "The cluster's delivered hit ratio over each router's predicted one: what "
             f"{miss} judges (it fires below {t.delivered_per_predicted_below:.0%} while the router "
@@ -126,15 +128,14 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
             "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
             "says hit while the engines prefill everything." + FIXED_WINDOW,
-            [target(queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, "{{job}} / {{instance}}")],
-            unit="percentunit",
+            queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
             no_value=NO_ROUTER_DATA,
             alert=miss,
         ),
         7,
     )
     layout.add(
-        timeseries(
+        router_share_timeseries(
             "Sticky decisions kept (SMG)",
             "SMG's manual (routing-key) policy: of the requests whose routing key was already pinned to a "
             'worker, the share that reached it (smg_manual_policy_branch_total{branch="occupied_hit"}) '
@@ -143,15 +144,14 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "only.\n\n"
             "Good: near 100 %. Bad: falling: routing keys respill to other workers, and their sessions' "
             "history is prefilled again." + FIXED_WINDOW,
-            [target(queries.INSTANCE_ROUTER_PIN_KEPT, "{{job}} / {{instance}}")],
-            unit="percentunit",
+            queries.INSTANCE_ROUTER_PIN_KEPT,
             max_value=1,
             no_value="No SMG router with the manual policy",
         ),
         7,
     )
     layout.add(
-        timeseries(
+        router_share_timeseries(
             "Prefix-matched decisions",
             "Cache-aware routers: the share of their routing decisions that went where their own index "
             "matched a cached prefix, as each counts them: SMG's cache_aware policy "
@@ -164,8 +164,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "Good: steady and high on multi-turn traffic. Bad: falling while the traffic is unchanged "
             "(the index lost its prefixes: a router restart, workers replaced), or high while the engines "
             "deliver little (the index drifted from the engines' caches)." + FIXED_WINDOW,
-            [target(queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS, "{{job}} / {{instance}}")],
-            unit="percentunit",
+            queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
             max_value=1,
             no_value="No cache-aware router counting its prefix matches",
         ),
@@ -350,7 +349,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
         8,
     )
     layout.add(
-        timeseries(
+        probe_timeseries(
             "Probe errors by kind",
             "Failed probe rounds per second, by error kind. Every kind is exported from 0, so a flat 0 is "
             "a real zero.\n\n"
@@ -361,9 +360,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
             "internal_error (a bug).",
             [target(queries.PROBE_ERRORS_BY_KIND, "{{kind}}")],
             unit="reqps",
-            no_value=NO_PROBE_DATA,
             alert="KVWatchProbeFailing",
-            interval=PROBE_MIN_INTERVAL,
         ),
         8,
     )
@@ -423,7 +420,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
     layout = Layout()
     layout.row("Probe target $target")
     layout.add(
-        timeseries(
+        probe_timeseries(
             "Probe TTFT per round over time",
             "Median TTFT of each round of the probe's sessions through this target: the per-round chart as "
             "lines over time, to see when a change began.\n\n"
@@ -431,14 +428,12 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "the round.",
             [target(queries.PROBE_TTFT_BY_ROUND_OVER_TIME, "round {{round}}")],
             unit="s",
-            no_value=NO_PROBE_DATA,
             alert="KVWatchWarmRoundNoGain",
-            interval=PROBE_MIN_INTERVAL,
         ),
         10,
     )
     layout.add(
-        timeseries(
+        probe_timeseries(
             "Probe rounds per backend",
             "Which replicas served the probe's rounds through this target.\n\n"
             "Good: the rounds spread over the replicas while each session keeps to one (see Sticky probe "
@@ -446,8 +441,6 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "than kvwatch tracks per route.",
             [target(queries.PROBE_ROUNDS_BY_BACKEND, "{{backend}}")],
             unit="reqps",
-            no_value=NO_PROBE_DATA,
-            interval=PROBE_MIN_INTERVAL,
         ),
         9,
     )

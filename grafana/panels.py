@@ -36,6 +36,7 @@ FIXED_WINDOW = (
     "change it."
 )
 ROUTE_LEGEND = "{{target}} ({{route_mode}})"
+ROUTER_LEGEND = "{{job}} / {{instance}}"
 
 NO_ENGINE_DATA = "No engine traffic, or no cache metrics"
 NO_PROBE_DATA = "No probe run in this window"
@@ -118,17 +119,21 @@ def timeseries(
     return panel
 
 
-def probe_route_timeseries(title: str, description: str, expr: str, **options: Any) -> JSON:
-    """A probe signal per route, at the probe's pace, linked to the target's drill-down board."""
+def probe_timeseries(title: str, description: str, targets: list[JSON], **options: Any) -> JSON:
+    """A signal of the probe's runs, at the probe's pace: nothing to draw before a run in the window."""
     return timeseries(
-        title,
-        description,
-        [target(expr, ROUTE_LEGEND)],
-        no_value=NO_PROBE_DATA,
-        interval=PROBE_MIN_INTERVAL,
-        drilldown="target",
-        **options,
+        title, description, targets, no_value=NO_PROBE_DATA, interval=PROBE_MIN_INTERVAL, **options
     )
+
+
+def probe_route_timeseries(title: str, description: str, expr: str, **options: Any) -> JSON:
+    """A probe signal per route, linked to the target's drill-down board."""
+    return probe_timeseries(title, description, [target(expr, ROUTE_LEGEND)], drilldown="target", **options)
+
+
+def router_share_timeseries(title: str, description: str, expr: str, **options: Any) -> JSON:
+    """A share each router counts, one line per router by its scrape job and instance."""
+    return timeseries(title, description, [target(expr, ROUTER_LEGEND)], unit="percentunit", **options)
 
 
 def instance_share_timeseries(

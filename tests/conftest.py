@@ -104,6 +104,18 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 2
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def poll(ask: Callable[[], object], what: str, timeout: float, log: Path | None = None) -> object:
+    """What `ask` returns once it is truthy; fails naming `what`, with the tail of `log` if given, after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if answer := ask():
+            return answer
+        time.sleep(0.5)
+    tail = f"\n{log.read_text()[-2000:]}" if log else ""
+    pytest.fail(f"{what}: not within {timeout} s{tail}")
+
+
 def launch(argv: list[str], log: Path, ready: str, **options) -> subprocess.Popen:
     """`argv` started with its output in `log`, once `ready` (a URL) answers 200; stopped if it never does."""
     with log.open("w") as out:

@@ -17,7 +17,7 @@ import streamlit as st
 import yaml
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, free_port, http_get, start_prometheus, stop
+from conftest import REPO, free_port, http_get, poll, start_prometheus, stop
 from kvwatch.alerts.verdicts import ROUTE_STICKY
 from kvwatch.dashboard import data, ui
 from kvwatch.lab.configs import scale_durations
@@ -63,15 +63,6 @@ def verdict(at: AppTest) -> str:
     return words
 
 
-def until(check, what: str, log) -> object:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if found := check():
-            return found
-        time.sleep(0.5)
-    pytest.fail(f"{what} within {WAIT_S} s\n{log.read_text()[-2000:]}")
-
-
 def test_a_recovered_route_reads_as_resolving_until_prometheus_resolves_its_alert(tmp_path, monkeypatch):
     exporter = ThreadingHTTPServer(("127.0.0.1", 0), Probe)
     threading.Thread(target=exporter.serve_forever, daemon=True).start()
@@ -94,16 +85,22 @@ def test_a_recovered_route_reads_as_resolving_until_prometheus_resolves_its_aler
     monkeypatch.setattr(data, "now", time.time)  # the page's time: now, not a refresh grid's
     prometheus, log = start_prometheus(tmp_path, port)
     try:
-        until(
-            lambda: verdict(overview()) == ":green[Sessions stay on their replica.]", "no green verdict", log
+        poll(
+            lambda: verdict(overview()) == ":green[Sessions stay on their replica.]",
+            "no green verdict",
+            WAIT_S,
+            log,
         )
 
         Probe.sticky = 0.2
-        until(lambda: verdict(overview()).startswith(f":red[{ALERT} fires:"), "no red verdict", log)
+        poll(lambda: verdict(overview()).startswith(f":red[{ALERT} fires:"), "no red verdict", WAIT_S, log)
 
         Probe.sticky = 1.0
-        page = until(
-            lambda: (at := overview()) and verdict(at).startswith(":blue[") and at, "no resolving", log
+        page = poll(
+            lambda: (at := overview()) and verdict(at).startswith(":blue[") and at,
+            "no resolving",
+            WAIT_S,
+            log,
         )
         st.cache_data.clear()
         firing_now = data.firing_alerts(time.time()).value
@@ -118,7 +115,12 @@ def test_a_recovered_route_reads_as_resolving_until_prometheus_resolves_its_aler
         )
         assert held["clears_at"] - held["stopped_at"] == pd.Timedelta(seconds=30)  # 30 evaluations of 1 s
 
-        until(lambda: verdict(overview()) == ":green[Sessions stay on their replica.]", "no green again", log)
+        poll(
+            lambda: verdict(overview()) == ":green[Sessions stay on their replica.]",
+            "no green again",
+            WAIT_S,
+            log,
+        )
         # The evaluation that resolved it: the one after the alert's last firing sample.
         firing = http_get(
             f"{prometheus_url}/api/v1/query",

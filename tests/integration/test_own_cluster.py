@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from conftest import (
     heal_if_faulted,
     http_get,
     kvwatch,
+    poll,
     stop,
     stop_lab_serve,
     upstreams,
@@ -60,19 +61,9 @@ def their_cluster(start_lab) -> Iterator[Lab]:
         scraped = http_get(query, params={"query": "up{replica!=''} == 1"}).json()["data"]["result"]
         return len(scraped) == len(lab.status["replicas"])
 
-    poll(every_engine_scraped, "the lab's Prometheus scraping every replica")
+    poll(every_engine_scraped, "the lab's Prometheus scraping every replica", WAIT_S)
     yield lab
     heal_if_faulted(lab, [])
-
-
-def poll(ask: Callable[[], object], what: str, timeout: float = WAIT_S) -> object:
-    """What `ask` returns once it is truthy; fails naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if answer := ask():
-            return answer
-        time.sleep(1)
-    pytest.fail(f"{what}: not within {timeout} s")
 
 
 def run_init(lab: Lab, directory: Path, *options: str) -> subprocess.CompletedProcess:
@@ -201,20 +192,24 @@ def test_a_new_user_watches_their_cluster_from_what_init_wrote(their_cluster, tm
             return {t["labels"]["instance"]: t["labels"]["replica"] for t in engines}
 
         scraped = poll(
-            lambda: len(engines_up()) == len(lab.status["replicas"]) and engines_up(), "every engine up"
+            lambda: len(engines_up()) == len(lab.status["replicas"]) and engines_up(),
+            "every engine up",
+            WAIT_S,
         )
         assert set(scraped) == set(replica_addresses(lab).values()) and len(set(scraped.values())) == len(
             scraped
         )
         assert all(len(set(rounds)) == 1 for rounds in upstreams(lab.affinity, ["a", "b", "c"]).values())
         verdict, value = poll(lambda: (v := sticky_verdict(config, monkeypatch))[0].color == "green" and v,
-                              "the Overview judging the target healthy")  # fmt: skip
+                              "the Overview judging the target healthy", WAIT_S)  # fmt: skip
         assert value == 1.0
 
         since = time.time()
         assert lab.cli("fault", "break-affinity").returncode == 0
         (alert,) = poll(
-            lambda: firing_at_alertmanager(alertmanager), "KVWatchSessionAffinityBroken at Alertmanager"
+            lambda: firing_at_alertmanager(alertmanager),
+            "KVWatchSessionAffinityBroken at Alertmanager",
+            WAIT_S,
         )
         assert alert["labels"]["severity"] == "critical"
 
@@ -227,8 +222,8 @@ def test_a_new_user_watches_their_cluster_from_what_init_wrote(their_cluster, tm
                 ((frame["alertname"] == "KVWatchSessionAffinityBroken") & (frame["target"] == TARGET)).any()
             )
 
-        poll(on_the_alerts_page, "the alert stored by kvwatch's webhook (the token was accepted)")
+        poll(on_the_alerts_page, "the alert stored by kvwatch's webhook (the token was accepted)", WAIT_S)
         verdict, value = poll(lambda: (v := sticky_verdict(config, monkeypatch))[0].color == "red" and v,
-                              "the Overview's verdict turning red")  # fmt: skip
+                              "the Overview's verdict turning red", WAIT_S)  # fmt: skip
         assert "KVWatchSessionAffinityBroken fires" in verdict.text and value < 0.5
     assert lab.cli("heal").returncode == 0

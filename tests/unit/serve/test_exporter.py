@@ -12,7 +12,7 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
-from test_store import webhook
+from test_store import round_result, webhook
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
@@ -30,20 +30,11 @@ from kvwatch.store.history import Store
 ROUTE = {"target": "lab-affinity", "route_mode": "affinity"}
 
 
-def round_result(n: int, backend: str | None = "r1", error: str | None = None, **overrides) -> RoundResult:
-    values = dict(
-        round=n, started_at=1000.0 + n, status=200 if error is None else 500, error_kind=error,
-        error_detail=None, ttft_seconds=0.5 if n == 1 else 0.05, total_seconds=1.0, prompt_tokens=100 * n,
-        cached_tokens=0 if n == 1 else 90 * (n - 1), ideal_cached_tokens=0 if n == 1 else 96 * (n - 1),
-        completion_tokens=10, backend=backend, session_id_sent="sess-secret-1",
-        session_id_returned="sess-secret-1",
-    )  # fmt: skip
-    values.update(overrides)
-    return RoundResult(**values)
+SESSION_ID = round_result(1).session_id_sent
 
 
 def session(*rounds: RoundResult) -> SessionResult:
-    return SessionResult("lab-affinity", "affinity", "sess-secret-1", 1000.0, 1010.0, tuple(rounds))
+    return SessionResult("lab-affinity", "affinity", SESSION_ID, 1000.0, 1010.0, tuple(rounds))
 
 
 @pytest.fixture
@@ -60,19 +51,18 @@ def value(registry, name: str, **labels) -> float | None:
 
 def test_a_sticky_session_is_counted_round_by_round(exporter):
     results, registry = exporter
-    results.add_run(
-        ("lab-affinity", "affinity"), [session(*(round_result(n) for n in (1, 2, 3)))], 1000, 1010
-    )
+    rounds = (round_result(n, ideal_cached_tokens=1200 * (n - 1)) for n in (1, 2, 3))  # ideal != cached
+    results.add_run(("lab-affinity", "affinity"), [session(*rounds)], 1000, 1010)
     assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
     assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="true") == 1
     assert value(registry, "kvwatch_probe_backend_switches_total") == 0
     assert value(registry, "kvwatch_probe_session_id_echo_sessions_total", echoed="true") == 1
-    assert value(registry, "kvwatch_probe_cached_tokens_total", round="3") == 180
-    assert value(registry, "kvwatch_probe_ideal_cached_tokens_total", round="3") == 192
+    assert value(registry, "kvwatch_probe_cached_tokens_total", round="3") == 2368
+    assert value(registry, "kvwatch_probe_ideal_cached_tokens_total", round="3") == 2400
     assert value(registry, "kvwatch_probe_ttft_seconds_count", round="2") == 1
     assert value(registry, "kvwatch_probe_ttft_seconds_bucket", round="2", le="0.05") == 1
     assert value(registry, "kvwatch_probe_ttft_seconds_bucket", round="1", le="0.25") == 0
-    assert value(registry, "kvwatch_probe_last_ttft_seconds", round="1") == 0.5
+    assert value(registry, "kvwatch_probe_last_ttft_seconds", round="1") == 0.412
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1010
     assert value(registry, "kvwatch_probe_success") == 1
     assert value(registry, "kvwatch_probe_sticky_ratio") == 1
@@ -96,7 +86,7 @@ def test_a_configured_route_is_exported_from_the_start_before_any_result(exporte
 def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     results, registry = exporter
     switching = session(round_result(1, "r1"), round_result(2, "r2"), round_result(3, "r1"))
-    failing = session(round_result(1), round_result(2, error="timeout", ttft_seconds=None))
+    failing = session(round_result(1), round_result(2, status=500, error_kind="timeout", ttft_seconds=None))
     results.add_run(("lab-affinity", "affinity"), [switching], 1000, 1010)
     results.add_run(("lab-affinity", "affinity"), [failing], 1020, 1030)
     assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
@@ -122,8 +112,8 @@ def test_a_name_that_does_not_resolve_and_a_scheme_mismatch_are_counted_by_their
 
     results.add_run(route, [session(round_result(1), round_result(2))], 1000, 1010)
     assert counted() == dict.fromkeys(kinds, 0)  # exported from 0, as every kind
-    typo = session(round_result(1, error="dns_error", status=None, ttft_seconds=None))
-    https_to_http = session(round_result(1, error="tls_mismatch", status=None, ttft_seconds=None))
+    typo = session(round_result(1, error_kind="dns_error", status=None, ttft_seconds=None))
+    https_to_http = session(round_result(1, error_kind="tls_mismatch", status=None, ttft_seconds=None))
     results.add_run(route, [typo, typo, https_to_http], 1020, 1030)
     assert counted() == {"dns_error": 2, "tls_mismatch": 1, "connection_refused": 0, "tls_error": 0}
 
@@ -150,7 +140,7 @@ def test_backend_labels_stay_bounded_in_number_and_length_and_say_what_they_fold
 def test_session_ids_never_become_labels(exporter):
     results, registry = exporter
     results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)
-    assert "sess-secret" not in generate_latest(registry).decode()
+    assert SESSION_ID not in generate_latest(registry).decode()
 
 
 def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
@@ -175,7 +165,7 @@ def test_declared_routes_export_zeros_before_their_first_run(exporter):
     assert value(registry, "kvwatch_probe_rounds_total", round="4") is None
     results.add_run(("lab-affinity", "affinity"), [session(round_result(1), round_result(2))], 1000, 1010)
     assert value(registry, "kvwatch_probe_ttft_seconds_count", round="2") == 1
-    assert value(registry, "kvwatch_probe_cached_tokens_total", round="2") == 90
+    assert value(registry, "kvwatch_probe_cached_tokens_total", round="2") == 1184
 
 
 def test_outcome_counters_start_at_zero_so_increase_sees_the_first_failure(exporter):

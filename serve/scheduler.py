@@ -21,16 +21,10 @@ import time
 import uuid
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
-from kvwatch.collectors.probe import blocksize, workload
+from kvwatch.collectors.probe import blocksize, targets, workload
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.collectors.probe.session import (
-    ProbeSettings,
-    failed_run,
-    run_session,
-    unforeseen,
-    with_block_size,
-)
-from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen, with_block_size
+from kvwatch.collectors.probe.targets import ProbeClients, run_target_session
 from kvwatch.core.config import (
     Config,
     Target,
@@ -54,7 +48,7 @@ MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the clust
 
 def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
     return ProbeSettings(
-        base_url=target.base_url,
+        base_url=target.sagemaker.base_url if target.sagemaker else target.base_url,
         model=target.model,
         api_key=api_key,
         target=target.name,
@@ -66,6 +60,8 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         router=target.router,
         max_tokens=target.workload.max_tokens,
         timeout_seconds=target.timeout_seconds,
+        kind=target.kind,
+        sagemaker=target.sagemaker,
     )
 
 
@@ -82,7 +78,9 @@ def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.
     override = None
     if target.block_size is not None:
         override = blocksize.BlockSize(target.block_size, f"block_size of target {target.name} in the config")
-    return blocksize.sources_for([target.base_url], prometheus_url, override)
+    return blocksize.sources_for(
+        targets.metrics_base_urls(probe_settings(target, None)), prometheus_url, override
+    )
 
 
 class Conversations:
@@ -157,7 +155,7 @@ class Service:
         self.conversations = {t.name: Conversations(t) for t in self.targets}
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in self.targets}
         self._gate: asyncio.Semaphore | None = None
-        self._client: StreamClient | None = None
+        self._clients: ProbeClients | None = None
         self._stop: asyncio.Event | None = None
 
     async def probe(self, target: Target) -> None:
@@ -177,8 +175,8 @@ class Service:
                 self.writer.submit(self.store.add_session, so_far, uid, True)
 
             async with self._gate:
-                return uid, await run_session(
-                    self._client, settings, conversation, stop=self._stop, on_round=store_in_flight
+                return uid, await run_target_session(
+                    self._clients, settings, conversation, stop=self._stop, on_round=store_in_flight
                 )
 
         try:
@@ -259,7 +257,7 @@ class Service:
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # Each round has its target's deadline over the whole exchange (ProbeSettings.timeout_seconds).
-        self._client = StreamClient()
+        self._clients = ProbeClients()
         app = make_app(self.registry, self.store_alerts, self.webhook_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -283,7 +281,7 @@ class Service:
             await self.jobs().run(stop)
         finally:
             await runner.cleanup()
-            await self._client.aclose()
+            await self._clients.aclose()
             for follower in self.followers:
                 follower.close()
             self.writer.close(self.config.store.flush_seconds)

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
-from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.targets import ProbeClients
 from kvwatch.core.config import (
     LAB_DIRECTORY,
     PROMETHEUS_LABELS,
@@ -693,7 +693,7 @@ def test_a_run_failing_unforeseen_is_recorded_counted_stored_and_dated(
 
         async def one_run() -> None:
             service._gate, service._stop = asyncio.Semaphore(1), asyncio.Event()
-            async with StreamClient() as service._client:
+            async with ProbeClients() as service._clients:
                 await service.probe(target)
 
         before = time.time()

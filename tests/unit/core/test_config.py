@@ -38,7 +38,8 @@ TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
-    "backend, echoed, expect_sticky, failover, instance, job, kind, label, le, listener, log, outcome, "
+    "backend, echoed, evidence, expect_sticky, failover, instance, job, kind, label, le, listener, log, "
+    "outcome, "
     "quantile, reason, round, route_mode, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
@@ -335,6 +336,8 @@ def test_minimal_file_takes_every_default():
         },
         "timeout_seconds": 60.0,
         "block_size": None,  # learned from the engines
+        "kind": "openai",  # an OpenAI-compatible route over HTTP
+        "sagemaker": None,  # only for kind sagemaker
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"

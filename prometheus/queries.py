@@ -266,6 +266,12 @@ def warm_cold_ratio(by: Grouping) -> str:
     return per_route("max", "kvwatch_probe_warm_cold_ttft_ratio", by)  # the last probe run's
 
 
+def warm_reuse_ratio(by: Grouping) -> str:
+    """The last probe run's warm-round reuse (cached over ideal tokens) on routes judged by reuse alone:
+    no round named its replica (SageMaker, which names none)."""
+    return per_route("min", 'kvwatch_probe_warm_reuse_ratio{evidence="reuse"}', by)
+
+
 def gateway_spread(by: Grouping) -> str:
     return f'max by ({by.listener}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
 

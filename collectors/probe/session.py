@@ -17,7 +17,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -208,20 +208,11 @@ class HttpExchange:
 
 
 async def run_session(
-    client: StreamClient,
-    settings: ProbeSettings,
-    conversation: Conversation,
-    think_seconds: float = 0.0,
-    render_system_prompt: Callable[[str], str] | None = None,
-    on_request: Callable[[list[dict]], None] | None = None,
-    stop: asyncio.Event | None = None,
-    on_round: Callable[[SessionResult], None] | None = None,
+    client: StreamClient, settings: ProbeSettings, conversation: Conversation, *options, **named
 ) -> SessionResult:
-    """One conversation through an OpenAI-compatible route (run_conversation over HTTP)."""
-    exchange = HttpExchange(client, settings)
-    return await run_conversation(
-        exchange, settings, conversation, think_seconds, render_system_prompt, on_request, stop, on_round
-    )
+    """One conversation through an OpenAI-compatible route: conversation.run_conversation over HTTP, with
+    its options (think_seconds, render_system_prompt, on_request, stop, on_round)."""
+    return await run_conversation(HttpExchange(client, settings), settings, conversation, *options, **named)
 
 
 async def _round(

@@ -21,11 +21,12 @@ from botocore.response import StreamingBody
 from loopback import QuietHandler, loopback_http
 
 from kvwatch.cli.main import main
+from kvwatch.collectors.probe.blocksize import BlockSize
 from kvwatch.collectors.probe.conversation import run_conversation
 from kvwatch.collectors.probe.records import ERROR_KINDS
-from kvwatch.collectors.probe.report import HINTS
+from kvwatch.collectors.probe.report import HINTS, format_report, session_json
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.collectors.probe.targets import KINDS, probe_once, target_problem
+from kvwatch.collectors.probe.targets import KINDS, ProbeClients, probe_once, target_problem
 from kvwatch.collectors.probe.targets import sagemaker as sagemaker_module
 from kvwatch.collectors.probe.targets.sagemaker import (
     EndpointProblem,
@@ -36,7 +37,8 @@ from kvwatch.collectors.probe.targets.sagemaker import (
     replica_of,
 )
 from kvwatch.collectors.probe.workload import Conversation
-from kvwatch.core.config import ConfigError, load_config
+from kvwatch.core.config import Config, ConfigError, StoreSettings, Target, Workload, load_config
+from kvwatch.serve.scheduler import Service
 
 ENDPOINT = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url="http://127.0.0.1:9")
 SECRET_KEY = "kvw-aws-secret-7d3b5f1c0e9a"  # distinctive, so that a leak is found
@@ -552,3 +554,72 @@ REGION = ["--region", "us-east-1"]
 def test_cli_probe_refuses_an_incomplete_sagemaker_endpoint(capsys, args, message):
     assert main(["probe", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_report_names_the_endpoint_the_evidence_and_the_sessions_lost_and_closed():
+    scripted = Scripted(
+        opened("s-1", "2000-01-01T00:00:00Z"),
+        streamed(round_events(300, 0)),
+        refused(400, "ValidationError", "session not found: s-1"),
+        opened("s-2"),
+        streamed(round_events(600, 0)),
+        streamed(round_events(900, 512)),
+        closed("s-2"),
+    )
+    endpoint = SageMakerEndpoint(
+        "chat-endpoint", "us-east-1", variant="blue", endpoint_url="http://127.0.0.1:9"
+    )
+    session = converse(scripted, sagemaker=endpoint, block_size=128)
+    report = format_report(settings(sagemaker=endpoint), [session], BlockSize(128, "--block-size"))
+    lines = report.splitlines()
+    assert lines[0] == (
+        "1 sessions through SageMaker endpoint chat-endpoint (region us-east-1, variant blue) at "
+        "http://127.0.0.1:9, model m, stateful sessions"
+    )
+    assert lines[-7].split()[:5] == ["session", "stickiness", "evidence", "rounds", "ok"]
+    assert lines[-6].split()[:5] == ["1", "sticky", "reuse", "3", "yes"]
+    assert lines[-2:] == [
+        "Sessions lost and opened anew before a round: expired x1 (those rounds count as cold).",
+        "Sessions closed at the end: 1 of 1.",
+    ]
+    shown = session_json(session)
+    assert (shown["evidence"], shown["closed"], shown["session_losses"]) == (
+        "reuse",
+        True,
+        [{"round": 2, "kind": "expired"}],
+    )
+
+
+def test_kvwatch_serve_probes_a_sagemaker_target_and_exports_its_session_losses(monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    RuntimeFront.seen = []
+    workload = Workload(system_tokens=20, turn_tokens=5, max_tokens=1)
+    with loopback_http(RuntimeFront) as url:
+        endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
+        target = Target(
+            "sm", model="m", kind="sagemaker", sagemaker=endpoint, sessions_per_run=1, workload=workload
+        )
+        service = Service(Config(targets=(target,), store=StoreSettings(tmp_path / "kvwatch.db")))
+
+        async def one_run() -> None:
+            service._gate, service._stop = asyncio.Semaphore(1), asyncio.Event()
+            async with ProbeClients() as service._clients:
+                await service.probe(target)
+
+        asyncio.run(asyncio.wait_for(one_run(), timeout=60))  # a guard against a hang, not a timing
+    service.writer.close(5)
+    route = {"target": "sm", "route_mode": "affinity"}
+    sample = service.registry.get_sample_value
+    assert sample("kvwatch_probe_session_losses_total", {**route, "kind": "not_found"}) == 1
+    assert sample("kvwatch_probe_errors_total", {**route, "kind": "http_error"}) == 1
+    assert [seen["path"].rsplit("/", 1)[1] for seen in RuntimeFront.seen] == [
+        "invocations",
+        "invocations-response-stream",
+        "invocations",
+        "invocations-response-stream",
+        "invocations",
+    ]
+    (stored,) = service.store.sessions()
+    assert stored["error_kind"] == "http_error"
+    service.store.close()

@@ -21,7 +21,7 @@ from botocore.response import StreamingBody
 from loopback import QuietHandler, loopback_http
 
 from kvwatch.cli.main import main
-from kvwatch.collectors.probe.blocksize import BlockSize
+from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.probe.conversation import run_conversation
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.collectors.probe.report import HINTS, format_report, session_json
@@ -38,6 +38,7 @@ from kvwatch.collectors.probe.targets.sagemaker import (
 )
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.config import Config, ConfigError, StoreSettings, Target, Workload, load_config
+from kvwatch.experiment.runner import run_experiment
 from kvwatch.serve.scheduler import Service
 
 ENDPOINT = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url="http://127.0.0.1:9")
@@ -623,3 +624,66 @@ def test_kvwatch_serve_probes_a_sagemaker_target_and_exports_its_session_losses(
     (stored,) = service.store.sessions()
     assert stored["error_kind"] == "http_error"
     service.store.close()
+
+
+class SessionFront(Scripted):
+    """An endpoint whose instance keeps each session's history: a round in a session reuses all of its
+    previous prompt and answer (in 128-token blocks), a round without one reuses nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[str, int] = {}
+
+    def _answer(self, model, params, **_) -> tuple[AWSResponse, dict]:
+        headers, body = params["headers"], json.loads(params["body"])
+        session_id = headers.get("X-Amzn-SageMaker-Session-Id")
+        self.requests.append((model.name, headers, params["body"]))
+        if model.name == "InvokeEndpoint":
+            if body == {"requestType": "NEW_SESSION"}:
+                return self._respond(opened(f"s-{len(self.requests)}"))
+            return self._respond(closed(session_id))
+        prompt = 1000 * sum(m["role"] == "user" for m in body["messages"])
+        cached = self.held.get(session_id, 0) // 128 * 128 if session_id else 0
+        if session_id:
+            self.held[session_id] = prompt + 2
+        return self._respond(streamed(round_events(prompt, cached)))
+
+    def _respond(self, answer) -> tuple[AWSResponse, dict]:
+        status, parsed = answer()
+        parsed.setdefault("ResponseMetadata", {}).setdefault("HTTPStatusCode", status)
+        return AWSResponse(None, status, {}, None), parsed
+
+
+def test_the_experiment_sets_an_endpoint_without_sessions_against_the_same_with_sessions(
+    monkeypatch, tmp_path
+):
+    front = SessionFront()
+    monkeypatch.setattr(Runtime, "for_settings", classmethod(lambda cls, _: cls(front.client, threads=2)))
+    routes = [
+        settings(target=label, route_mode=label, session_mode=mode)
+        for label, mode in (("a", "none"), ("b", "client"))
+    ]
+    conversations = [Conversation(f"system {n}", ("one", "two", "three")) for n in range(2)]
+    sources = BlockSizeSources(override=BlockSize(128, "--block-size"))
+    experiment = run_experiment(*routes, conversations, block_sources=sources)
+    without, with_sessions = experiment.sessions
+    assert all(s.ok and s.sticky is False and s.evidence == "reuse" for s in without)
+    assert all(s.ok and s.sticky is True and s.closed for s in with_sessions)
+    assert [r.cached_tokens for r in with_sessions[0].rounds] == [0, 896, 1920]
+    opened_ids = [
+        h.get("X-Amzn-SageMaker-Session-Id") for name, h, _ in front.requests if name == "InvokeEndpoint"
+    ]
+    assert opened_ids.count("NEW_SESSION") == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sagemaker-endpoint", "e", *REGION, "--model", "m", "--a", "http://x"], "leave out --a and --b"),
+        (["--a", "http://127.0.0.1:9"], "name both routes with --a and --b, or a --sagemaker-endpoint"),
+        (["--sagemaker-endpoint", "e", "--model", "m"], "--sagemaker-endpoint needs --region"),
+    ],
+)
+def test_cli_experiment_takes_two_routes_or_one_sagemaker_endpoint(capsys, tmp_path, args, message):
+    assert main(["experiment", *args, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err

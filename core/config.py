@@ -202,7 +202,7 @@ class Target:
     """One route to probe: its kind and where it is, the model, and how to run its sessions."""
 
     name: str
-    base_url: str = ""  # required for kind openai; a sagemaker target's is its endpoint's
+    base_url: str = ""  # required for kind openai; a sagemaker target's is set to its endpoint's
     model: str = ""  # required
     route_mode: RouteMode = "affinity"
     expect_sticky: bool | None = None  # None: whether route_mode pins sessions (set on construction)
@@ -227,7 +227,8 @@ class Target:
         _name(self.name, "name")
         if wrong := targets.target_problem(self.kind, self.base_url, self.model, self.sagemaker):
             raise _Invalid(*wrong)
-        _url(self.base_url or None, "base_url")
+        object.__setattr__(self, "base_url", self.sagemaker.base_url if self.sagemaker else self.base_url)
+        _url(self.base_url, "base_url")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")

@@ -48,7 +48,7 @@ MAX_CONCURRENT_SESSIONS = 16  # over all targets: probes must not load the clust
 
 def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
     return ProbeSettings(
-        base_url=target.sagemaker.base_url if target.sagemaker else target.base_url,
+        base_url=target.base_url,
         model=target.model,
         api_key=api_key,
         target=target.name,

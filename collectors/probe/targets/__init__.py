@@ -121,7 +121,7 @@ def target_problem(
     kind: str, base_url: str, model: str, endpoint: sagemaker.SageMakerEndpoint | None
 ) -> tuple[str, str] | None:
     """What keeps a configured target of `kind` from working, as (key, message); None when nothing.
-    An openai target names its base_url; a sagemaker target its endpoint, which gives the URL."""
+    An openai target names its base_url; a sagemaker target its endpoint, whose URL is its base_url."""
     if kind not in KINDS:
         return "kind", unknown("target kind", kind, KINDS)
     if not model:
@@ -129,7 +129,7 @@ def target_problem(
     if kind == "sagemaker":
         if endpoint is None:
             return "sagemaker", "required for kind sagemaker (endpoint_name, region)"
-        if base_url:
+        if base_url and base_url != endpoint.base_url:
             return "base_url", "a sagemaker target's URL is its endpoint's: set sagemaker.endpoint_url"
     elif endpoint is not None:
         return "sagemaker", f"only for kind sagemaker, not {kind}"

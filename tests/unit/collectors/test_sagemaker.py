@@ -531,7 +531,7 @@ def test_a_sagemaker_target_loads_with_its_endpoint(tmp_path):
     endpoint = "{endpoint_name: e, region: eu-west-1, variant: blue, endpoint_url: 'http://127.0.0.1:8080'}"
     path.write_text(f"{TARGET}    kind: sagemaker\n    sagemaker: {endpoint}\n")
     (target,) = load_config(path).targets
-    assert (target.kind, target.base_url) == ("sagemaker", "")
+    assert (target.kind, target.base_url) == ("sagemaker", "http://127.0.0.1:8080")
     assert target.sagemaker == SageMakerEndpoint(
         "e", "eu-west-1", variant="blue", endpoint_url="http://127.0.0.1:8080"
     )

@@ -124,8 +124,6 @@ def target_problem(
     An openai target names its base_url; a sagemaker target its endpoint, whose URL is its base_url."""
     if kind not in KINDS:
         return "kind", unknown("target kind", kind, KINDS)
-    if not model:
-        return "model", "required key is missing"
     if kind == "sagemaker":
         if endpoint is None:
             return "sagemaker", "required for kind sagemaker (endpoint_name, region)"
@@ -135,4 +133,4 @@ def target_problem(
         return "sagemaker", f"only for kind sagemaker, not {kind}"
     elif not base_url:
         return "base_url", "required key is missing"
-    return None
+    return None if model else ("model", "required key is missing")

@@ -15,7 +15,9 @@ from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
 from kvwatch.doctor.caching import Cluster
 from kvwatch.doctor.checks import CHECKS, diagnose
+from kvwatch.doctor.findings import Diagnosis
 from kvwatch.doctor.report import format_diagnosis
+from kvwatch.doctor.sagemaker import diagnose_sagemaker
 from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 
@@ -30,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
         "front of the prompts. Each check prints its evidence and fix.",
     )
-    options.add_route_arguments(parser)
+    options.add_route_arguments(parser, sagemaker=True)
     options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"
     )
@@ -66,6 +68,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
+    if args.sagemaker_endpoint:
+        return _sagemaker(args)
     try:
         block_sources = options.block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
@@ -95,9 +99,35 @@ def run_cli(args: argparse.Namespace) -> int:
             args.gateway,
             cluster,
         )
+    return _print(
+        args, diagnosis, f"{redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}"
+    )
+
+
+def _sagemaker(args: argparse.Namespace) -> int:
+    """The doctor on a SageMaker endpoint: a few sessions through its runtime API (doctor.sagemaker)."""
+    try:
+        endpoint = options.sagemaker_endpoint(args)
+        probe = options.route_settings(
+            args,
+            base_url=endpoint.base_url,
+            model=args.model,
+            timeout_seconds=args.timeout,
+            kind="sagemaker",
+            sagemaker=endpoint,
+        )
+    except ValueError as error:
+        print(f"kvwatch doctor: {error}", file=sys.stderr)
+        return 2
+    return _print(
+        args, diagnose_sagemaker(probe), f"SageMaker endpoint {endpoint.endpoint_name}, model {args.model}"
+    )
+
+
+def _print(args: argparse.Namespace, diagnosis: Diagnosis, route: str) -> int:
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:
-        print(f"kvwatch doctor: {redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}\n")
+        print(f"kvwatch doctor: {route}\n")
         print(format_diagnosis(diagnosis))
     return 1 if diagnosis.failed else 0

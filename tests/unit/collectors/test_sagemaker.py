@@ -38,6 +38,7 @@ from kvwatch.collectors.probe.targets.sagemaker import (
 )
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.config import Config, ConfigError, StoreSettings, Target, Workload, load_config
+from kvwatch.doctor.sagemaker import diagnosis_of
 from kvwatch.experiment.runner import run_experiment
 from kvwatch.serve.scheduler import Service
 
@@ -687,3 +688,60 @@ def test_the_experiment_sets_an_endpoint_without_sessions_against_the_same_with_
 def test_cli_experiment_takes_two_routes_or_one_sagemaker_endpoint(capsys, tmp_path, args, message):
     assert main(["experiment", *args, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
+
+
+# The doctor on an endpoint.
+
+
+def doctor_of(*answers, conversations: int = 1, **changes):
+    sessions = [converse(Scripted(*answers), **changes) for _ in range(conversations)]
+    return diagnosis_of(sessions)
+
+
+def test_the_doctor_names_stateful_sessions_not_enabled_with_its_fix():
+    refusal = refused(
+        424, "ModelError", "Received client error (400)",
+        OriginalStatusCode=400, OriginalMessage="Invalid payload. stateful sessions not enabled",
+    )  # fmt: skip
+    diagnosis = doctor_of(refusal)
+    assert diagnosis.causes == ["stateful_sessions_disabled"]
+    (check,) = [c for c in diagnosis.checks if c.name == "stateful sessions"]
+    assert "stateful sessions not enabled" in check.evidence
+    assert check.fix == "start the container with SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true"
+
+
+def test_the_doctor_names_sessions_expiring_between_rounds_and_a_healthy_endpoint_passes():
+    expiring = doctor_of(
+        opened("s-1", "2000-01-01T00:00:00Z"),
+        streamed(round_events(300, 0)),
+        refused(400, "ValidationError", "session not found: s-1"),
+        opened("s-2"),
+        streamed(round_events(600, 0)),
+        closed("s-2"),
+        conversation=Conversation("s", ("one", "two")),
+    )
+    assert expiring.causes == ["sessions_expire_between_rounds"]
+    rounds = [round_events(300, 0), round_events(600, 256), round_events(900, 512)]
+    healthy = doctor_of(opened("s-1"), *(streamed(r) for r in rounds), closed("s-1"), block_size=128)
+    assert [(c.name, c.status) for c in healthy.checks] == [
+        ("AWS credentials", "pass"),
+        ("stateful sessions", "pass"),
+        ("reuse in sessions", "pass"),
+    ]
+
+
+def test_the_doctor_names_lost_reuse_and_a_model_stream_error():
+    rounds = [round_events(300, 0), round_events(600, 0), round_events(900, 0)]
+    lost = doctor_of(opened("s-1"), *(streamed(r) for r in rounds), closed("s-1"), block_size=128)
+    assert lost.causes == ["session_reuse_lost"]
+
+    def broken() -> Iterator[dict]:
+        yield from parts(b"data: ")
+        raise EventStreamError({"Error": {"Code": "ModelStreamError", "Message": "timed out"}}, "op")
+
+    assert doctor_of(opened("s-1"), streamed(broken), closed("s-1")).causes == ["model_stream_error"]
+
+
+def test_cli_doctor_takes_a_sagemaker_endpoint_and_refuses_an_incomplete_one(capsys):
+    assert main(["doctor", "--sagemaker-endpoint", "e", "--model", "m"]) == 2
+    assert "--sagemaker-endpoint needs --region" in capsys.readouterr().err

@@ -558,16 +558,20 @@ def test_cli_probe_refuses_an_incomplete_sagemaker_endpoint(capsys, args, messag
     assert message in capsys.readouterr().err
 
 
-def test_the_report_names_the_endpoint_the_evidence_and_the_sessions_lost_and_closed():
-    scripted = Scripted(
+def expiring_after_round_1(*later_rounds):
+    """Answers of an endpoint whose session expired after round 1: refused, opened anew, then the rounds."""
+    return (
         opened("s-1", "2000-01-01T00:00:00Z"),
         streamed(round_events(300, 0)),
         refused(400, "ValidationError", "session not found: s-1"),
         opened("s-2"),
-        streamed(round_events(600, 0)),
-        streamed(round_events(900, 512)),
+        *(streamed(events) for events in later_rounds),
         closed("s-2"),
     )
+
+
+def test_the_report_names_the_endpoint_the_evidence_and_the_sessions_lost_and_closed():
+    scripted = Scripted(*expiring_after_round_1(round_events(600, 0), round_events(900, 512)))
     endpoint = SageMakerEndpoint(
         "chat-endpoint", "us-east-1", variant="blue", endpoint_url="http://127.0.0.1:9"
     )
@@ -712,13 +716,7 @@ def test_the_doctor_names_stateful_sessions_not_enabled_with_its_fix():
 
 def test_the_doctor_names_sessions_expiring_between_rounds_and_a_healthy_endpoint_passes():
     expiring = doctor_of(
-        opened("s-1", "2000-01-01T00:00:00Z"),
-        streamed(round_events(300, 0)),
-        refused(400, "ValidationError", "session not found: s-1"),
-        opened("s-2"),
-        streamed(round_events(600, 0)),
-        closed("s-2"),
-        conversation=Conversation("s", ("one", "two")),
+        *expiring_after_round_1(round_events(600, 0)), conversation=Conversation("s", ("a", "b"))
     )
     assert expiring.causes == ["sessions_expire_between_rounds"]
     rounds = [round_events(300, 0), round_events(600, 256), round_events(900, 512)]

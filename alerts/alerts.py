@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
-    ENGINE_PRESENCE_SERIES,
+    ENGINE_PRESENCE,
     INSTANCE_CACHE_SERIES,
     INSTANCE_HIT_RATIO,
     INSTANCE_PROMPT_TOKENS,
@@ -29,6 +29,7 @@ from kvwatch.prometheus.queries import (
     watched_listeners,
     watched_routes,
 )
+from kvwatch.prometheus.rules import rule_expr
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 
@@ -56,6 +57,19 @@ class Alert:
             return self.summary
         where = f"{{{{ with $labels.{self.cluster} }}}} in {self.cluster} {{{{ . }}}}{{{{ end }}}}"
         return f"{self.summary.removesuffix('.')}{where}."
+
+    def entry(self) -> dict:
+        """The alert as its rule file holds it."""
+        entry = {"alert": self.name, "expr": rule_expr(self.expr), "for": self.for_}
+        if self.keep_firing_for:
+            entry["keep_firing_for"] = self.keep_firing_for
+        entry["labels"] = {"severity": self.severity, **(self.labels or {})}
+        entry["annotations"] = {
+            "summary": self.notification_summary,
+            "description": self.description,
+            "runbook_url": self.runbook_url,
+        }
+        return entry
 
 
 def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
@@ -150,7 +164,6 @@ def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total", by=instance, window="1m"
     )
     cluster_prompt_tokens = _cluster_prompt_tokens(by)
-    engines = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
     return (
         Alert(
             "KVWatchPrefixCacheHitRateDrop",
@@ -206,7 +219,7 @@ def _cache_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchEngineCacheMetricsMissing",
-            f"group by ({instance}) ({engines})\nunless on({instance}) {INSTANCE_CACHE_SERIES}",
+            f"group by ({instance}) ({ENGINE_PRESENCE})\nunless on({instance}) {INSTANCE_CACHE_SERIES}",
             "warning",
             "An engine exports none of the prefix-cache series kvwatch reads.",
             f"{name} ({{{{ $labels.job }}}}) is a vLLM or SGLang engine but exports none of the "
@@ -250,6 +263,16 @@ def _probe_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "Probe results are stale.",
             "The last probe run through {{ $labels.target }} finished {{ $value | humanizeDuration }} ago: "
             "the scheduler is stuck or overloaded.",
+        ),
+        Alert(
+            "KVWatchProbeNoResults",
+            f"time() - {per_route('max', 'kvwatch_probe_watched_since_timestamp_seconds', by)}\n"
+            f"  > {t.probe_stale_intervals} * {per_route('max', 'kvwatch_probe_interval_seconds', by)}\n"
+            f"unless on({by.route}) kvwatch_probe_last_run_timestamp_seconds",
+            "warning",
+            "A configured probe target has no result.",
+            "kvwatch serve has probed {{ $labels.target }} for {{ $value | humanizeDuration }} and not one "
+            "run's result has reached Prometheus: every run hangs, or the scheduler never ran it.",
         ),
         Alert(
             "KVWatchTargetDown",

@@ -4,6 +4,7 @@ exactly when the alert fires, never by a threshold of its own."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvwatch.alerts.alerts import ALERTS, Alert
@@ -82,3 +83,10 @@ VERDICTS = (
     LOAD_IMBALANCE,
     ROUTER_PREDICTION_MISS,
 )
+
+
+def clears_at(keep_firing_since: float, keep_firing_for: float, interval: float) -> float:
+    """When Prometheus resolves an alert that its keep_firing_for holds: at the first evaluation of its
+    group (every `interval` seconds from `keep_firing_since`, the evaluation that first found the
+    expression empty) at least `keep_firing_for` seconds later. Unix seconds."""
+    return keep_firing_since + math.ceil(keep_firing_for / interval - 1e-9) * interval

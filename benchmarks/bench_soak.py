@@ -32,7 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_detection import _kvwatch, _lab_up
-from kvwatch.core.config import GatewayLog
+from kvwatch.config.settings import GatewayLog
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.store.history import Store
 

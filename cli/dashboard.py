@@ -11,18 +11,17 @@ from typing import NoReturn
 from kvwatch.cli.options import command
 from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
+HELP = "serve the Streamlit dashboard"
+DESCRIPTION = (
+    "Serve the Streamlit dashboard. It reads Prometheus, Alertmanager and the SQLite "
+    "store named in the kvwatch config."
+)
+
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    dashboard = command(
-        commands,
-        "dashboard",
-        _run,
-        help="serve the Streamlit dashboard",
-        description="Serve the Streamlit dashboard. It reads Prometheus, Alertmanager and the SQLite "
-        "store named in the kvwatch config.",
-    )
+    dashboard = command(commands, "dashboard", _run, help=HELP, description=DESCRIPTION)
     dashboard.add_argument(
         "--config",
         type=Path,

@@ -5,34 +5,47 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import api_url, resolve_api_key
+from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
 from kvwatch.doctor.caching import Cluster
 from kvwatch.doctor.checks import CHECKS, diagnose
 from kvwatch.doctor.findings import Diagnosis
-from kvwatch.doctor.report import format_diagnosis
+from kvwatch.doctor.report import format_diagnosis, format_links
 from kvwatch.doctor.sagemaker import diagnose_sagemaker
-from kvwatch.prometheus.queries import CLUSTER_LABEL
+from kvwatch.doctor.setup import check_setup
+from kvwatch.prometheus.pipeline import OK
+
+HELP = "find why session affinity or the prefix cache does not work, and say how to fix it"
+DESCRIPTION = (
+    "Walk the troubleshooting checklist against one route: reachability and the base URL, "
+    "auth, the response's shape, whether the session id reaches the router and is its hash key, "
+    "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
+    "front of the prompts; or, with --sagemaker-endpoint, a few sessions through a SageMaker endpoint's "
+    "runtime API. Each check prints its evidence and fix. With --setup --config FILE, check "
+    "kvwatch's own pipeline instead: serve, Prometheus' scrapes, rules and Alertmanager, Alertmanager's "
+    "route to kvwatch's webhook, the store."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = options.command(
-        subparsers,
-        "doctor",
-        run_cli,
-        help="find why session affinity or the prefix cache does not work, and say how to fix it",
-        description="Walk the troubleshooting checklist against one route: reachability and the base URL, "
-        "auth, the response's shape, whether the session id reaches the router and is its hash key, "
-        "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-        "front of the prompts. Each check prints its evidence and fix.",
+    parser = options.command(subparsers, "doctor", run_cli, help=HELP, description=DESCRIPTION)
+    parser.add_argument(
+        "--setup",
+        action="store_true",
+        help="check kvwatch's own pipeline as --config sets it up, one line per link with its fix "
+        "(1 when a link is broken or could not be judged)",
     )
-    options.add_route_arguments(parser, sagemaker=True)
+    parser.add_argument("--config", type=Path, metavar="FILE", help="kvwatch YAML config, for --setup")
+    options.add_route_arguments(parser, required=False, sagemaker=True)
     options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"
     )
@@ -68,9 +81,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
+    if args.setup:
+        return run_setup(args)
     if args.sagemaker_endpoint:
         return _sagemaker(args)
     try:
+        if not args.base_url:
+            raise ValueError(
+                "the following arguments are required: --base-url or --sagemaker-endpoint "
+                "(or --setup --config FILE)"
+            )
         block_sources = options.block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
@@ -131,3 +151,26 @@ def _print(args: argparse.Namespace, diagnosis: Diagnosis, route: str) -> int:
         print(f"kvwatch doctor: {route}\n")
         print(format_diagnosis(diagnosis))
     return 1 if diagnosis.failed else 0
+
+
+def run_setup(args: argparse.Namespace) -> int:
+    """`kvwatch doctor --setup`: one line per link of kvwatch's pipeline; 1 unless every link holds."""
+    if args.config is None or args.base_url or args.sagemaker_endpoint:
+        print(
+            "kvwatch doctor: --setup checks the pipeline --config FILE sets up: give --config, "
+            "not --base-url or --sagemaker-endpoint",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"kvwatch doctor: {error}", file=sys.stderr)
+        return 2
+    found = check_setup(config, args.timeout)
+    if args.json:
+        print(json.dumps({"links": [asdict(link) for link in found]}, indent=2))
+    else:
+        print(f"kvwatch doctor --setup: the pipeline {args.config} sets up\n")
+        print(format_links(found))
+    return 0 if all(link.status == OK for link in found) else 1

@@ -17,15 +17,52 @@ import re
 import sys
 from pathlib import Path
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
-from kvwatch.core.config import ConfigError, cluster_label_problem
+from kvwatch.alerts.alerts import alerts
+from kvwatch.config.settings import ConfigError, cluster_label_problem
 from kvwatch.core.connections import url_problem
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.grafana import boards
-from kvwatch.prometheus.rules import rule_file_texts
+from kvwatch.prometheus.queries import Grouping
+from kvwatch.prometheus.rules import (
+    RULE_GROUPS,
+    RuleEntry,
+    gateway_rules,
+    prometheus_rule,
+    recording_rules,
+    router_rules,
+    rule_file,
+)
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds, load_thresholds
 
 REPO = Path(__file__).resolve().parent.parent
 _PLAIN_URL = re.compile(r"[^\s\"'\\#]+")
+
+
+def rule_files(
+    cluster_label: str = CLUSTER_LABEL, t: Thresholds = THRESHOLDS
+) -> dict[str, tuple[str, tuple[RuleEntry, ...]]]:
+    """Repository path -> (group, rules) of every rule file, aggregating by `cluster_label`, the alerts
+    judging by `t`: the committed files use the defaults, `kvwatch generate` writes them for others."""
+    by = Grouping(cluster_label)
+    rules = {
+        "kvwatch-engines": recording_rules(by),
+        "kvwatch-gateway": gateway_rules(by),
+        "kvwatch-routers": router_rules(by),
+        "kvwatch-alerts": alerts(t, by),
+    }
+    return {RULE_GROUPS[group]: (group, entries) for group, entries in rules.items()}
+
+
+RULE_FILES = rule_files()
+
+
+def rule_file_texts(cluster_label: str = CLUSTER_LABEL, t: Thresholds = THRESHOLDS) -> dict[str, str]:
+    """Repository path -> text of every rule file and of the Kubernetes PrometheusRule holding them all."""
+    files = rule_files(cluster_label, t)
+    texts = {path: rule_file(group, rules) for path, (group, rules) in files.items()}
+    texts["deploy/k8s/prometheusrule.yaml"] = prometheus_rule(files)
+    return texts
 
 
 def generated_files(

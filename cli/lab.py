@@ -12,13 +12,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvwatch.cli.options import command, not_positive
-from kvwatch.core.config import LAB_DIRECTORY
+from kvwatch.cli.options import command, kvwatch_command, not_positive
+from kvwatch.config.settings import LAB_DIRECTORY
 from kvwatch.lab import stack
 from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
+from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_ROUTING, STRATEGIES
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
@@ -26,6 +27,27 @@ from kvwatch.lab.state import (
     MAX_CLUSTER_REPLICAS,
     MAX_CLUSTERS,
     LabState,
+    forget_running,
+    record_running,
+)
+
+TRAFFIC_HELP = "simulate users holding multi-turn conversations through a gateway"
+TRAFFIC_DESCRIPTION = (
+    "Run concurrent simulated users, each holding one multi-turn conversation after "
+    "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM."
+)
+
+REPLICA_HELP = "serve one simulated vLLM / SGLang replica on 127.0.0.1"
+REPLICA_DESCRIPTION = (
+    "Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
+    "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults."
+)
+
+UP_HELP = "start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users"
+UP_DESCRIPTION = (
+    "Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
+    "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`, from any "
+    "directory."
 )
 
 # Strict round robin sends a probe run's request n to replica n mod R. With the lab's two sessions a run
@@ -49,14 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_replica(commands: argparse._SubParsersAction) -> None:
     defaults = ReplicaSettings(replica_id="")
-    replica = command(
-        commands,
-        "replica",
-        _run_replica,
-        help="serve one simulated vLLM / SGLang replica on 127.0.0.1",
-        description="Serve one simulated inference replica on 127.0.0.1: an OpenAI-compatible API, "
-        "a real prefix cache, engine metrics of the chosen flavour, ground truth and faults.",
-    )
+    replica = command(commands, "replica", _run_replica, help=REPLICA_HELP, description=REPLICA_DESCRIPTION)
     replica.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
     replica.add_argument("--id", required=True, dest="replica_id", help="replica name, e.g. r1")
     replica.add_argument(
@@ -127,14 +142,7 @@ def _add_traffic(commands: argparse._SubParsersAction) -> None:
     from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
 
     defaults = TrafficSettings(url="")
-    traffic = command(
-        commands,
-        "traffic",
-        run_cli,
-        help="simulate users holding multi-turn conversations through a gateway",
-        description="Run concurrent simulated users, each holding one multi-turn conversation after "
-        "another through an OpenAI-compatible gateway, until SIGINT or SIGTERM.",
-    )
+    traffic = command(commands, "traffic", run_cli, help=TRAFFIC_HELP, description=TRAFFIC_DESCRIPTION)
     traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
     for flag, dest, kind, text in (
         ("--users", "users", int, "concurrent users"),
@@ -208,12 +216,33 @@ def _run_replica(args: argparse.Namespace) -> int:
     return 0
 
 
-def _state_dir_argument(parser: argparse.ArgumentParser) -> None:
+def _state_dir_argument(parser: argparse.ArgumentParser, default: Path | None = None) -> None:
+    """--state-dir: for `up` where to start the lab; for the others, unset, the running lab (`_lab_dir`)."""
     parser.add_argument(
         "--state-dir",
         type=Path,
-        default=LAB_DIRECTORY,
-        help="where the lab keeps configs, logs and PIDs (default %(default)s)",
+        default=default,
+        help="where the lab keeps configs, logs and PIDs (default %(default)s)"
+        if default
+        else f"the lab's directory (default: {LAB_DIRECTORY} when a lab runs there, else the one lab "
+        "running for this user, from any directory)",
+    )
+
+
+def _lab_dir(args: argparse.Namespace) -> Path:
+    """The lab a command acts on: the one named, else the running one (stack.find)."""
+    return args.state_dir.resolve() if args.state_dir else stack.find(LAB_DIRECTORY)
+
+
+def _how_to_reach() -> str:
+    """How to run the lab's commands from a new shell, where `make up`'s virtualenv is not active."""
+    kvwatch = kvwatch_command()
+    if kvwatch == "kvwatch":
+        return "Lab commands work from any directory: `kvwatch lab status`, `kvwatch lab fault ...`."
+    venv = Path(kvwatch).parent.parent
+    return (
+        f"In a new shell, kvwatch is {kvwatch} (or run `. {venv}/bin/activate` first), e.g. "
+        f"`{kvwatch} lab status`; lab commands work from any directory."
     )
 
 
@@ -229,14 +258,7 @@ def _family_argument(parser: argparse.ArgumentParser, flag: str, family: dict, d
 
 
 def _add_up_command(commands: argparse._SubParsersAction) -> None:
-    up = command(
-        commands,
-        "up",
-        _run_up,
-        help="start the whole lab: replicas, a gateway, Prometheus, Alertmanager, background users",
-        description="Start the simulated cluster on 127.0.0.1 and print its URLs. In the foreground "
-        "(the default) Ctrl-C stops everything; with --detach stop it with `kvwatch lab down`.",
-    )
+    up = command(commands, "up", _run_up, help=UP_HELP, description=UP_DESCRIPTION)
     _family_argument(up, "--engine", REPLICA_KINDS, "sim")
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(
@@ -244,6 +266,12 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         choices=sorted(LOAD_BALANCERS),
         help="the consistent hash of Envoy's affinity cluster: ring-hash (RING_HASH, Istio's default) or "
         "maglev (MAGLEV); with --gateway envoy (default ring-hash)",
+    )
+    up.add_argument(
+        "--sagemaker-routing",
+        choices=list(STRATEGIES),
+        help="how the SageMaker endpoint's affinity listener routes requests without a session "
+        "(its round_robin listener: RANDOM); with --gateway sagemaker (default LEAST_OUTSTANDING_REQUESTS)",
     )
     up.add_argument(
         "--replicas",
@@ -304,7 +332,7 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         f"{CLUSTER_PORT_STRIDE} * (i + 1) (default %(default)s)",
     )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
-    _state_dir_argument(up)
+    _state_dir_argument(up, LAB_DIRECTORY)
 
 
 def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
@@ -351,6 +379,9 @@ def _print_status(info: dict) -> None:
         return
     print(f"engine               {info['engine']}, model {info['model']}")
     print(f"gateway              {info['gateway']}")
+    if endpoint := info.get("sagemaker"):
+        routed = f"variant {endpoint['variant']}, {endpoint['routing']}"
+        print(f"sagemaker endpoint   {endpoint['endpoint']} ({routed})")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
     for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
@@ -371,6 +402,12 @@ def _run_up(args: argparse.Namespace) -> int:
         )
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
+    if args.sagemaker_routing and args.gateway != "sagemaker":
+        return _fail(f"--sagemaker-routing is for --gateway sagemaker, not {args.gateway}")
+    if args.gateway == "sagemaker" and args.users:
+        return _fail(
+            "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0"
+        )
     flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
     unknown = sorted(set(flavours) - set(SIMULATED_FLAVOURS))
     if unknown or not flavours:
@@ -380,6 +417,8 @@ def _run_up(args: argparse.Namespace) -> int:
         )
     args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
     args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users
+    if args.gateway == "sagemaker":
+        args.users = 0
     if (
         args.replicas < 1
         or args.users < 0
@@ -412,15 +451,18 @@ def _run_up(args: argparse.Namespace) -> int:
                 engine=kind.name,
                 gateway=args.gateway,
                 envoy_lb=args.envoy_lb or "ring-hash",
+                sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
             )
     except stack.LabError as error:
         return _fail(str(error))
     except KeyboardInterrupt:
         print("Interrupted while starting; everything started was stopped.", file=sys.stderr)
         return 130
+    record_running(state.directory)
     _print_status(stack.status(state))
+    print(_how_to_reach())
     if args.detach:
-        print("The lab runs in the background; stop it with `kvwatch lab down`.")
+        print(f"The lab runs in the background; stop it with `{kvwatch_command()} lab down`.")
         return 0
     print("The lab is up. Press Ctrl-C to stop it.")
     stop = []
@@ -433,6 +475,7 @@ def _run_up(args: argparse.Namespace) -> int:
             stack.down(LabState.load(state.directory))  # as other commands left it: scale-out adds replicas
     except stack.LabError as error:
         return _fail(str(error))
+    forget_running(state.directory)
     print("The lab is down.")
     return 0
 
@@ -444,7 +487,7 @@ def _say_waiting(holder: str) -> None:
 @contextlib.contextmanager
 def _changing(args: argparse.Namespace) -> Iterator[LabState]:
     """The lab's state, loaded under the lab's lock and changed before it is released."""
-    directory = args.state_dir.resolve()
+    directory = _lab_dir(args)
     LabState.load(directory)  # no lab here: say how to start one, before a lock file is made
     with stack.locked(directory, _say_waiting):
         yield LabState.load(directory)
@@ -456,14 +499,15 @@ def _run_down(args: argparse.Namespace) -> int:
             stack.down(state)
     except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
+    forget_running(state.directory)
     print("The lab is down.")
     return 0
 
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        info = stack.status(LabState.load(args.state_dir.resolve()))
-    except FileNotFoundError as error:
+        info = stack.status(LabState.load(_lab_dir(args)))
+    except (FileNotFoundError, stack.LabError) as error:
         return _fail(str(error))
     if args.json:
         print(json.dumps(info, indent=2))

@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvwatch.cli import completion, config, dashboard, doctor, experiment, generate, lab, probe, scrape, serve
+from kvwatch.cli import (
+    completion,
+    config,
+    dashboard,
+    doctor,
+    experiment,
+    generate,
+    init,
+    lab,
+    probe,
+    scrape,
+    serve,
+)
 
 # What each command's exit code means, in one place: under the command's --help and in docs/probing.md, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
@@ -31,8 +43,11 @@ EXIT_CODES = {
     f"cannot listen; {BAD_ARGUMENTS}",
     "experiment": "0 when it ran, whatever it found; 1 when every session failed; "
     f"{BAD_ARGUMENTS}, {NO_MODEL}",
-    "doctor": f"0 when no check fails; 1 when one does; {BAD_ARGUMENTS}, {NO_MODEL}",
+    "doctor": f"0 when no check fails; 1 when one does (with --setup: when a link is broken or could not be "
+    f"judged); {BAD_ARGUMENTS}, {NO_MODEL}",
     "dashboard": f"Streamlit's, which replaces this process: 0 after Ctrl-C; {BAD_ARGUMENTS}",
+    "init": "0 once the files are written; 1 when the gateway cannot be looked at, the config would be "
+    f"invalid or a file exists (without --force), the reason on stderr; {BAD_ARGUMENTS}",
     "completion": f"0 with the script on stdout; {BAD_ARGUMENTS}",
     "generate": "0 once the files are written (with --check: when none is stale); 1 when --check finds "
     f"stale files or the thresholds file cannot be used, the reason on stderr; {BAD_ARGUMENTS}",
@@ -59,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version, nargs=0, help="show kvwatch's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    init.add_parser(commands)
     lab.add_parser(commands)
     scrape.add_parser(commands)
     probe.add_parser(commands)

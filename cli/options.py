@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
@@ -20,6 +24,19 @@ def command(
     parser = commands.add_parser(name, **texts)
     parser.set_defaults(handler=handler)
     return parser
+
+
+def kvwatch_command() -> str:
+    """How to run this kvwatch from a new shell, for the commands a message suggests: `kvwatch` when the
+    one on PATH is this one outside an activated virtualenv, else this one's full path (a virtualenv,
+    such as the one `make up` makes, is not activated in a new shell)."""
+    installed = Path(sys.executable).parent / "kvwatch"
+    if not installed.is_file():
+        return "kvwatch"
+    on_path = shutil.which("kvwatch")
+    if on_path and Path(on_path).resolve() == installed.resolve() and not os.environ.get("VIRTUAL_ENV"):
+        return "kvwatch"
+    return str(installed.absolute())
 
 
 class _RefuseKey(argparse.Action):
@@ -46,14 +63,16 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_route_arguments(parser: argparse.ArgumentParser, sagemaker: bool = False) -> None:
+def add_route_arguments(
+    parser: argparse.ArgumentParser, required: bool = True, sagemaker: bool = False
+) -> None:
     """--base-url, --model and the API key's options: the one route a command talks to; with `sagemaker`,
     a SageMaker endpoint (add_sagemaker_arguments) may be named instead of the base URL."""
     base_url = "API root, with or without /v1"
     if not sagemaker:
-        parser.add_argument("--base-url", required=True, help=base_url)
+        parser.add_argument("--base-url", required=required, help=base_url)
     else:
-        route = parser.add_mutually_exclusive_group(required=True)
+        route = parser.add_mutually_exclusive_group(required=required)
         route.add_argument("--base-url", help=base_url)
         route.add_argument(
             "--sagemaker-endpoint",

@@ -9,27 +9,26 @@ import sys
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.models import chosen_model
+from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
 from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key, with_block_size
 from kvwatch.collectors.probe.targets import metrics_base_urls, probe_once
 from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
-from kvwatch.core.config import Target, Workload
+from kvwatch.config.settings import Target, Workload
 from kvwatch.core.progress import Progress
+
+HELP = "run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness"
+DESCRIPTION = (
+    "Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
+    "router in front of vLLM / SGLang replicas) or an Amazon SageMaker endpoint, and print, per round, "
+    "the median TTFT, cached vs ideal cached tokens and the backends seen, then each session's "
+    "stickiness."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
-    parser = options.command(
-        subparsers,
-        "probe",
-        run,
-        help="run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness",
-        description="Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
-        "router in front of vLLM / SGLang replicas) or an Amazon SageMaker endpoint, and print, per round, "
-        "the median TTFT, cached vs ideal cached tokens and the backends seen, then each session's "
-        "stickiness.",
-    )
+    parser = options.command(subparsers, "probe", run, help=HELP, description=DESCRIPTION)
     options.add_route_arguments(parser, sagemaker=True)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
@@ -97,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
         for line in failure_hints(failed):
             print(f"  {line}", file=sys.stderr)
+        no_completion = settings.kind == "openai" and any(s.error_kind in NO_COMPLETION for s in failed)
+        if no_completion and (said := asyncio.run(explanation(settings))):
+            print(f"  {said}", file=sys.stderr)
         return 1
     return 0
 

@@ -10,18 +10,25 @@ from kvwatch.cli.options import command, positive
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT, format_result, scrape
 
+HELP = "read engine / router /metrics and print normalised cache-reuse figures"
+DESCRIPTION = (
+    "Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
+    "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
+    "requests per worker and the router's predicted hit ratio. One scrape "
+    "gives lifetime figures; --interval scrapes twice and gives the figures of that window."
+)
+
+
+# The limits on one read: (flag, type, default, metavar, help).
+_LIMITS = (
+    ("--timeout", float, DEFAULT_TIMEOUT, "S", "seconds a URL has to answer in full (default %(default)g)"),
+    ("--max-bytes", int, DEFAULT_MAX_BYTES, "N",
+     "refuse a source larger than N bytes (default %(default)d, 32 MiB)"),
+)  # fmt: skip
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = command(
-        subparsers,
-        "scrape",
-        run,
-        help="read engine / router /metrics and print normalised cache-reuse figures",
-        description="Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
-        "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
-        "requests per worker and the router's predicted hit ratio. One scrape "
-        "gives lifetime figures; --interval scrapes twice and gives the figures of that window.",
-    )
+    parser = command(subparsers, "scrape", run, help=HELP, description=DESCRIPTION)
     parser.add_argument(
         "sources",
         nargs="+",
@@ -33,20 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--flavour", choices=sorted(ENGINE_FLAVOURS), help="skip detection and read as this flavour"
     )
-    parser.add_argument(
-        "--timeout",
-        type=positive(float),
-        default=DEFAULT_TIMEOUT,
-        metavar="S",
-        help="seconds a URL has to answer in full (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=positive(int),
-        default=DEFAULT_MAX_BYTES,
-        metavar="N",
-        help="refuse a source larger than N bytes (default %(default)d, 32 MiB)",
-    )
+    for flag, kind, default, metavar, text in _LIMITS:
+        parser.add_argument(flag, type=positive(kind), default=default, metavar=metavar, help=text)
 
 
 def run(args: argparse.Namespace) -> int:

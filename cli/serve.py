@@ -10,21 +10,19 @@ import sys
 from pathlib import Path
 
 from kvwatch.cli.options import command
-from kvwatch.core.config import ConfigError, load_config
-from kvwatch.serve import shard
+from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.serve import shard, startup
 from kvwatch.serve.scheduler import Service
-from kvwatch.store.history import StoreError
+
+HELP = "run probes on a schedule and serve /metrics and the Alertmanager webhook"
+DESCRIPTION = (
+    "Run the configured probes on their schedules, follow the gateway logs, keep the "
+    "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts)."
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    serve = command(
-        commands,
-        "serve",
-        run,
-        help="run probes on a schedule and serve /metrics and the Alertmanager webhook",
-        description="Run the configured probes on their schedules, follow the gateway logs, keep the "
-        "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts).",
-    )
+    serve = command(commands, "serve", run, help=HELP, description=DESCRIPTION)
     serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
     serve.add_argument(
         "--shard",
@@ -40,8 +38,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        service = Service(load_config(args.config), args.shard)
-    except (ConfigError, StoreError, ValueError, OSError) as error:
+        config = load_config(args.config)
+        service = Service(config, args.shard, startup.prepare(config, args.shard, listen=True))
+    except startup.StartRefused as refused:
+        for problem in refused.problems:  # the lines `kvwatch config check` prints
+            print(f"kvwatch serve: {problem}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError, OSError) as error:
         print(f"kvwatch serve: {error}", file=sys.stderr)
         return 1
 
@@ -54,10 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
-    except OSError as error:  # the exporter's port is taken, most often
-        print(
-            f"kvwatch serve: cannot listen on {service.config.exporter.listen}: {error.strerror}",
-            file=sys.stderr,
-        )
+    except OSError as error:  # the exporter's port, free at the check, was taken since
+        print(f"kvwatch serve: {startup.cannot_listen(config.exporter, error)}", file=sys.stderr)
         return 1
     return 0

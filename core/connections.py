@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import socket
 import ssl
 
 import httpx
+
+from kvwatch.core.redaction import redact
 
 
 def url_problem(url: str) -> str | None:
@@ -27,10 +30,31 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+# What a base URL may end in by mistake: an endpoint pasted from a client's code or a curl line.
+ENDPOINTS = ("/chat/completions", "/completions", "/models")
+
+
+def endpoint_problem(base_url: str) -> str | None:
+    """Why `base_url` is no API root: it ends in an endpoint, under which kvwatch would append its own
+    (…/v1/chat/completions/v1/chat/completions, a plain 404). None when it ends in none."""
+    parsed = httpx.URL(base_url)
+    path = parsed.path.rstrip("/")
+    ending = next((end for end in ENDPOINTS if path.endswith(end)), None)
+    if ending is None:
+        return None
+    root = parsed.copy_with(path=path.removesuffix(ending) or "/")
+    return (
+        f"ends in {ending}, an endpoint: give the API root, {redact(str(root).rstrip('/'))} (kvwatch appends "
+        "/chat/completions and /models to it)"
+    )
+
+
 def connect_reason(error: BaseException) -> str:
     """The operating system's or TLS's reason under httpx's generic "All connection attempts failed"."""
     while (cause := error.__cause__ or error.__context__) is not None:
         error = cause
+    if isinstance(error, socket.gaierror):  # "Name or service not known" reads like a missing service
+        return f"the host name does not resolve ({error.strerror})"
     if isinstance(error, ssl.SSLCertVerificationError):  # OpenSSL's why: self-signed, hostname mismatch
         return f"TLS handshake failed: certificate verify failed: {error.verify_message}"
     if isinstance(error, ssl.SSLError):  # an OSError whose errno 1 would read "Operation not permitted"

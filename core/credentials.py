@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
 from kvwatch.core.errors import KVWatchError
 
 MAX_SECRET_FILE_BYTES = 64 << 10
+TOKEN_BYTES = 32
 
 
 class CredentialError(KVWatchError, ValueError):
@@ -60,3 +62,11 @@ def _read_regular_file(path: Path, limit: int) -> bytes | None:
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         return file.read(limit) if stat.S_ISREG(mode) else None
+
+
+def write_new_token(path: str | os.PathLike) -> None:
+    """A fresh random bearer token in a file only its owner can read (an earlier file of the same name is
+    narrowed too): what kvwatch's webhook requires and Alertmanager sends, both naming the file."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")

@@ -1,5 +1,6 @@
-"""One bound for every label value kvwatch takes from outside (a server's backend header, a gateway log's
-listener and upstream, the configured cluster), so that no input can grow /metrics without limit.
+"""The cluster label's default name, and one bound for every label value kvwatch takes from outside (a
+server's backend header, a gateway log's listener and upstream, the configured cluster), so that no input
+can grow /metrics without limit.
 
 Within one scope (a probed route, a followed log) a label shows its first `MAX_VALUES_PER_LABEL`
 distinct values as they are; any further value, and any value longer than `MAX_LABEL_VALUE_LENGTH`, is
@@ -17,6 +18,9 @@ MAX_VALUES_PER_LABEL = 32
 # is garbage, and one such value per series would make each scrape kilobytes larger.
 MAX_LABEL_VALUE_LENGTH = 128
 OTHER = "other"
+# The label that tells clusters apart, as the Prometheus (external_labels, remote_write) or kvwatch's own
+# exporter (exporter.cluster) sets it; a Prometheus of one cluster without it reads as one cluster.
+CLUSTER_LABEL = "cluster"
 FOLD_REASONS = ("too_many_values", "too_long")
 
 

@@ -38,13 +38,50 @@ class PrometheusApi:
         start_time, end_time = (datetime.fromtimestamp(t, UTC) for t in (start, end))
         return _series(lambda: self._connect.custom_query_range(expr, start_time, end_time, f"{step:g}"))
 
+    def alerting_rules(self) -> list[dict]:
+        """The alerting rules Prometheus evaluates, each with its group's `interval` and its alerts
+        (/api/v1/rules?type=alert): their state, activeAt, and keepFiringSince while keep_firing_for
+        holds one whose expression stopped matching."""
+        answer = self._session.get(f"{self.url}/api/v1/rules", params={"type": "alert"}).json()
+        try:
+            return [
+                {**rule, "interval": float(group["interval"])}
+                for group in answer["data"]["groups"]
+                for rule in group["rules"]
+            ]
+        except (KeyError, TypeError, ValueError) as error:
+            raise UnexpectedAnswer(f"no rule groups in the answer: {error!r}") from None
+
     def loaded_config(self) -> str:
         """The configuration Prometheus runs with, as YAML (/api/v1/status/config)."""
-        answer = self._session.get(f"{self.url}/api/v1/status/config").json()
+        return str(self._data("status/config", "yaml"))
+
+    def targets(self) -> list[dict]:
+        """The scrape targets Prometheus scrapes now, with their health and last error (/api/v1/targets)."""
+        return _objects(self._data("targets?state=active", "activeTargets"), "activeTargets")
+
+    def rule_groups(self) -> list[dict]:
+        """The rule groups Prometheus evaluates, each rule with its health and last error (/api/v1/rules)."""
+        return _objects(self._data("rules", "groups"), "groups")
+
+    def alertmanagers(self) -> list[dict]:
+        """The Alertmanagers Prometheus sends its alerts to now (/api/v1/alertmanagers)."""
+        return _objects(self._data("alertmanagers", "activeAlertmanagers"), "activeAlertmanagers")
+
+    def _data(self, path: str, key: str) -> object:
+        """`key` of the data of the API's answer at /api/v1/`path`."""
+        answer = self._session.get(f"{self.url}/api/v1/{path}").json()
         try:
-            return str(answer["data"]["yaml"])
+            return answer["data"][key]
         except (KeyError, TypeError) as error:
-            raise UnexpectedAnswer(f"no configuration in the answer: {error!r}") from None
+            raise UnexpectedAnswer(f"no {key} in the answer: {error!r}") from None
+
+
+def _objects(found: object, key: str) -> list[dict]:
+    """`found`, checked to be a list of JSON objects."""
+    if not (isinstance(found, list) and all(isinstance(item, dict) for item in found)):
+        raise UnexpectedAnswer(f"{key} in the answer is not a list of objects")
+    return found
 
 
 def _series(ask) -> list[dict]:

@@ -3,6 +3,7 @@ name -> implementation mapping whose `lookup` refuses an unknown name the same w
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Generic, Protocol, TypeVar
 
@@ -15,8 +16,16 @@ T = TypeVar("T", bound=Named)
 
 
 def unknown(noun: str, name: object, known: Iterable[str]) -> str:
-    """The error for a name no member of a family has, e.g. `unknown format "x"; known: a, b`."""
-    return f'unknown {noun} "{name}"; known: {", ".join(sorted(known))}'
+    """The error for a name no member of a family has, e.g. `unknown format "ngix"; did you mean
+    "nginx"? known: envoy, nginx`."""
+    known = sorted(known)
+    return f'unknown {noun} "{name}";{did_you_mean(name, known)} known: {", ".join(known)}'
+
+
+def did_you_mean(name: object, known: Iterable[str]) -> str:
+    """` did you mean "x"?` for the known name closest to a misspelt `name`; "" when none is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f' did you mean "{close[0]}"?' if close else ""
 
 
 class Registry(dict[str, T], Generic[T]):

@@ -52,3 +52,51 @@ class StrictLoader(yaml.SafeLoader):
                     )
                 seen.add(key.value)
         return super().construct_mapping(node, deep)
+
+
+# PyYAML's words for the slips people make in a config, and what to say instead: what is wrong and the fix.
+_PLAIN_WORDS = (
+    (
+        "found character '\\t' that cannot start any token",
+        "a tab: YAML indents with spaces only; replace the tab with spaces",
+    ),
+    (
+        "cannot start any token",
+        "a value cannot start with this character unquoted; put the value in quotes",
+    ),
+    (
+        "mapping values are not allowed here",
+        'an unexpected ":" here: this line is indented deeper than the key it follows, or a value holds '
+        '": "; line the keys of one mapping up in one column, or quote the value',
+    ),
+    (
+        "expected <block end>",
+        "the indentation does not match: this line is indented less than the lines before it of the same "
+        "block, and more than the block around it; line it up with the keys or list items it belongs to",
+    ),
+    (
+        "did not find expected key",
+        "the indentation does not match: line this key up with the keys of its mapping",
+    ),
+    (
+        "did not find expected '-' indicator",
+        'the indentation does not match: line this list item ("- ") up with the items before it',
+    ),
+    ("could not find expected ':'", 'a key without ": " after it; write key: value'),
+    ("found unexpected end of stream", "the file ends inside a quoted value: close the quote"),
+    ("but got '<stream end>'", 'the file ends inside a [ ] or { } list: close it with "]" or "}"'),
+    ("found undefined alias", "an alias (*name) without an anchor (&name) before it"),
+)
+
+
+def plain_problem(error: yaml.MarkedYAMLError) -> str:
+    """PyYAML's problem in plain words with the fix, for the slips a hand-written config makes; any
+    other problem as PyYAML says it. A quote left open is placed where it was opened."""
+    problem = str(error.problem)
+    for words, plain in _PLAIN_WORDS:
+        if words in problem:
+            if "quoted" in str(error.context or "") and error.context_mark is not None:
+                mark = error.context_mark
+                return f"{plain} (opened at line {mark.line + 1}, column {mark.column + 1})"
+            return plain
+    return problem

@@ -23,9 +23,9 @@ import httpx
 import pandas as pd
 import streamlit as st
 
-from kvwatch.alerts.runbook import RUNBOOK
+from kvwatch.alerts import verdicts
 from kvwatch.collectors.probe import blocksize
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     ConfigError,
     Target,
     load_config,
@@ -34,6 +34,7 @@ from kvwatch.core.config import (
 )
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.errors import QueryRefused, UnexpectedAnswer, Unreachable, UpstreamTimeout
+from kvwatch.core.naming import RUNBOOK
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import stats
@@ -43,7 +44,7 @@ from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner
 from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import pipeline, promql, queries
 from kvwatch.serve.scheduler import probe_settings
 from kvwatch.store.databases import ERRORS as STORE_ERRORS
 from kvwatch.store.history import ROUND_FIELDS, Store, StoreError
@@ -164,6 +165,57 @@ def range_query(query: str, over: Span) -> Result:
     return _ask_prometheus(lambda prometheus: prometheus.query_range(expr, over.start, over.end, over.step))
 
 
+@_cached
+def blind_spots() -> Result:
+    """The links of kvwatch's pipeline that do not hold (prometheus.pipeline): what kvwatch cannot see,
+    and why, as Prometheus reports it; none while it sees everything."""
+    url, config = _service_url("prometheus"), settings()
+    if url.error:
+        return url
+    found = pipeline.links(PrometheusApi(url.value, TIMEOUT_SECONDS), config.value.exporter.port)
+    return Result(tuple(link for link in found if link.status != pipeline.OK))
+
+
+FIRING_NONE = pd.DataFrame(columns=["alertname", "stopped_at", "clears_at", "keep_firing_for"])
+
+
+@_cached
+def firing_alerts(at: float) -> Result:
+    """The alerts Prometheus' rules API says fire now, asked once per refresh (`at`, the page's time, is
+    the cache's key): a column per label; for those its rule's keep_firing_for holds after their
+    expression stopped matching, `stopped_at` (the evaluation that first found it empty), `clears_at`
+    (the one that will resolve it) and `keep_firing_for` in seconds as Prometheus loaded the rule (scaled
+    in a lab started with --rule-time-scale); NaT and NaN for the others."""
+
+    def firing(prometheus: PrometheusApi) -> pd.DataFrame:
+        rows = [
+            {**alert["labels"], **_held(alert, rule)}
+            for rule in prometheus.alerting_rules()
+            for alert in rule.get("alerts", [])
+            if alert.get("state") == "firing"
+        ]
+        return _times(pd.DataFrame(rows), "stopped_at", "clears_at") if rows else FIRING_NONE
+
+    return _call_prometheus(firing)
+
+
+def _held(alert: dict, rule: dict) -> dict[str, float | None]:
+    """When the alert's expression stopped matching and when its rule's keep_firing_for lets it clear."""
+    if not alert.get("keepFiringSince"):
+        return dict.fromkeys(("stopped_at", "clears_at", "keep_firing_for"))
+    stopped, held_for = _rfc3339(alert["keepFiringSince"]), float(rule.get("keepFiringFor", 0))
+    return {
+        "stopped_at": stopped,
+        "clears_at": verdicts.clears_at(stopped, held_for, rule["interval"]),
+        "keep_firing_for": held_for,
+    }
+
+
+def _rfc3339(stamp: str) -> float:
+    """Unix seconds of an RFC 3339 time as Prometheus writes it (nanoseconds, Z)."""
+    return pd.Timestamp(stamp).timestamp()
+
+
 # --- the cluster picked in the sidebar ----------------------------------------------------------------
 
 PICKED_CLUSTER = "cluster"  # the sidebar's key in the session state
@@ -224,12 +276,17 @@ def in_cluster(query: str, cluster: str | None = None) -> str:
 def _ask_prometheus(ask: Callable[[PrometheusApi], list[dict]]) -> Result:
     """One query to Prometheus, within TIMEOUT_SECONDS in all: its answer as a frame, or its failure in
     one line."""
+    return _call_prometheus(lambda prometheus: _frame(ask(prometheus)))
+
+
+def _call_prometheus(ask: Callable[[PrometheusApi], pd.DataFrame]) -> Result:
+    """One call of Prometheus' API, within TIMEOUT_SECONDS in all: its frame, or its failure in one line."""
     url = _service_url("prometheus")
     if url.error:
         return url
     where = f"Prometheus at {url.value}"
     try:
-        return Result(_frame(ask(PrometheusApi(url.value, TIMEOUT_SECONDS))))
+        return Result(ask(PrometheusApi(url.value, TIMEOUT_SECONDS)))
     except UpstreamTimeout:
         return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
     except Unreachable as error:

@@ -60,19 +60,22 @@ RATIO = Unit(lambda v: f"{v:.0%}", lambda d: f"{d * 100:+.0f} pp")
 FACTOR = Unit(lambda v: f"{v:.2f}×", lambda d: f"{d:+.2f}×")
 
 
+NOT_WATCHING = "Not watching"  # a verdict whose signal is absent: neither healthy nor broken, unknown
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The words under a number, in the colour of its alert's state."""
 
-    color: str  # green, orange or red as the alert says; gray where no alert judges
+    color: str  # green, orange or red as the alert says; blue while a fixed signal's alert is held; gray
     text: str
-
-    @property
-    def good(self) -> bool | None:
-        return {"green": True, "red": False}.get(self.color)
 
     def show(self) -> None:
         st.markdown(f":{self.color}[{self.text}]")
+
+
+def clock(at: pd.Timestamp) -> str:
+    return at.strftime("%H:%M:%S UTC")
 
 
 def matching(frame: pd.DataFrame, **labels: str) -> pd.DataFrame:
@@ -82,15 +85,47 @@ def matching(frame: pd.DataFrame, **labels: str) -> pd.DataFrame:
     return frame
 
 
-def judge(verdict: verdicts.Verdict, states: pd.DataFrame, ok: str, **labels: str) -> Verdict:
+def now_firing(firing: pd.DataFrame, name: str, labels: dict[str, str]) -> pd.Series | None:
+    """Of `firing` (data.firing_alerts), the alert of that name whose labels include `labels`: held by
+    its keep_firing_for where any such one is, else firing; None where none fires now."""
+    rows = matching(firing, alertname=name, **labels)
+    if rows.empty:
+        return None
+    return rows.iloc[0] if rows["stopped_at"].isna().any() else rows.sort_values("clears_at").iloc[-1]
+
+
+def resolving(name: str, held: pd.Series) -> str:
+    """What a held alert's verdict says: the signal is healthy again, and when the alert clears."""
+    return (
+        f"Healthy again since {clock(held['stopped_at'])}: {name} still fires, held by its "
+        f"keep_firing_for of {held['keep_firing_for']:g} s, and clears at {clock(held['clears_at'])}."
+    )
+
+
+def judge(
+    verdict: verdicts.Verdict,
+    states: pd.DataFrame,
+    ok: str,
+    firing: pd.DataFrame | None = None,
+    **labels: str,
+) -> Verdict:
     """What the alert behind `verdict` says now of the series with these labels, from `states` (its
-    `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green."""
+    `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green. Where
+    `firing` (data.firing_alerts, now) is given, blue once the signal is healthy again while the alert
+    still fires: held by its keep_firing_for, with when it clears, or cleared since the page's time."""
     alert = verdict.alert
     rows = matching(states, **labels)
     if rows.empty:
-        return Verdict("gray", f"Not judged: {alert.name} has nothing to judge here now.")
+        return Verdict("gray", f"{NOT_WATCHING}: Prometheus holds no series {alert.name} judges here now.")
     state = rows["value"].iloc[0]
     if state == verdicts.FIRING:
+        now = None if firing is None else now_firing(firing, alert.name, {**(alert.labels or {}), **labels})
+        if firing is not None and now is None:
+            return Verdict(
+                "blue", f"Healthy again: {alert.name} fired at this page's time and has cleared since."
+            )
+        if now is not None and pd.notna(now["stopped_at"]):
+            return Verdict("blue", resolving(alert.name, now))
         return Verdict("red", f"{alert.name} fires: {alert.summary}")
     if state == verdicts.PENDING:
         lasts = f"its condition holds, and it fires once that lasts {alert.for_}"
@@ -98,9 +133,13 @@ def judge(verdict: verdicts.Verdict, states: pd.DataFrame, ok: str, **labels: st
     return Verdict("green", ok)
 
 
-def tile(label: str, points: pd.DataFrame, at: float, unit: Unit, verdict: Verdict, help: str) -> None:
+def tile(
+    label: str, points: pd.DataFrame, at: float, unit: Unit, verdict: Verdict, help: str, rise: str
+) -> None:
     """A bordered metric: its value at `at`, its change over the points and the points as a sparkline,
-    both coloured as the verdict below; "no data" when there is no point at `at`."""
+    both coloured by what a rise means (`rise`, one of RISES), whatever the verdict below says: a ratio
+    that should be high is red as it falls, even while its alert finds it fine; "no data" when there
+    is no point at `at`."""
     now = points[points["time"] == pd.Timestamp(at, unit="s", tz="UTC")]["value"]
     with st.container(border=True):
         if now.empty:
@@ -110,18 +149,23 @@ def tile(label: str, points: pd.DataFrame, at: float, unit: Unit, verdict: Verdi
             value = float(now.iloc[0])
             change = value - float(points["value"].iloc[0])
             moved = unit.change(change).lstrip("+-") != unit.change(0).lstrip("+-")  # "-0 pp" did not move
-            # Streamlit colours a rise green ("normal") or red ("inverse"): pick the verdict's colour.
-            good = verdict.good
-            color = "off" if good is None else "normal" if (change >= 0) == good else "inverse"
             st.metric(
                 label,
                 unit.value(value),
                 delta=unit.change(change) if moved else None,
-                delta_color=color,
+                delta_color=RISES[rise],
                 chart_data=points["value"].tolist(),
                 help=f"{help} The change and the line are over the chosen time range.",
             )
         verdict.show()
+
+
+# What a rise of a number means, as Streamlit's delta_color: green up or down, or grey for neither.
+GOOD, BAD, NEUTRAL = "good", "bad", "neutral"
+RISES = {GOOD: "normal", BAD: "inverse", NEUTRAL: "off"}
+# Lines and bars of things with no good or bad to them (instances, targets, sources) never take the
+# red, green or orange that verdicts and marks mean.
+SERIES_COLORS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8")
 
 
 NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind": [], "text": []})
@@ -182,19 +226,53 @@ def events(over: data.Span, unread: str = "Not marked on the charts") -> pd.Data
         )
     frame = pd.concat([f[["time", "kind", "text"]] for f in found if not f.empty] or [NO_EVENTS])
     start, end = (pd.Timestamp(t, unit="s", tz="UTC") for t in over[:2])
-    return frame[frame["time"].between(start, end)]
+    # Alertmanager repeats a firing alert to the webhook: one mark for each start and end.
+    return frame[frame["time"].between(start, end)].drop_duplicates(["time", "text"], ignore_index=True)
+
+
+LABEL_PX = 14  # the width of a marker's label, written upwards in 10 px type
+CHART_PX = 1000  # about the width a chart's time axis gets on the page
+
+
+def grouped(marks: pd.DataFrame, span_seconds: float) -> list[pd.DataFrame]:
+    """The events of `marks` in groups whose labels would overlap, newest first: labels sit left of
+    their group's newest event, each LABEL_PX wide on a chart about CHART_PX wide, so an older event
+    joins the group while it is closer than the group's labels are wide."""
+    per_label = pd.Timedelta(seconds=span_seconds * LABEL_PX / CHART_PX)
+    groups: list[list[int]] = []
+    marks = marks.reset_index(drop=True)
+    times = marks["time"].sort_values(ascending=False, kind="stable")
+    for index, at in times.items():
+        if groups and times[groups[-1][0]] - at < per_label * len(groups[-1]):
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return [marks.loc[group] for group in groups]
+
+
+def shown_seconds(figure: go.Figure, marks: pd.DataFrame) -> float:
+    """How many seconds the chart's time axis shows: from its first point or mark to its last."""
+    drawn = [pd.to_datetime(pd.Series(trace.x), utc=True) for trace in figure.data if len(trace.x)]
+    times = pd.concat([*drawn, pd.to_datetime(marks["time"], utc=True)])
+    return (times.max() - times.min()).total_seconds() if len(times) else 0.0
 
 
 def mark(figure: go.Figure, marks: pd.DataFrame) -> go.Figure:
-    """A dotted line and a label at the top of the chart for each event of `events()`."""
+    """A dotted line for each event of `events()`, and labels at the top of the chart that do not
+    overlap: events too close to be told apart on the chart's time axis share one label, a line of text
+    each, the newest nearest its line."""
     for event in marks.itertuples():
         color = EVENT_COLORS.get(event.kind, "gray")
         figure.add_shape(
             type="line", x0=event.time, x1=event.time, y0=0, y1=1, yref="paper",
             line={"color": color, "dash": "dot", "width": 1},
         )  # fmt: skip
+    for group in grouped(marks, shown_seconds(figure, marks)):
+        colors = {EVENT_COLORS.get(kind, "gray") for kind in group["kind"]}
         figure.add_annotation(
-            x=event.time, y=1, yref="paper", text=event.text, showarrow=False, textangle=-90,
-            xanchor="right", yanchor="top", font={"size": 10, "color": color},
+            x=group["time"].iloc[0], y=1, yref="paper", text="<br>".join(group["text"][::-1]),
+            showarrow=False,
+            textangle=-90, xanchor="right", yanchor="top",
+            font={"size": 10, "color": colors.pop() if len(colors) == 1 else "gray"},
         )  # fmt: skip
     return figure

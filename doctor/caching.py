@@ -7,14 +7,15 @@ import asyncio
 from dataclasses import dataclass
 
 from kvwatch.alerts.alerts import Alert, alerts
-from kvwatch.core.config import label_name_problem
+from kvwatch.config.settings import label_name_problem
 from kvwatch.core.errors import KVWatchError, UpstreamError, UpstreamTimeout
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.doctor.findings import Check
 from kvwatch.doctor.route import Route
 from kvwatch.prometheus import promql, queries
-from kvwatch.prometheus.queries import CLUSTER_LABEL, Grouping
+from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS
 
 PROMETHEUS_TIMEOUT_S = 10.0

@@ -7,6 +7,12 @@ from dataclasses import asdict, dataclass
 STATUSES = ("pass", "warn", "fail", "skipped")
 CAUSES = (
     "connection_refused",
+    "dns_error",
+    "tls_mismatch",
+    "tls_error",
+    "protocol_error",
+    "timeout",
+    "not_openai_api",
     "bad_base_url",
     "unauthorized",
     "forbidden",

@@ -14,7 +14,7 @@ import httpx
 
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
-from kvwatch.collectors.probe.models import list_models
+from kvwatch.collectors.probe.models import NO_COMPLETION, Server, list_models, what_answers
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session, with_block_size
@@ -25,7 +25,8 @@ from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
 from kvwatch.doctor.findings import Check
 
-UNREACHABLE = ("connection_refused", "tls_error", "protocol_error", "timeout")
+# The error kinds of a round that reached no HTTP server; each is the cause the doctor names.
+UNREACHABLE = ("connection_refused", "dns_error", "tls_mismatch", "tls_error", "protocol_error", "timeout")
 
 # Sessions run one after another: behind round robin, as many sessions in lockstep as there are replicas
 # would look sticky. Three sessions of four rounds leave a gateway that hashes on something else, over n
@@ -50,6 +51,7 @@ class Route:
     block: BlockSize | None = None  # learned once the sessions ran
     gateway: str | None = None  # the system in front of the replicas, as --gateway names it
     systems: tuple[affinity.Affinity, ...] = ()  # whose settings the fixes name, learned on a failure
+    server: Server | None = None  # what answers at the base URL, asked when round 1 got no completion
 
 
 # --- reachability, auth, response shape -----------------------------------------------------------
@@ -71,8 +73,9 @@ async def _models(client: httpx.AsyncClient, probe: ProbeSettings) -> list[str] 
 def _base_url_variants(base_url: str) -> list[str]:
     """The obvious fixes of a base URL: each shorter prefix of its path, down to the bare origin.
 
-    They cover a doubled /v1 (…/v1/v1), a pasted endpoint (…/v1/chat/completions) and a path the
-    server does not serve (…/api when the API is at /v1). A missing /v1 needs none: kvwatch appends it.
+    They cover a doubled /v1 (…/v1/v1) and a path the server does not serve (…/api when the API is at
+    /v1); a pasted endpoint (…/v1/chat/completions) is refused before, by ProbeSettings. A missing /v1
+    needs none: kvwatch appends it.
     """
     url = httpx.URL(base_url)
     origin = f"{url.scheme}://{url.netloc.decode()}"
@@ -88,34 +91,60 @@ def _base_url_variants(base_url: str) -> list[str]:
 
 
 async def reachability(route: Route) -> Check:
-    """Does anything answer at the base URL, and is it the API root? A 404 there tries the variants."""
+    """Does an OpenAI-compatible API answer at the base URL? A 404 there tries the variants; a server that
+    is no such API is named."""
     name, probe = "reachability", route.probe
     route.first = first = await _one_round(route.streams, probe)
     url = redact(api_url(probe.base_url, "chat/completions"))
     if first.error_kind in UNREACHABLE:
         fix = f"{HINTS[first.error_kind]}; `curl -v {url}` shows which hop fails"
-        return Check(name, "fail", first.error_detail, fix, "connection_refused")
-    if first.error_kind != "not_found" or await _models(route.client, probe) is not None:
+        return Check(name, "fail", first.error_detail, fix, first.error_kind)
+    if first.status is None:  # no answer, for a reason that says nothing of the route (a kvwatch bug)
+        return Check(name, "skipped", f"not judged: {first.error_kind} ({first.error_detail})")
+    if first.error_kind not in NO_COMPLETION:  # a completion, or an answer only an API gives
         return Check(name, "pass", f"HTTP {first.status} from {url}")
+    route.server = server = await what_answers(route.client, probe)
+    models_url = redact(api_url(probe.base_url, "models"))
+    if server.models is not None:
+        evidence = f"GET {models_url} {server.models_answer}: the base URL is the API root"
+        return Check(name, "pass", f"{evidence} (HTTP {first.status} from {url})")
+    if first.error_kind == "not_found" and (moved := await _working_variant(route)):
+        return moved
+    if problem := server.not_an_api():
+        fix = (
+            "set the base URL to the API root of the gateway or engine that serves /v1/chat/completions "
+            "and /v1/models (vLLM, SGLang, or a gateway in front of them)"
+        )
+        return Check(name, "fail", problem, fix, "not_openai_api")
+    if first.error_kind == "not_found":
+        evidence = (
+            f"{url} answers HTTP 404, and so does every shorter base URL; GET "
+            f"{models_url} {server.models_answer}: the base URL or the model id is wrong"
+        )
+        return Check(
+            name, "warn", evidence, "find the API root: what precedes /chat/completions in a URL that works"
+        )
+    return Check(name, "pass", f"HTTP {first.status} from {url}, with an OpenAI error object")
+
+
+async def _working_variant(route: Route) -> Check | None:
+    """The failure naming the shorter base URL that works, which the later checks then use; None when
+    none does."""
+    probe = route.probe
+    url = redact(api_url(probe.base_url, "chat/completions"))
     for variant in _base_url_variants(probe.base_url):
         candidate = replace(probe, base_url=variant)
         answer = await _one_round(route.streams, candidate)
         if answer.error_kind not in (*UNREACHABLE, "not_found") or await _models(route.client, candidate):
-            route.probe, route.first = candidate, answer
+            route.probe, route.first, route.server = candidate, answer, None
             root = redact(api_url(variant, ""))
             works = redact(api_url(variant, "chat/completions"))
             evidence = (
                 f"{url} answers HTTP 404; {works} answers HTTP {answer.status} (the later checks use it)"
             )
             fix = f"set the base URL to {root}, the API root under which /chat/completions and /models live"
-            return Check(name, "fail", evidence, fix, "bad_base_url")
-    evidence = (
-        f"{url} answers HTTP 404, and so does every shorter base URL; GET "
-        f"{redact(api_url(probe.base_url, 'models'))} lists no models: the base URL or the model id is wrong"
-    )
-    return Check(
-        name, "warn", evidence, "find the API root: what precedes /chat/completions in a URL that works"
-    )
+            return Check("reachability", "fail", evidence, fix, "bad_base_url")
+    return None
 
 
 async def auth(route: Route) -> Check:
@@ -132,7 +161,13 @@ async def auth(route: Route) -> Check:
                 f"the key may not use {route.probe.model}: have it scoped to the model, or use one it covers"
             )
         return Check("auth", "fail", first.error_detail, fix, "forbidden")
-    return Check("auth", "pass", f"no 401 or 403 {sent} an API key")
+    if first.ok:
+        return Check("auth", "pass", f"a completion came back {sent} an API key")
+    if route.server is not None and route.server.models is not None:
+        models_url = redact(api_url(route.probe.base_url, "models"))
+        return Check("auth", "pass", f"GET {models_url} {route.server.models_answer} {sent} an API key")
+    evidence = f"not judged: no request {sent} an API key got an answer of the API ({first.error_kind})"
+    return Check("auth", "skipped", evidence)
 
 
 async def response_shape(route: Route) -> Check:
@@ -147,13 +182,13 @@ async def response_shape(route: Route) -> Check:
         if "whole completion" in first.error_detail:
             fix = "the server ignored `stream: true` (or a proxy collected the stream): make both sides agree"
         return Check(name, "fail", first.error_detail, fix, "bad_response")
-    offered = await _models(route.client, probe)
+    server = route.server or await what_answers(route.client, probe)
     models_url = redact(api_url(probe.base_url, "models"))
-    if offered and probe.model in offered:
+    if server.models and probe.model in server.models:
         evidence = f"{first.error_detail}; yet GET {models_url} lists {probe.model}"
         return Check(name, "fail", evidence, "route /chat/completions to the engines", "bad_base_url")
-    listing = f"offers: {', '.join(offered[:20])}" if offered else "lists no models"
-    evidence = f"{first.error_detail}; GET {models_url} {listing}"
+    unserved = server.unserved_model(probe.model) or f"GET {models_url} {server.models_answer}"
+    evidence = f"{first.error_detail}; {unserved}"
     return Check(name, "fail", evidence, "use a model id exactly as the server lists it", "model_not_found")
 
 
@@ -210,7 +245,7 @@ async def session_propagation(route: Route) -> Check:
     changed = [r for r in answered if r.session_id_returned not in (None, r.session_id_sent)]
     missing = [r for r in answered if r.session_id_returned is None]
     if not answered:
-        return Check(name, "warn", f"no round of {SESSIONS} sessions was answered{errors}")
+        return Check(name, "skipped", f"not judged: no round of {SESSIONS} sessions was answered{errors}")
     if changed:
         example = changed[0]
         evidence = (
@@ -227,6 +262,12 @@ async def session_propagation(route: Route) -> Check:
         )
         fix = f"echo it so that clients can check: {await _fixes(route, 'echo')}"
         return Check(name, "warn", evidence, fix)
+    if missing and not any(s.sticky is False for s in route.sessions):
+        evidence = (
+            f"not judged: {header} is not echoed, and no backend header or cached tokens say where the "
+            f"sessions landed{errors}"
+        )
+        return Check(name, "skipped", evidence, "name the header that names the replica: --backend-header H")
     if missing:
         evidence = (
             f"{header} is not echoed on {len(missing)} of {len(answered)} rounds and sessions changed "
@@ -248,8 +289,10 @@ async def hash_key(route: Route) -> Check:
         return Check(name, "fail", evidence, fix, "hash_key_not_session")
     if any(s.sticky is None for s in sessions):
         headers = ", ".join(route.probe.backend_headers)
-        evidence = f"no response header ({headers}) named the backend and no cached tokens were reported"
-        return Check(name, "warn", evidence, "name the header that names the replica: --backend-header H")
+        evidence = (
+            f"not judged: no response header ({headers}) named the backend and no cached tokens were reported"
+        )
+        return Check(name, "skipped", evidence, "name the header that names the replica: --backend-header H")
     return Check(name, "pass", f"each of {len(sessions)} sessions stayed on one backend: {paths}")
 
 

@@ -355,8 +355,10 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
             "Failed probe rounds per second, by error kind. Every kind is exported from 0, so a flat 0 is "
             "a real zero.\n\n"
             "Good: 0. Bad: unauthorized or forbidden (the API key), not_found (model id or base URL), "
-            "connection_refused, timeout, bad_response (an error object instead of choices), stream_error, "
-            "http_error, tls_error, protocol_error (an answer that is no HTTP/1.1), internal_error (a bug).",
+            "connection_refused, dns_error (the host name does not resolve), timeout, bad_response (an error "
+            "object instead of choices), stream_error, http_error, tls_mismatch (https:// to a plain-HTTP "
+            "port, or http:// to a TLS port), tls_error, protocol_error (an answer that is no HTTP/1.1), "
+            "internal_error (a bug).",
             [target(queries.PROBE_ERRORS_BY_KIND, "{{kind}}")],
             unit="reqps",
             no_value=NO_PROBE_DATA,

@@ -9,13 +9,13 @@ import re
 from typing import Any
 
 from kvwatch.alerts.alerts import ALERTS
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.alerts.verdicts import (
     FIRING,
     OK,
     PENDING,
     Verdict,
 )
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.prometheus import promql, queries
 from kvwatch.prometheus.rules import WINDOWED_RULES
 

@@ -3,19 +3,18 @@
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
 from pathlib import Path
 
 import yaml
 
-from kvwatch.core.config import GatewayLog
+from kvwatch.config.settings import GatewayLog
+from kvwatch.core.credentials import write_new_token
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import LabState
-from kvwatch.prometheus.queries import CLUSTER_LABEL
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,10 +53,7 @@ def rule_files(state: LabState) -> dict[str, str]:
 def write_webhook_token(state: LabState) -> None:
     """A fresh random bearer token for kvwatch's webhook, in a file only the lab's user can read:
     Alertmanager sends it and `kvwatch serve` requires it, both naming the file, as an operator sets up."""
-    path = state.directory / WEBHOOK_TOKEN_FILE
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        os.fchmod(out.fileno(), 0o600)  # the file of an earlier lab may have been made wider
-        out.write(secrets.token_urlsafe(32) + "\n")
+    write_new_token(state.directory / WEBHOOK_TOKEN_FILE)
 
 
 def render_alertmanager(state: LabState) -> str:
@@ -169,7 +165,9 @@ def render_kvwatch_config(state: LabState) -> str:
             target["interval_seconds"] = kind.fast_probe_interval_s
         if kind.probe_workload:
             target["workload"] = {**target.get("workload", {}), **kind.probe_workload}
-    if not state.probes or state.clusters:  # the central kvwatch only receives the alerts
+    # The central kvwatch only receives the alerts; the example's targets speak OpenAI's API, which a
+    # SageMaker endpoint does not.
+    if not state.probes or state.clusters or state.gateway == "sagemaker":
         config["targets"] = []
     if state.clusters:
         config["gateway_logs"] = []

@@ -26,6 +26,7 @@ from pathlib import Path
 from kvwatch.core.tokenizer import answer_words, tokenize
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 from kvwatch.lab.prefix_cache import PrefixCache
+from kvwatch.lab.sessions import SessionTable
 
 # content: answer text only; reasoning: a reasoning model's thinking first, then text; tool-call: a tool
 # call's arguments and no text.
@@ -80,6 +81,8 @@ class Engine:
     def __init__(self, settings: ReplicaSettings) -> None:
         self.settings = settings
         self.faults = Faults()
+        # SageMaker's stateful sessions (lab/sessions.py); None: not enabled, as by default.
+        self.sessions: SessionTable | None = None
         self.cache = PrefixCache(settings.cache_blocks, settings.block_size)
         self.metrics = SIMULATED_FLAVOURS.lookup(settings.flavour)(
             settings.model,

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -17,11 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvwatch.core.errors import KVWatchError
 from kvwatch.core.tokenizer import TemplateError, render_chat, tokenize
+from kvwatch.lab import sessions
 from kvwatch.lab.engine import Engine, ReplicaSettings, Sequence, faults_from_json
 
 log = logging.getLogger("kvwatch.lab.replica")
 
-SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key", sessions.SESSION_HEADER)
 LOOPBACK = {"127.0.0.1", "::1"}
 ENGINE_KEY = web.AppKey("engine", Engine)
 ARRIVAL_KEY = web.RequestKey("arrival", float)
@@ -290,6 +292,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return response
 
 
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's container contract, as vLLM serves it: session requests are the session manager's
+    (lab/sessions.py), any other body is a chat completion, with the session header as its session."""
+    engine = request.app[ENGINE_KEY]
+    session_id = request.headers.get(sessions.SESSION_HEADER)
+    try:
+        answer = sessions.intercept(engine.sessions, await request.read(), session_id)
+    except sessions.SessionError as error:
+        engine.record(
+            {"time": time.time(), "session_id": session_id, "status": error.status, "error": error.detail}
+        )
+        return ApiError(error.status, error.detail, error.status.phrase, error.status).response()
+    if answer is None:
+        return await chat_completions(request)
+    engine.record({"time": time.time(), "session_id": session_id, "status": 200, "session": answer.text})
+    return web.Response(body=answer.text.encode(), headers=answer.headers)  # no type, as vLLM sends none
+
+
 async def render(request: web.Request) -> web.Response:
     """vLLM's chat render / tokenize endpoints, which vllm-router's cache_aware policy calls."""
     try:
@@ -323,6 +343,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """/health, and SageMaker's /ping."""
     return web.Response(status=200)
 
 
@@ -410,6 +431,7 @@ async def lab_state(request: web.Request) -> web.Response:
             "faults": engine.faults.public(),
             "cache_blocks_used": len(engine.cache),
             "cache_blocks": settings.cache_blocks,
+            "sessions": None if engine.sessions is None else len(engine.sessions.expiries),
         }
     )
 
@@ -432,6 +454,14 @@ async def lab_reset_cache(request: web.Request) -> web.Response:
     return web.json_response({"cache_blocks_used": 0})
 
 
+async def lab_expire_sessions(request: web.Request) -> web.Response:
+    """The lab's fault: every open SageMaker session expires now."""
+    table = request.app[ENGINE_KEY].sessions
+    if table is None:
+        return web.json_response({"error": "stateful sessions are not enabled on this replica"}, status=409)
+    return web.json_response({"expired": table.expire_all()})
+
+
 async def lab_ground_truth(request: web.Request) -> web.Response:
     return web.json_response({"records": list(request.app[ENGINE_KEY].ground_truth)})
 
@@ -446,10 +476,14 @@ def make_app(engine: Engine) -> web.Application:
             web.post("/tokenize", render),
             web.get("/v1/models", models),
             web.get("/health", health),
+            web.get("/ping", health),
+            web.post("/ping", health),
+            web.post("/invocations", invocations),
             web.get("/metrics", metrics),
             web.get("/lab/state", lab_state),
             web.post("/lab/faults", lab_set_faults),
             web.post("/lab/reset-cache", lab_reset_cache),
+            web.post("/lab/expire-sessions", lab_expire_sessions),
             web.get("/lab/ground-truth", lab_ground_truth),
         ]
     )
@@ -462,7 +496,9 @@ class PortInUse(KVWatchError, RuntimeError):
 
 async def serve(settings: ReplicaSettings, port: int) -> None:
     """Serve one replica on 127.0.0.1:port until SIGINT or SIGTERM."""
-    runner = web.AppRunner(make_app(Engine(settings)), access_log=log)
+    engine = Engine(settings)
+    engine.sessions = sessions.table_from_environment(os.environ)  # as the container reads its own
+    runner = web.AppRunner(make_app(engine), access_log=log)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:

@@ -21,6 +21,7 @@ import yaml
 from kvwatch.core.connections import request_sync
 from kvwatch.core.errors import UpstreamError
 from kvwatch.core.promapi import PrometheusApi
+from kvwatch.lab import sagemaker_faults
 from kvwatch.lab.components import planned_processes, replica_process
 from kvwatch.lab.configs import (
     render_alertmanager,
@@ -30,9 +31,17 @@ from kvwatch.lab.configs import (
     write_webhook_token,
 )
 from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, sagemaker_endpoint
 from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
-from kvwatch.lab.state import CLUSTER_PORT_STRIDE, LabState, ReplicaSpec, cluster_names
+from kvwatch.lab.state import (
+    CLUSTER_PORT_STRIDE,
+    LabState,
+    ReplicaSpec,
+    cluster_names,
+    forget_running,
+    recorded_labs,
+)
 from kvwatch.lab.supervisor import check_ports_free, reap, running_processes, start_processes, stop_processes
 
 PROMETHEUS_RELOAD_TIMEOUT_S = 30.0
@@ -41,7 +50,8 @@ PROMETHEUS_STATUS_TIMEOUT_S = 5.0
 LOCK_TIMEOUT_S = 600.0
 GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
 REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
-FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out")
+SAGEMAKER_FAULTS = (IGNORE_SESSIONS, *sagemaker_faults.CONTAINER_FAULTS)  # behind --gateway sagemaker only
+FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out", *SAGEMAKER_FAULTS)
 
 
 def idle() -> None:
@@ -225,10 +235,8 @@ def up(
     """Start the whole lab, with `clusters` > 1 a central lab and that many clusters feeding it; on any
     failure stop what was started and raise LabError."""
     directory = directory.resolve()
-    if (directory / "state.json").exists():
-        with contextlib.suppress(FileNotFoundError):  # a cluster's state of an earlier lab may be gone
-            if any(running_processes(lab) for lab in labs(LabState.load(directory))):
-                raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
+    if is_running(directory):
+        raise LabError(f"a lab is already running from {directory}; run `kvwatch lab down` first")
     planned = plan(directory, base_port, replicas, flavours, clusters, **options)
     check_ports_free(listening_ports(planned))
     try:
@@ -245,6 +253,35 @@ def up(
         down(planned[0])
         raise
     return planned[0]
+
+
+def is_running(directory: Path) -> bool:
+    """Whether a process of the lab in `directory` (or of one of its clusters) still runs."""
+    with contextlib.suppress(FileNotFoundError):  # no lab there, or a cluster's state of an earlier lab
+        return any(running_processes(lab) for lab in labs(LabState.load(directory)))
+    return False
+
+
+def find(default: Path) -> Path:
+    """The lab the commands act on when none is named: the one in `default` when it runs, else the one
+    lab recorded as running for this user, from any directory (the records of labs that died are
+    dropped), else `default`, where loading says how to start one. LabError when several run elsewhere."""
+    default = default.resolve()
+    if is_running(default):
+        return default
+    running = []
+    for directory in recorded_labs():
+        if is_running(directory):
+            running.append(directory)
+        else:
+            forget_running(directory)
+    if len(running) > 1:
+        where = ", ".join(str(directory) for directory in running)
+        raise LabError(
+            f"no lab runs from {default}, and {len(running)} run elsewhere ({where}): name one with "
+            "--state-dir"
+        )
+    return running[0] if running else default
 
 
 def down(state: LabState) -> None:
@@ -294,6 +331,7 @@ def status(state: LabState) -> dict:
             for r in state.replicas
         ],
         "traffic_users": state.users if "traffic" in alive else 0,
+        "sagemaker": sagemaker_endpoint(state) if state.gateway == "sagemaker" else None,
         "faults": list(state.faults),
         "faults_described": [describe_fault(state, entry) for entry in state.faults],
         "processes": alive,
@@ -363,6 +401,24 @@ def _stop_replica(state: LabState, replica: ReplicaSpec) -> float:
     return stopped
 
 
+def _restart_replica(state: LabState, replica: ReplicaSpec, while_stopped=lambda: None) -> float:
+    """Stop a replica (if it runs), call `while_stopped`, start it again; returns once it serves, with
+    the wall time it stopped listening."""
+    stopped = _stop_replica(state, replica)
+    while_stopped()
+    start_processes(state, replica_process(state, replica))
+    return stopped
+
+
+def _check_gateway_has(state: LabState, name: str) -> None:
+    """Refuse a fault the lab's gateway has no part in."""
+    sagemaker = state.gateway == "sagemaker"
+    if name in SAGEMAKER_FAULTS and not sagemaker:
+        raise LabError(f"fault {name} is for a lab behind --gateway sagemaker; this one runs {state.gateway}")
+    if name in GATEWAY_FAULTS and sagemaker:
+        raise LabError(f"fault {name} is for nginx and Envoy; the sagemaker gateway's is {IGNORE_SESSIONS}")
+
+
 def _set_replica_faults(replica: ReplicaSpec, **faults) -> None:
     try:
         response = request_sync("POST", f"http://127.0.0.1:{replica.port}/lab/faults", 10, json=faults)
@@ -378,13 +434,14 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
     if name in REPLICA_FAULTS and replica_id is None:
         raise LabError(f"fault {name} needs a replica: --replica ID")
     replica = state.replica(replica_id) if replica_id else None
+    _check_gateway_has(state, name)
     if name in ("disable-prefix-cache", "kill-replica") and not _serves(state, replica):
         raise LabError(
             f"replica {replica.name} is not running; start it with "
             f"`kvwatch lab fault restart-replica {replica.id}`"
         )
-    if name in GATEWAY_FAULTS:
-        state.faults = [f for f in state.faults if f not in GATEWAY_FAULTS] + [name]
+    if name in (*GATEWAY_FAULTS, IGNORE_SESSIONS):
+        state.faults = [f for f in state.faults if f not in (*GATEWAY_FAULTS, IGNORE_SESSIONS)] + [name]
         began = _reconfigure(state)
         done = f"affinity gateway now: {name}"
     elif name == "disable-prefix-cache":
@@ -402,9 +459,13 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         began = _stop_replica(state, replica)
         state.faults.append(f"{name}:{replica.id}")
         done = f"replica {replica.name} killed"
+    elif name in sagemaker_faults.CONTAINER_FAULTS:
+        began = time.time()
+        done = sagemaker_faults.inject(state, name, _restart_replica)
+        if name not in state.faults:
+            state.faults.append(name)
     elif name == "restart-replica":
-        began = _stop_replica(state, replica)
-        start_processes(state, replica_process(state, replica))
+        began = _restart_replica(state, replica)
         state.faults = [f for f in state.faults if f != f"kill-replica:{replica.id}"]
         done = f"replica {replica.name} restarted (its counters start from zero)"
     elif name == "scale-out":
@@ -436,6 +497,7 @@ def describe_fault(state: LabState, entry: str) -> str:
 def heal(state: LabState) -> str:
     """Undo every fault: affinity back, caches on, killed replicas restarted, added ones removed."""
     described = [describe_fault(state, entry) for entry in state.faults]  # before scale-out's replicas go
+    sagemaker_faults.heal(state, _restart_replica)
     extra = state.replicas[state.initial_replicas :]
     if extra:
         stop_processes(state, [f"replica-{r.id}" for r in extra])

@@ -1,12 +1,15 @@
 """The lab's state: what runs where, which faults are on, and the PIDs of everything started.
 
 It lives in one directory (default `.kvwatch/lab/`) as state.json, next to the generated configs and a
-log per component, so `kvwatch lab status|fault|heal|down` can find a running lab.
+log per component, so `kvwatch lab status|fault|heal|down` can find a running lab. Each running lab is also
+recorded for its user (`running_labs_directory`), so that those commands find it from any directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,40 +28,24 @@ def cluster_names(count: int) -> list[str]:
     return [chr(ord("a") + i) for i in range(count)]
 
 
+def _above_base(offset: int) -> property:
+    """A port `offset` above the lab's base port."""
+    return property(lambda ports: ports.base + offset)
+
+
 @dataclass(frozen=True)
 class Ports:
     """Every lab port, derived from one base port."""
 
     base: int
 
-    @property
-    def affinity(self) -> int:
-        return self.base
-
-    @property
-    def round_robin(self) -> int:
-        return self.base + 1
-
-    @property
-    def prometheus(self) -> int:
-        return self.base + 2
-
-    @property
-    def alertmanager(self) -> int:
-        return self.base + 3
-
-    @property
-    def exporter(self) -> int:
-        return self.base + 4
-
-    @property
-    def dashboard(self) -> int:
-        return self.base + 5
-
-    @property
-    def gateway_admin(self) -> int:
-        """A gateway's admin API and metrics (Envoy's); nginx has none."""
-        return self.base + 6
+    affinity = _above_base(0)
+    round_robin = _above_base(1)
+    prometheus = _above_base(2)
+    alertmanager = _above_base(3)
+    exporter = _above_base(4)
+    dashboard = _above_base(5)
+    gateway_admin = _above_base(6)  # a gateway's admin API and metrics (Envoy's); nginx has none
 
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
@@ -94,6 +81,8 @@ class LabState:
     engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
     envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
+    # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
+    sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
     model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0
@@ -160,3 +149,34 @@ class LabState:
         data["directory"] = Path(data["directory"])
         data["replicas"] = [ReplicaSpec(**r) for r in data["replicas"]]
         return cls(**data)
+
+
+def running_labs_directory() -> Path:
+    """Where this user's running labs are recorded, one file each holding its state directory: under
+    $XDG_RUNTIME_DIR (per login, cleared at logout), else the user's cache directory."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvwatch" / "running-labs"
+
+
+def _record(directory: Path) -> Path:
+    return running_labs_directory() / hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+
+
+def record_running(directory: Path) -> None:
+    """Note that the lab of `directory` (absolute) runs, for commands started from elsewhere."""
+    record = _record(directory)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(str(directory))
+
+
+def forget_running(directory: Path) -> None:
+    _record(directory).unlink(missing_ok=True)
+
+
+def recorded_labs() -> list[Path]:
+    """The state directories of the labs recorded as running, in order (some may have died since)."""
+    try:
+        records = list(running_labs_directory().iterdir())
+    except FileNotFoundError:
+        return []
+    return sorted(Path(record.read_text()) for record in records if record.is_file())

@@ -11,6 +11,7 @@ aggregation, or lists labels after `by`, `without`, `on`, `ignoring`, `group_lef
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 _STRING = r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`'
 _TOKENS = re.compile(
@@ -36,19 +37,30 @@ def string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def with_matcher(expr: str, matcher: str) -> str:
-    """`expr` with `matcher` (such as `cluster=~"$cluster"`) in every series selector."""
-    out, at = [], 0
+def _tokens(expr: str) -> Iterator[tuple[str, str, re.Match | None, int]]:
+    """(kind, text, label list, end) of each token of `expr`. A keyword that lists labels (`by`, `on`,
+    ...) is of kind "grouping" and comes with the `(...)` after it, if any; `end` is where the next token
+    starts."""
+    at = 0
     while at < len(expr):
         token = _TOKENS.match(expr, at)
         kind, text, at = token.lastgroup, token[0], token.end()
+        labels = None
+        if kind == "name" and text.lower() in _LABEL_LIST_AFTER:
+            kind, labels = "grouping", _LABEL_LIST.match(expr, at)
+            at = labels.end() if labels else at
+        yield kind, text, labels, at
+
+
+def with_matcher(expr: str, matcher: str) -> str:
+    """`expr` with `matcher` (such as `cluster=~"$cluster"`) in every series selector."""
+    out = []
+    for kind, text, labels, at in _tokens(expr):
         if kind == "matchers":
             inner = text[1:-1]
             text = "{" + matcher + (", " + inner.strip() if inner.strip() else "") + "}"
-        elif kind == "name" and text.lower() in _LABEL_LIST_AFTER:
-            labels = _LABEL_LIST.match(expr, at)
-            if labels:
-                text, at = text + labels[0], labels.end()
+        elif kind == "grouping":
+            text += labels[0] if labels else ""
         elif kind == "name" and text.lower() not in _KEYWORDS and not _NOT_A_SERIES.match(expr, at):
             text += "{" + matcher + "}"
         out.append(text)
@@ -58,15 +70,11 @@ def with_matcher(expr: str, matcher: str) -> str:
 def series_names(expr: str) -> list[str]:
     """The metric names `expr` selects by name, each once, in order: what a Prometheus must hold for
     `expr` to read anything."""
-    names, at = [], 0
-    while at < len(expr):
-        token = _TOKENS.match(expr, at)
-        kind, text, at = token.lastgroup, token[0], token.end()
-        if kind == "name" and text.lower() in _LABEL_LIST_AFTER:
-            labels = _LABEL_LIST.match(expr, at)
-            at = labels.end() if labels else at
-        elif kind == "name" and text.lower() not in _KEYWORDS and not _A_CALL.match(expr, at):
-            names.append(text)
+    names = [
+        text
+        for kind, text, _, at in _tokens(expr)
+        if kind == "name" and text.lower() not in _KEYWORDS and not _A_CALL.match(expr, at)
+    ]
     return list(dict.fromkeys(names))
 
 
@@ -74,17 +82,13 @@ def keeping(expr: str, label: str) -> str:
     """`expr` with `label` in every `by (...)` and `on (...)` list, so that no aggregation sums, and no
     match joins, series of different `label` values. An expression over series without the label reads
     as before."""
-    out, at = [], 0
-    while at < len(expr):
-        token = _TOKENS.match(expr, at)
-        kind, text, at = token.lastgroup, token[0], token.end()
-        if kind == "name" and text.lower() in _LABEL_LIST_AFTER:
-            labels = _LABEL_LIST.match(expr, at)
-            if labels:
-                names = [name.strip() for name in labels[2].split(",") if name.strip()]
-                listed = labels[0]
-                if text.lower() in ("by", "on") and label not in names:
-                    listed = f"{labels[1]}({', '.join([label, *names])})"
-                text, at = text + listed, labels.end()
+    out = []
+    for kind, text, labels, _ in _tokens(expr):
+        if kind == "grouping" and labels:
+            names = [name.strip() for name in labels[2].split(",") if name.strip()]
+            listed = labels[0]
+            if text.lower() in ("by", "on") and label not in names:
+                listed = f"{labels[1]}({', '.join([label, *names])})"
+            text += listed
         out.append(text)
     return "".join(out)

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.prometheus import promql
 
 WINDOW = "2m"
-# The label that tells clusters apart, as the Prometheus (external_labels, remote_write) or kvwatch's own
-# exporter (exporter.cluster) sets it; a Prometheus of one cluster without it reads as one cluster.
-CLUSTER_LABEL = "cluster"
 INSTANCE = "job, instance"
 ROUTE = "target, route_mode"
 LISTENER = "log, listener"
@@ -175,6 +173,18 @@ ENGINE_PRESENCE_SERIES = tuple(
     for name in ("vllm:num_requests_running", "sglang:num_running_reqs")
     for spelling in (name, name.replace(":", "_"))
 )
+ENGINE_PRESENCE = '{__name__=~"' + "|".join(ENGINE_PRESENCE_SERIES) + '"}'
+
+# The engines and routers a Prometheus scrapes now, one series per target (`kvwatch init` lists them):
+# engines by their running-requests gauge, routers by the prefix of their metrics' names.
+ENGINE_TARGETS = (
+    'group by (__name__, job, instance, replica, pod) ({__name__=~"'
+    + "|".join(ENGINE_PRESENCE_SERIES)
+    + '"})'
+)
+ROUTER_METRIC_PREFIXES = ("smg_", "sgl_router_", "vllm_router_", "llm_d_epp_", "inference_extension_",
+                          "dynamo_component_router_", "aibrix_prefix_cache_routing_")  # fmt: skip
+ROUTER_TARGETS = 'group by (job, instance) ({__name__=~"(' + "|".join(ROUTER_METRIC_PREFIXES) + ').+"})'
 
 INSTANCE_HIT_RATIO = DELIVERED.instance_ratio
 CLUSTER_HIT_RATIO = DELIVERED.cluster_ratio
@@ -428,3 +438,11 @@ CLUSTER_CACHED_SHARE_BY_SOURCE = (
     f"  / on() group_left() (sum({INSTANCE_PROMPT_TOKENS}) > 0)"
 )
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"
+
+
+# --- kvwatch's own pipeline ----------------------------------------------------------------------------
+# What prometheus/pipeline.py asks to tell whether kvwatch can see: the engines Prometheus scrapes, and the
+# series of kvwatch serve's exporter (every name it exports starts with kvwatch_; the recorded series have
+# a level and colons before theirs).
+ENGINES_SCRAPED = f"group by (job, instance) ({ENGINE_PRESENCE})"
+EXPORTER_SERIES = 'group by (job, instance) ({__name__=~"kvwatch_.+"})'

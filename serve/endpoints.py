@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client import Counter as MetricCounter
 
-from kvwatch.core.config import ExporterSettings
+from kvwatch.config.settings import ExporterSettings
 from kvwatch.store.history import WriteDropped
 
 log = logging.getLogger("kvwatch.exporter")

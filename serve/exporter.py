@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,9 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvwatch.collectors.gatewaylogs import follower
+from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
 from kvwatch.collectors.probe.records import ERROR_KINDS, EVIDENCE, SESSION_LOSS_KINDS, SessionResult
-from kvwatch.core.config import STICKY_ROUTE_MODES
+from kvwatch.config.settings import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
 from kvwatch.core.stats import median
 
@@ -86,7 +87,7 @@ class ProbeResults:
         self._totals: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._ttft: dict[tuple[str, str, str], _Histogram] = defaultdict(_Histogram)
         self._backends: dict[Route, BoundedLabel] = {}
-        self._routes: set[Route] = set()
+        self._routes: dict[Route, float] = {}  # when each route was first declared or run
 
     def declare(self, route: Route, rounds: int = 0) -> None:
         """Export a route's outcome counters, and its per-round counters and TTFT histograms of rounds
@@ -110,7 +111,7 @@ class ProbeResults:
 
     def _start_at_zero(self, route: Route) -> None:
         """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
-        self._routes.add(route)
+        self._routes.setdefault(route, time.time())
         for key, values in (
             ("sessions", ("success", "failure")),
             ("stickiness", ("true", "false", "unknown")),
@@ -150,71 +151,14 @@ class ProbeResults:
             if r.ttft_seconds is not None:
                 self._ttft[labels].observe(r.ttft_seconds)
 
-    def snapshot(self) -> tuple[set[Route], dict[Route, LastRun], Counter, dict]:
+    def snapshot(self) -> tuple[dict[Route, float], dict[Route, LastRun], Counter, dict]:
         with self._lock:
             ttft = {labels: (h.cumulative(), h.total) for labels, h in self._ttft.items()}
             totals = Counter(self._totals)
             for route, backends in self._backends.items():
                 for reason, count in backends.folded.items():
                     totals["folded", (*route, "backend", reason)] = count
-            return set(self._routes), dict(self._last), totals, ttft
-
-
-_ROUTE = ["target", "route_mode"]
-_COUNTERS = {
-    # key: (name, help, extra labels)
-    "sessions": ("kvwatch_probe_sessions", "Probe sessions by outcome.", ["outcome"]),
-    "rounds": ("kvwatch_probe_rounds", "Successful probe rounds.", ["round"]),
-    "errors": ("kvwatch_probe_errors", "Failed probe rounds by error kind.", ["kind"]),
-    "prompt": ("kvwatch_probe_prompt_tokens", "Prompt tokens of successful probe rounds.", ["round"]),
-    "cached": (
-        "kvwatch_probe_cached_tokens",
-        "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
-        ["round"],
-    ),
-    "ideal": (
-        "kvwatch_probe_ideal_cached_tokens",
-        "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "
-        "answer, block-aligned.",
-        ["round"],
-    ),
-    "stickiness": (
-        "kvwatch_probe_stickiness_sessions",
-        "Probe sessions by whether every round landed on one replica (unknown: no evidence).",
-        ["sticky"],
-    ),
-    "evidence": (
-        "kvwatch_probe_evidence_sessions",
-        "Probe sessions by what their stickiness was judged by: the replica each round named, the warm "
-        "rounds' reuse (cached against ideal tokens; SageMaker names no replica), or none.",
-        ["evidence"],
-    ),
-    "losses": (
-        "kvwatch_probe_session_losses",
-        "Route sessions found gone before a round (SageMaker: expired, not_found, closed), each replaced "
-        "by a new session.",
-        ["kind"],
-    ),
-    "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
-    "echo": (
-        "kvwatch_probe_session_id_echo_sessions",
-        "Probe sessions by whether the gateway echoed the session id on every round.",
-        ["echoed"],
-    ),
-    "backend": ("kvwatch_probe_backend_rounds", "Successful probe rounds per serving backend.", ["backend"]),
-    "folded": (
-        "kvwatch_probe_label_values_folded",
-        'Probe rounds whose label value was shown as "other": beyond 32 values per route, or too long.',
-        ["label", "reason"],
-    ),
-}
-
-
-def label_names() -> frozenset[str]:
-    """Every label of kvwatch's own series (probes, gateway logs, the store's writer): a cluster label of
-    the same name would overwrite it on every sample (collectors.config refuses one)."""
-    probes = {*_ROUTE, "expect_sticky", *(label for _, _, extra in _COUNTERS.values() for label in extra)}
-    return frozenset(probes | follower.LABEL_NAMES | {"reason"})  # the store's kvwatch_store_writes_dropped
+            return dict(self._routes), dict(self._last), totals, ttft
 
 
 class ProbeCollector(Collector):
@@ -234,9 +178,10 @@ class ProbeCollector(Collector):
     def collect(self) -> Iterator:
         routes, last, totals, ttft = self.results.snapshot()
         yield self._route_info(routes)
+        yield from self._watched_families(routes)
         families = {
-            key: CounterMetricFamily(name, doc, labels=[*_ROUTE, *extra])
-            for key, (name, doc, extra) in _COUNTERS.items()
+            key: CounterMetricFamily(name, doc, labels=[*ROUTE_LABELS, *extra])
+            for key, (name, doc, extra) in COUNTERS.items()
         }
         for (key, labels), value in sorted(totals.items()):
             families[key].add_metric(list(labels), value)
@@ -245,29 +190,46 @@ class ProbeCollector(Collector):
         histogram = HistogramMetricFamily(
             "kvwatch_probe_ttft_seconds",
             "Client-side time to first token of successful probe rounds.",
-            labels=[*_ROUTE, "round"],
+            labels=[*ROUTE_LABELS, "round"],
         )
         for labels, (buckets, total) in sorted(ttft.items()):
             histogram.add_metric(list(labels), buckets, total)
         yield histogram
         yield from self._last_run_families(last)
 
-    def _route_info(self, routes: set[Route]) -> GaugeMetricFamily:
+    def _route_info(self, routes: dict[Route, float]) -> GaugeMetricFamily:
         """Which routes the affinity alerts watch: they select on expect_sticky, not on a route mode name."""
         info = GaugeMetricFamily(
             "kvwatch_probe_route_info",
             "A probed route's settings: expect_sticky says whether its sessions must stay on one replica.",
-            labels=[*_ROUTE, "expect_sticky"],
+            labels=[*ROUTE_LABELS, "expect_sticky"],
         )
         for target, mode in sorted(routes):
             sticky = self.expect_sticky.get(target, mode in STICKY_ROUTE_MODES)
             info.add_metric([target, mode, str(sticky).lower()], 1)
         return info
 
+    def _watched_families(self, routes: dict[Route, float]) -> Iterator[GaugeMetricFamily]:
+        """Every configured route from the start, before its first result: KVWatchProbeNoResults fires
+        for one whose results never come, which no alert on its results can see."""
+        since = GaugeMetricFamily(
+            "kvwatch_probe_watched_since_timestamp_seconds",
+            "When kvwatch serve began to probe the route.",
+            labels=ROUTE_LABELS,
+        )
+        interval = GaugeMetricFamily(
+            "kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs.", labels=ROUTE_LABELS
+        )
+        for route, declared_at in sorted(routes.items()):
+            since.add_metric(list(route), declared_at)
+            if route[0] in self.intervals:
+                interval.add_metric(list(route), self.intervals[route[0]])
+        yield from (since, interval)
+
     def _last_run_families(self, last: dict[Route, LastRun]) -> Iterator:
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(
-                name, doc + " (cached; refreshed by the scheduler)", labels=[*_ROUTE, *extra]
+                name, doc + " (cached; refreshed by the scheduler)", labels=[*ROUTE_LABELS, *extra]
             )
 
         timestamp = gauge("kvwatch_probe_last_run_timestamp_seconds", "When the last probe run finished")
@@ -285,7 +247,6 @@ class ProbeCollector(Collector):
         warm_cold = gauge(
             "kvwatch_probe_warm_cold_ttft_ratio", "Median TTFT of rounds 2+ over round 1's in the last run"
         )
-        interval = gauge("kvwatch_probe_interval_seconds", "Seconds between scheduled probe runs")
         reuse = gauge(
             "kvwatch_probe_warm_reuse_ratio",
             "Cached over ideal cached tokens of the last run's warm rounds; evidence: replica when a round "
@@ -309,12 +270,10 @@ class ProbeCollector(Collector):
             warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
             if medians.get(1) and warm:
                 warm_cold.add_metric(labels, median(warm) / medians[1])
-            if route[0] in self.intervals:
-                interval.add_metric(labels, self.intervals[route[0]])
             if (reused := _warm_reuse(run.sessions)) is not None:
                 evidence = "replica" if any(s.evidence == "replica" for s in run.sessions) else "reuse"
                 reuse.add_metric([*labels, evidence], reused)
-        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, interval, reuse)
+        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, reuse)
 
 
 def _warm_reuse(sessions: Sequence[SessionResult]) -> float | None:

@@ -18,6 +18,8 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from kvwatch.core.naming import plural
+
 log = logging.getLogger("kvwatch.serve")
 
 GUARD_TICK_SECONDS = 0.25
@@ -62,16 +64,18 @@ class Jobs:
         from now on without a phase."""
         start = datetime.fromtimestamp(phase or 0.0, UTC)
         trigger = IntervalTrigger(seconds=interval, start_date=start, timezone=UTC)
-        self.add(name, job, trigger, wall_now() if phase is None else None)
+        self.add(name, job, trigger, f"every {interval:g} s", wall_now() if phase is None else None)
 
     def add(
         self,
         name: str,
         job: Callable[[], Awaitable[object]],
         trigger: BaseTrigger,
+        schedule: str,
         first: datetime | None = None,
     ) -> None:
-        """Run `job` on `trigger`, the first time at `first` if given."""
+        """Run `job` on `trigger`, the first time at `first` if given; logged with its `schedule` in words
+        and its first run, so that a serve that says nothing for an interval is not taken for stuck."""
 
         async def run() -> None:
             self._running.add(asyncio.current_task())
@@ -86,6 +90,8 @@ class Jobs:
 
         first = first or trigger.get_next_fire_time(None, wall_now())
         self.scheduler.add_job(run, trigger, name=name, next_run_time=first)
+        at = "never" if first is None else f"at {first.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+        log.info("%s: %s, first run %s", name, schedule, at)
 
     def replace_all(self) -> None:
         """Every job's next run placed by the wall clock as it reads now."""
@@ -114,7 +120,9 @@ class Jobs:
             return
         _, late = await asyncio.wait(set(self._running), timeout=RUNS_FINISH_SECONDS)
         if late:
-            log.warning("%d jobs still ran %g s after the stop: cancelled", len(late), RUNS_FINISH_SECONDS)
+            log.warning(
+                "%s still ran %g s after the stop: cancelled", plural(len(late), "job"), RUNS_FINISH_SECONDS
+            )
             for task in late:
                 task.cancel()
             await asyncio.wait(late)

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvwatch.core.config import Target
+from kvwatch.config.settings import Target
 
 _SHARD = re.compile(r"(\d{1,6})/(\d{1,6})")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,8 +38,8 @@ TESTDATA = REPO / "tests" / "testdata"
 # Test modules share helpers across the two trees (a payload, a parser): each test folder is importable.
 sys.path[:0] = sorted({str(p.parent) for p in (REPO / "tests").glob("*/**/test_*.py")})
 # Fixtures that start real components: a test that uses one is an integration test.
-INTEGRATION_FIXTURES = {"start_lab", "vllm_lab", "start_replica", "start_router", "start_smg", "postgres",
-                        "postgres_to_stop"}  # fmt: skip
+INTEGRATION_FIXTURES = {"start_lab", "vllm_lab", "vllm_sagemaker_lab", "start_replica", "start_router",
+                        "start_smg", "postgres", "postgres_to_stop"}  # fmt: skip
 
 
 # One TLS context for the suite's own requests: httpx builds one per call otherwise, loading the CA
@@ -102,6 +104,27 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 2
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
+def launch(argv: list[str], log: Path, ready: str, **options) -> subprocess.Popen:
+    """`argv` started with its output in `log`, once `ready` (a URL) answers 200; stopped if it never does."""
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **options)
+    try:
+        wait_http(ready, process, log)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+def start_prometheus(directory: Path, port: int) -> tuple[subprocess.Popen, Path]:
+    """A real Prometheus of `directory`/prometheus.yml on 127.0.0.1:`port`, its data and its log in
+    `directory`, once it is ready: the process and its log."""
+    log = directory / "prometheus.log"
+    argv = ["prometheus", f"--config.file={directory}/prometheus.yml",
+            f"--storage.tsdb.path={directory}/data", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    return launch(argv, log, f"http://127.0.0.1:{port}/-/ready"), log
+
+
 def stop(process: subprocess.Popen) -> None:
     """Stop a process we started, by its PID: SIGTERM, then SIGKILL after 10 s."""
     if process.poll() is None:
@@ -134,7 +157,7 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
     """Start real `kvwatch lab replica` processes; every one is stopped by PID at teardown."""
     started: list[subprocess.Popen] = []
 
-    def start(replica_id: str = "r1", flavour: str = "vllm", *extra: str) -> Replica:
+    def start(replica_id: str = "r1", flavour: str = "vllm", *extra: str, env: dict | None = None) -> Replica:
         port = free_port()
         command = [
             sys.executable,
@@ -152,7 +175,9 @@ def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
         ]
         log = tmp_path / f"replica-{replica_id}.log"
         with log.open("w") as out:
-            process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         started.append(process)
         wait_http(f"http://127.0.0.1:{port}/health", process, log)
         return Replica(process, port, replica_id, flavour, log)
@@ -546,7 +571,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & INTEGRATION_FIXTURES:
             item.add_marker(pytest.mark.integration)
-        if "vllm_lab" in fixtures:
+        if fixtures & {"vllm_lab", "vllm_sagemaker_lab"}:
             item.add_marker(pytest.mark.timeout(VLLM_LAB_START_TIMEOUT_S + 300))
 
 
@@ -564,3 +589,48 @@ def vllm_lab(tmp_path_factory) -> Iterator[Lab]:
     )  # fmt: skip
     yield lab
     lab.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_sagemaker_lab(tmp_path_factory) -> Iterator[Lab]:
+    """One real vLLM server with SageMaker stateful sessions behind the lab's SageMaker front, for the
+    real-engine SageMaker tests: started once, stopped at the end of the session."""
+    lab = start_lab_in(
+        tmp_path_factory.mktemp("vllm-sagemaker-lab") / "state",
+        "--engine", "vllm", "--gateway", "sagemaker", "--replicas", "1", "--no-probes", "--no-dashboard",
+        "--fast", timeout=VLLM_LAB_START_TIMEOUT_S,
+    )  # fmt: skip
+    yield lab
+    lab.stop()
+
+
+@pytest.fixture
+def sagemaker_runtime(monkeypatch, tmp_path: Path) -> Iterator[Callable[..., object]]:
+    """The real AWS SDK's SageMaker runtime client for a lab front's URL: credentials from the
+    environment (dummy ones, set here), no config files, no retries (each error surfaces once)."""
+    import botocore.config
+    import botocore.session
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDKVWATCHLAB")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "kvwatch-lab-secret")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    clients = []
+
+    def client(url: str, **config):
+        options = botocore.config.Config(retries={"total_max_attempts": 1}, read_timeout=300, **config)
+        session = botocore.session.get_session()
+        made = session.create_client(
+            "sagemaker-runtime", endpoint_url=url, region_name="eu-west-1", config=options
+        )
+        clients.append(made)
+        return made
+
+    yield client
+    for made in clients:  # their pooled connections
+        made.close()
+    # botocore leaves the connection of an occasional streamed error answer to the garbage collector:
+    # collected here, inside the client's fixture, rather than in a later test.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -68,3 +69,20 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def chat_answer(
+    request: web.Request, headers: dict[str, str], streams: bool = True
+) -> web.StreamResponse:
+    """A one-token chat completion with `headers`: streamed with its usage when the request asks for a
+    stream (and `streams`), else whole."""
+    body = await request.json()
+    if not (body.get("stream") and streams):
+        return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
+    answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+    await answer.prepare(request)
+    usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+    for chunk in ({"choices": [{"index": 0, "delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}):
+        await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await answer.write(b"data: [DONE]\n\n")
+    return answer

@@ -13,11 +13,13 @@ ERROR_KINDS = (
     "forbidden",  # 403: the key is expired or not allowed to use this model
     "not_found",  # 404: wrong model id or base URL
     "connection_refused",  # nothing listens at the base URL (or `localhost` inside a container)
+    "dns_error",  # the base URL's host name does not resolve: a typo, or a name of another network
     "timeout",  # no complete answer within the probe's timeout
     "bad_response",  # 200 without `choices`: an error object came back instead of a completion
     "stream_error",  # the SSE stream was malformed, carried an error, or ended before [DONE]
     "http_error",  # any other HTTP status
-    "tls_error",  # TLS failed (OpenSSL's reason), or plain HTTP went to a TLS port
+    "tls_error",  # TLS failed (OpenSSL's reason: a certificate not trusted, a name it does not cover)
+    "tls_mismatch",  # https:// to a plain-HTTP server, or http:// to a TLS port
     "protocol_error",  # the answer is not valid HTTP/1.1 (status line, header block, framing, coding)
     "internal_error",  # an exception no code path expected (a bug), recorded instead of lost
     # SageMaker's runtime API (collectors.probe.targets.sagemaker):

@@ -23,6 +23,8 @@ HINTS = {
     "(the API root, with or without /v1)",
     "connection_refused": "nothing accepted the connection: check the gateway's host and port; "
     "inside a container, localhost is the container itself",
+    "dns_error": "check the host name for a typo, and that this machine's DNS knows "
+    "it (a cluster-internal name such as *.svc.cluster.local resolves only inside the cluster)",
     "timeout": "no complete answer in time: raise --timeout, or look at the gateway's and engines' load",
     "bad_response": "an error object came back instead of a completion: read its excerpt "
     "(wrong model, bad request body, stream and non-stream mixed up)",
@@ -30,7 +32,9 @@ HINTS = {
     "(nginx: proxy_buffering off, proxy_read_timeout)",
     "http_error": "the server answered with an error status: read the excerpt and the server's logs",
     "tls_error": "TLS failed, for the reason the detail gives: trust the server's CA (SSL_CERT_FILE), "
-    "use the host name its certificate names, and match the scheme to the port (https:// for a TLS port)",
+    "and use the host name its certificate names",
+    "tls_mismatch": "the base URL's scheme is not what the port speaks: http:// for a plain-HTTP server, "
+    "https:// for a TLS port (the detail says which)",
     "protocol_error": "the server's answer is not valid HTTP/1.1 (the detail names what): check what "
     "listens at the base URL and every proxy in front of it",
     "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "

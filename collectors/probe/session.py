@@ -33,14 +33,16 @@ from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
     ConnectFailed,
+    DnsFailed,
     ProtocolError,
     Response,
     StreamBroken,
     StreamClient,
     TlsFailed,
+    TlsMismatch,
 )
 from kvwatch.collectors.probe.workload import Conversation
-from kvwatch.core.connections import url_problem
+from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import read_secret_file
 from kvwatch.core.errors import KVWatchError
 from kvwatch.core.redaction import redact, redacted_name
@@ -137,6 +139,8 @@ class ProbeSettings:
             raise ValueError("base_url must start with http:// or https://")
         if problem := url_problem(self.base_url):
             raise ValueError(f"base_url {redact(self.base_url)} is not a valid URL: {problem}")
+        if problem := endpoint_problem(self.base_url):
+            raise ValueError(f"base_url {redact(self.base_url)} {problem}")
         if not self.model:
             raise ValueError("model must not be empty")
         if self.session_mode not in SESSION_MODES:
@@ -239,6 +243,10 @@ async def _round(
         kind, detail = failure.kind, failure.detail
     except TimeoutError:
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
+    except DnsFailed as error:
+        kind, detail = "dns_error", f"{_origin(settings.base_url)}: {error}"
+    except TlsMismatch as error:
+        kind, detail = "tls_mismatch", f"{_origin(settings.base_url)}: {error}"
     except TlsFailed as error:
         kind, detail = "tls_error", f"{_origin(settings.base_url)}: {error}"
     except ConnectFailed as error:
@@ -452,7 +460,7 @@ async def _body(response: Response) -> str:
 
 def status_failure(status: int, body: str) -> RoundFailure:
     if status == 400 and any(answer in body for answer in TLS_PORT_ANSWERS):
-        return RoundFailure("tls_error", f"{SPEAKS_TLS} (HTTP 400: {body})")
+        return RoundFailure("tls_mismatch", f"{SPEAKS_TLS} (HTTP 400: {body})")
     if status == 401:
         return RoundFailure("unauthorized", f"HTTP 401: {body}")
     if status == 403:

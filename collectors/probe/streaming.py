@@ -41,6 +41,7 @@ CLOCK_READ_TRIES = 3  # at reading the wall clock and perf_counter together
 CLOCK_READ_GAP_NS = 10_000  # perf_counter's reads around the wall clock this close are one moment
 CLOSED = "the server closed the connection"
 SPEAKS_TLS = "the port speaks TLS: use https://"
+SPEAKS_HTTP = "the server answered the TLS handshake with no TLS, as a plain-HTTP server does: use http://"
 # What a TLS server may write to a plain-HTTP client: an alert or handshake record of TLS 1.x.
 _TLS_RECORD = re.compile(rb"[\x15\x16]\x03[\x00-\x04]")
 _STATUS_LINE = re.compile(rb"HTTP/[0-9]\.[0-9][ \t]+[0-9]{3}(?:[ \t][^\r\n]*)?")
@@ -52,9 +53,18 @@ class ConnectFailed(UpstreamError):
     """No connection to the origin; the message is the operating system's or TLS's reason."""
 
 
+class DnsFailed(ConnectFailed):
+    """The host name does not resolve: a typo, or a name only another network (a cluster's DNS) knows."""
+
+
 class TlsFailed(ConnectFailed):
     """No usable connection because of TLS: a failed handshake (OpenSSL's reason, a certificate's
-    included), or a port that answered plain HTTP with TLS."""
+    included)."""
+
+
+class TlsMismatch(TlsFailed):
+    """The URL's scheme is not what the port speaks: https:// to a plain-HTTP server, which answered the
+    TLS handshake in HTTP, or http:// to a TLS port, which answered in TLS."""
 
 
 class StreamBroken(UpstreamError):
@@ -147,7 +157,9 @@ class _Connection:
         """Connected, and through the TLS handshake for https. Raises ConnectFailed."""
         try:
             sock = await _connected(origin)
-        except OSError as error:  # a name that does not resolve included
+        except socket.gaierror as error:
+            raise DnsFailed(connect_reason(error)) from None
+        except OSError as error:
             raise ConnectFailed(connect_reason(error)) from None
         try:
             tls = await _handshake(sock, origin) if origin.scheme == "https" else None
@@ -222,7 +234,7 @@ class _Connection:
         """The response's status line and headers, informational responses (100 Continue) skipped.
 
         Raises ProtocolError naming what is wrong when the head is no HTTP/1.1 or never completes, and
-        TlsFailed when TLS came back to plain HTTP."""
+        TlsMismatch when TLS came back to plain HTTP."""
         self.head = bytearray()
         try:
             while True:
@@ -261,12 +273,12 @@ class _Connection:
                 self._wakeup.clear()
                 await self._wakeup.wait()
 
-    def _refusal(self, error: h11.RemoteProtocolError) -> ProtocolError | TlsFailed:
+    def _refusal(self, error: h11.RemoteProtocolError) -> ProtocolError | TlsMismatch:
         """What h11 refused, named for whoever reads the round's error (h11 says "bad Content-Length")."""
         if self.head is None:
             return ProtocolError(f"invalid body: {error}")
         if _TLS_RECORD.match(self.head):
-            return TlsFailed(SPEAKS_TLS)
+            return TlsMismatch(SPEAKS_TLS)
         return ProtocolError(_head_fault(bytes(self.head)) or f"invalid response head: {error}")
 
 
@@ -318,10 +330,12 @@ async def _connected(origin: _Origin) -> socket.socket:
 
 
 async def _handshake(sock: socket.socket, origin: _Origin) -> _Tls:
-    """TLS verified with the process's one context (collectors.connections). Raises ConnectFailed."""
+    """TLS verified with the process's one context (collectors.connections). Raises ConnectFailed,
+    TlsMismatch when the server answered the handshake with something other than TLS."""
     loop = asyncio.get_running_loop()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     session = tls_context().wrap_bio(incoming, outgoing, server_hostname=origin.host)
+    first = b""  # the server's first bytes: a TLS record, or "HTTP/1.1 400" from a plain-HTTP server
     try:
         while True:
             try:
@@ -332,9 +346,13 @@ async def _handshake(sock: socket.socket, origin: _Origin) -> _Tls:
                 data = await loop.sock_recv(sock, READ_BYTES)
                 if not data:
                     raise TlsFailed("TLS handshake failed: the server closed the connection") from None
+                first = first or data
                 incoming.write(data)
         await loop.sock_sendall(sock, outgoing.read())  # the handshake's last flight
     except ssl.SSLError as error:
+        if first and not _TLS_RECORD.match(first):  # "HTTP/1.1 400 …", or HTTP/0.9's bare page
+            first_line = first.split(b"\n", 1)[0].removesuffix(b"\r").decode("latin-1")
+            raise TlsMismatch(f"{SPEAKS_HTTP} (it sent {_shown(first_line)})") from None
         raise TlsFailed(connect_reason(error)) from None
     except OSError as error:
         raise ConnectFailed(connect_reason(error)) from None
@@ -400,7 +418,8 @@ class StreamClient:
         """POST `body` to `url` and yield the response once its head has arrived.
 
         The clock (Response.sent_at) starts when the prepared request is written, on a connection that
-        is already open. Raises ConnectFailed (TlsFailed for TLS) or StreamBroken (ProtocolError for an
+        is already open. Raises ConnectFailed (DnsFailed for a name that does not resolve, TlsFailed for
+        TLS, TlsMismatch for a scheme the port does not speak) or StreamBroken (ProtocolError for an
         answer that is no HTTP/1.1); a timeout is the caller's to set."""
         origin, target, fields = _request_line(url)
         fields = {**fields, **headers, "Content-Length": str(len(body))}  # an API key's beats the URL's

@@ -13,7 +13,7 @@ from pathlib import Path
 import plotly.express as px
 import streamlit as st
 
-from kvwatch.core.config import Target
+from kvwatch.config.settings import Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
 
@@ -49,6 +49,7 @@ def show_load(report: data.Report) -> None:
             barmode="group",
             labels={"replica": "", "requests": "requests served"},
             height=300,
+            color_discrete_sequence=ui.SERIES_COLORS,
         )
         st.plotly_chart(figure, key="experiment_replicas")
 

@@ -1,21 +1,23 @@
-"""Overview: what fires now, is the KV cache reused, and do sessions stay on their replica? Each number
-with its trend over the chosen range; each verdict is the state of the alert that watches the number,
-from the alert's own expression, so that a tile is red exactly when its alert fires."""
+"""Overview: what fires now, do sessions stay on their replica and what does it cost, and is the KV cache
+reused? Each number with its trend over the chosen range, coloured by what a rise of it means; each
+verdict is the state of the alert that watches the number, from the alert's own expression, so that a
+tile is red exactly when its alert fires, and blue while the signal is healthy again but the alert is
+held by its keep_firing_for."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pandas as pd
-import plotly.express as px
+import plotly.graph_objects as go
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.core.config import Config, GatewayLog, Target
+from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, ui
-from kvwatch.dashboard.ui import Verdict
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import pipeline, queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
 LAST_RUN = "in the last probe run, as the alert judges it"
@@ -31,6 +33,7 @@ class Shown:
     query: str
     unit: ui.Unit
     help: str
+    rise: str  # what a rise of it means: ui.GOOD, ui.BAD or ui.NEUTRAL
     verdict: verdicts.Verdict | None = None
     ok: str = ""  # in green, where the alert finds nothing wrong
     unjudged: str = NOT_STICKY  # in grey, where no alert judges it
@@ -39,40 +42,41 @@ class Shown:
 CLUSTER_HIT_RATIO = Shown(
     "Cluster hit ratio", queries.CLUSTER_HIT_RATIO, ui.RATIO,
     "Prompt tokens served from cached KV (the prefix cache, host memory, disk or another instance) over "
-    f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %.",
+    f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %.", ui.GOOD,
     verdicts.CLUSTER_HIT_RATIO_DROP, "Reuse holds: no drop against its own past, and above the floor.",
 )  # fmt: skip
 LOCAL_HIT_RATIO = Shown(
     "Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, ui.RATIO,
     "Prompt tokens found over prompt tokens looked up in the engines' own prefix caches, over "
-    f"{queries.WINDOW}.",
+    f"{queries.WINDOW}.", ui.GOOD,
     unjudged="No alert judges it: a replica with caching off drops out of it instead of counting as 0 %.",
 )  # fmt: skip
 STICKY = Shown(
     "Sessions on one replica", queries.STICKY_RATIO, ui.RATIO,
-    f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}.",
+    f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}.", ui.GOOD,
     verdicts.ROUTE_STICKY, "Sessions stay on their replica.",
 )  # fmt: skip
 WARM_COLD = Shown(
     "Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR,
-    f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}.",
+    f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}.", ui.BAD,
     verdicts.ROUTE_WARM_ROUNDS, "Warm rounds are faster than round 1: the history is reused.",
 )  # fmt: skip
 AFFINITY_EFFICIENCY = Shown(
     "Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO,
     "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would have "
-    f"cached, over {RATE_WINDOW}.",
+    f"cached, over {RATE_WINDOW}.", ui.GOOD,
     unjudged=f"No alert judges it: a trend to read beside the stickiness, over {RATE_WINDOW}.",
 )  # fmt: skip
 SPREAD = Shown(
     "Real sessions on several replicas", queries.GATEWAY_SPREAD, ui.RATIO,
     "Of the real sessions that came back within the gateway log's spread window, the share served by more "
-    "than one replica with no failover to explain it, as the alert judges it.",
+    "than one replica with no failover to explain it, as the alert judges it.", ui.BAD,
     verdicts.LISTENER_SPREAD, "Real sessions stay on their replica.",
 )  # fmt: skip
 MOVED_BY_FAILOVER = Shown(
     "Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO,
     "Of the same sessions, the share that a failed replica moved to another one: kept apart from the above.",
+    ui.NEUTRAL,
     unjudged="No alert judges it: a failed replica moves its sessions legitimately.",
 )  # fmt: skip
 SHOWN = (
@@ -88,24 +92,76 @@ def subject(alert: pd.Series) -> str:
     return "the cluster"
 
 
-def banner(firing: pd.DataFrame) -> None:
-    """Every kvwatch alert firing at the page's time, the critical ones first; or that none is."""
+def not_watching(blind: data.Result) -> bool:
+    """What kvwatch cannot see and the likely cause, each with its fix; True while it sees everything."""
+    if blind.error:
+        st.warning(f"Cannot tell what kvwatch sees: {blind.error}", icon=":material/visibility_off:")
+        return False
+    for link in blind.value:
+        if link.status == pipeline.BROKEN:
+            words, show = f'**{ui.NOT_WATCHING}**: the link "{link.name}" is broken.', st.error
+        else:
+            words, show = (
+                f'Cannot tell whether kvwatch watches: the link "{link.name}" is unknown.',
+                st.warning,
+            )
+        fix = f" Fix: {link.fix}" if link.fix else ""
+        show(f"{words} {link.evidence}{fix}", icon=":material/visibility_off:")
+    return not blind.value
+
+
+def clearing(firing: pd.DataFrame, now: pd.DataFrame) -> list[str | None]:
+    """For each alert firing at the page's time (ALERTS rows), from `now` (data.firing_alerts): None
+    while it fires, when it clears while its keep_firing_for holds it, or that it has cleared since."""
+    found = []
+    for alert in firing.to_dict("records"):
+        labels = {k: v for k, v in alert.items() if k not in ("__name__", "alertname", "alertstate", "value")}
+        held = ui.now_firing(now, alert["alertname"], {k: v for k, v in labels.items() if isinstance(v, str)})
+        if held is None:
+            found.append("cleared since this page's time")
+        else:
+            found.append(
+                None if pd.isna(held["stopped_at"]) else f"clearing at {ui.clock(held['clears_at'])}"
+            )
+    return found
+
+
+def banner(firing: pd.DataFrame, now: pd.DataFrame | None, watching: bool) -> None:
+    """Every kvwatch alert firing at the page's time, the critical ones first, apart from those whose
+    signal is healthy again (with when they clear); or that none is, only while kvwatch sees everything:
+    a blind kvwatch fires nothing, and that is no health. `now` (data.firing_alerts) tells held alerts
+    apart; None when it could not be read."""
     if firing.empty:
-        st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
+        if watching:
+            st.success("No kvwatch alert is firing.", icon=":material/check_circle:")
         return
-    rank = {severity: i for i, severity in enumerate(SEVERITIES)}
-    alerts = sorted(
-        (rank.get(a["severity"], len(rank)), a["alertname"], subject(a), a["severity"])
-        for _, a in firing.iterrows()
-    )
-    names = "; ".join(f"**{name}** ({severity}) on {about}" for _, name, about, severity in alerts)
-    show = st.error if alerts[0][0] == 0 else st.warning
-    show(f"Firing now: {names}. See the Alerts page for their runbooks.", icon=":material/notifications:")
+    clears = [None] * len(firing) if now is None else clearing(firing, now)
+    firing = firing.assign(clears=clears)
+    still, healed = firing[firing["clears"].isna()], firing[firing["clears"].notna()]
+    if not still.empty:
+        rank = {severity: i for i, severity in enumerate(SEVERITIES)}
+        alerts = sorted(
+            (rank.get(a["severity"], len(rank)), a["alertname"], subject(a), a["severity"])
+            for _, a in still.iterrows()
+        )
+        names = "; ".join(f"**{name}** ({severity}) on {about}" for _, name, about, severity in alerts)
+        show = st.error if alerts[0][0] == 0 else st.warning
+        show(f"Firing now: {names}. See the Alerts page for their runbooks.", icon=":material/notifications:")
+    if not healed.empty:
+        names = "; ".join(
+            f"**{a['alertname']}** on {subject(a)}, {a['clears']}"
+            for _, a in healed.sort_values("alertname").iterrows()
+        )
+        st.info(
+            f"Healthy again: {names}. Their signals are fine again; an alert's keep_firing_for holds it "
+            "firing a while after, so that a flapping signal does not page twice.",
+            icon=":material/published_with_changes:",
+        )
 
 
 class Board:
-    """One refresh of the Overview: every number's points over the span, every verdict's states at its end,
-    in `cluster` (else the picked one)."""
+    """One refresh of the Overview: every number's points over the span, every verdict's states at its end
+    and the alerts firing now, in `cluster` (else the picked one)."""
 
     def __init__(self, over: data.Span, shown: tuple[Shown, ...] = SHOWN, cluster: str | None = None):
         self.over = over
@@ -113,9 +169,15 @@ class Board:
         self.states = {
             s.verdict.state: data.instant(s.verdict.state, over, cluster) for s in shown if s.verdict
         }
+        self.firing = data.firing_alerts(over.end)
 
     def failed(self) -> bool:
         return any(ui.failed(result) for result in (*self.results.values(), *self.states.values()))
+
+    def now(self) -> pd.DataFrame | None:
+        """The alerts firing now, from Prometheus' rules API; None when that cannot be read (said once,
+        under the banner): the verdicts are then the alerts' plain state at the page's time."""
+        return None if self.firing.error else data.of_picked_cluster(self.firing.value)
 
     def points(self, shown: Shown, **labels: str) -> pd.DataFrame:
         return ui.matching(self.results[shown.query].value, **labels)
@@ -127,41 +189,47 @@ class Board:
     def tile(self, shown: Shown, judged: bool = True, **labels: str) -> None:
         """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
         if shown.verdict and judged:
-            verdict = ui.judge(shown.verdict, self.states[shown.verdict.state].value, shown.ok, **labels)
+            states = self.states[shown.verdict.state].value
+            verdict = ui.judge(shown.verdict, states, shown.ok, self.now(), **labels)
         else:
-            verdict = Verdict("gray", shown.unjudged)
-        ui.tile(shown.label, self.points(shown, **labels), self.over.end, shown.unit, verdict, shown.help)
+            verdict = ui.Verdict("gray", shown.unjudged)
+        points = self.points(shown, **labels)
+        ui.tile(shown.label, points, self.over.end, shown.unit, verdict, shown.help, shown.rise)
 
 
-def cached_by_source(over: data.Span, cluster: str | None) -> None:
-    """The delivered ratio split by where the cached KV came from, where the engines say."""
-    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, over, cluster)
+def cached_by_source(board: Board, cluster: str | None) -> None:
+    """The delivered ratio split by where the cached KV came from, where the engines say, and what the
+    engines' own prefix caches found of what they looked up (the local lookup ratio)."""
+    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, board.over, cluster)
     with st.container(border=True):
         st.markdown("**Cached prompt tokens by source**")
         if ui.failed(shares):
             return
         if shares.value.empty:
             st.caption("No engine exports where its cached tokens came from.")
-            return
         for row in shares.value.sort_values("value", ascending=False).itertuples():
             st.markdown(f"{row.source}: {row.value:.0%}")
-        st.caption(f"Each source's share of all prompt tokens, over {queries.WINDOW}.")
+        if not shares.value.empty:
+            st.caption(f"Each source's share of all prompt tokens, over {queries.WINDOW}.")
+        local = board.points(LOCAL_HIT_RATIO)
+        now = local[local["time"] == pd.Timestamp(board.over.end, unit="s", tz="UTC")]["value"]
+        if not now.empty:
+            st.markdown(f"Local lookups found {ui.RATIO.value(float(now.iloc[0]))} of what they looked up.")
+            st.caption(f"{LOCAL_HIT_RATIO.help} {LOCAL_HIT_RATIO.unjudged}")
 
 
 def cache_reuse(board: Board, cluster: str | None) -> None:
-    """The hit ratios and where the cached KV came from, of `cluster` alone when given."""
+    """The delivered hit ratio and where the cached KV came from, of `cluster` alone when given."""
     if cluster is not None:
         board = Board(board.over, (CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO), cluster)
         if board.failed():
             return
         st.subheader(f"Cluster {cluster}")
-    hit_ratio, local, sources = st.columns(3)
+    hit_ratio, sources, _ = st.columns(3)
     with hit_ratio:
         board.tile(CLUSTER_HIT_RATIO)
-    with local:
-        board.tile(LOCAL_HIT_RATIO)
     with sources:
-        cached_by_source(board.over, cluster)
+        cached_by_source(board, cluster)
 
 
 def sticky_words(expected: bool) -> str:
@@ -199,28 +267,48 @@ def per_cluster(name: str, points: pd.DataFrame, label: str) -> dict[str, pd.Dat
     return {f"{cluster}: {name}": group for cluster, group in points.groupby(label)}
 
 
+# Each kind of line in its own colour, none of them red or green: those are the verdicts' and marks'.
+LINE_COLORS = {"hit ratio": ui.SERIES_COLORS[0], "sticky": ui.SERIES_COLORS[1], "spread": ui.SERIES_COLORS[3]}
+DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def changes_figure(lines: dict[str, tuple[str, pd.DataFrame]]) -> go.Figure:
+    """One line per name, coloured by the kind of number it is (LINE_COLORS), the lines of one kind
+    told apart by their dashes."""
+    figure = go.Figure()
+    dashes: dict[str, itertools.cycle] = {}
+    for name, (kind, points) in lines.items():
+        dash = next(dashes.setdefault(kind, itertools.cycle(DASHES)))
+        figure.add_scatter(
+            x=points["time"], y=points["value"], name=name, mode="lines",
+            line={"color": LINE_COLORS[kind], "dash": dash},
+        )  # fmt: skip
+    figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=340)
+    return figure
+
+
 def changes(board: Board, config: Config) -> None:
     """The numbers the alerts watch over the range on one chart, with the faults and alerts marked."""
     targets, logs = config.targets, config.gateway_logs
-    lines = per_cluster("cluster hit ratio", board.points(CLUSTER_HIT_RATIO), config.cluster_label)
-    lines |= per_cluster("local lookup ratio", board.points(LOCAL_HIT_RATIO), config.cluster_label)
+    hit_ratio = per_cluster("cluster hit ratio", board.points(CLUSTER_HIT_RATIO), config.cluster_label)
+    lines = {name: ("hit ratio", points) for name, points in hit_ratio.items()}
     lines |= {
-        f"{t.name}: sessions on one replica": board.points(STICKY, target=t.name)
+        f"{t.name}: sessions on one replica": ("sticky", board.points(STICKY, target=t.name))
         for t in targets
         if t.expect_sticky
     }
     lines |= {
-        f"{g.name} / {listener}: real sessions spread": board.points(SPREAD, log=g.name, listener=listener)
+        f"{g.name} / {listener}: real sessions spread": (
+            "spread", board.points(SPREAD, log=g.name, listener=listener)
+        )
         for g in logs
         if g.expect_sticky
         for listener in board.listeners(g)
-    }
-    frame = pd.concat([points[["time", "value"]].assign(line=line) for line, points in lines.items()])
+    }  # fmt: skip
     st.subheader("Over the range")
     st.caption("The lab's faults and the alerts kvwatch's webhook received are marked when they happened.")
-    figure = px.line(frame, x="time", y="value", color="line", labels={"value": "", "time": "", "line": ""})
-    figure.update_layout(yaxis={"tickformat": ".0%", "range": [0, 1.05]}, margin={"t": 10}, height=340)
-    st.plotly_chart(ui.mark(figure, ui.events(board.over)), key="overview_changes")
+    figure = ui.mark(changes_figure(lines), ui.events(board.over))
+    st.plotly_chart(figure, key="overview_changes")
 
 
 @st.fragment(run_every=data.REFRESH_SECONDS)
@@ -235,13 +323,13 @@ def overview() -> None:
     if ui.failed(firing) or board.failed():
         return
     with top:
-        banner(firing.value)
+        banner(firing.value, board.now(), not_watching(data.blind_spots()))
+        if board.firing.error:
+            st.caption(f"Alerts held by their keep_firing_for are not told apart: {board.firing.error}")
     st.caption(f"As of {ui.as_of(over.end)}, from Prometheus at {redact(config.value.prometheus.url)}.")
-    for cluster in data.clusters_apart():
-        cache_reuse(board, cluster)
 
     targets, logs = config.value.targets, config.value.gateway_logs
-    st.header("Do sessions stay on their replica?")
+    st.header("Do sessions stay on their replica, and what does it cost?")
     if not targets:
         ui.empty(f"No probe targets in {data.config_path()}: add one to see stickiness and warm rounds.")
     for target in targets:
@@ -250,6 +338,10 @@ def overview() -> None:
         ui.empty(f"No gateway logs in {data.config_path()}: add one to watch real sessions.")
     for log in logs:
         gateway_log(board, log)
+
+    st.header("Is the KV cache reused?")
+    for cluster in data.clusters_apart():
+        cache_reuse(board, cluster)
     changes(board, config.value)
 
 

@@ -13,9 +13,9 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from kvwatch.core.naming import plural
 from kvwatch.dashboard import data, ui
 
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 WHOLE_RANGE, PICKED = "No split: the whole range", "A time I pick (UTC)"
 PERIODS = ("before", "after")
 
@@ -43,7 +43,7 @@ def chart(summary: pd.DataFrame, targets: list[str], periods: list[str], titles:
     one panel per period, titled, on one TTFT axis; the hover gives each point's session count."""
     figure = make_subplots(rows=1, cols=len(periods), shared_yaxes=True, subplot_titles=titles)
     for panel, period in enumerate(periods, start=1):
-        for target, color in zip(targets, itertools.cycle(PALETTE)):
+        for target, color in zip(targets, itertools.cycle(ui.SERIES_COLORS)):
             rows = summary[(summary["target"] == target) & (summary["period"] == period)].sort_values("round")
             for quantile, line, band in (("median", {"width": 3}, 0.2), ("p90", {"dash": "dot"}, 0.08)):
                 ms = rows[[quantile, f"{quantile}_low", f"{quantile}_high"]] * 1000
@@ -63,8 +63,8 @@ def chart(summary: pd.DataFrame, targets: list[str], periods: list[str], titles:
                 figure.add_scatter(
                     x=rows["round"],
                     y=ms[quantile],
-                    customdata=rows["n"],
-                    hovertemplate=f"round %{{x}}: %{{y:.1f}} ms, %{{customdata}} sessions<extra>{target} "
+                    customdata=[plural(n, "session") for n in rows["n"]],
+                    hovertemplate=f"round %{{x}}: %{{y:.1f}} ms, %{{customdata}}<extra>{target} "
                     f"{quantile}</extra>",
                     name=f"{target} {quantile}",
                     mode="lines+markers",

@@ -5,6 +5,8 @@ engine is, and what the routers predicted they would reuse against what the engi
 
 from __future__ import annotations
 
+import itertools
+
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
@@ -44,7 +46,10 @@ ROUTER_FIGURES = {
 def instance_verdicts(over: data.Span) -> None:
     """Each instance's verdict, from the instance-scope hit-ratio alert's own state."""
     state = data.instant(INSTANCE_HIT_RATIO_DROP.state, over)
-    if ui.failed(state) or state.value.empty:
+    if ui.failed(state):
+        return
+    if state.value.empty:  # no instance's hit ratio in Prometheus: say so, not nothing
+        ui.judge(INSTANCE_HIT_RATIO_DROP, state.value, HIT_RATIO_OK).show()
         return
     for name, rows in ui.named_replicas(state.value, over).groupby("instance"):
         verdict = ui.judge(INSTANCE_HIT_RATIO_DROP, rows, HIT_RATIO_OK)
@@ -52,14 +57,29 @@ def instance_verdicts(over: data.Span) -> None:
 
 
 def ratio_chart(
-    frame: pd.DataFrame, marks: pd.DataFrame, label: str, height: int, color: str = "instance"
+    frame: pd.DataFrame,
+    marks: pd.DataFrame,
+    over: data.Span,
+    label: str,
+    height: int,
+    color: str = "instance",
 ) -> go.Figure:
-    """Ratios per instance (or per `color`) over time, with the faults and alerts marked. One trace per
-    line built directly: plotly express takes half a second to group a fleet of 64 instances."""
+    """Ratios per instance (or per `color`) over time, in colours that say nothing good or bad, with the
+    faults and alerts marked. One trace per line built directly: plotly express takes half a second to
+    group a fleet of 64 instances."""
     figure = go.Figure(
         [
-            go.Scatter(x=points["time"], y=points["value"], name=name, mode="lines", legendgroup=name)
-            for name, points in frame.groupby(color, sort=False)
+            go.Scatter(
+                x=points["time"],
+                y=points["value"],
+                name=name,
+                mode="lines",
+                legendgroup=name,
+                line={"color": line_color},
+            )
+            for (name, points), line_color in zip(
+                frame.groupby(color, sort=False), itertools.cycle(ui.SERIES_COLORS)
+            )
         ]
     )
     figure.update_layout(
@@ -80,7 +100,8 @@ def shares(query: str, over: data.Span, empty: str, key: str, **bars) -> None:
         ui.empty(empty)
         return
     order = ["instance", bars["color"]] if "color" in bars else ["instance"]
-    figure = px.bar(ui.named_replicas(found.value, over).sort_values(order), x="instance", y="value", **bars)
+    named = ui.named_replicas(found.value, over).sort_values(order)
+    figure = px.bar(named, x="instance", y="value", color_discrete_sequence=ui.SERIES_COLORS, **bars)
     figure.update_layout(yaxis={"tickformat": ".0%"}, margin={"t": 10}, height=280)
     st.plotly_chart(figure, key=key)
 
@@ -137,7 +158,9 @@ def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> N
                 cluster.value.assign(line="delivered by the cluster"),
             ]
         )
-        st.plotly_chart(ratio_chart(lines, marks, "hit ratio", 300, color="line"), key="replicas_routers")
+        st.plotly_chart(
+            ratio_chart(lines, marks, over, "hit ratio", 300, color="line"), key="replicas_routers"
+        )
     figures = router_figures(exported)
     percent = {name: st.column_config.NumberColumn(name, format="percent") for name in exported}
     st.dataframe(figures, hide_index=True, column_config=percent)
@@ -166,7 +189,7 @@ def replicas(seconds: int) -> None:
     if hit_ratios.empty:
         ui.empty(f"No engine served prompt tokens in this range (ratios over {queries.WINDOW} windows).")
     else:
-        st.plotly_chart(ratio_chart(hit_ratios, marks, "hit ratio", 320), key="replicas_hit_ratio")
+        st.plotly_chart(ratio_chart(hit_ratios, marks, over, "hit ratio", 320), key="replicas_hit_ratio")
         instance_verdicts(over)
 
     lookups, sources = st.columns(2)
@@ -179,7 +202,7 @@ def replicas(seconds: int) -> None:
         if local.empty:
             ui.empty("No engine looked up its prefix cache in this range.")
         else:
-            st.plotly_chart(ratio_chart(local, marks, "lookup ratio", 280), key="replicas_local")
+            st.plotly_chart(ratio_chart(local, marks, over, "lookup ratio", 280), key="replicas_local")
     with sources:
         st.subheader("Cached KV by source")
         st.caption("Each source's share of the instance's prompt tokens, now: the hit ratio, split.")
@@ -195,7 +218,7 @@ def replicas(seconds: int) -> None:
         state = data.instant(LOAD_IMBALANCE.state, over)
         if not (ui.failed(spread) or ui.failed(state)):
             verdict = ui.judge(LOAD_IMBALANCE, state.value, IMBALANCE_OK)
-            ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, verdict, IMBALANCE_HELP)
+            ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, verdict, IMBALANCE_HELP, ui.BAD)
     with latency:
         st.subheader("Engine TTFT")
         ttft = data.instant(queries.TTFT_QUANTILES_BY_INSTANCE, over)
@@ -213,6 +236,7 @@ def replicas(seconds: int) -> None:
                 color="quantile",
                 barmode="group",
                 labels={"ms": "time to first token (ms)"},
+                color_discrete_sequence=ui.SERIES_COLORS,
             )
             figure.update_layout(margin={"t": 10}, height=280)
             st.plotly_chart(figure, key="replicas_ttft")

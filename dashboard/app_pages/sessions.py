@@ -3,10 +3,13 @@ where a session lost its cache), and one session's rounds in detail."""
 
 from __future__ import annotations
 
+import itertools
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from kvwatch.core.naming import plural
 from kvwatch.dashboard import data, ui
 
 TIMELINE_SESSIONS = 30
@@ -46,13 +49,14 @@ def timeline(sessions: pd.DataFrame, rounds: pd.DataFrame) -> go.Figure:
     previous = served.groupby("session")["backend"].shift()
     switches = served[previous.notna() & (served["backend"] != previous)]
     figure = go.Figure()
-    for backend, cells in served.groupby("backend"):
+    # Backends in colours that mean nothing good or bad: red is the switch's.
+    for (backend, cells), color in zip(served.groupby("backend"), itertools.cycle(ui.SERIES_COLORS)):
         figure.add_scatter(
             x=cells["round"],
             y=cells["row"],
             mode="markers",
             name=backend,
-            marker={"symbol": "square", "size": 18},
+            marker={"symbol": "square", "size": 18, "color": color},
         )
     failed = shown[shown["error_kind"].notna()]
     if len(failed):
@@ -125,11 +129,11 @@ def recent(target: str, seconds: int) -> None:
     if rounds is None:
         return
     judged = sessions["sticky"].dropna()
+    switches = plural(int(sessions["backend_switches"].fillna(0).sum()), "backend switch", "backend switches")
     st.caption(
-        f"{len(sessions)} sessions since {ui.as_of(over.start)}; "
+        f"{plural(len(sessions), 'session')} since {ui.as_of(over.start)}; "
         + (f"{judged.mean():.0%} stayed on one replica; " if len(judged) else "")
-        + f"{int(sessions['backend_switches'].fillna(0).sum())} backend switches; "
-        f"{int((~sessions['ok']).sum())} failed."
+        + f"{switches}; {int((~sessions['ok']).sum())} failed."
     )
     st.subheader("Backend per round")
     st.plotly_chart(timeline(shown, rounds), key="sessions_timeline")

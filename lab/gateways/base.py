@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvwatch.core.connections import request_sync
-from kvwatch.lab.process import Process
+from kvwatch.lab.process import LabError, Process, log_tail
 from kvwatch.lab.state import LabState
 
 LISTENERS = ("affinity", "round_robin")
@@ -62,6 +62,17 @@ def listener_generations(state: LabState) -> dict[str, str]:
         except httpx.HTTPError as error:
             answers[listener] = f"no answer ({type(error).__name__})"
     return answers
+
+
+def await_serving(
+    state: LabState, problem: Callable[[], str | None], timeout_s: float, failure: str, log: str
+):
+    """Return once `problem` finds none; else raise LabError: "<failure> within N s", what it found last
+    and the tail of logs/<log>.log."""
+    if seen := wait_for(problem, timeout_s):
+        raise LabError(
+            f"{failure} within {timeout_s:.0f} s: {seen}; logs/{log}.log ends:\n{log_tail(state, log)}"
+        )
 
 
 def wait_for(problem: Callable[[], str | None], timeout_s: float) -> str | None:

@@ -19,11 +19,11 @@ from kvwatch.lab.gateways.base import (
     GENERATION_PATH,
     LISTENERS,
     Gateway,
+    await_serving,
     generation,
     listener_generations,
-    wait_for,
 )
-from kvwatch.lab.process import LabError, Process, is_ours, log_tail
+from kvwatch.lab.process import LabError, Process, is_ours
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -279,11 +279,7 @@ def apply(state: LabState) -> float:
             return None
         return f"it serves the versions {versions} and the listeners answer {answers}, not {expected}"
 
-    if seen := wait_for(problem, RELOAD_TIMEOUT_S):
-        raise LabError(
-            f"Envoy did not load the new config within {RELOAD_TIMEOUT_S:.0f} s: {seen}; logs/envoy.log "
-            f"ends:\n{log_tail(state, 'envoy')}"
-        )
+    await_serving(state, problem, RELOAD_TIMEOUT_S, "Envoy did not load the new config", "envoy")
     return written
 
 
@@ -302,11 +298,7 @@ def forget_replica(state: LabState, port: int) -> None:
         held = [line for line in stats if f"::{address}::cx_active::" in line and not line.endswith("::0")]
         return f"it still holds connections to {address}: {held}" if held else None
 
-    if seen := wait_for(problem, RELOAD_TIMEOUT_S):
-        raise LabError(
-            f"Envoy did not let go of the stopped replica within {RELOAD_TIMEOUT_S:.0f} s: {seen}; "
-            f"logs/envoy.log ends:\n{log_tail(state, 'envoy')}"
-        )
+    await_serving(state, problem, RELOAD_TIMEOUT_S, "Envoy did not let go of the stopped replica", "envoy")
 
 
 GATEWAY = Gateway(

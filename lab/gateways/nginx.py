@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvwatch.lab.gateways.base import Gateway, generation, listener_generations, wait_for
-from kvwatch.lab.process import LabError, Process, binary, is_ours, log_tail
+from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
+from kvwatch.lab.process import LabError, Process, binary, is_ours
 from kvwatch.lab.state import LabState
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -120,11 +120,7 @@ def apply(state: LabState) -> float:
             f"reload still running: {sorted(old) or 'none'}"
         )
 
-    if seen := wait_for(problem, RELOAD_TIMEOUT_S):
-        raise LabError(
-            f"nginx did not reload within {RELOAD_TIMEOUT_S:.0f} s: {seen}; logs/nginx-error.log ends:\n"
-            f"{log_tail(state, 'nginx-error')}"
-        )
+    await_serving(state, problem, RELOAD_TIMEOUT_S, "nginx did not reload", "nginx-error")
     return reloaded
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvwatch.lab.process import Process, kvwatch_command
-from kvwatch.lab.replicas.base import ReplicaKind
+from kvwatch.lab.replicas.base import ReplicaKind, container_environment
 from kvwatch.lab.state import LabState, ReplicaSpec
 
 
@@ -27,7 +27,12 @@ def _process(state: LabState, replica: ReplicaSpec) -> Process:
         "--ground-truth",
         str(truth),
     )
-    return Process(f"replica-{replica.id}", argv, f"http://127.0.0.1:{replica.port}/health")
+    return Process(
+        f"replica-{replica.id}",
+        argv,
+        f"http://127.0.0.1:{replica.port}/health",
+        env=container_environment(state, replica),
+    )
 
 
 KIND = ReplicaKind(
@@ -38,4 +43,5 @@ KIND = ReplicaKind(
     live_prefix_caching=True,
     help="simulated replicas with vLLM- or SGLang-flavoured metrics and ground truth",
     fast_probe_interval_s=5,
+    admin_api=True,
 )

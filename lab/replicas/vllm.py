@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvwatch.lab import tiny_model
 from kvwatch.lab.process import LabError, Process
-from kvwatch.lab.replicas.base import ReplicaKind
+from kvwatch.lab.replicas.base import ReplicaKind, container_environment
 from kvwatch.lab.state import LabState, ReplicaSpec
 
 VLLM_VERSION = "0.32.0"
@@ -127,6 +127,7 @@ def _process(state: LabState, replica: ReplicaSpec) -> Process:
         # Else vLLM's CPU platform turns "uni" back into a worker process; the API server still runs the
         # engine in a process of its own.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **container_environment(state, replica),
     }
     return Process(
         f"replica-{replica.id}",

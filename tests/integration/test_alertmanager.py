@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, stop, wait_http
 from kvwatch.alerts.alerts import ALERTS, Alert
-from kvwatch.core.config import Config, ExporterSettings, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, StoreSettings, Target
 from kvwatch.lab import configs
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, rule_files, scale_durations
 from kvwatch.lab.process import LabError

@@ -27,7 +27,7 @@ from kvwatch.alerts.verdicts import (
     Verdict,
 )
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
 from kvwatch.lab.replicas import REPLICA_KINDS
@@ -198,11 +198,10 @@ AFFINITY_LOG, ROUND_ROBIN_LOG = (
     {"log": "affinity", "listener": "affinity"},
     {"log": "round_robin", "listener": "round_robin"},
 )
-# Every tile of the lab's Refresh in page order: label, query, labels of its series, and its verdict
-# where an alert judges it (the round-robin route and log are not expected sticky).
+# Every tile of the lab's Overview in page order, stickiness and its cost first: label, query, labels of
+# its series, and its verdict where an alert judges it (the round-robin route and log are not expected
+# sticky).
 OVERVIEW_TILES = [
-    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, CLUSTER_HIT_RATIO_DROP),
-    ("Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, {}, None),
     ("Sessions on one replica", queries.STICKY_RATIO, AFFINITY, ROUTE_STICKY),
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, AFFINITY, ROUTE_WARM_ROUNDS),
     ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, AFFINITY, None),
@@ -213,6 +212,7 @@ OVERVIEW_TILES = [
     ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**AFFINITY_LOG, "failover": "true"}, None),
     ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ROUND_ROBIN_LOG, None),
     ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**ROUND_ROBIN_LOG, "failover": "true"}, None),
+    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, CLUSTER_HIT_RATIO_DROP),
 ]
 
 
@@ -255,9 +255,12 @@ def refresh(page) -> Refresh | None:
 
 
 def state_of(verdict: Verdict, words: str) -> str:
-    """The colour the page gave the verdict, from its words: the alert's name says red or orange."""
+    """The colour the page gave the verdict, from its words: the alert's name says red or orange, "healthy
+    again" blue (the alert still fires, or fired at the page's time, after the signal recovered)."""
     if words.startswith(f"{verdict.alert.name} fires:"):
         return "red"
+    if words.startswith("Healthy again"):
+        return "blue"
     return "orange" if words.startswith(f"{verdict.alert.name} is pending:") else "green"
 
 
@@ -281,7 +284,8 @@ def test_overview_shows_what_prometheus_holds(lab, page):
                 label,
                 labels,
             )
-    assert shown.tiles[2] == Tile("Sessions on one replica", "100%", "Sessions stay on their replica.")
+    assert shown.tiles[0] == Tile("Sessions on one replica", "100%", "Sessions stay on their replica.")
+    assert "Local lookups found" in shown.text  # beside the hit ratio, not a second tile like it
     assert "No kvwatch alert is firing." in shown.text
 
 
@@ -369,7 +373,7 @@ def test_the_route_verdict_is_red_exactly_while_the_affinity_alert_fires(lab, pa
     verdict = ROUTE_STICKY
 
     def affinity_route(shown: Refresh) -> str:
-        tile = shown.tiles[2]  # lab-affinity's first
+        tile = shown.tiles[0]  # lab-affinity's first
         assert tile.label == "Sessions on one replica"
         return state_of(verdict, tile.verdict)
 
@@ -388,8 +392,15 @@ def test_the_route_verdict_is_red_exactly_while_the_affinity_alert_fires(lab, pa
 
     seen = refreshes(page, lambda shown: affinity_route(shown) == "green")
     resolved_at = notified(lab, verdict, "resolved", healed, target="lab-affinity")["ends_at"]
-    for shown in seen:  # red while the alert still fires: it keeps firing a while after the heal
-        assert (affinity_route(shown) == "red") == (shown.as_of < resolved_at), (shown.as_of, resolved_at)
+    for shown in seen:  # red or blue while the alert still fires: it keeps firing a while after the heal
+        color = affinity_route(shown)
+        assert (color in ("red", "blue")) == (shown.as_of < resolved_at), (shown.as_of, color, resolved_at)
+        clears = re.search(r"clears at (\d\d:\d\d:\d\d) UTC", shown.tiles[0].verdict)
+        if clears:  # blue, healthy again: the time it said is the time Alertmanager was told it resolved
+            said = datetime.strptime(clears.group(1), "%H:%M:%S").time()
+            told = datetime.fromtimestamp(resolved_at, UTC)
+            gap = abs(datetime.combine(told.date(), said, UTC).timestamp() - resolved_at)
+            assert min(gap, 86400 - gap) <= EVALUATION_S + 1, (clears.group(1), told)
 
 
 def test_replicas_show_what_prometheus_holds(lab, page):
@@ -462,9 +473,10 @@ def test_the_doctor_finds_nothing_wrong_with_the_healthy_lab(lab, page):
     assert "No cause found" in text, text
 
 
-def test_alerts_show_watchdog_with_its_runbook(lab, page):
+def test_alerts_show_watchdog_as_the_pipelines_heartbeat(lab, page):
     deadline = time.monotonic() + 60  # Prometheus sends its first alerts some 45 s after it starts
     while "Watchdog" not in held_alerts(lab) and time.monotonic() < deadline:
         time.sleep(1)
-    text = visit(page, lab, "Alerts", '[data-testid="stExpander"]', "alerts")
-    assert "Watchdog" in held_alerts(lab) and "Runbook: Watchdog" in text
+    text = visit(page, lab, "Alerts", '[data-testid="stAlert"]', "alerts")
+    assert "Watchdog" in held_alerts(lab)
+    assert "Heartbeat: Alertmanager holds Watchdog, the alert that always fires" in text  # not as an alert

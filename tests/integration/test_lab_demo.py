@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, http_get
 from kvwatch.cli.lab import DEFAULT_REPLICAS
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.store.history import Store
 
 WAIT_S = 30.0

@@ -20,7 +20,7 @@ from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, experiment_replica_bars, http_get, http_post, kvwatch
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.core.config import Config, DashboardSettings, Target
+from kvwatch.config.settings import Config, DashboardSettings, Target
 from kvwatch.dashboard import data
 from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES, write_outputs

@@ -13,7 +13,7 @@ import yaml
 from conftest import free_base_port
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
-from kvwatch.core.config import load_config
+from kvwatch.config.settings import load_config
 from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
 from kvwatch.lab.gateways import GATEWAYS, envoy
 from kvwatch.lab.state import LabState, ReplicaSpec
@@ -28,7 +28,7 @@ def lab_state(tmp_path: Path, gateway: str = "envoy", **options) -> LabState:
 
 
 def test_every_gateway_is_registered_under_its_name_with_a_log_format_kvwatch_reads():
-    assert sorted(GATEWAYS) == ["envoy", "nginx"]
+    assert sorted(GATEWAYS) == ["envoy", "nginx", "sagemaker"]
     assert all(
         name == gateway.name and gateway.log_format in LOG_FORMATS for name, gateway in GATEWAYS.items()
     )
@@ -114,7 +114,7 @@ def test_prometheus_scrapes_the_admin_stats_of_a_gateway_that_has_them(tmp_path)
 def test_kvwatch_serve_reads_the_gateways_access_logs_in_its_format(tmp_path, gateway):
     path = tmp_path / "kvwatch.yaml"
     path.write_text(render_kvwatch_config(lab_state(tmp_path, gateway)))
-    assert {log.format for log in load_config(path).gateway_logs} == {gateway}
+    assert {log.format for log in load_config(path).gateway_logs} == {GATEWAYS[gateway].log_format}
 
 
 def lab_up(tmp_path: Path, *flags: str) -> int:
@@ -125,7 +125,10 @@ def test_an_unknown_gateway_is_refused_naming_the_known_ones(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_code:
         lab_up(tmp_path, "--gateway", "istio")
     assert exit_code.value.code == 2
-    assert "--gateway: invalid choice: 'istio' (choose from 'envoy', 'nginx')" in capsys.readouterr().err
+    assert (
+        "--gateway: invalid choice: 'istio' (choose from 'envoy', 'nginx', 'sagemaker')"
+        in capsys.readouterr().err
+    )
 
 
 def test_an_unknown_envoy_balancer_is_refused_naming_the_known_ones(tmp_path, capsys):

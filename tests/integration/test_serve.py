@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sqlite3
 import stat
@@ -29,11 +30,12 @@ from postgres import (  # noqa: F401 (the session's PostgreSQL server, and a tes
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, http_get, http_post, set_wall_clock, stop, wait_http
+from conftest import REPO, free_port, http_get, http_post, launch, set_wall_clock, stop
+from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
 from kvwatch.collectors.probe.targets import ProbeClients
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     LAB_DIRECTORY,
     PROMETHEUS_LABELS,
     Config,
@@ -47,7 +49,6 @@ from kvwatch.dashboard import data
 from kvwatch.lab.configs import render_kvwatch_config
 from kvwatch.lab.state import LabState
 from kvwatch.serve import shard
-from kvwatch.serve.exporter import label_names
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
 from kvwatch.store.history import Store
 
@@ -158,16 +159,8 @@ def start_serve(
         })
     )  # fmt: skip
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/-/healthy", process, log)
-    except BaseException:
-        stop(process)
-        raise
+    argv = [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(config), *options]
+    process = launch(argv, log, f"http://127.0.0.1:{port}/-/healthy", cwd=REPO)
     return process, f"http://127.0.0.1:{port}", log
 
 
@@ -618,18 +611,24 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
 STREAM_BODY = b"".join(b"data: %s\n\n" % event.encode() for event in [*map(json.dumps, ANSWER), "[DONE]"])
 
 
+def probed_once(tmp_path: Path, target: dict) -> tuple[dict[tuple, float], Path]:
+    """The samples of a `kvwatch serve` of `target` once it has probed it, and its log; stopped cleanly."""
+    process, url, log = start_serve(tmp_path, target)
+    try:
+        assert probed_targets(url) == {target["name"]}, log.read_text()
+        found = samples(url)
+        terminate(process, log)
+    finally:
+        stop(process)
+    return found, log
+
+
 def test_a_gateway_sending_non_ascii_headers_is_probed_stored_and_exported(tmp_path: Path):
     head = STREAM_HEAD + b"Server: caf\xc3\xa9-gateway\r\nX-Upstream: r\xff1\r\n\r\n"
     target = {"name": "direct", "base_url": "", "model": "m", "interval_seconds": 1, "sessions_per_run": 1,
               "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
     with loopback_http(answering_bytes(head + STREAM_BODY)) as engine:
-        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
-        try:
-            assert probed_targets(url) == {"direct"}, log.read_text()
-            found = samples(url)
-            terminate(process, log)
-        finally:
-            stop(process)
+        found, _ = probed_once(tmp_path, {**target, "base_url": engine})
     route = {"target": "direct", "route_mode": "affinity"}
     assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
     assert sample(found, "kvwatch_probe_last_run_timestamp_seconds", **route) > time.time() - 60
@@ -645,17 +644,58 @@ def test_a_cron_target_runs_on_its_schedule(tmp_path: Path):
     target = {"name": "cron", "base_url": "", "model": "m", "schedule": "* * * * * *", "sessions_per_run": 1,
               "rounds": 2, "workload": {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}}  # fmt: skip
     with loopback_http(answering_bytes(STREAM_HEAD + b"\r\n" + STREAM_BODY)) as engine:
-        process, url, log = start_serve(tmp_path, {**target, "base_url": engine})
-        try:
-            assert probed_targets(url) == {"cron"}, log.read_text()
-            found = samples(url)
-            terminate(process, log)
-        finally:
-            stop(process)
+        found, log = probed_once(tmp_path, {**target, "base_url": engine})
     route = {"target": "cron", "route_mode": "affinity"}
     assert sample(found, "kvwatch_probe_interval_seconds", **route) == 1.0
     assert sample(found, "kvwatch_probe_sessions_total", outcome="success", **route) >= 1
     assert "Traceback" not in log.read_text()
+
+
+RUN_LINES = {
+    "steady": r"steady: 1 session in \d+\.\d s, 100% on one replica, 0 failed; ",
+    "cron": r"cron: 1 session in \d+\.\d s, 100% on one replica, 0 failed; ",
+    "down": r"down: 1 session in \d+\.\d s, stickiness not judged, 1 failed \(http_error 1\); ",
+}
+
+
+def test_serve_says_each_schedule_at_start_and_sums_up_each_run(tmp_path: Path):
+    """A real `kvwatch serve` of an interval target through a sticky engine, a cron target and a target
+    whose engine answers 503: each schedule and first run logged as it starts, before any run, and one
+    line per run with its sessions, time, stickiness and failures by kind."""
+    workload = {"system_tokens": 20, "turn_tokens": 5, "max_tokens": 1}
+    one = {"model": "m", "sessions_per_run": 1, "rounds": 2, "workload": workload}
+    failing = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+    sticky = STREAM_HEAD + b"X-Upstream: 127.0.0.1:9001\r\n\r\n" + STREAM_BODY
+    with loopback_http(answering_bytes(sticky)) as engine, loopback_http(answering_bytes(failing)) as down:
+        targets = [
+            {"name": "steady", "base_url": engine, "interval_seconds": 1, **one},
+            {"name": "cron", "base_url": engine, "schedule": "* * * * * *", **one},
+            {"name": "down", "base_url": down, "interval_seconds": 1, **one},
+        ]
+        process, _, log = start_serve(tmp_path, targets)
+        try:
+            deadline = time.monotonic() + 30
+            while not all(re.search(p, log.read_text()) for p in RUN_LINES.values()):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            terminate(process, log)
+        finally:
+            stop(process)
+    lines = log.read_text().splitlines()
+    at = r"first run at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
+    schedules = [
+        rf"probe run of steady: every 1 s, {at}",
+        rf'probe run of cron: on "\* \* \* \* \* \*" \(UTC\), {at}',
+        rf"probe run of down: every 1 s, {at}",
+    ]
+
+    def first(pattern: str) -> int:
+        found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+        assert found, (pattern, lines)
+        return found[0]
+
+    first_run = min(first(pattern) for pattern in RUN_LINES.values())
+    assert all(first(pattern) < first_run for pattern in schedules), lines
 
 
 def broken_read_chunk(*args) -> None:

@@ -14,18 +14,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.alerts.verdicts import (
-    CLUSTER_HIT_RATIO_DROP,
-    FIRING,
-    LISTENER_SPREAD,
-    LOAD_IMBALANCE,
-    OK,
-    PENDING,
-    ROUTE_STICKY,
-    ROUTE_WARM_ROUNDS,
-    ROUTER_PREDICTION_MISS,
-    Verdict,
-)
+from kvwatch.alerts import verdicts
+from kvwatch.alerts.verdicts import FIRING, OK, PENDING, Verdict
 from kvwatch.prometheus import queries
 
 EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
@@ -48,7 +38,7 @@ class Scenario:
 
 SCENARIOS = {
     "route stickiness": Scenario(
-        ROUTE_STICKY,
+        verdicts.ROUTE_STICKY,
         {
             f'kvwatch_probe_sticky_ratio{{{CHAT}}}':
                 "1 1 0.2 0.2 1 1 1 1 1 1",
@@ -64,7 +54,7 @@ SCENARIOS = {
         ['kvwatch_verdict{target="rr"}'],  # not expected sticky: not judged
     ),
     "warm rounds": Scenario(
-        ROUTE_WARM_ROUNDS,
+        verdicts.ROUTE_WARM_ROUNDS,
         {
             f'kvwatch_probe_warm_cold_ttft_ratio{{{CHAT}}}':
                 "0.3 0.3 0.9 0.9 0.9 0.9 0.9 0.3 0.3 0.3",
@@ -80,7 +70,7 @@ SCENARIOS = {
         ['kvwatch_verdict{target="rr"}'],
     ),
     "gateway spread": Scenario(
-        LISTENER_SPREAD,
+        verdicts.LISTENER_SPREAD,
         {
             f'{queries.GATEWAY_SPREAD_SHARE}{{log="gw", listener="chat", failover="false"}}':
                 "0 0 0.8 0.8 0.8 0.8 0.1 0.1 0.1 0.1",
@@ -100,7 +90,7 @@ SCENARIOS = {
         ['kvwatch_verdict{log="rr"}', 'kvwatch_verdict{listener="quiet"} != 0'],
     ),
     "cluster hit ratio": Scenario(
-        CLUSTER_HIT_RATIO_DROP,
+        verdicts.CLUSTER_HIT_RATIO_DROP,
         {
             queries.CLUSTER_HIT_RATIO: "0.8x80 0.05x9 0.8x9",
             f"{queries.INSTANCE_PROMPT_TOKENS}{{{ENGINE}}}": "100x98",
@@ -110,7 +100,7 @@ SCENARIOS = {
         "",
     ),
     "router prediction": Scenario(
-        ROUTER_PREDICTION_MISS,
+        verdicts.ROUTER_PREDICTION_MISS,
         {
             f"{queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED}{{{ROUTER}}}": "1 1 0.1x7 1x6",
             f"{queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO}{{{ROUTER}}}": "0.8x15",
@@ -127,7 +117,7 @@ SCENARIOS = {
         ['kvwatch_verdict{instance="127.0.0.1:9091"} != 0'],
     ),
     "load imbalance": Scenario(
-        LOAD_IMBALANCE,
+        verdicts.LOAD_IMBALANCE,
         {queries.CLUSTER_LOAD_IMBALANCE: "1 1 3x20 1x5"},
         range(28),
         {1: OK, 5: PENDING, 20: FIRING, 27: OK},

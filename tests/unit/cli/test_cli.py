@@ -1,12 +1,15 @@
 """`kvwatch --help` lists the subcommands and every subcommand has its own --help."""
 
 import argparse
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO
 from kvwatch.cli.main import EXIT_CODES, build_parser, main, runnable_commands
+from kvwatch.cli.options import kvwatch_command
 
 
 def subcommand_paths(parser: argparse.ArgumentParser, prefix=()):
@@ -46,3 +49,14 @@ def test_every_command_says_what_its_exit_codes_mean():
     for path, command in commands.items():
         shown = " ".join(command.format_help().split())
         assert shown.endswith(f"Exit codes: {EXIT_CODES[path]}.") and " 0 " in shown, path
+
+
+def test_the_command_suggested_for_a_new_shell_is_the_path_unless_kvwatch_on_path_is_this_one(monkeypatch):
+    installed = str((Path(sys.executable).parent / "kvwatch").absolute())
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("VIRTUAL_ENV", raising=False)
+    assert kvwatch_command() == installed  # `make up`: the virtualenv's kvwatch, not on PATH
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    assert kvwatch_command() == "kvwatch"  # installed on PATH, e.g. by pipx
+    monkeypatch.setenv("VIRTUAL_ENV", str(Path(sys.executable).parent.parent))
+    assert kvwatch_command() == installed  # an activated virtualenv is not active in a new shell

@@ -47,8 +47,8 @@ def test_the_script_registers_its_function_for_kvwatch(bash_script):
 @pytest.mark.parametrize(
     ("line", "offered"),
     [
-        ("kvwatch ", ["lab", "scrape", "probe", "config", "serve", "experiment", "doctor", "dashboard",
-                      "generate", "completion"]),
+        ("kvwatch ", ["init", "lab", "scrape", "probe", "config", "serve", "experiment", "doctor",
+                      "dashboard", "generate", "completion"]),
         ("kvwatch l", ["lab"]),
         ("kvwatch lab ", ["up", "down", "status", "fault", "heal", "replica", "traffic"]),
         ("kvwatch lab fault ", list(FAULTS)),

@@ -20,7 +20,7 @@ from kvwatch.collectors.gatewaylogs import (
     nginx,
 )
 from kvwatch.collectors.gatewaylogs.follower import MALFORMED_REASONS, GatewayLogFollower
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings
 from kvwatch.serve.scheduler import Service
 
 R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"

@@ -423,10 +423,13 @@ def test_a_hanging_server_times_out_within_the_round_cap():
     assert [r.error_kind for r in session.rounds] == ["timeout"]
 
 
-def test_tls_to_a_plain_http_port_is_said_to_be_so():
+def test_tls_to_a_plain_http_port_is_a_tls_mismatch_quoting_its_answer():
     (failed,) = against(answering(ANSWER), scheme="https").rounds
-    assert failed.error_kind == "tls_error"
-    assert failed.error_detail.endswith(": TLS handshake failed: is the server speaking plain HTTP?")
+    assert failed.error_kind == "tls_mismatch"
+    assert failed.error_detail.endswith(
+        ": the server answered the TLS handshake with no TLS, as a plain-HTTP server does: use http:// "
+        "(it sent 'HTTP/1.0 400 Bad Request')"  # aiohttp's answer
+    ), failed.error_detail
 
 
 NGINX_TLS_PORT = (
@@ -455,13 +458,13 @@ def raw_round(answer: bytes, **settings) -> RoundResult:
                      "invalid Content-Length '-1'", id="content-length-minus-1"),
         pytest.param(STREAM_HEAD + b"Content-Encoding: gzip\r\n\r\n" + gzip.compress(STREAM_BODY), 200,
                      "protocol_error", "a body in Content-Encoding 'gzip', which was not asked", id="gzip"),
-        pytest.param(b"\x15\x03\x01\x00\x02\x02\x46", None, "tls_error", ": the port speaks TLS: use https://",
+        pytest.param(b"\x15\x03\x01\x00\x02\x02\x46", None, "tls_mismatch", ": the port speaks TLS: use https://",
                      id="tls-alert"),
         pytest.param(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
             % (len(NGINX_TLS_PORT), NGINX_TLS_PORT),
             400,
-            "tls_error",
+            "tls_mismatch",
             "the port speaks TLS: use https:// (HTTP 400: <html><head><title>400 The plain HTTP request",
             id="nginx-400",
         ),
@@ -991,7 +994,16 @@ def test_cli_prints_rounds_and_sessions_and_exits_0(lab, capsys):
     ]
 
 
+def wait_for_series(prometheus: str, name: str, timeout: float = 60.0) -> None:
+    """Until Prometheus holds `name`: a lab's first scrape comes a moment after it serves."""
+    deadline = time.monotonic() + timeout
+    while not http_get(f"{prometheus}/api/v1/query", params={"query": name}).json()["data"]["result"]:
+        assert time.monotonic() < deadline, f"Prometheus at {prometheus} holds no {name}"
+        time.sleep(0.2)
+
+
 def test_cli_json_has_every_session_and_round(lab, capsys):
+    wait_for_series(lab.status["prometheus"], '{__name__="vllm:cache_config_info"}')
     flags = ["--rounds", "2", "--sessions", "2", "--seed", "11", "--session-mode", "server", "--json"]
     code = main(
         ["probe", "--base-url", lab.affinity, *SMALL, *flags, "--prometheus", lab.status["prometheus"]]
@@ -1110,7 +1122,8 @@ def test_the_one_model_served_is_chosen_and_said(listings, capsys):
         ("two", "/two/v1/models lists 2 models (m1, m2): name the one to use with --model"),
         ("none", "/none/v1/models lists no model: name the one to use with --model"),
         ("broken", "/broken/v1/models answered HTTP 500: name the model with --model"),
-        ("other", "/other/v1/models failed: the answer is no model list: no `data` of objects with an `id`"),
+        # A server that lists no models and answers no chat request is said to be no API.
+        ("other", "/other/v1/models answers no model list: no `data` of objects with an `id`; the server"),
         ("silent", "/silent/v1/models failed: no complete answer within 0.5 s: name the model with --model"),
     ],
 )

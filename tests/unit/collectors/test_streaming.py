@@ -24,10 +24,12 @@ from kvwatch.collectors.probe import streaming
 from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
     ConnectFailed,
+    DnsFailed,
     ProtocolError,
     StreamBroken,
     StreamClient,
     TlsFailed,
+    TlsMismatch,
     _Connection,
 )
 
@@ -503,8 +505,35 @@ def test_plain_http_to_a_port_answering_with_a_tls_alert_is_said_to_speak_tls():
 
     async def scenario():
         async with scripted(close_after(alert)) as (url, _), StreamClient() as client:
-            with pytest.raises(TlsFailed) as failed:
+            with pytest.raises(TlsMismatch) as failed:
                 await body_of(client, url)
         return str(failed.value)
 
     assert run(scenario) == SPEAKS_TLS
+
+
+def test_https_to_a_plain_http_server_is_a_mismatch_quoting_what_it_sent():
+    async def plain_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)  # the TLS hello, taken for a request no HTTP server understands
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(plain_http, "127.0.0.1", 0)
+        async with server:
+            return await failure_of(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1")
+
+    failed = run(scenario)
+    assert type(failed) is TlsMismatch
+    assert str(failed).endswith("use http:// (it sent 'HTTP/1.1 400 Bad Request')"), str(failed)
+
+
+def test_a_host_name_that_does_not_resolve_is_a_dns_failure(monkeypatch):
+    def nxdomain(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", nxdomain)  # what the resolver answers for a typo
+    failed = run(lambda: failure_of("http://gatewy.example:8000/v1/chat/completions"))
+    assert type(failed) is DnsFailed
+    assert str(failed) == "the host name does not resolve (Name or service not known)"

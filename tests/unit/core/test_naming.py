@@ -9,7 +9,7 @@ import time
 import pandas as pd
 
 from kvwatch.cli.lab import _print_status
-from kvwatch.core.config import Config, GatewayLog, StoreSettings
+from kvwatch.config.settings import Config, GatewayLog, StoreSettings
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.data import Result

@@ -9,7 +9,6 @@ import datetime
 import json
 import math
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,8 +24,7 @@ import yaml
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, decoded, experiment_replica_bars, free_port, stop, wait_http
-from kvwatch.alerts.runbook import RUNBOOK_URL
+from conftest import REPO, decoded, experiment_replica_bars, free_port, start_prometheus, stop
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     FIRING,
@@ -38,13 +36,16 @@ from kvwatch.alerts.verdicts import (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
+    VERDICTS,
     Verdict,
 )
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.core.config import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.config.settings import Config, DashboardSettings, GatewayLog, Service, StoreSettings, Target
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.stats import quantile_interval
 from kvwatch.dashboard import data, stats, ui
 from kvwatch.dashboard.data import Result
@@ -52,7 +53,8 @@ from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment.report import FILES
 from kvwatch.grafana import panels
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import pipeline, promql, queries
+from kvwatch.prometheus.pipeline import Link
 from kvwatch.store.history import Store
 
 APP = REPO / "dashboard" / "app.py"
@@ -251,9 +253,9 @@ NO_ALERTMANAGER = f"Cannot reach Alertmanager at {ALERTMANAGER}/api/v2/alerts: C
 BAD_CONFIG = "error in /etc/kvwatch.yaml: cannot read it: No such file or directory."
 
 
-READERS = ("settings", "range_query", "instant_query", "sessions", "rounds", "ttft_by_round",
+READERS = ("settings", "range_query", "instant_query", "firing_alerts", "sessions", "rounds", "ttft_by_round",
            "received_alerts", "faults", "alerts", "experiment_report", "run_experiment",
-           "run_doctor")  # fmt: skip
+           "run_doctor", "blind_spots")  # fmt: skip
 FAULT_AT, ALERT_AT, HEAL_AT = 600, 660, 1200  # seconds into the span
 
 
@@ -272,6 +274,10 @@ class Fake:
         self.doctor = Result(error="the doctor was not expected to run")
         self.runs: list[tuple] = []
         self.asked: list[str] = []  # every query Prometheus was asked, as narrowed
+        self.blind = Result(())  # the pipeline's links that do not hold: none
+        # What Prometheus' rules API says fires now; unread unless a test says, so that every verdict is
+        # the alert's plain state at the page's time.
+        self.firing = Result(error="Prometheus' rules API is not asked here")
         for name in READERS:
             monkeypatch.setattr(data, name, getattr(self, f"_{name}"))
         monkeypatch.setattr(data, "config_path", lambda: Path("kvwatch.yaml"))
@@ -294,6 +300,12 @@ class Fake:
     def _instant_query(self, query: str, over: data.Span) -> Result:
         self.asked.append(query)
         return self._frame(self.prometheus, self.values.get(query, NO_FRAME))
+
+    def _blind_spots(self) -> Result:
+        return self.blind
+
+    def _firing_alerts(self, at: float) -> Result:
+        return self.firing if self.firing.error else self._frame(self.prometheus, self.firing.value)
 
     def _sessions(self, since: float) -> Result:
         return self._frame(self.store, sessions_frame())
@@ -389,7 +401,7 @@ def test_overview_shows_each_number_with_its_verdict(fake):
     assert not at.exception
     shown = metrics(at)
     assert shown["Cluster hit ratio"] == ["87%"]  # delivered: cached / prompt tokens
-    assert shown["Local lookup ratio"] == ["93%"]
+    assert "Local lookup ratio" not in shown  # a line beside the hit ratio, not a second tile like it
     assert shown["Sessions on one replica"] == ["100%", "0%"]
     assert shown["Warm / cold TTFT"] == ["0.14×", "1.60×"]
     assert shown["Affinity efficiency"] == ["99%", "21%"]
@@ -399,6 +411,7 @@ def test_overview_shows_each_number_with_its_verdict(fake):
     assert "No kvwatch alert is firing." in said
     assert ":green[Reuse holds" in said
     assert "device: 70%" in said and "host: 10%" in said
+    assert "Local lookups found 93% of what they looked up." in said
     assert ":green[Sessions stay on their replica.]" in said
     assert ":green[Real sessions stay on their replica.]" in said
     # the round-robin route and log are the baseline: never judged, so never red
@@ -493,6 +506,73 @@ def test_the_overview_banner_names_what_fires_now(fake, firing, kind, banner):
     title, top, *_ = (e for e in at.main if e.type not in ("main", "flex_container"))
     assert (title.value, top.type) == ("Overview", kind)  # right under the title
     assert top.value.startswith(banner), top.value
+
+
+NOT_SCRAPED = Link(
+    "Prometheus scrapes kvwatch serve",
+    pipeline.BROKEN,
+    "Prometheus has no scrape target on port 9464 and holds none of kvwatch serve's series.",
+    "Add a scrape job for kvwatch serve's /metrics on port 9464.",
+)
+NOT_EVALUATED = Link("Prometheus evaluates kvwatch's rules", pipeline.UNKNOWN, "Not evaluated yet: Watchdog.")
+
+
+def banners(at: AppTest) -> list[tuple[str, str]]:
+    """(kind, text) of every banner above the page's content."""
+    return [(e.type, e.value) for kind in ("success", "error", "warning") for e in getattr(at, kind)]
+
+
+def test_a_blind_overview_shows_no_healthy_banner_and_names_what_it_cannot_see(fake):
+    """The issue's blind kvwatch: nothing fires because nothing is scraped; not green, and why."""
+    fake.blind = Result((NOT_SCRAPED,))
+    shown = banners(open_page("overview"))
+    assert shown == [(
+        "error",
+        '**Not watching**: the link "Prometheus scrapes kvwatch serve" is broken. Prometheus has no scrape '
+        "target on port 9464 and holds none of kvwatch serve's series. Fix: Add a scrape job for kvwatch "
+        "serve's /metrics on port 9464.",
+    )]  # fmt: skip
+
+
+def test_a_link_that_cannot_be_judged_is_no_health_either(fake):
+    fake.blind = Result((NOT_EVALUATED,))
+    shown = banners(open_page("overview"))
+    assert shown == [
+        (
+            "warning",
+            'Cannot tell whether kvwatch watches: the link "Prometheus evaluates kvwatch\'s rules" is '
+            "unknown. Not evaluated yet: Watchdog.",
+        )
+    ]
+
+
+def test_when_the_pipeline_cannot_be_asked_the_overview_says_so_and_is_not_green(fake):
+    fake.blind = Result(error="Prometheus at http://127.0.0.1:18002 did not answer within 5 s.")
+    shown = banners(open_page("overview"))
+    said = "Cannot tell what kvwatch sees: Prometheus at http://127.0.0.1:18002 did not answer within 5 s."
+    assert shown == [("warning", said)]
+
+
+def test_alerts_that_fire_are_shown_beside_what_kvwatch_cannot_see(fake):
+    fake.blind = Result((NOT_SCRAPED,))
+    fake.values[queries.FIRING_ALERTS_NOW] = pd.DataFrame([firing_alert("KVWatchTargetDown", "critical")])
+    kinds = [kind for kind, _ in banners(open_page("overview"))]
+    assert kinds == ["error", "error"]  # not watching, and what fires
+
+
+@pytest.mark.parametrize("page", ["overview", "replicas"])
+def test_every_verdict_whose_series_is_absent_says_it_is_not_watching(fake, page):
+    """No state of a verdict's alert: Prometheus holds no series it judges. Never green, never "fine"."""
+    for verdict in (*VERDICTS, ROUTER_PREDICTION_MISS):
+        fake.values[verdict.state] = NO_FRAME
+    said = texts(open_page(page))
+    assert ":green[" not in said
+    judged = {"overview": (CLUSTER_HIT_RATIO_DROP, ROUTE_STICKY, ROUTE_WARM_ROUNDS, LISTENER_SPREAD),
+              "replicas": (INSTANCE_HIT_RATIO_DROP, LOAD_IMBALANCE)}[page]  # fmt: skip
+    for verdict in judged:
+        assert (
+            f":gray[Not watching: Prometheus holds no series {verdict.alert.name} judges here now.]" in said
+        )
 
 
 def marks(at: AppTest, key: str) -> list[tuple[str, str]]:
@@ -739,7 +819,10 @@ def test_replicas_show_what_routers_predicted_against_what_the_engines_delivered
     assert figures.loc["vllm-router", "prefix-matched decisions"] == 0.75
     said = texts(at)
     assert f"`epp / 10.0.0.5:9090`: {fires(ROUTER_PREDICTION_MISS)}" in said
-    assert "`smg / 10.0.0.6:29000`: :gray[Not judged: KVWatchRouterPredictionMiss has nothing" in said
+    assert (
+        "`smg / 10.0.0.6:29000`: :gray[Not watching: Prometheus holds no series KVWatchRouterPredictionMiss"
+        in said
+    )
     assert NO_ROUTER not in said
 
 
@@ -806,11 +889,11 @@ def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake
 
 # --- several clusters in one Prometheus ------------------------------------------------------------------
 
-CLUSTERS = queries.clusters(queries.CLUSTER_LABEL)
+CLUSTERS = queries.clusters(CLUSTER_LABEL)
 
 
 def in_cluster(query: str, cluster: str) -> str:
-    return promql.with_matcher(query, queries.one_cluster(queries.CLUSTER_LABEL, cluster))
+    return promql.with_matcher(query, queries.one_cluster(CLUSTER_LABEL, cluster))
 
 
 def two_clusters(fake: Fake) -> None:
@@ -835,7 +918,7 @@ def test_the_overview_shows_each_clusters_hit_ratio_apart_while_all_are_shown(fa
     at = open_page("overview")
     assert not at.exception
     assert metrics(at)["Cluster hit ratio"] == ["90%", "5%"]  # a's, then b's: never the two summed
-    assert [h.value for h in at.subheader][:2] == ["Cluster a", "Cluster b"]
+    assert [h.value for h in at.subheader if h.value.startswith("Cluster")] == ["Cluster a", "Cluster b"]
     said = texts(at)
     assert ":green[Reuse holds" in said and fires(CLUSTER_HIT_RATIO_DROP) in said
 
@@ -1065,7 +1148,7 @@ EMPTY = {
     "per_round": "No successful probe rounds in this range yet",
     "replicas": "No engine served prompt tokens in this range",
     "sessions": "No probe sessions through lab-affinity in this range yet",
-    "alerts": "Alertmanager holds no alert",
+    "alerts": "Alertmanager holds no kvwatch alert",
     "experiment": f"No experiment report in {REPORTS} yet",
     "doctor": "The doctor sends a few short multi-turn sessions through http://127.0.0.1:18000",
 }
@@ -1082,7 +1165,7 @@ def test_every_page_says_when_there_is_no_data_yet(fake, page):
 def test_the_overview_without_data_says_so_in_every_tile(fake):
     fake.empty = True
     shown = metrics(open_page("overview"))
-    assert shown.pop("Cluster hit ratio") == shown.pop("Local lookup ratio") == ["no data"]
+    assert shown.pop("Cluster hit ratio") == ["no data"]
     assert shown == dict.fromkeys(
         ["Sessions on one replica", "Warm / cold TTFT", "Affinity efficiency"], ["no data", "no data"]
     )  # per target; no gateway listener seen yet
@@ -1095,20 +1178,16 @@ PROMETHEUS_PAGES = ("overview", "replicas")
 STORE_PAGES = ("per_round", "sessions", "alerts")
 
 
-@pytest.mark.parametrize("page", PROMETHEUS_PAGES)
-def test_an_unreachable_prometheus_is_named(fake, page):
-    fake.prometheus = DOWN
+@pytest.mark.parametrize(
+    "source, error, page",
+    [("prometheus", DOWN, page) for page in PROMETHEUS_PAGES]
+    + [("store", NO_STORE, page) for page in STORE_PAGES],
+)
+def test_an_unreachable_prometheus_or_a_missing_store_is_named(fake, source, error, page):
+    setattr(fake, source, error)
     at = open_page(page)
     assert not at.exception
-    assert at.error[0].value == DOWN
-
-
-@pytest.mark.parametrize("page", STORE_PAGES)
-def test_a_missing_store_is_named(fake, page):
-    fake.store = NO_STORE
-    at = open_page(page)
-    assert not at.exception
-    assert at.error[0].value == NO_STORE
+    assert at.error[0].value == error
 
 
 def test_an_unreachable_alertmanager_leaves_the_received_alerts(fake):
@@ -1317,14 +1396,8 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
     )
     monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(config)])
     monkeypatch.setattr(data, "now", time.time)  # Prometheus holds nothing before it started
-    log = tmp_path / "prometheus.log"
-    with log.open("w") as out:
-        prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path}/prometheus.yml", f"--storage.tsdb.path={tmp_path}/data",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT
-        )  # fmt: skip
+    prometheus, log = start_prometheus(tmp_path, port)
     try:
-        wait_http(f"http://127.0.0.1:{port}/-/ready", prometheus, log)
         deadline = time.monotonic() + 15
         while True:
             st.cache_data.clear()

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from kvwatch.core.config import Config, load_config
-from kvwatch.prometheus.rules import RULE_FILES
+from kvwatch.cli.generate import RULE_FILES
+from kvwatch.config.settings import Config, load_config
 from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"
@@ -243,3 +243,14 @@ def test_the_shipped_alertmanager_config_sends_the_webhook_token_from_a_file():
     authorization = webhook["http_config"]["authorization"]
     assert authorization["type"] == "Bearer" and "credentials_file" in authorization
     assert "credentials" not in authorization
+
+
+def test_every_engine_podmonitor_gives_its_pods_the_replica_label_the_pages_name_them_by():
+    monitors = documents((REPO / "deploy" / "k8s" / "podmonitors.yaml").read_text())
+    engines = [m for m in monitors if m["metadata"]["name"] != "kvwatch"]
+    assert engines
+    for monitor in engines:
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "replica"} in endpoint.get(
+                "relabelings", []
+            ), monitor["metadata"]["name"]

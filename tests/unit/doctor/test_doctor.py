@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from aiohttp import web
-from loopback import answering_bytes, loopback_http, serving
+from loopback import answering_bytes, chat_answer, loopback_http, serving
 
 from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
@@ -232,7 +232,7 @@ ECHOING = {"error": {"message": f"Incorrect API key provided: {KEY}"}}
          "a whole completion came back instead of an event stream"),
         (replying({"error": "overloaded"}, 503), "response shape", "bad_response", "HTTP 503"),
         (replying(ECHOING, 401), "auth", "unauthorized", "provided: [redacted]"),
-        (hang, "reachability", "connection_refused", "no complete answer within 0.5 s"),
+        (hang, "reachability", "timeout", "no complete answer within 0.5 s"),
     ],
     ids=["error-object", "no-stream", "http-503", "key-echoed", "hang"],
 )  # fmt: skip
@@ -258,7 +258,7 @@ def test_nothing_listening_is_connection_refused_with_the_container_hint():
     "answer, kind, evidence",
     [
         (b"HTTP/1.1 abc OK\r\n\r\n", "protocol_error", "invalid status line 'HTTP/1.1 abc OK'"),
-        (b"\x15\x03\x01\x00\x02\x02\x46", "tls_error", "the port speaks TLS: use https://"),
+        (b"\x15\x03\x01\x00\x02\x02\x46", "tls_mismatch", "the port speaks TLS: use https://"),
     ],
     ids=["status-abc", "tls-port"],
 )
@@ -266,7 +266,7 @@ def test_an_answer_that_is_no_http_fails_reachability_with_its_kinds_hint(answer
     with loopback_http(answering_bytes(answer)) as url:
         diagnosis = doctor(url)
     found = check(diagnosis, "reachability")
-    assert (found.status, evidence in found.evidence) == ("fail", True), found
+    assert (found.status, evidence in found.evidence, diagnosis.causes) == ("fail", True, [kind]), found
     assert found.fix.startswith(HINTS[kind]) and statuses(diagnosis)["auth"] == "skipped"
 
 
@@ -296,6 +296,21 @@ def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "required: --base-url or --sagemaker-endpoint (or --setup --config FILE)"),
+        (["--setup"], "--setup checks the pipeline --config FILE sets up: give --config, not --base-url or"),
+        (["--setup", "--config", "k.yaml", "--base-url", "http://127.0.0.1:1"], "not --base-url"),
+        (["--setup", "--config", "k.yaml", "--sagemaker-endpoint", "e"], "or --sagemaker-endpoint"),
+        (["--setup", "--config", "/nonexistent/kvwatch.yaml"], "error in /nonexistent/kvwatch.yaml"),
+    ],
+)
+def test_the_route_or_the_setup_is_asked_for_and_nothing_else(args, message, capsys):
+    assert main(["doctor", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 # --- fixes in the words of the gateway or router in front -------------------------------------------
 
 NGINX_HASH = "nginx: `hash $http_x_session_id consistent;`"
@@ -316,22 +331,10 @@ def route(marks: dict[str, str], session_id=lambda sent: sent, spread: bool = Tr
     served = itertools.count()
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
         headers = {**marks, "X-Upstream": f"r{next(served) % 3 + 1}" if spread else "r1"}
         if echoed := session_id(request.headers.get("X-Session-Id")):
             headers["X-Session-Id"] = echoed
-        if not body.get("stream"):
-            return web.json_response({"choices": [{"message": {"content": "hi"}}]}, headers=headers)
-        answer = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
-        await answer.prepare(request)
-        usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        for chunk in (
-            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
-            {"choices": [], "usage": usage},
-        ):
-            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await answer.write(b"data: [DONE]\n\n")
-        return answer
+        return await chat_answer(request, headers)
 
     return chat
 
@@ -565,11 +568,12 @@ def test_an_unknown_model_lists_what_the_server_offers(lab):
     found = check(diagnosis, "response shape")
     assert diagnosis.causes == ["model_not_found"]
     assert "The model `no-such-model` does not exist" in found.evidence
-    assert "offers: lab-model" in found.evidence
+    assert "model no-such-model is not served here: GET " in found.evidence
+    assert found.evidence.endswith("/v1/models lists lab-model"), found.evidence
 
 
 @integration
-@pytest.mark.parametrize("path", ["/api", "/v1/v1", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/api", "/v1/v1"])
 def test_a_base_url_with_a_wrong_path_names_the_one_that_works(lab, path):
     # The lab's nginx proxies every path; a replica, which answers 404 to unknown ones, stands for a
     # gateway that serves only its API root.
@@ -608,7 +612,7 @@ def test_a_required_api_key_missing_wrong_expired_or_scoped(start_replica, monke
     assert runs["wrong"][:2] == (1, ["unauthorized"]) and "Incorrect API key" in runs["wrong"][2]
     assert runs["expired"][:2] == (1, ["forbidden"]) and runs["expired"][2].startswith("token expired")
     assert runs["scoped"][:2] == (1, ["forbidden"]) and "not allowed to use the model" in runs["scoped"][2]
-    assert runs["good"][:2] == (0, []) and runs["good"][2] == "no 401 or 403 with an API key"
+    assert runs["good"][:2] == (0, []) and runs["good"][2] == "a completion came back with an API key"
 
 
 @integration

@@ -37,9 +37,10 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, stop_lab_serve
-from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
 from kvwatch.alerts.verdicts import FIRING, OK, PENDING, ROUTE_STICKY, ROUTER_PREDICTION_MISS, VERDICTS
 from kvwatch.collectors.probe.records import ERROR_KINDS
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
 from kvwatch.core.stats import CONFIDENCE
 from kvwatch.grafana import boards
 from kvwatch.grafana.panels import (
@@ -85,7 +86,7 @@ def every_query() -> dict[str, str]:
 def in_clusters(expr: str) -> str:
     """A query of prometheus/queries.py as the boards' time series and stats run it: narrowed to the
     picked clusters, one series per cluster."""
-    return as_board_runs(expr, queries.CLUSTER_LABEL)
+    return as_board_runs(expr, CLUSTER_LABEL)
 
 
 def filled(expr: str) -> str:
@@ -184,9 +185,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
         values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
         for per_cluster in named:
             named[per_cluster] |= {
-                as_board_runs(v, queries.CLUSTER_LABEL, per_cluster=per_cluster)
-                for v in values
-                if name.isupper()
+                as_board_runs(v, CLUSTER_LABEL, per_cluster=per_cluster) for v in values if name.isupper()
             }
     for path in PROVISIONED:
         for panel in panels(load(path)):
@@ -207,7 +206,7 @@ def test_with_all_clusters_every_line_and_stat_keeps_its_cluster_and_names_it(pa
     for panel in panels(load(path)):
         for query in (q for q in panel["targets"] if q["format"] == "time_series"):
             lists = GROUPINGS.findall(query["expr"])
-            assert all(queries.CLUSTER_LABEL in labels.split(", ") for _, labels in lists), panel["title"]
+            assert all(CLUSTER_LABEL in labels.split(", ") for _, labels in lists), panel["title"]
             legend = query["legendFormat"]
             assert legend == "__auto" or legend.startswith("{{cluster}}"), panel["title"]
 

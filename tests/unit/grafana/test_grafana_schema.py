@@ -28,6 +28,7 @@ import kvwatch.grafana.boards
 from conftest import REPO
 from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
+from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.grafana import boards, panels
 from kvwatch.prometheus import promql, queries
 
@@ -120,7 +121,7 @@ NO_ENGINE_JOB_OR_INSTANCE = {
 }
 # Every rule on targets: a verdict shows the alert's own expression, with its own windows, which the
 # board's filters do not narrow (see panels.verdict_stat).
-VERDICTS = {panels.as_board_runs(v.state, queries.CLUSTER_LABEL) for v in VERDICTS}
+VERDICTS = {panels.as_board_runs(v.state, CLUSTER_LABEL) for v in VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
     promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
@@ -344,7 +345,7 @@ def unnarrowed(board: dict, label: str) -> list[str]:
 def test_every_query_of_a_board_matches_the_picked_clusters(path: Path):
     board = load(path)
     assert len(list(board_queries(board))) > len(board["panels"])
-    assert unnarrowed(board, queries.CLUSTER_LABEL) == []
+    assert unnarrowed(board, CLUSTER_LABEL) == []
     source, cluster = board["templating"]["list"][:2]
     assert source["type"] == "datasource"
     assert {key: cluster[key] for key in ("name", "label", "query", "multi", "includeAll", "allValue")} == {

@@ -8,8 +8,8 @@ import pytest
 from test_grafana_schema import expand, selectors
 
 from kvwatch.alerts.verdicts import VERDICTS
+from kvwatch.cli.generate import RULE_FILES
 from kvwatch.prometheus import promql, queries
-from kvwatch.prometheus.rules import RULE_FILES
 
 MATCHER = 'cluster=~"$cluster"'
 

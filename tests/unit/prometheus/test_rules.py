@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import kvwatch.prometheus.rules
+import kvwatch.cli.generate
 from conftest import REPO
 from kvwatch.alerts.alerts import ALERTS, Alert, alerts
-from kvwatch.alerts.runbook import RUNBOOK, RUNBOOK_URL
 from kvwatch.cli import generate
+from kvwatch.cli.generate import rule_files
+from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
 from kvwatch.prometheus import queries
-from kvwatch.prometheus.rules import Rule, rule_files
+from kvwatch.prometheus.rules import Rule
 from kvwatch.prometheus.thresholds import THRESHOLDS
 
 RULE_FILES = sorted((REPO / "prometheus" / "rules").glob("*.yml")) + sorted(
@@ -101,7 +102,7 @@ def test_promtool_unit_tests_pass(path: Path):
 
 def test_every_recording_rule_is_exercised_by_a_unit_test():
     tested = "\n".join(path.read_text() for path in TEST_FILES)
-    for _, rules in kvwatch.prometheus.rules.RULE_FILES.values():
+    for _, rules in kvwatch.cli.generate.RULE_FILES.values():
         for rule in rules:
             if isinstance(rule, Rule):
                 assert rule.record in tested, f"{rule.record} has no promtool test"

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from conftest import REPO
+from kvwatch.cli.generate import rule_files
 from kvwatch.cli.main import main
-from kvwatch.prometheus.rules import rule_files
 from kvwatch.prometheus.thresholds import THRESHOLDS, load_thresholds
 
 CHANGED = """\
@@ -89,7 +89,10 @@ KNOWN = (
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("hit_ratio_flor: 0.2\n", f"hit_ratio_flor: unknown key; known: {KNOWN}"),
+        (
+            "hit_ratio_flor: 0.2\n",
+            f'hit_ratio_flor: unknown key; did you mean "hit_ratio_floor"? known: {KNOWN}',
+        ),
         ("hit_ratio_floor: low\n", 'hit_ratio_floor: expected a number, got the string "low"'),
         ("min_returning_sessions: 2.5\n", "min_returning_sessions: expected an integer, got the number 2.5"),
         ("hit_ratio_floor: -0.1\n", "hit_ratio_floor: must be 0 or more, got -0.1"),

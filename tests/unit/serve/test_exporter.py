@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import logging
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_store import webhook
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.core.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 from kvwatch.serve.endpoints import (
     MAX_WEBHOOK_BYTES,
@@ -78,6 +79,20 @@ def test_a_sticky_session_is_counted_round_by_round(exporter):
     assert value(registry, "kvwatch_probe_interval_seconds") == 30
 
 
+def test_a_configured_route_is_exported_from_the_start_before_any_result(exporter, monkeypatch):
+    """KVWatchProbeNoResults fires on these for a route whose runs never finish: no last-run series."""
+    results, registry = exporter
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    results.declare(("lab-affinity", "affinity"), rounds=3)
+    assert value(registry, "kvwatch_probe_watched_since_timestamp_seconds") == 1000
+    assert value(registry, "kvwatch_probe_interval_seconds") == 30
+    assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") is None
+    monkeypatch.setattr(time, "time", lambda: 1090.0)  # a run, and a declaration again: the start stays
+    results.add_run(("lab-affinity", "affinity"), [session(round_result(1))], 1080, 1090)
+    results.declare(("lab-affinity", "affinity"), rounds=3)
+    assert value(registry, "kvwatch_probe_watched_since_timestamp_seconds") == 1000
+
+
 def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     results, registry = exporter
     switching = session(round_result(1, "r1"), round_result(2, "r2"), round_result(3, "r1"))
@@ -93,6 +108,24 @@ def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     # The last-run gauges describe only the latest run.
     assert value(registry, "kvwatch_probe_success") == 0
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1030
+
+
+def test_a_name_that_does_not_resolve_and_a_scheme_mismatch_are_counted_by_their_own_kinds(exporter):
+    results, registry = exporter
+    route, kinds = (
+        ("lab-affinity", "affinity"),
+        ("dns_error", "tls_mismatch", "connection_refused", "tls_error"),
+    )
+
+    def counted() -> dict[str, float | None]:
+        return {kind: value(registry, "kvwatch_probe_errors_total", kind=kind) for kind in kinds}
+
+    results.add_run(route, [session(round_result(1), round_result(2))], 1000, 1010)
+    assert counted() == dict.fromkeys(kinds, 0)  # exported from 0, as every kind
+    typo = session(round_result(1, error="dns_error", status=None, ttft_seconds=None))
+    https_to_http = session(round_result(1, error="tls_mismatch", status=None, ttft_seconds=None))
+    results.add_run(route, [typo, typo, https_to_http], 1020, 1030)
+    assert counted() == {"dns_error": 2, "tls_mismatch": 1, "connection_refused": 0, "tls_error": 0}
 
 
 def folded(registry, reason: str) -> float | None:

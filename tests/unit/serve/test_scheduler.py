@@ -6,19 +6,22 @@ more than one interval (and the guard's tick)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import selectors
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 from conftest import set_wall_clock
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
-from kvwatch.core.config import Config, ExporterSettings, GatewayLog, StoreSettings, Target
+from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.serve.jobs import GUARD_TICK_SECONDS, STEP_TOLERANCE_SECONDS, ClockStepGuard, Jobs
-from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service
+from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service, phase, run_summary
 
 INTERVAL = 30.0
 POLL = "gateway-log poll"
@@ -213,3 +216,61 @@ def test_a_sagemaker_target_is_probed_through_its_endpoint_and_learns_no_block_s
     assert service.block_sources["sm"].metrics_urls == ()
     assert service.block_sources["gw"].metrics_urls == ("http://127.0.0.1:8/metrics",)
     service.store.close()
+
+
+def test_serve_says_each_jobs_schedule_and_first_run_as_it_starts(tmp_path, monkeypatch, caplog):
+    """Nothing else is logged until a target's first run, up to an interval later: without these lines a
+    serve that just started reads as stuck. 1e9 is 01:46:40 UTC, 03:46:40 in Paris."""
+    set_wall_clock(monkeypatch, lambda: 1e9 + 0.5)
+    steady = Target("chat-affinity", "http://127.0.0.1:9", "m", interval_seconds=INTERVAL)
+    nightly = Target("nightly", "http://127.0.0.1:9", "m", schedule="0 3 * * *", timezone="Europe/Paris")
+    config = Config(
+        targets=(steady, nightly),
+        gateway_logs=(GatewayLog("gateway", tmp_path / "access.log"),),
+        exporter=ExporterSettings("127.0.0.1:9"),
+        store=StoreSettings(tmp_path / "kvwatch.db"),
+    )
+    service = Service(config)
+    try:
+        with caplog.at_level(logging.INFO, "kvwatch.serve"):
+            service.jobs()
+    finally:
+        service.writer.close(1)
+        service.store.close()
+    offset = phase("chat-affinity", INTERVAL)  # seconds into each interval of the wall clock
+    due = 1e9 - 1e9 % INTERVAL + offset
+    first = datetime.fromtimestamp(due if due >= 1e9 + 0.5 else due + INTERVAL, UTC)
+    assert caplog.messages == [
+        f"probe run of chat-affinity: every 30 s, first run at {first:%Y-%m-%d %H:%M:%S} UTC",
+        'probe run of nightly: on "0 3 * * *" (Europe/Paris), first run at 2001-09-10 01:00:00 UTC',
+        "gateway-log poll: every 5 s, first run at 2001-09-09 01:46:40 UTC",
+        "store pruning: every 3600 s, first run at 2001-09-09 01:46:40 UTC",
+    ]
+
+
+def probe_session(backends: list[str], error_kind: str | None = None, interrupted: bool = False):
+    """A session whose rounds landed on `backends`, the last one failing with `error_kind` if given."""
+    rounds = tuple(
+        RoundResult(i, 1e9 + i, None if error_kind and i == len(backends) else 200,
+                    error_kind if i == len(backends) else None, None, 0.1, 0.2, 100, 0, 0, 4, backend,
+                    "sid", "sid")
+        for i, backend in enumerate(backends, start=1)
+    )  # fmt: skip
+    return SessionResult("chat", "affinity", "sid", 1e9, 1e9 + 10, rounds, interrupted)
+
+
+def test_each_run_is_summed_up_in_one_line():
+    sessions = [
+        probe_session(["r1", "r1", "r1"]),
+        probe_session(["r1", "r2", "r2"]),
+        probe_session(["r2", "r2", "r2"]),
+        probe_session(["r2", "r2", "r2"]),
+        probe_session(["r1", "r1", "r1"], error_kind="timeout"),  # its two good rounds stayed
+        probe_session(["r1"], error_kind="timeout"),  # no evidence either way
+        probe_session(["r3", "r3"], error_kind="http_5xx", interrupted=True),  # one good round: none
+    ]
+    assert run_summary(sessions, 12.345) == (
+        "7 sessions in 12.3 s, 80% on one replica, 3 failed (http_5xx 1, timeout 2), 1 cut short by the stop"
+    )
+    assert run_summary(sessions[:1], 0.5) == "1 session in 0.5 s, 100% on one replica, 0 failed"
+    assert run_summary(sessions[5:6], 2) == "1 session in 2.0 s, stickiness not judged, 1 failed (timeout 1)"

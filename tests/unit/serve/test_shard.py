@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvwatch.cli.main import build_parser
-from kvwatch.core.config import Config, StoreSettings, Target
+from kvwatch.config.settings import Config, StoreSettings, Target
 from kvwatch.serve import shard
 from kvwatch.serve.scheduler import Service
 

@@ -12,9 +12,8 @@ import pytest
 import yaml
 
 from conftest import REPO, free_port, kvwatch_bounded
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.cli import main
-from kvwatch.core.config import (
+from kvwatch.config.settings import (
     BackendIdentity,
     Config,
     ConfigError,
@@ -32,7 +31,8 @@ from kvwatch.core.config import (
     resolve_webhook_token,
 )
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
-from kvwatch.prometheus import queries
+from kvwatch.core.labels import CLUSTER_LABEL
+from kvwatch.core.naming import RUNBOOK_URL
 
 TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
@@ -182,7 +182,7 @@ INVALID = [
     (
         "route-mode",
         "targets[0].route_mode: must be one of affinity, consistent_hash, manual, cache_aware, round_robin, "
-        'random; got the string "afinity"',
+        'random; got the string "afinity"; did you mean "affinity"?',
     ),
     (
         "schedule",
@@ -260,7 +260,33 @@ INVALID = [
         "use an IANA name such as UTC or Europe/Paris",
     ),
     ("top-level-list", "the top level must be a mapping of keys, got a list"),
-    ("unknown-key", "targets[1].session.hedaer: unknown key; known: header, mode"),
+    ("unknown-key", 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, mode'),
+    (
+        "unknown-key-target",
+        'targets[0].modle: unknown key; did you mean "model"? known: api_key_env, api_key_file, backend, '
+        "base_url, block_size, expect_sticky, interval_seconds, kind, model, name, rounds, route_mode, "
+        "router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, workload",
+    ),
+    (
+        "unknown-key-exporter",
+        'exporter.webhook_token_flie: unknown key; did you mean "webhook_token_file"? known: cluster, '
+        "listen, webhook_token_env, webhook_token_file",
+    ),
+    (
+        "unknown-key-top-level-typo",
+        'targest: unknown key; did you mean "targets"? known: alertmanager, cluster_label, dashboard, '
+        "exporter, gateway_logs, prometheus, store, targets",
+    ),
+    (
+        "gateway-log-format-typo",
+        'gateway_logs[0].format: unknown format "ngnix"; did you mean "nginx"? known: envoy, nginx',
+    ),
+    ("router-typo", 'targets[0].router: unknown router "dynamoo"; did you mean "dynamo"? known: dynamo'),
+    (
+        "listen-without-port",
+        'exporter.listen: expected host:port (e.g. 127.0.0.1:9464) or a port, got "localhost"',
+    ),
+    ("listen-type", "exporter.listen: expected host:port (e.g. 127.0.0.1:9464) or a port, got a list"),
     (
         "unknown-top-level-key",
         "thresholds: unknown key; known: "
@@ -295,7 +321,37 @@ INVALID = [
         "workload-turn-tokens-too-many",
         "targets[0].workload.turn_tokens: must be >= 1 and <= 1000000, got 1000001",
     ),
-    ("yaml", "invalid YAML at line 5, column 4: expected <block end>, but found '<block mapping start>'"),
+    (
+        "yaml",
+        "invalid YAML at line 5, column 4: the indentation does not match: this line is indented less than "
+        "the lines before it of the same block, and more than the block around it; line it up with the keys "
+        "or list items it belongs to",
+    ),
+    (
+        "yaml-list-item",
+        "invalid YAML at line 8, column 6: the indentation does not match: this line is indented less than "
+        "the lines before it of the same block, and more than the block around it; line it up with the keys "
+        "or list items it belongs to",
+    ),
+    (
+        "yaml-indent-deeper",
+        'invalid YAML at line 4, column 11: an unexpected ":" here: this line is indented deeper than the '
+        'key it follows, or a value holds ": "; line the keys of one mapping up in one column, or quote the '
+        "value",
+    ),
+    (
+        "yaml-tab",
+        "invalid YAML at line 4, column 1: a tab: YAML indents with spaces only; replace the tab with spaces",
+    ),
+    (
+        "yaml-open-quote",
+        "invalid YAML at line 5, column 1: the file ends inside a quoted value: close the quote (opened at "
+        "line 2, column 11)",
+    ),
+    (
+        "yaml-open-list",
+        'invalid YAML at line 2, column 1: the file ends inside a [ ] or { } list: close it with "]" or "}"',
+    ),
 ]
 
 
@@ -342,7 +398,7 @@ def test_minimal_file_takes_every_default():
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"
     assert config.exporter.cluster is None  # the exporter's series carry no cluster label
-    assert config.cluster_label == queries.CLUSTER_LABEL == "cluster"
+    assert config.cluster_label == CLUSTER_LABEL == "cluster"
     assert (config.exporter.host, config.exporter.port) == ("127.0.0.1", 9464)
     assert config.store == StoreSettings(path=Path(".kvwatch/kvwatch.db"), retention_days=14.0)
     store = config.store
@@ -548,16 +604,30 @@ def kvwatch(*args: str) -> subprocess.CompletedProcess:
         ("tests/testdata/config/good-minimal.yml", "1 target, 0 gateway logs"),
     ],
 )
-def test_config_check_accepts_a_good_file(path, summary):
-    result = kvwatch("config", "check", path)
-    assert (result.returncode, result.stdout, result.stderr) == (0, f"{path}: OK ({summary})\n", "")
+def test_config_check_file_only_accepts_a_good_file(path, summary):
+    # The examples name secrets and directories of another machine (the lab's, a cluster's).
+    result = kvwatch("config", "check", "--file-only", path)
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"{path}: OK ({summary}; the file only)\n",
+        "",
+    )
 
 
 def test_config_check_prints_the_one_error():
     path = "tests/testdata/config/invalid-unknown-key.yml"
     result = kvwatch("config", "check", path)
-    expected = f"error in {path}: targets[1].session.hedaer: unknown key; known: header, mode\n"
+    problem = 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, mode'
+    expected = f"error in {path}: {problem}\n"
     assert (result.returncode, result.stdout, result.stderr) == (1, "", expected)
+
+
+@pytest.mark.parametrize("port", ["19600", '"19600"'])
+def test_listen_takes_a_port_alone_for_this_machine_only(tmp_path, port):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text((TESTDATA / "good-minimal.yml").read_text() + f"exporter:\n  listen: {port}\n")
+    exporter = load_config(path).exporter
+    assert (exporter.listen, exporter.host, exporter.port) == ("127.0.0.1:19600", "127.0.0.1", 19600)
 
 
 def test_config_check_of_a_missing_file():

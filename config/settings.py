@@ -21,19 +21,19 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from kvwatch.alerts.runbook import RUNBOOK_URL
 from kvwatch.collectors import gatewaylogs, identity
+from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize, targets
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
-from kvwatch.core.connections import url_problem
+from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.errors import KVWatchError
-from kvwatch.core.labels import label_value_problem
+from kvwatch.core.labels import CLUSTER_LABEL, label_value_problem
+from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.redaction import redact
-from kvwatch.core.registry import unknown
+from kvwatch.core.registry import did_you_mean, unknown
 from kvwatch.core.schedule import longest_gap, time_zone
-from kvwatch.core.strict_yaml import StrictLoader
-from kvwatch.prometheus.queries import CLUSTER_LABEL
+from kvwatch.core.strict_yaml import StrictLoader, plain_problem
 from kvwatch.store import databases, history
 
 # Where `kvwatch lab up` keeps its state and writes its config: the dashboard's default config is there.
@@ -99,8 +99,6 @@ PROMETHEUS_LABELS = frozenset({"le", "quantile", "job", "instance"})
 def cluster_label_problem(name: str) -> str | None:
     """What keeps `name` from telling clusters apart: it must be a label name of the user's, and not one
     that kvwatch's series or Prometheus already use, which it would overwrite on every sample."""
-    from kvwatch.serve.exporter import label_names  # the exporter imports this module
-
     if wrong := label_name_problem(name):
         return wrong
     taken = label_names() | PROMETHEUS_LABELS
@@ -229,6 +227,8 @@ class Target:
             raise _Invalid(*wrong)
         object.__setattr__(self, "base_url", self.sagemaker.base_url if self.sagemaker else self.base_url)
         _url(self.base_url, "base_url")
+        pasted = endpoint_problem(self.base_url)  # a pasted …/v1/chat/completions
+        _check(pasted is None, "base_url", pasted or "")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
@@ -289,13 +289,27 @@ class GatewayLog:
         _check(self.format in formats, "format", unknown("format", self.format, formats))
 
 
+def _listen(value: object, where: str) -> str:
+    """The exporter's address as YAML gives it: host:port, or a bare port (`listen: 9464`), which YAML
+    reads as a number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"127.0.0.1:{value}"
+    _check(
+        isinstance(value, str),
+        where,
+        f"expected host:port (e.g. 127.0.0.1:9464) or a port, got {_describe(value)}",
+    )
+    return value
+
+
 @dataclass(frozen=True)
 class ExporterSettings:
     """Where /metrics and the Alertmanager webhook listen, the bearer token the webhook requires, and
     the cluster its series name, for a Prometheus that scrapes several clusters' kvwatch without
     external_labels to tell them apart."""
 
-    listen: str = "127.0.0.1:9464"
+    # host:port, or a port alone for this machine only (127.0.0.1), the safe default
+    listen: str = dataclass_field(default="127.0.0.1:9464", metadata={"read": _listen})
     webhook_token_env: str | None = None  # None (and no file): POST /alerts takes alerts from anyone
     webhook_token_file: Path | None = None
     cluster: str | None = None  # the value of the cluster label on every exported series; None: no label
@@ -303,6 +317,13 @@ class ExporterSettings:
     def __post_init__(self):
         token_env, token_file = _SECRET_SOURCES[ExporterSettings]
         _secret_source(self.webhook_token_env, self.webhook_token_file, token_env, token_file, "token")
+        if self.listen.isdecimal():  # a port alone, given as a string
+            object.__setattr__(self, "listen", f"127.0.0.1:{self.listen}")
+        _check(
+            ":" in self.listen,
+            "listen",
+            f'expected host:port (e.g. 127.0.0.1:9464) or a port, got "{self.listen}"',
+        )
         host, _, port = self.listen.rpartition(":")
         _check(
             port.isdecimal() and 1 <= int(port) <= 65535,
@@ -481,7 +502,7 @@ def _parse(text: str, cls: type[T]) -> T:
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
         raise _Invalid(
-            "", f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+            "", f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {plain_problem(error)}"
         ) from None
     except yaml.YAMLError as error:  # e.g. a control character, which has a position but no line
         raise _Invalid("", f"invalid YAML: {str(error).splitlines()[0]}") from None
@@ -508,12 +529,15 @@ def _build(cls: type, data: object, path: str):
                 f"secrets do not belong in the config file; name an environment variable ({env}) "
                 f"or a file ({file}) that holds it",
             )
-        raise _Invalid(_join(path, key), f"unknown key; known: {', '.join(sorted(known))}")
+        raise _Invalid(
+            _join(path, key), f"unknown key;{did_you_mean(key, known)} known: {', '.join(sorted(known))}"
+        )
     hints = get_type_hints(cls)
     values = {}
     for name, field in known.items():
         if name in data:
-            values[name] = _convert(hints[name], data[name], _join(path, name))
+            where, read = _join(path, name), field.metadata.get("read")  # "read": a key's own reader
+            values[name] = read(data[name], where) if read else _convert(hints[name], data[name], where)
         else:
             _check(field.default is not MISSING, _join(path, name), "required key is missing")
     try:
@@ -532,7 +556,12 @@ def _convert(kind: Any, value: object, path: str):
         return _convert(kind, value, path)
     if origin is Literal:
         allowed = get_args(kind)
-        _check(value in allowed, path, f"must be one of {', '.join(allowed)}; got {_describe(value)}")
+        hint = did_you_mean(value, allowed) if isinstance(value, str) else ""
+        _check(
+            value in allowed,
+            path,
+            f"must be one of {', '.join(allowed)}; got {_describe(value)}{hint and ';'}{hint}",
+        )
         return value
     if origin is tuple:  # tuple[X, ...], from a YAML list
         _check(isinstance(value, list), path, f"expected a list, got {_describe(value)}")

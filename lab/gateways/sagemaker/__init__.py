@@ -1,0 +1,102 @@
+"""`sagemaker`: the lab's stand-in for Amazon SageMaker's runtime (front.py), one endpoint whose instances
+are the replicas, run as SageMaker containers with stateful sessions. The affinity listener routes
+requests without a session by the lab's `--sagemaker-routing`, the round_robin listener by `RANDOM`;
+both pin sessions. The config is front.json in the state directory's sagemaker/, applied by SIGHUP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
+from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH
+from kvwatch.lab.process import LabError, Process, is_ours
+from kvwatch.lab.state import LabState
+
+# The front fault: it passes no session id to the containers and pins nothing (`kvwatch lab fault`).
+IGNORE_SESSIONS = "ignore-session-ids"
+ENDPOINT = "lab-endpoint"
+VARIANT = "AllTraffic"
+FRONT_FAULTS = (IGNORE_SESSIONS,)
+RELOAD_TIMEOUT_S = 10.0
+# Real vLLM on a CPU core takes seconds for a cold prefill; SageMaker allows a container 60 s.
+CONTAINER_TIMEOUT_S = 120.0
+
+
+def _config(state: LabState, stamp: str) -> dict:
+    ports = state.ports
+    return {
+        "generation": stamp,
+        "endpoint": ENDPOINT,
+        "variant": VARIANT,
+        "instances": [{"id": r.id, "url": f"http://{r.address}"} for r in state.replicas],
+        "listeners": {
+            "affinity": {"port": ports.affinity, "routing": state.sagemaker_routing},
+            "round_robin": {"port": ports.round_robin, "routing": "RANDOM"},
+        },
+        "faults": [f for f in state.faults if f in FRONT_FAULTS],
+        "log_directory": str(state.directory / "logs"),
+        "prefix_length": DEFAULT_PREFIX_LENGTH,
+        "concurrency_threshold": DEFAULT_CONCURRENCY_THRESHOLD,
+        "container_timeout_s": CONTAINER_TIMEOUT_S,
+    }
+
+
+def sagemaker_endpoint(state: LabState) -> dict:
+    """What a SageMaker client of the lab needs besides the listeners' URLs (`lab status --json`)."""
+    return {"endpoint": ENDPOINT, "variant": VARIANT, "routing": state.sagemaker_routing}
+
+
+def config_generation(state: LabState) -> str:
+    return generation(lambda stamp: {"front.json": json.dumps(_config(state, stamp), sort_keys=True)})
+
+
+def config_path(state: LabState):
+    return state.directory / "sagemaker" / "front.json"
+
+
+def write_configs(state: LabState) -> None:
+    path = config_path(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_config(state, config_generation(state)), indent=2))
+    tmp.replace(path)
+
+
+def process(state: LabState) -> Process:
+    argv = [sys.executable, "-m", "kvwatch.lab.gateways.sagemaker.front", str(config_path(state))]
+    return Process("sagemaker", argv, f"http://127.0.0.1:{state.ports.affinity}/-/lab-config")
+
+
+def apply(state: LabState) -> float:
+    """SIGHUP the front; return once both listeners answer the written config's generation."""
+    pid = state.processes.get("sagemaker")
+    if pid is None or not is_ours(state, pid):
+        raise LabError("the SageMaker front is not running; start the lab with `kvwatch lab up`")
+    expected = config_generation(state)
+    reloaded = time.time()
+    os.kill(pid, signal.SIGHUP)
+
+    def problem() -> str | None:
+        answers = listener_generations(state)
+        return None if set(answers.values()) == {expected} else f"answers {answers}, not {expected}"
+
+    await_serving(
+        state, problem, RELOAD_TIMEOUT_S, "the SageMaker front did not load its config", "sagemaker"
+    )
+    return reloaded
+
+
+GATEWAY = Gateway(
+    name="sagemaker",
+    help="Amazon SageMaker's runtime API (InvokeEndpoint, the response stream) with stateful sessions "
+    "pinned to the instance that opened them; clients use the AWS SDK (botocore)",
+    log_format="nginx",
+    process=process,
+    write_configs=write_configs,
+    apply=apply,
+)

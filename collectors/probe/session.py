@@ -502,18 +502,22 @@ def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[Sessi
     """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
 
     For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
-    so these are new ones.
+    so these are new ones. A round run in a new session after a loss stays cold: nothing before it.
     """
-    return [
-        replace(
-            session,
-            rounds=tuple(
-                replace(r, ideal_cached_tokens=ideal_cached(previous, r.prompt_tokens, block))
-                for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
-            ),
+
+    def aligned(session: SessionResult) -> tuple[RoundResult, ...]:
+        reopened = {number for number, _ in session.session_losses}
+        return tuple(
+            replace(
+                r,
+                ideal_cached_tokens=ideal_cached(
+                    None if r.round in reopened else previous, r.prompt_tokens, block
+                ),
+            )
+            for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
         )
-        for session in sessions
-    ]
+
+    return [replace(session, rounds=aligned(session)) for session in sessions]
 
 
 def excerpt(text: str, api_key: str | None) -> str:

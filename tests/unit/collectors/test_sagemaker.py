@@ -25,7 +25,7 @@ from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.probe.conversation import run_conversation
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.collectors.probe.report import HINTS, format_report, session_json
-from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.collectors.probe.session import ProbeSettings, with_block_size
 from kvwatch.collectors.probe.targets import KINDS, ProbeClients, probe_once, target_problem
 from kvwatch.collectors.probe.targets import sagemaker as sagemaker_module
 from kvwatch.collectors.probe.targets.sagemaker import (
@@ -322,6 +322,8 @@ def test_a_refused_session_is_counted_by_kind_and_the_round_runs_in_a_new_one(ex
     assert [r.session_id_sent for r in session.rounds] == ["s-1", "s-2"]
     assert session.rounds[1].ideal_cached_tokens == 0  # a new session holds nothing: not judged on reuse
     assert (session.session_id, session.closed) == ("s-2", True)
+    (realigned,) = with_block_size([session], 16)  # a block learned after the run keeps it cold
+    assert [r.ideal_cached_tokens for r in realigned.rounds] == [0, 0]
 
 
 def test_a_session_the_endpoint_says_it_closed_is_reopened_for_the_next_round():

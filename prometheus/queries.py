@@ -401,6 +401,15 @@ PROBE_STICKY_SHARE = _ratio(
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky="true"', ROUTE),
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky!="unknown"', ROUTE),
 )
+# What a route's stickiness is judged by: per route, the share of its probe sessions judged by the replica
+# a round names, by the warm rounds' reuse (SageMaker names no replica), or by nothing.
+PROBE_EVIDENCE_SHARE = (
+    _sum_rate("kvwatch_probe_evidence_sessions_total", PROBE_SELECTOR, f"{ROUTE}, evidence")
+    + f"\n  / on ({ROUTE}) group_left() "
+    + f"({_sum_rate('kvwatch_probe_evidence_sessions_total', PROBE_SELECTOR, ROUTE)} > 0)"
+)
+# The last run's warm reuse per route, with the evidence it stands for (KVWatchSessionReuseLost's gauge).
+PROBE_WARM_REUSE = f"min by ({ROUTE}, evidence) (kvwatch_probe_warm_reuse_ratio{{{PROBE_SELECTOR}}})"
 PROBE_BACKEND_SWITCHES_PER_SESSION = _ratio(
     _sum_rate("kvwatch_probe_backend_switches_total", PROBE_SELECTOR, ROUTE),
     _sum_rate("kvwatch_probe_sessions_total", PROBE_SELECTOR, ROUTE),

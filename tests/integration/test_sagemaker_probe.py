@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, Lab, http_get, kvwatch
 from kvwatch.lab.gateways.sagemaker import ENDPOINT, LAB_CREDENTIALS, LAB_REGION
+from kvwatch.prometheus import queries
 
 REPLICAS = ("r1", "r2", "r3", "r4")
 MODEL = "lab-model"
@@ -75,6 +76,13 @@ def active_alerts(lab: Lab, name: str) -> list[dict]:
     params = {"active": "true", "silenced": "false", "inhibited": "false"}
     alerts = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", params=params, timeout=5).json()
     return [a for a in alerts if a["labels"]["alertname"] == name]
+
+
+def prometheus(lab: Lab, query: str) -> list[dict]:
+    """The lab Prometheus's instant answer to a board's query, every target, a 30 s rate window."""
+    filled = queries.fill_variables(query, window="30s", time_range="5m")
+    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": filled}, timeout=10)
+    return answer.json()["data"]["result"]
 
 
 def fault(lab: Lab, *args: str) -> str:
@@ -162,6 +170,20 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
 
     series = wait_for(lambda: [s for s in reuse_series() if 'target="lab-affinity"' in s], "a probed run")
     assert float(series[0].rsplit(" ", 1)[1]) == 1.0, series
+
+    # The boards' evidence panels, as the lab's Prometheus answers them: both routes judged by reuse alone.
+    def evidence() -> dict[tuple[str, str], float] | None:
+        found = {(r["metric"]["target"], r["metric"]["evidence"]): float(r["value"][1])
+                 for r in prometheus(lab, queries.PROBE_EVIDENCE_SHARE)}  # fmt: skip
+        return found if {target for target, _ in found} == {"lab-affinity", "lab-round-robin"} else None
+
+    shares = {key: share for key, share in wait_for(evidence, "the evidence shares").items() if share}
+    assert shares == {("lab-affinity", "reuse"): 1.0, ("lab-round-robin", "reuse"): 1.0}, shares
+    reuse = prometheus(lab, queries.PROBE_WARM_REUSE)
+    assert {(r["metric"]["target"], r["metric"]["evidence"]) for r in reuse} == {
+        ("lab-affinity", "reuse"),
+        ("lab-round-robin", "reuse"),
+    }, reuse
     assert not active_alerts(lab, "KVWatchSessionReuseLost")
     fault(lab, "ignore-session-ids")
     try:

@@ -25,6 +25,7 @@ from kvwatch.prometheus.queries import (
     per_route,
     sticky_ratio,
     warm_cold_ratio,
+    warm_reuse_ratio,
     watched_listeners,
     watched_routes,
 )
@@ -98,6 +99,16 @@ def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
             "{{ $labels.target }} stayed on one replica: the gateway no longer pins sessions, so rounds 2+ "
             "pay a full prefill.",
+            keep_firing_for="2m",
+        ),
+        Alert(
+            "KVWatchSessionReuseLost",
+            f"{warm_reuse_ratio(by)} < {t.warm_reuse_below}\nand {watched_routes(by)}",
+            "critical",
+            "Warm probe rounds through a session route stopped reusing their history.",
+            "The last probe run's warm rounds through {{ $labels.target }} had only "
+            "{{ $value | humanizePercentage }} of the tokens a pinned session holds cached: no round names "
+            "its replica here, and the reuse says the sessions no longer reach the instance that holds them.",
             keep_firing_for="2m",
         ),
         Alert(

@@ -18,7 +18,9 @@ from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
 from kvwatch.doctor.caching import Cluster
 from kvwatch.doctor.checks import CHECKS, diagnose
+from kvwatch.doctor.findings import Diagnosis
 from kvwatch.doctor.report import format_diagnosis, format_links
+from kvwatch.doctor.sagemaker import diagnose_sagemaker
 from kvwatch.doctor.setup import check_setup
 from kvwatch.prometheus.pipeline import OK
 
@@ -27,7 +29,8 @@ DESCRIPTION = (
     "Walk the troubleshooting checklist against one route: reachability and the base URL, "
     "auth, the response's shape, whether the session id reaches the router and is its hash key, "
     "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-    "front of the prompts. Each check prints its evidence and fix. With --setup --config FILE, check "
+    "front of the prompts; or, with --sagemaker-endpoint, a few sessions through a SageMaker endpoint's "
+    "runtime API. Each check prints its evidence and fix. With --setup --config FILE, check "
     "kvwatch's own pipeline instead: serve, Prometheus' scrapes, rules and Alertmanager, Alertmanager's "
     "route to kvwatch's webhook, the store."
 )
@@ -42,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(1 when a link is broken or could not be judged)",
     )
     parser.add_argument("--config", type=Path, metavar="FILE", help="kvwatch YAML config, for --setup")
-    options.add_route_arguments(parser, required=False)
+    options.add_route_arguments(parser, required=False, sagemaker=True)
     options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"
     )
@@ -80,9 +83,14 @@ def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch doctor`: 1 when a check fails, 2 on bad arguments."""
     if args.setup:
         return run_setup(args)
+    if args.sagemaker_endpoint:
+        return _sagemaker(args)
     try:
         if not args.base_url:
-            raise ValueError("the following arguments are required: --base-url (or --setup --config FILE)")
+            raise ValueError(
+                "the following arguments are required: --base-url or --sagemaker-endpoint "
+                "(or --setup --config FILE)"
+            )
         block_sources = options.block_size_sources(args, [args.base_url])
         if args.requests_sample and not Path(args.requests_sample).is_file():
             raise ValueError(f"--requests-sample {args.requests_sample}: no such file")
@@ -111,20 +119,46 @@ def run_cli(args: argparse.Namespace) -> int:
             args.gateway,
             cluster,
         )
+    return _print(
+        args, diagnosis, f"{redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}"
+    )
+
+
+def _sagemaker(args: argparse.Namespace) -> int:
+    """The doctor on a SageMaker endpoint: a few sessions through its runtime API (doctor.sagemaker)."""
+    try:
+        endpoint = options.sagemaker_endpoint(args)
+        probe = options.route_settings(
+            args,
+            base_url=endpoint.base_url,
+            model=args.model,
+            timeout_seconds=args.timeout,
+            kind="sagemaker",
+            sagemaker=endpoint,
+        )
+    except ValueError as error:
+        print(f"kvwatch doctor: {error}", file=sys.stderr)
+        return 2
+    return _print(
+        args, diagnose_sagemaker(probe), f"SageMaker endpoint {endpoint.endpoint_name}, model {args.model}"
+    )
+
+
+def _print(args: argparse.Namespace, diagnosis: Diagnosis, route: str) -> int:
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:
-        print(f"kvwatch doctor: {redact(api_url(probe.base_url, 'chat/completions'))}, model {probe.model}\n")
+        print(f"kvwatch doctor: {route}\n")
         print(format_diagnosis(diagnosis))
     return 1 if diagnosis.failed else 0
 
 
 def run_setup(args: argparse.Namespace) -> int:
     """`kvwatch doctor --setup`: one line per link of kvwatch's pipeline; 1 unless every link holds."""
-    if args.config is None or args.base_url:
+    if args.config is None or args.base_url or args.sagemaker_endpoint:
         print(
             "kvwatch doctor: --setup checks the pipeline --config FILE sets up: give --config, "
-            "not --base-url",
+            "not --base-url or --sagemaker-endpoint",
             file=sys.stderr,
         )
         return 2

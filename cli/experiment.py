@@ -26,8 +26,15 @@ DESCRIPTION = (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = options.command(subparsers, "experiment", run_cli, help=HELP, description=DESCRIPTION)
-    parser.add_argument("--a", required=True, metavar="URL", help="route A's API root, with or without /v1")
-    parser.add_argument("--b", required=True, metavar="URL", help="route B's API root, with or without /v1")
+    parser.add_argument("--a", metavar="URL", help="route A's API root, with or without /v1")
+    parser.add_argument("--b", metavar="URL", help="route B's API root, with or without /v1")
+    parser.add_argument(
+        "--sagemaker-endpoint",
+        metavar="NAME",
+        help="instead of --a and --b: one Amazon SageMaker endpoint, route A without sessions and route B "
+        "with stateful sessions (labels no_session and session unless given; with --region and --model)",
+    )
+    options.add_sagemaker_arguments(parser)
     parser.add_argument(
         "--label-a", default="round_robin", metavar="LABEL", help="route A's name (default %(default)s)"
     )
@@ -75,6 +82,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     options.add_block_size_arguments(parser)
 
 
+def _routes(args: argparse.Namespace, api_key: str | None) -> tuple[ProbeSettings, ProbeSettings]:
+    """Routes A and B: two OpenAI-compatible routes, or one SageMaker endpoint without and with sessions
+    (the article's A/B on SageMaker). ValueError naming a wrong or missing option."""
+    endpoint = options.sagemaker_endpoint(args)
+    if endpoint is not None:
+        if args.a or args.b:
+            raise ValueError("--sagemaker-endpoint is both routes: leave out --a and --b")
+        labels = [
+            label if label != default else sagemaker_label
+            for label, default, sagemaker_label in (
+                (args.label_a, "round_robin", "no_session"),
+                (args.label_b, "affinity", "session"),
+            )
+        ]
+        routes = zip((endpoint.base_url,) * 2, labels, ("none", "client"), strict=True)
+        model, kind = args.model, "sagemaker"
+    else:
+        if not (args.a and args.b):
+            raise ValueError("name both routes with --a and --b, or a --sagemaker-endpoint")
+        routes = ((args.a, args.label_a, args.session_mode), (args.b, args.label_b, args.session_mode))
+        # Both routes reach the same engines, so route A's listing speaks for both.
+        model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
+        kind = "openai"
+    a, b = (
+        options.route_settings(
+            args,
+            base_url=url,
+            model=model,
+            api_key=api_key,
+            target=label,
+            route_mode=label,
+            session_mode=mode,
+            max_tokens=args.max_tokens,
+            kind=kind,
+            sagemaker=endpoint,
+        )
+        for url, label, mode in routes
+    )
+    return a, b
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`kvwatch experiment`: 0 when it ran, 1 when every session failed, 2 on bad arguments."""
     try:
@@ -83,22 +131,9 @@ def run_cli(args: argparse.Namespace) -> int:
             args.sessions, args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sharegpt
         )
         load = Load(args.concurrency, args.request_rate, args.seed)
-        sources = options.block_size_sources(args, [args.a, args.b])
-        # Both routes reach the same engines, so route A's listing speaks for both.
-        model = chosen_model(args.model, args.a, api_key, ProbeSettings.timeout_seconds, "experiment")
-        a, b = (
-            options.route_settings(
-                args,
-                base_url=url,
-                model=model,
-                api_key=api_key,
-                target=label,
-                route_mode=label,
-                session_mode=args.session_mode,
-                max_tokens=args.max_tokens,
-            )
-            for url, label in ((args.a, args.label_a), (args.b, args.label_b))
-        )
+        # A SageMaker endpoint has no --a or --b, and its runtime API serves no /metrics.
+        sources = options.block_size_sources(args, [url for url in (args.a, args.b) if url])
+        a, b = _routes(args, api_key)
         # It checks its arguments before it runs.
         with Progress.on_terminal("experiment", "sessions", json=False) as progress:
             experiment, markdown = run_into(a, b, workload, args.out, load, sources, progress)

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.collectors.probe.targets.sagemaker import EndpointProblem, SageMakerEndpoint
 from kvwatch.core.connections import url_problem
 from kvwatch.core.redaction import redact
 
@@ -62,11 +63,63 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_route_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """--base-url, --model and the API key's options: the one route a command talks to."""
-    parser.add_argument("--base-url", required=required, help="API root, with or without /v1")
+def add_route_arguments(
+    parser: argparse.ArgumentParser, required: bool = True, sagemaker: bool = False
+) -> None:
+    """--base-url, --model and the API key's options: the one route a command talks to; with `sagemaker`,
+    a SageMaker endpoint (add_sagemaker_arguments) may be named instead of the base URL."""
+    base_url = "API root, with or without /v1"
+    if not sagemaker:
+        parser.add_argument("--base-url", required=required, help=base_url)
+    else:
+        route = parser.add_mutually_exclusive_group(required=required)
+        route.add_argument("--base-url", help=base_url)
+        route.add_argument(
+            "--sagemaker-endpoint",
+            metavar="NAME",
+            help="probe this Amazon SageMaker endpoint through its runtime API instead (with --region; "
+            "AWS credentials from the standard chain: environment, shared files, --aws-profile)",
+        )
+        add_sagemaker_arguments(parser)
     add_model_argument(parser)
     add_api_key_arguments(parser)
+
+
+def add_sagemaker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a --sagemaker-endpoint is: what sagemaker_endpoint reads."""
+    group = parser.add_argument_group("SageMaker endpoint (with --sagemaker-endpoint)")
+    group.add_argument("--region", help="the endpoint's AWS region, e.g. us-east-1")
+    group.add_argument("--variant", help="the production variant to invoke (TargetVariant)")
+    group.add_argument("--inference-component", metavar="NAME", help="the inference component to invoke")
+    group.add_argument("--endpoint-url", metavar="URL", help="another runtime URL (a VPC endpoint, a lab)")
+    group.add_argument("--aws-profile", metavar="NAME", help="a profile of the shared AWS config files")
+
+
+def sagemaker_endpoint(args: argparse.Namespace) -> SageMakerEndpoint | None:
+    """The endpoint --sagemaker-endpoint names, or None; ValueError naming a wrong or missing option."""
+    if not getattr(args, "sagemaker_endpoint", None):
+        for flag in ("region", "variant", "inference_component", "endpoint_url", "aws_profile"):
+            if getattr(args, flag, None):
+                raise ValueError(f"--{flag.replace('_', '-')} is for a --sagemaker-endpoint")
+        return None
+    if not args.region:
+        raise ValueError("--sagemaker-endpoint needs --region")
+    if not args.model:
+        raise ValueError("--sagemaker-endpoint needs --model (the model the container serves)")
+    try:
+        return SageMakerEndpoint(
+            args.sagemaker_endpoint,
+            args.region,
+            variant=args.variant,
+            inference_component=args.inference_component,
+            endpoint_url=args.endpoint_url,
+            profile=args.aws_profile,
+        )
+    except EndpointProblem as problem:
+        flag = {"endpoint_name": "sagemaker-endpoint", "profile": "aws-profile"}.get(
+            problem.where, problem.where
+        )
+        raise ValueError(f"--{flag.replace('_', '-')}: {problem.message}") from None
 
 
 def route_settings(args: argparse.Namespace, **fields) -> ProbeSettings:

@@ -11,13 +11,8 @@ from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
-from kvwatch.collectors.probe.session import (
-    SESSION_MODES,
-    ProbeSettings,
-    probe_once,
-    resolve_api_key,
-    with_block_size,
-)
+from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key, with_block_size
+from kvwatch.collectors.probe.targets import metrics_base_urls, probe_once
 from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
 from kvwatch.config.settings import Target, Workload
 from kvwatch.core.progress import Progress
@@ -25,15 +20,16 @@ from kvwatch.core.progress import Progress
 HELP = "run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness"
 DESCRIPTION = (
     "Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
-    "router in front of vLLM / SGLang replicas) and print, per round, the median TTFT, cached vs "
-    "ideal cached tokens and the backends seen, then each session's stickiness."
+    "router in front of vLLM / SGLang replicas) or an Amazon SageMaker endpoint, and print, per round, "
+    "the median TTFT, cached vs ideal cached tokens and the backends seen, then each session's "
+    "stickiness."
 )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
     parser = options.command(subparsers, "probe", run, help=HELP, description=DESCRIPTION)
-    options.add_route_arguments(parser)
+    options.add_route_arguments(parser, sagemaker=True)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),
         ("--sessions", "sessions", int, 3, "sessions"),
@@ -53,7 +49,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=SESSION_MODES,
         default=ProbeSettings.session_mode,
         help="client: a new id per session; server: send none in round 1, then the id the gateway "
-        "returned; none: never send one (default %(default)s)",
+        "returned; none: never send one (default %(default)s). On SageMaker, client and server open a "
+        "stateful session per conversation",
+    )
+    parser.add_argument(
+        "--no-session",
+        action="store_const",
+        const="none",
+        dest="session_mode",
+        help="send no session id (--session-mode none): the A/B against sessions",
     )
     options.add_session_arguments(
         parser, "session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)"
@@ -92,9 +96,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwatch probe: {len(failed)} of {len(sessions)} sessions failed", file=sys.stderr)
         for line in failure_hints(failed):
             print(f"  {line}", file=sys.stderr)
-        if any(s.error_kind in NO_COMPLETION for s in failed) and (
-            said := asyncio.run(explanation(settings))
-        ):
+        no_completion = settings.kind == "openai" and any(s.error_kind in NO_COMPLETION for s in failed)
+        if no_completion and (said := asyncio.run(explanation(settings))):
             print(f"  {said}", file=sys.stderr)
         return 1
     return 0
@@ -118,7 +121,7 @@ def _read_args(
     if problems:
         raise ValueError("; ".join(problems))
     api_key = resolve_api_key(args.api_key_env, args.api_key_file)
-    sources = options.block_size_sources(args, [args.base_url])
+    endpoint = options.sagemaker_endpoint(args)
     if args.sharegpt:
         conversations = [
             Conversation(c.system_prompt, c.user_turns[: args.rounds])
@@ -126,13 +129,17 @@ def _read_args(
         ]
     else:
         conversations = synthetic(args.rounds, args.system_tokens, args.turn_tokens, args.seed, args.sessions)
-    settings = options.route_settings(  # last: the model may have to be asked for
+    base_url = endpoint.base_url if endpoint else args.base_url
+    model = args.model if endpoint else None  # last: the model may have to be asked for
+    settings = options.route_settings(
         args,
-        base_url=args.base_url,
-        model=chosen_model(args.model, args.base_url, api_key, args.timeout, "probe"),
+        base_url=base_url,
+        model=model or chosen_model(args.model, base_url, api_key, args.timeout, "probe"),
         api_key=api_key,
         session_mode=args.session_mode,
         max_tokens=args.max_tokens,
         timeout_seconds=args.timeout,
+        kind="sagemaker" if endpoint else "openai",
+        sagemaker=endpoint,
     )
-    return settings, conversations, sources
+    return settings, conversations, options.block_size_sources(args, metrics_base_urls(settings))

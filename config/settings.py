@@ -23,7 +23,8 @@ import yaml
 
 from kvwatch.collectors import gatewaylogs, identity
 from kvwatch.collectors.labels import label_names
-from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe import blocksize, targets
+from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
 from kvwatch.core.errors import KVWatchError
@@ -196,11 +197,11 @@ class Workload:
 
 @dataclass(frozen=True)
 class Target:
-    """One route to probe: the three settings every client needs, and how to run its sessions."""
+    """One route to probe: its kind and where it is, the model, and how to run its sessions."""
 
     name: str
-    base_url: str
-    model: str
+    base_url: str = ""  # required for kind openai; a sagemaker target's is set to its endpoint's
+    model: str = ""  # required
     route_mode: RouteMode = "affinity"
     expect_sticky: bool | None = None  # None: whether route_mode pins sessions (set on construction)
     api_key_env: str | None = None
@@ -217,25 +218,26 @@ class Target:
     workload: Workload = Workload()
     timeout_seconds: float = _bounded(60.0, 0, HOUR, low_excluded=True)
     block_size: int | None = None  # the engine's KV block in tokens; None: learn it (collectors.blocksize)
+    kind: str = "openai"  # how rounds reach the route, one of collectors.probe.targets.KINDS
+    sagemaker: SageMakerEndpoint | None = None  # a sagemaker target's endpoint (docs/probing.md)
 
     def __post_init__(self):
         _name(self.name, "name")
+        if wrong := targets.target_problem(self.kind, self.base_url, self.model, self.sagemaker):
+            raise _Invalid(*wrong)
+        object.__setattr__(self, "base_url", self.sagemaker.base_url if self.sagemaker else self.base_url)
         _url(self.base_url, "base_url")
         pasted = endpoint_problem(self.base_url)  # a pasted …/v1/chat/completions
         _check(pasted is None, "base_url", pasted or "")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
+        routers = identity.ROUTERS
         _check(
-            self.router is None or self.router in identity.ROUTERS,
-            "router",
-            unknown("router", self.router, identity.ROUTERS),
+            self.router is None or self.router in routers, "router", unknown("router", self.router, routers)
         )
-        _check(
-            self.schedule is None or self.interval_seconds is None,
-            "",
-            "set interval_seconds or schedule, not both",
-        )
+        both = "set interval_seconds or schedule, not both"
+        _check(self.schedule is None or self.interval_seconds is None, "", both)
         if self.schedule is None and self.interval_seconds is None:
             object.__setattr__(self, "interval_seconds", 60.0)
         _check_ranges(self)
@@ -283,11 +285,8 @@ class GatewayLog:
     def __post_init__(self):
         _name(self.name, "name")
         _check_ranges(self)
-        _check(
-            self.format in gatewaylogs.LOG_FORMATS,
-            "format",
-            unknown("format", self.format, gatewaylogs.LOG_FORMATS),
-        )
+        formats = gatewaylogs.LOG_FORMATS
+        _check(self.format in formats, "format", unknown("format", self.format, formats))
 
 
 def _listen(value: object, where: str) -> str:
@@ -543,8 +542,9 @@ def _build(cls: type, data: object, path: str):
             _check(field.default is not MISSING, _join(path, name), "required key is missing")
     try:
         return cls(**values)
-    except _Invalid as error:
-        raise _Invalid(_join(path, error.where) if error.where else path, error.message) from None
+    except ValueError as error:  # _Invalid, or a section's own check (a target kind's EndpointProblem)
+        where, message = getattr(error, "where", ""), getattr(error, "message", str(error))
+        raise _Invalid(_join(path, where) if where else path, message) from None
 
 
 def _convert(kind: Any, value: object, path: str):

@@ -23,6 +23,12 @@ CAUSES = (
     "prefix_cache_disabled",
     "dynamic_prompt_prefix",
     "cluster_not_found",
+    # A SageMaker endpoint (doctor.sagemaker):
+    "stateful_sessions_disabled",
+    "aws_credentials",
+    "model_stream_error",
+    "sessions_expire_between_rounds",
+    "session_reuse_lost",
 )
 
 

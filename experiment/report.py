@@ -6,8 +6,7 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvwatch.collectors.probe.session import api_url
-from kvwatch.core.redaction import redact
+from kvwatch.collectors.probe.report import route_description
 from kvwatch.experiment import plot
 from kvwatch.experiment.design import GROUPS, Experiment
 from kvwatch.experiment.tables import (
@@ -56,7 +55,7 @@ def report(
     a, b = experiment.labels
     lines = [f"## A/B experiment: {a} (A) vs {b} (B)", ""]
     for group, route in zip(GROUPS, (experiment.a, experiment.b), strict=True):
-        lines.append(f"- {group}, {route.target}: {redact(api_url(route.base_url, 'chat/completions'))}")
+        lines.append(f"- {group}, {route.target}: {route_description(route)[0]}")
     lines += [
         f"- {len(experiment.sessions[0])} sessions of {experiment.rounds} rounds through each route: the "
         f"same conversations, {experiment.load.describe()}; model "

@@ -22,8 +22,8 @@ from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import BlockSizeSources
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.collectors.probe.report import failure_hints
-from kvwatch.collectors.probe.session import ProbeSettings, run_session, with_block_size
-from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.session import ProbeSettings, with_block_size
+from kvwatch.collectors.probe.targets import ProbeClients, metrics_base_urls, run_target_session
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.progress import Progress
 from kvwatch.experiment.design import ONE_AT_A_TIME, Experiment, Load, Workload, interleave, tag
@@ -58,8 +58,9 @@ def run_experiment(
     results: tuple[list, list] = ([None] * len(conversations), [None] * len(conversations))
 
     async def run() -> None:
-        # One pool per route, so that one route's sessions do not close the other's kept-alive connections.
-        async with StreamClient() as client_a, StreamClient() as client_b:
+        # One pool per route, so that one route's sessions do not close the other's kept-alive connections;
+        # each route of its kind (an OpenAI-compatible route, a SageMaker endpoint with or without sessions).
+        async with ProbeClients() as client_a, ProbeClients() as client_b:
             clients = (client_a, client_b)
             queues = [asyncio.Queue() for _ in range(1 if load.one_at_a_time else 2)]
             loop = asyncio.get_running_loop()
@@ -77,13 +78,13 @@ def run_experiment(
                 while (arrived := await queue.get()) is not None:
                     conversation, route = arrived
                     tagged = tag(conversations[conversation], run_id, route)
-                    session = await run_session(clients[route], routes[route], tagged)
+                    session = await run_target_session(clients[route], routes[route], tagged)
                     results[route][conversation] = session
                     if on_session is not None:
                         on_session(session)
 
             await asyncio.gather(arrive(), *(worker(queue) for queue in queues for _ in range(workers)))
-        sources = block_sources or blocksize.sources_for([a.base_url, b.base_url])
+        sources = block_sources or blocksize.sources_for([*metrics_base_urls(a), *metrics_base_urls(b)])
         return await blocksize.learn(sources, [*results[0], *results[1]])
 
     block = asyncio.run(run())

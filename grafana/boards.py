@@ -37,6 +37,7 @@ from kvwatch.grafana.panels import (
     NO_ROUTER_DATA,
     OVERVIEW,
     PROBE_MIN_INTERVAL,
+    ROUTE_LEGEND,
     Layout,
     cached_share_by_source,
     dashboard,
@@ -287,6 +288,40 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             alert="KVWatchWarmRoundNoGain",
         ),
         6,
+    )
+    layout.add(
+        timeseries(
+            "Stickiness evidence per route",
+            "What each route's probe sessions were judged sticky or not by: replica (every round named "
+            "the replica that served it), reuse (no round named one, as behind SageMaker: the warm "
+            "rounds' cached tokens against the ideal at the engine's block), none (neither).\n\n"
+            "Good: replica or reuse at 100 % on every route. Bad: none: the route's stickiness is not "
+            "judged, and Sticky probe sessions leaves it out.",
+            [target(queries.PROBE_EVIDENCE_SHARE, f"{ROUTE_LEGEND}: {{{{evidence}}}}")],
+            unit="percentunit",
+            max_value=1,
+            no_value=NO_PROBE_DATA,
+            interval=PROBE_MIN_INTERVAL,
+            drilldown="target",
+        ),
+        12,
+    )
+    layout.add(
+        timeseries(
+            "Warm reuse of the last probe run",
+            "Cached over ideal cached tokens of the last run's warm rounds, per route, labelled with the "
+            "evidence the route has. On a route judged by reuse this is its stickiness: "
+            f"KVWatchSessionReuseLost fires below {t.warm_reuse_below:.0%}.\n\nGood: near 100 % on a "
+            f"sticky route. Bad: below {t.warm_reuse_below:.0%} there: the sessions no longer reach the "
+            "instance that holds them.",
+            [target(queries.PROBE_WARM_REUSE, f"{ROUTE_LEGEND}: {{{{evidence}}}}")],
+            unit="percentunit",
+            no_value=NO_PROBE_DATA,
+            interval=PROBE_MIN_INTERVAL,
+            drilldown="target",
+            alert="KVWatchSessionReuseLost",
+        ),
+        12,
     )
 
 

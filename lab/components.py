@@ -7,6 +7,7 @@ adding an entry there and, if it has a port, a property in `lab.state.Ports`.
 from __future__ import annotations
 
 from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS
 from kvwatch.lab.process import Process, binary
 from kvwatch.lab.process import kvwatch_command as _kvwatch
 from kvwatch.lab.replicas import REPLICA_KINDS
@@ -55,9 +56,15 @@ def alertmanager_process(state: LabState) -> Process:
 
 
 def serve_process(state: LabState) -> Process:
-    """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook."""
+    """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook. Behind
+    the sagemaker gateway it signs its requests with the lab's dummy AWS credentials, never the user's
+    (the shared AWS files are pointed at the lab's directory, where there are none)."""
     argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
-    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy")
+    env = {}
+    if state.gateway == "sagemaker":
+        none = str(state.directory / "no-aws-files")
+        env = {**LAB_CREDENTIALS, "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none}
+    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy", env)
 
 
 def dashboard_process(state: LabState) -> Process:

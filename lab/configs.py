@@ -12,6 +12,8 @@ from kvwatch.config.settings import GatewayLog
 from kvwatch.core.credentials import write_new_token
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.lab.gateways import GATEWAYS
+from kvwatch.lab.gateways.sagemaker import ENDPOINT as SAGEMAKER_ENDPOINT
+from kvwatch.lab.gateways.sagemaker import LAB_REGION
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import LabState
@@ -150,10 +152,21 @@ def render_prometheus(state: LabState) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
+def _as_sagemaker_target(target: dict) -> None:
+    """An example target turned into one of the SageMaker front's endpoint at the same port: its
+    round-robin route is the endpoint without sessions (the A/B's baseline)."""
+    url = target.pop("base_url")
+    target["kind"] = "sagemaker"
+    target["sagemaker"] = {"endpoint_name": SAGEMAKER_ENDPOINT, "region": LAB_REGION, "endpoint_url": url}
+    if target["route_mode"] == "round_robin":
+        target["session"] = {**target.get("session", {}), "mode": "none"}
+
+
 def render_kvwatch_config(state: LabState) -> str:
     """The kvwatch config `kvwatch serve` runs in the lab: examples/kvwatch.lab.yaml with this lab's
     ports, state directory, kind of replica and gateway log format (a short probe interval with --fast,
-    no probes with --no-probes)."""
+    no probes with --no-probes). Behind the sagemaker gateway its targets are the front's endpoint:
+    with stateful sessions through the affinity listener, without through the round-robin one."""
     config = yaml.safe_load((REPO / "examples" / "kvwatch.lab.yaml").read_text())
     ports, directory = state.ports, state.directory
     gateways = {"affinity": ports.affinity, "round_robin": ports.round_robin}
@@ -165,9 +178,9 @@ def render_kvwatch_config(state: LabState) -> str:
             target["interval_seconds"] = kind.fast_probe_interval_s
         if kind.probe_workload:
             target["workload"] = {**target.get("workload", {}), **kind.probe_workload}
-    # The central kvwatch only receives the alerts; the example's targets speak OpenAI's API, which a
-    # SageMaker endpoint does not.
-    if not state.probes or state.clusters or state.gateway == "sagemaker":
+        if state.gateway == "sagemaker":
+            _as_sagemaker_target(target)
+    if not state.probes or state.clusters:  # the central kvwatch only receives the alerts
         config["targets"] = []
     if state.clusters:
         config["gateway_logs"] = []

@@ -276,6 +276,12 @@ def warm_cold_ratio(by: Grouping) -> str:
     return per_route("max", "kvwatch_probe_warm_cold_ttft_ratio", by)  # the last probe run's
 
 
+def warm_reuse_ratio(by: Grouping) -> str:
+    """The last probe run's warm-round reuse (cached over ideal tokens) on routes judged by reuse alone:
+    no round named its replica (SageMaker, which names none)."""
+    return per_route("min", 'kvwatch_probe_warm_reuse_ratio{evidence="reuse"}', by)
+
+
 def gateway_spread(by: Grouping) -> str:
     return f'max by ({by.listener}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
 
@@ -395,6 +401,15 @@ PROBE_STICKY_SHARE = _ratio(
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky="true"', ROUTE),
     _sum_rate("kvwatch_probe_stickiness_sessions_total", f'{PROBE_SELECTOR}, sticky!="unknown"', ROUTE),
 )
+# What a route's stickiness is judged by: per route, the share of its probe sessions judged by the replica
+# a round names, by the warm rounds' reuse (SageMaker names no replica), or by nothing.
+PROBE_EVIDENCE_SHARE = (
+    _sum_rate("kvwatch_probe_evidence_sessions_total", PROBE_SELECTOR, f"{ROUTE}, evidence")
+    + f"\n  / on ({ROUTE}) group_left() "
+    + f"({_sum_rate('kvwatch_probe_evidence_sessions_total', PROBE_SELECTOR, ROUTE)} > 0)"
+)
+# The last run's warm reuse per route, with the evidence it stands for (KVWatchSessionReuseLost's gauge).
+PROBE_WARM_REUSE = f"min by ({ROUTE}, evidence) (kvwatch_probe_warm_reuse_ratio{{{PROBE_SELECTOR}}})"
 PROBE_BACKEND_SWITCHES_PER_SESSION = _ratio(
     _sum_rate("kvwatch_probe_backend_switches_total", PROBE_SELECTOR, ROUTE),
     _sum_rate("kvwatch_probe_sessions_total", PROBE_SELECTOR, ROUTE),

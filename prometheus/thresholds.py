@@ -27,6 +27,7 @@ class Thresholds:
     cluster_label: str = CLUSTER_LABEL  # every rule aggregates by it, every board filters by it
     sticky_ratio_below: float = 0.5  # share of a probe run's sessions that stayed on one replica
     echo_ratio_below: float = 0.5  # share of a probe run's sessions whose id the gateway echoed
+    warm_reuse_below: float = 0.5  # warm rounds' cached over ideal tokens, on a route judged by reuse
     keyless_share_above: float = 0.5  # share of gateway requests that arrived without a session key
     keyless_rise_factor: float = 2.0  # ... and at least this many times the share an hour earlier
     keyless_share_window: str = "5m"  # ... both shares rated over this window

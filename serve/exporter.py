@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
-from kvwatch.collectors.probe.records import ERROR_KINDS, SessionResult
+from kvwatch.collectors.probe.records import ERROR_KINDS, EVIDENCE, SESSION_LOSS_KINDS, SessionResult
 from kvwatch.config.settings import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
 from kvwatch.core.stats import median
@@ -117,6 +117,8 @@ class ProbeResults:
             ("stickiness", ("true", "false", "unknown")),
             ("echo", ("true", "false")),
             ("errors", ERROR_KINDS),
+            ("evidence", EVIDENCE),
+            ("losses", SESSION_LOSS_KINDS),
         ):
             for value in values:
                 self._totals[key, (*route, value)] += 0
@@ -129,6 +131,9 @@ class ProbeResults:
         totals["sessions", (*route, "success" if session.ok else "failure")] += 1
         sticky = {True: "true", False: "false", None: "unknown"}[session.sticky]
         totals["stickiness", (*route, sticky)] += 1
+        totals["evidence", (*route, session.evidence)] += 1
+        for _, kind in session.session_losses:
+            totals["losses", (*route, kind)] += 1
         totals["switches", route] += session.backend_switches or 0
         if session.session_id_echoed is not None:
             totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
@@ -242,6 +247,12 @@ class ProbeCollector(Collector):
         warm_cold = gauge(
             "kvwatch_probe_warm_cold_ttft_ratio", "Median TTFT of rounds 2+ over round 1's in the last run"
         )
+        reuse = gauge(
+            "kvwatch_probe_warm_reuse_ratio",
+            "Cached over ideal cached tokens of the last run's warm rounds; evidence: replica when a round "
+            "named its replica, else reuse",
+            ("evidence",),
+        )
         for route, run in sorted(last.items()):
             labels = list(route)
             timestamp.add_metric(labels, run.finished_at)
@@ -259,7 +270,17 @@ class ProbeCollector(Collector):
             warm = [r.ttft_seconds for s in run.sessions for r in s.rounds if r.round > 1 and r.ttft_seconds]
             if medians.get(1) and warm:
                 warm_cold.add_metric(labels, median(warm) / medians[1])
-        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold)
+            if (reused := _warm_reuse(run.sessions)) is not None:
+                evidence = "replica" if any(s.evidence == "replica" for s in run.sessions) else "reuse"
+                reuse.add_metric([*labels, evidence], reused)
+        yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, reuse)
+
+
+def _warm_reuse(sessions: Sequence[SessionResult]) -> float | None:
+    """Cached over ideal tokens of the warm rounds that report cached tokens; None without any."""
+    warm = [r for s in sessions for r in s.rounds[1:] if r.ok and r.cached_tokens is not None]
+    ideal = sum(r.ideal_cached_tokens or 0 for r in warm)
+    return sum(r.cached_tokens for r in warm) / ideal if ideal else None
 
 
 def _median_ttft_by_round(sessions: Sequence[SessionResult]) -> dict[int, float]:

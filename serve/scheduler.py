@@ -22,16 +22,10 @@ import uuid
 from collections import Counter
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
-from kvwatch.collectors.probe import blocksize, workload
+from kvwatch.collectors.probe import blocksize, targets, workload
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.collectors.probe.session import (
-    ProbeSettings,
-    failed_run,
-    run_session,
-    unforeseen,
-    with_block_size,
-)
-from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen, with_block_size
+from kvwatch.collectors.probe.targets import ProbeClients, run_target_session
 from kvwatch.config.settings import Config, Target
 from kvwatch.core.naming import plural
 from kvwatch.core.redaction import redact
@@ -62,6 +56,8 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         router=target.router,
         max_tokens=target.workload.max_tokens,
         timeout_seconds=target.timeout_seconds,
+        kind=target.kind,
+        sagemaker=target.sagemaker,
     )
 
 
@@ -78,7 +74,9 @@ def block_size_sources(target: Target, prometheus_url: str | None) -> blocksize.
     override = None
     if target.block_size is not None:
         override = blocksize.BlockSize(target.block_size, f"block_size of target {target.name} in the config")
-    return blocksize.sources_for([target.base_url], prometheus_url, override)
+    return blocksize.sources_for(
+        targets.metrics_base_urls(probe_settings(target, None)), prometheus_url, override
+    )
 
 
 def run_summary(sessions: list[SessionResult], seconds: float) -> str:
@@ -168,7 +166,7 @@ class Service:
         self.conversations = {t.name: Conversations(t, prepared.sharegpt[t.name]) for t in self.targets}
         self.block_sources = {t.name: block_size_sources(t, config.prometheus.url) for t in self.targets}
         self._gate: asyncio.Semaphore | None = None
-        self._client: StreamClient | None = None
+        self._clients: ProbeClients | None = None
         self._stop: asyncio.Event | None = None
 
     async def probe(self, target: Target) -> None:
@@ -188,8 +186,8 @@ class Service:
                 self.writer.submit(self.store.add_session, so_far, uid, True)
 
             async with self._gate:
-                return uid, await run_session(
-                    self._client, settings, conversation, stop=self._stop, on_round=store_in_flight
+                return uid, await run_target_session(
+                    self._clients, settings, conversation, stop=self._stop, on_round=store_in_flight
                 )
 
         try:
@@ -260,7 +258,7 @@ class Service:
         self._stop = stop
         self._gate = asyncio.Semaphore(MAX_CONCURRENT_SESSIONS)
         # Each round has its target's deadline over the whole exchange (ProbeSettings.timeout_seconds).
-        self._client = StreamClient()
+        self._clients = ProbeClients()
         app = make_app(self.registry, self.store_alerts, self.webhook_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -284,7 +282,7 @@ class Service:
             await self.jobs().run(stop)
         finally:
             await runner.cleanup()
-            await self._client.aclose()
+            await self._clients.aclose()
             for follower in self.followers:
                 follower.close()
             self.writer.close(self.config.store.flush_seconds)

@@ -112,9 +112,10 @@ def cannot_listen(exporter: ExporterSettings, error: OSError) -> str:
 
 
 def online_problems(config: Config, api_keys: dict[str, str | None]) -> list[str]:
-    """What the network says: each target (with its key from `api_keys`) lists its model, Prometheus and
-    Alertmanager answer. One line per service that does not."""
-    targets = [t for t in config.targets if t.name in api_keys]
+    """What the network says: each OpenAI-compatible target (with its key from `api_keys`) lists its model
+    (a SageMaker endpoint has no model list), Prometheus and Alertmanager answer. One line per service
+    that does not."""
+    targets = [t for t in config.targets if t.name in api_keys and t.kind == "openai"]
     problems = asyncio.run(_targets_problems(targets, api_keys))
     if config.prometheus.url and (wrong := _prometheus_problem(config.prometheus.url)):
         problems.append(wrong)

@@ -25,6 +25,18 @@ COUNTERS = {
         "Probe sessions by whether every round landed on one replica (unknown: no evidence).",
         ["sticky"],
     ),
+    "evidence": (
+        "kvwatch_probe_evidence_sessions",
+        "Probe sessions by what their stickiness was judged by: the replica each round named, the warm "
+        "rounds' reuse (cached against ideal tokens; SageMaker names no replica), or none.",
+        ["evidence"],
+    ),
+    "losses": (
+        "kvwatch_probe_session_losses",
+        "Route sessions found gone before a round (SageMaker: expired, not_found, closed), each replaced "
+        "by a new session.",
+        ["kind"],
+    ),
     "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
     "echo": (
         "kvwatch_probe_session_id_echo_sessions",

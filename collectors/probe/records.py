@@ -22,7 +22,21 @@ ERROR_KINDS = (
     "tls_mismatch",  # https:// to a plain-HTTP server, or http:// to a TLS port
     "protocol_error",  # the answer is not valid HTTP/1.1 (status line, header block, framing, coding)
     "internal_error",  # an exception no code path expected (a bug), recorded instead of lost
+    # SageMaker's runtime API (collectors.probe.targets.sagemaker):
+    "model_stream_error",  # a ModelStreamError event: the model's stream timed out or broke mid-answer
+    "internal_stream_failure",  # an InternalStreamFailure event: SageMaker's stream failed
+    "checksum_error",  # an event-stream frame whose CRC32 does not match (botocore's ChecksumMismatch)
+    "model_error",  # the container answered an error status (SageMaker's ModelError, HTTP 424)
+    "credentials_error",  # no AWS credentials in the standard chain, or the request could not be signed
 )
+# How a probe session lost its route's session before a round, each followed by a new session:
+SESSION_LOSS_KINDS = (
+    "expired",  # refused as unknown after the Expires it was opened with
+    "not_found",  # refused as unknown before its Expires: closed, or its instance gone
+    "closed",  # the route said it closed the session (X-Amzn-SageMaker-Closed-Session-Id) unasked
+)
+# What a session's stickiness is judged by: the replica each round names, or its cached tokens.
+EVIDENCE = ("replica", "reuse", "none")
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class SessionResult:
     # Cut short by `kvwatch serve` stopping: `rounds` are the ones that finished, the round in flight is
     # not among them.
     interrupted: bool = False
+    closed: bool | None = None  # a route session closed at the end (SageMaker's CLOSE); None: none to close
+    # (round, kind) each time the route's session was gone before a round (SESSION_LOSS_KINDS) and a new
+    # one was opened for it: that round could not reuse what the lost session held.
+    session_losses: tuple[tuple[int, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -101,6 +119,15 @@ class SessionResult:
         if not warm:
             return None
         return all(r.cached_tokens >= 0.5 * r.ideal_cached_tokens for r in warm)
+
+    @property
+    def evidence(self) -> str:
+        """What `sticky` is judged by: "replica" when rounds named their replica (SageMaker only when the
+        container echoes one in its custom attributes), "reuse" from the warm rounds' cached tokens
+        against the ideal, "none" without either."""
+        if self.backend_switches is not None:
+            return "replica"
+        return "none" if self.sticky is None else "reuse"
 
     @property
     def session_id_echoed(self) -> bool | None:

@@ -39,6 +39,16 @@ HINTS = {
     "listens at the base URL and every proxy in front of it",
     "internal_error": "kvwatch failed unforeseen (a bug): report the detail, which names the exception "
     "and where it was raised",
+    "model_stream_error": "the model's stream broke or timed out inside SageMaker (ModelStreamError): "
+    "read its code; check the container's logs and the endpoint's invocation timeout",
+    "internal_stream_failure": "SageMaker's stream failed on its side (InternalStreamFailure): retry; if it "
+    "persists, check the endpoint's health in CloudWatch",
+    "checksum_error": "an event-stream frame failed its CRC32 check: something between the endpoint and "
+    "kvwatch alters the bytes (a proxy, a broken front)",
+    "model_error": "the container answered an error status (SageMaker's ModelError): read the original "
+    "status and message; a 400 'stateful sessions not enabled' needs SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true",
+    "credentials_error": "botocore found no usable AWS credentials: set AWS_ACCESS_KEY_ID / "
+    "AWS_SECRET_ACCESS_KEY, a profile (--aws-profile, AWS_PROFILE) or a role; never on the command line",
 }
 
 
@@ -51,6 +61,9 @@ def session_json(session: SessionResult) -> dict:
         "ok": session.ok,
         "error_kind": session.error_kind,
         "sticky": session.sticky,
+        "evidence": session.evidence,
+        "closed": session.closed,
+        "session_losses": [{"round": n, "kind": kind} for n, kind in session.session_losses],
         "backends": list(session.backends),
         "backend_switches": session.backend_switches,
         "session_id_echoed": session.session_id_echoed,
@@ -65,8 +78,8 @@ def session_json(session: SessionResult) -> dict:
 
 def format_report(settings: ProbeSettings, sessions: list[SessionResult], block: BlockSize) -> str:
     """Per round across sessions, then per session: what an SRE reads first."""
-    url, mode = redact(api_url(settings.base_url, "chat/completions")), settings.session_mode
-    title = f"{len(sessions)} sessions through {url}, model {settings.model}, session ids: {mode}"
+    route, sessions_carried = route_description(settings)
+    title = f"{len(sessions)} sessions through {route}, model {settings.model}, {sessions_carried}"
     rows = []
     for number in range(1, max((len(s.rounds) for s in sessions), default=0) + 1):
         rounds = [s.rounds[number - 1] for s in sessions if len(s.rounds) >= number]
@@ -92,6 +105,7 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult], block:
             (
                 str(number),
                 {True: "sticky", False: "NOT sticky", None: "unknown"}[session.sticky],
+                session.evidence,
                 f"{sum(r.ok for r in session.rounds)}",
                 {True: "yes", False: "NO", None: "-"}[session.session_id_echoed],
                 " > ".join(
@@ -102,7 +116,8 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult], block:
                 f"{failed.error_kind} in round {failed.round}" if failed else "-",
             )
         )
-    lines += [""] + _table(("session", "stickiness", "rounds ok", "id echoed", "backends", "error"), rows)
+    header = ("session", "stickiness", "evidence", "rounds ok", "id echoed", "backends", "error")
+    lines += [""] + _table(header, rows)
     answered = [r for s in sessions for r in s.rounds if r.ok]
     if answered and not any(r.backend for r in answered):
         looked = ", ".join((*settings.backend_headers, *settings.backend_json_paths))
@@ -110,7 +125,35 @@ def format_report(settings: ProbeSettings, sessions: list[SessionResult], block:
             "",
             f"No response named its replica ({looked}): stickiness is inferred from the cached tokens.",
         ]
-    return "\n".join(lines)
+    return "\n".join(lines + _session_lines(sessions))
+
+
+def route_description(settings: ProbeSettings) -> tuple[str, str]:
+    """The route as the report's title names it, and how its sessions are carried."""
+    endpoint, mode = settings.sagemaker, settings.session_mode
+    if endpoint is None:
+        return redact(api_url(settings.base_url, "chat/completions")), f"session ids: {mode}"
+    named = (
+        ("region", endpoint.region),
+        ("variant", endpoint.variant),
+        ("component", endpoint.inference_component),
+    )
+    where = ", ".join(f"{key} {value}" for key, value in named if value)
+    sessions = "no sessions" if mode == "none" else "stateful sessions"
+    return f"SageMaker endpoint {endpoint.endpoint_name} ({where}) at {redact(settings.base_url)}", sessions
+
+
+def _session_lines(sessions: list[SessionResult]) -> list[str]:
+    """What happened to the route's sessions: those lost and opened anew, by kind, and those closed."""
+    losses = Counter(kind for s in sessions for _, kind in s.session_losses)
+    closable = [s.closed for s in sessions if s.closed is not None]
+    lines = []
+    if losses:
+        counted = ", ".join(f"{kind} x{n}" for kind, n in sorted(losses.items()))
+        lines.append(f"Sessions lost and opened anew before a round: {counted} (those rounds count as cold).")
+    if closable:
+        lines.append(f"Sessions closed at the end: {sum(closable)} of {len(closable)}.")
+    return [""] + lines if lines else []
 
 
 def _total(values: Iterable[int | None]) -> str:

@@ -17,16 +17,18 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.conversation import SessionClose, run_conversation
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
@@ -44,6 +46,9 @@ from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import read_secret_file
 from kvwatch.core.errors import KVWatchError
 from kvwatch.core.redaction import redact, redacted_name
+
+if TYPE_CHECKING:  # the kind's module imports this one
+    from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 
 SESSION_MODES = ("client", "server", "none")
 # What a streamed delta may begin an answer with: its text, a reasoning model's thinking (vLLM and
@@ -65,6 +70,7 @@ USAGE_FIELDS = {
     "cached_tokens": "usage.prompt_tokens_details.cached_tokens",
 }
 EXCERPT_CHARS = 200
+STREAM_CUT = "the stream ended before [DONE]"
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _VISIBLE_ASCII = re.compile(r"[!-~]+")  # what may go into a header unquoted
 
@@ -113,7 +119,9 @@ class ProbeSettings:
     api_key: str | None = field(default=None, repr=False)  # resolved by the caller; never shown
     target: str = "probe"
     route_mode: str = "unknown"
-    session_mode: str = "client"  # client: a UUID per session; server: adopt the gateway's; none
+    # client: a UUID per session; server: adopt the gateway's; none. On sagemaker, client and server both
+    # open a stateful session per conversation (the container makes its id), none sends none.
+    session_mode: str = "client"
     session_header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
     backend_headers: tuple[str, ...] = identity.DEFAULT_HEADERS
     backend_json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
@@ -123,6 +131,8 @@ class ProbeSettings:
     # engine's (collectors.blocksize) align them again with `with_block_size`.
     block_size: int = blocksize.DEFAULT_TOKENS
     timeout_seconds: float = 60.0  # per round, over the whole stream
+    kind: str = "openai"  # how the rounds reach the route: one of collectors.probe.targets.KINDS
+    sagemaker: SageMakerEndpoint | None = None  # the endpoint of a sagemaker target; base_url is its URL
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -136,6 +146,11 @@ class ProbeSettings:
         if self.session_mode not in SESSION_MODES:
             raise ValueError(f"session_mode must be one of {', '.join(SESSION_MODES)}")
         identity.request_extras(self.router)  # ValueError for an unknown router
+        from kvwatch.collectors.probe.targets import KINDS  # its kinds import this module
+
+        KINDS.lookup(self.kind)  # ValueError naming the kinds
+        if (self.kind == "sagemaker") != (self.sagemaker is not None):
+            raise ValueError("a sagemaker target needs its endpoint, and only a sagemaker target has one")
         for name in ("max_tokens", "block_size", "timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -146,7 +161,7 @@ class ProbeSettings:
                 raise ValueError(f"{name} must be printable ASCII without spaces")
 
 
-class _Failure(KVWatchError):
+class RoundFailure(KVWatchError):
     """A round that went wrong, with its error kind and a short detail."""
 
     def __init__(self, kind: str, detail: str):
@@ -156,7 +171,7 @@ class _Failure(KVWatchError):
 
 
 @dataclass
-class _Reply:
+class Reply:
     """What a round received so far; kept when it fails halfway, as status and headers still tell."""
 
     status: int | None = None
@@ -168,117 +183,40 @@ class _Reply:
     total_seconds: float | None = None
     usage: dict = field(default_factory=dict)
     json_backend: str | None = None
+    error_kind: str | None = None
+    error_detail: str | None = None
+
+    def fail(self, kind: str, detail: str) -> None:
+        self.error_kind, self.error_detail = kind, detail
+
+
+class HttpExchange:
+    """The OpenAI-compatible path: a session id the client makes (or adopts from the gateway) in a
+    header of every round; nothing to open or close."""
+
+    def __init__(self, client: StreamClient, settings: ProbeSettings) -> None:
+        self.client, self.settings = client, settings
+        # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
+        self.session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
+
+    async def round(
+        self, number: int, messages: list[dict], previous: RoundResult | None
+    ) -> tuple[RoundResult, str]:
+        result, answer = await _round(self.client, self.settings, number, messages, self.session_id, previous)
+        if result.ok and self.settings.session_mode == "server" and result.session_id_returned:
+            self.session_id = result.session_id_returned
+        return result, answer
+
+    async def close(self) -> SessionClose:
+        return SessionClose()
 
 
 async def run_session(
-    client: StreamClient,
-    settings: ProbeSettings,
-    conversation: Conversation,
-    think_seconds: float = 0.0,
-    render_system_prompt: Callable[[str], str] | None = None,
-    on_request: Callable[[list[dict]], None] | None = None,
-    stop: asyncio.Event | None = None,
-    on_round: Callable[[SessionResult], None] | None = None,
+    client: StreamClient, settings: ProbeSettings, conversation: Conversation, *options, **named
 ) -> SessionResult:
-    """One conversation through the route, round after round, until its turns run out or a round fails.
-
-    `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
-    that templates the current time into it does (the lab's dynamic-prefix fault). `stop`, once set,
-    abandons the round in flight: the session ends with its finished rounds, marked interrupted.
-    `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
-    stores it, so that no finished round depends on the process living to the session's end).
-    """
-    # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
-    session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
-    messages = [{"role": "system", "content": conversation.system_prompt}]
-    rounds: list[RoundResult] = []
-    started_at, interrupted = time.time(), False
-
-    def so_far() -> SessionResult:
-        return SessionResult(
-            target=settings.target,
-            route_mode=settings.route_mode,
-            session_id=session_id,
-            started_at=started_at,
-            finished_at=time.time(),
-            rounds=tuple(rounds),
-            interrupted=interrupted,
-        )
-
-    for number, turn in enumerate(conversation.user_turns, start=1):
-        if number > 1 and think_seconds > 0:
-            await asyncio.sleep(think_seconds)
-        messages.append({"role": "user", "content": turn})
-        if render_system_prompt is not None:
-            messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
-        if on_request is not None:
-            on_request([dict(m) for m in messages])
-        previous = rounds[-1] if rounds else None
-        answered = await _unless_stopped(
-            stop, _round(client, settings, number, messages, session_id, previous)
-        )
-        if answered is None:
-            interrupted = True
-            break
-        result, answer = answered
-        rounds.append(result)
-        if not result.ok:
-            break
-        messages.append({"role": "assistant", "content": answer})
-        if settings.session_mode == "server" and result.session_id_returned:
-            session_id = result.session_id_returned
-        if on_round is not None:
-            on_round(so_far())
-    return so_far()
-
-
-async def _unless_stopped(
-    stop: asyncio.Event | None, work: Coroutine[object, object, tuple[RoundResult, str]]
-) -> tuple[RoundResult, str] | None:
-    """What `work` returns, or None when `stop` is set first; `work` is then cancelled."""
-    if stop is None:
-        return await work
-    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        task.cancel()  # nothing when it is done
-        await asyncio.wait((task,))
-    return None if task.cancelled() else task.result()
-
-
-async def run_sessions(
-    settings: ProbeSettings,
-    conversations: Iterable[Conversation],
-    concurrency: int = 1,
-    on_session: Callable[[SessionResult], None] | None = None,
-) -> list[SessionResult]:
-    """Every conversation once, `concurrency` at a time, over one connection pool; `on_session` is told
-    of each session as it ends (a progress line)."""
-    if concurrency < 1:
-        raise ValueError("concurrency must be positive")
-    gate = asyncio.Semaphore(concurrency)
-    async with StreamClient() as client:
-
-        async def one(conversation: Conversation) -> SessionResult:
-            async with gate:
-                session = await run_session(client, settings, conversation)
-            if on_session is not None:
-                on_session(session)
-            return session
-
-        return list(await asyncio.gather(*map(one, conversations)))
-
-
-def probe_once(
-    settings: ProbeSettings,
-    conversations: Iterable[Conversation],
-    concurrency: int = 1,
-    on_session: Callable[[SessionResult], None] | None = None,
-) -> list[SessionResult]:
-    """run_sessions for synchronous callers (the CLI)."""
-    return asyncio.run(run_sessions(settings, conversations, concurrency, on_session))
+    """One conversation through an OpenAI-compatible route: conversation.run_conversation over HTTP, with
+    its options (think_seconds, render_system_prompt, on_request, stop, on_round)."""
+    return await run_conversation(HttpExchange(client, settings), settings, conversation, *options, **named)
 
 
 async def _round(
@@ -295,22 +233,13 @@ async def _round(
         headers["Authorization"] = f"Bearer {settings.api_key}"
     if session_id:
         headers[settings.session_header] = session_id
-    body = {
-        "model": settings.model,
-        "messages": messages,
-        "max_tokens": settings.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # Nothing else unless the route is declared: strict OpenAI-compatible APIs reject unknown fields.
-        **identity.request_extras(settings.router),
-    }
-    content = json.dumps(body).encode()  # encoded before the clock starts
-    reply, kind, detail = _Reply(), None, None
+    content = chat_body(settings, messages)  # encoded before the clock starts
+    reply, kind, detail = Reply(), None, None
     started_at = time.time()
     try:
         async with asyncio.timeout(settings.timeout_seconds):
             await _stream(client, settings, content, headers, reply)
-    except _Failure as failure:
+    except RoundFailure as failure:
         kind, detail = failure.kind, failure.detail
     except TimeoutError:
         kind, detail = "timeout", f"no complete answer within {settings.timeout_seconds:g} s"
@@ -328,34 +257,65 @@ async def _round(
         kind, detail = "stream_error" if reply.status == 200 else "http_error", str(error)
     except Exception as error:  # a bug: the round still ends as a result, counted and stored
         kind, detail = "internal_error", unforeseen(error)
+    if kind is not None:
+        reply.fail(kind, detail)
+    backend = identity.from_headers(settings.backend_headers, reply.headers) or reply.json_backend
+    returned = reply.headers.get(settings.session_header)
+    return round_result(settings, number, started_at, reply, previous, session_id, backend, returned)
+
+
+def chat_body(settings: ProbeSettings, messages: list[dict]) -> bytes:
+    """A streamed chat completion's request body, asking for usage in the stream."""
+    body = {
+        "model": settings.model,
+        "messages": messages,
+        "max_tokens": settings.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Nothing else unless the route is declared: strict OpenAI-compatible APIs reject unknown fields.
+        **identity.request_extras(settings.router),
+    }
+    return json.dumps(body).encode()
+
+
+def round_result(
+    settings: ProbeSettings,
+    number: int,
+    started_at: float,
+    reply: Reply,
+    previous: RoundResult | None,
+    session_id: str | None,
+    backend: str | None,
+    session_id_returned: str | None,
+) -> tuple[RoundResult, str]:
+    """What a round received, as its record (names redacted) and its answer text."""
     usage = reply.usage
     return (
         RoundResult(
             round=number,
             started_at=started_at,
             status=reply.status,
-            error_kind=kind,
-            error_detail=None if detail is None else _excerpt(detail, settings.api_key),
+            error_kind=reply.error_kind,
+            error_detail=None
+            if reply.error_detail is None
+            else excerpt(reply.error_detail, settings.api_key),
             ttft_seconds=reply.ttft_seconds,
             first_content_seconds=reply.first_content_seconds,
             total_seconds=reply.total_seconds,
             prompt_tokens=usage.get("prompt_tokens"),
             cached_tokens=usage.get("cached_tokens"),
-            ideal_cached_tokens=_ideal(previous, usage.get("prompt_tokens"), settings.block_size),
+            ideal_cached_tokens=ideal_cached(previous, usage.get("prompt_tokens"), settings.block_size),
             completion_tokens=usage.get("completion_tokens"),
-            backend=redacted_name(
-                identity.from_headers(settings.backend_headers, reply.headers) or reply.json_backend,
-                settings.api_key,
-            ),
+            backend=redacted_name(backend, settings.api_key),
             session_id_sent=session_id,
-            session_id_returned=redacted_name(reply.headers.get(settings.session_header), settings.api_key),
+            session_id_returned=redacted_name(session_id_returned, settings.api_key),
         ),
         "".join(reply.answer),
     )
 
 
 async def _stream(
-    client: StreamClient, settings: ProbeSettings, content: bytes, headers: dict, reply: _Reply
+    client: StreamClient, settings: ProbeSettings, content: bytes, headers: dict, reply: Reply
 ) -> None:
     """Stream one answer into `reply`, timing its first generated token and its first answer text by
     when their bytes arrived, from when the request was written."""
@@ -363,30 +323,38 @@ async def _stream(
     async with client.stream(url, content, headers) as response:
         reply.status, reply.headers = response.status, response.headers
         if response.status != 200:
-            raise _status_failure(response.status, await _body(response))
+            raise status_failure(response.status, await _body(response))
         if "text/event-stream" not in response.headers.get("Content-Type", ""):
             raise _answer_failure(await _body(response))
         async for line, arrived_at in _lines(response):
-            if not line.startswith("data:"):
-                continue  # blank separators, comments (keep-alives), event: and id: fields
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                reply.total_seconds = arrived_at - response.sent_at
+            if read_sse_line(line, settings, reply, arrived_at - response.sent_at):
                 with contextlib.suppress(TimeoutError):  # a connection that cannot be reused is closed
                     async with asyncio.timeout(END_GRACE_SECONDS):
                         await response.finish()
                 return
-            try:
-                chunk = json.loads(data)
-                if isinstance(chunk, dict) and "error" in chunk:
-                    raise _Failure("stream_error", f"error in the stream: {data}")
-                _read_chunk(chunk, settings, reply, arrived_at - response.sent_at)
-            except (ValueError, TypeError, AttributeError) as error:
-                raise _Failure("stream_error", f"malformed chunk: {data}") from error
-        raise _Failure("stream_error", "the stream ended before [DONE]")
+        raise RoundFailure("stream_error", STREAM_CUT)
 
 
-def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, elapsed: float) -> None:
+def read_sse_line(line: str, settings: ProbeSettings, reply: Reply, elapsed: float) -> bool:
+    """Take one line of a chat completion's event stream, which ended `elapsed` seconds into the round,
+    into `reply`; True at its [DONE]. Raises RoundFailure for a malformed chunk or an error object."""
+    if not line.startswith("data:"):
+        return False  # blank separators, comments (keep-alives), event: and id: fields
+    data = line.removeprefix("data:").strip()
+    if data == "[DONE]":
+        reply.total_seconds = elapsed
+        return True
+    try:
+        chunk = json.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise RoundFailure("stream_error", f"error in the stream: {data}")
+        _read_chunk(chunk, settings, reply, elapsed)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise RoundFailure("stream_error", f"malformed chunk: {data}") from error
+    return False
+
+
+def _read_chunk(chunk: dict, settings: ProbeSettings, reply: Reply, elapsed: float) -> None:
     """Take the content, usage and backend from one streamed chunk, which arrived `elapsed` seconds into
     the round; TypeError etc. when malformed.
 
@@ -409,7 +377,7 @@ def _read_chunk(chunk: dict, settings: ProbeSettings, reply: _Reply, elapsed: fl
             reply.answer.append(content)
             reply.answer_bytes += len(content.encode())
             if reply.answer_bytes > MAX_ANSWER_BYTES:
-                raise _Failure("stream_error", f"answer over {MAX_ANSWER_BYTES} bytes")
+                raise RoundFailure("stream_error", f"answer over {MAX_ANSWER_BYTES} bytes")
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}
@@ -428,11 +396,11 @@ def _token_counts(**counts: object) -> dict[str, int | None]:
     exporter for every target, and a negative one would make counters go down."""
     for name, value in counts.items():
         if value is not None and not (type(value) is int and 0 <= value < MAX_TOKEN_COUNT):
-            raise _Failure("stream_error", f"{USAGE_FIELDS[name]} is {_shown(value)}, not a token count")
+            raise RoundFailure("stream_error", f"{USAGE_FIELDS[name]} is {_shown(value)}, not a token count")
     prompt, cached = counts["prompt_tokens"], counts["cached_tokens"]
     if prompt is not None and cached is not None and cached > prompt:
         cached_field, prompt_field = USAGE_FIELDS["cached_tokens"], USAGE_FIELDS["prompt_tokens"]
-        raise _Failure("stream_error", f"{cached_field} is {cached}, more than {prompt_field} ({prompt})")
+        raise RoundFailure("stream_error", f"{cached_field} is {cached}, more than {prompt_field} ({prompt})")
     return counts
 
 
@@ -444,21 +412,40 @@ def _shown(value: object) -> str:
     return f"{Decimal(value):.3g}" if type(value) is int else text[:20] + "…"
 
 
+class SseLines:
+    """An event stream's bytes as lines, at most MAX_STREAM_LINES of at most MAX_LINE_BYTES each: an
+    endless line would be endless memory, an endless stream endless work. Raises RoundFailure beyond."""
+
+    def __init__(self) -> None:
+        self.buffer, self.count = b"", 0
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines `chunk` completes; a line may span any number of chunks."""
+        *lines, self.buffer = (self.buffer + chunk).split(b"\n")
+        self.count += len(lines)
+        if self.count > MAX_STREAM_LINES:
+            raise RoundFailure(
+                "stream_error", f"more than {MAX_STREAM_LINES} lines: a stream that does not end"
+            )
+        if len(self.buffer) > MAX_LINE_BYTES:
+            raise RoundFailure(
+                "stream_error", f"a line of more than {MAX_LINE_BYTES} bytes: not an event stream"
+            )
+        return [line.rstrip(b"\r").decode(errors="replace") for line in lines]
+
+    def rest(self) -> str | None:
+        """The unfinished last line at the stream's end, if any."""
+        return self.buffer.decode(errors="replace") if self.buffer else None
+
+
 async def _lines(response: Response) -> AsyncIterator[tuple[str, float]]:
-    """The body's lines, each with the time its end arrived, at most MAX_STREAM_LINES of at most
-    MAX_LINE_BYTES each: an endless line would be endless memory, an endless stream endless work."""
-    buffer, count = b"", 0
+    """The body's lines, each with the time its end arrived (SseLines' caps)."""
+    lines = SseLines()
     async for chunk, arrived_at in response.chunks():
-        *lines, buffer = (buffer + chunk).split(b"\n")
-        count += len(lines)
-        if count > MAX_STREAM_LINES:
-            raise _Failure("stream_error", f"more than {MAX_STREAM_LINES} lines: a stream that does not end")
-        for line in lines:
-            yield line.rstrip(b"\r").decode(errors="replace"), arrived_at
-        if len(buffer) > MAX_LINE_BYTES:
-            raise _Failure("stream_error", f"a line of more than {MAX_LINE_BYTES} bytes: not an event stream")
-    if buffer:
-        yield buffer.decode(errors="replace"), time.perf_counter()
+        for line in lines.feed(chunk):
+            yield line, arrived_at
+    if (rest := lines.rest()) is not None:
+        yield rest, time.perf_counter()
 
 
 async def _body(response: Response) -> str:
@@ -471,31 +458,31 @@ async def _body(response: Response) -> str:
     return body[:MAX_BODY_BYTES].decode(errors="replace")
 
 
-def _status_failure(status: int, body: str) -> _Failure:
+def status_failure(status: int, body: str) -> RoundFailure:
     if status == 400 and any(answer in body for answer in TLS_PORT_ANSWERS):
-        return _Failure("tls_mismatch", f"{SPEAKS_TLS} (HTTP 400: {body})")
+        return RoundFailure("tls_mismatch", f"{SPEAKS_TLS} (HTTP 400: {body})")
     if status == 401:
-        return _Failure("unauthorized", f"HTTP 401: {body}")
+        return RoundFailure("unauthorized", f"HTTP 401: {body}")
     if status == 403:
         expired = "token expired: " if "expired" in body.lower() else ""
-        return _Failure("forbidden", f"{expired}HTTP 403: {body}")
+        return RoundFailure("forbidden", f"{expired}HTTP 403: {body}")
     if status == 404:
-        return _Failure("not_found", f"HTTP 404 (wrong model or base URL): {body}")
-    return _Failure("http_error", f"HTTP {status}: {body}")
+        return RoundFailure("not_found", f"HTTP 404 (wrong model or base URL): {body}")
+    return RoundFailure("http_error", f"HTTP {status}: {body}")
 
 
-def _answer_failure(body: str) -> _Failure:
+def _answer_failure(body: str) -> RoundFailure:
     """A 200 that is no event stream: a whole completion (stream mixed up), or an error object."""
     try:
         answer = json.loads(body)
     except ValueError:
         answer = None
     if isinstance(answer, dict) and "choices" in answer:
-        return _Failure("stream_error", "a whole completion came back instead of an event stream")
-    return _Failure("bad_response", f"no `choices` in the answer: {body}")
+        return RoundFailure("stream_error", "a whole completion came back instead of an event stream")
+    return RoundFailure("bad_response", f"no `choices` in the answer: {body}")
 
 
-def _ideal(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
+def ideal_cached(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
     """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
 
     Capped below this round's prompt, since an engine always computes at least its last token. A
@@ -515,21 +502,25 @@ def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[Sessi
     """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
 
     For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
-    so these are new ones.
+    so these are new ones. A round run in a new session after a loss stays cold: nothing before it.
     """
-    return [
-        replace(
-            session,
-            rounds=tuple(
-                replace(r, ideal_cached_tokens=_ideal(previous, r.prompt_tokens, block))
-                for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
-            ),
+
+    def aligned(session: SessionResult) -> tuple[RoundResult, ...]:
+        reopened = {number for number, _ in session.session_losses}
+        return tuple(
+            replace(
+                r,
+                ideal_cached_tokens=ideal_cached(
+                    None if r.round in reopened else previous, r.prompt_tokens, block
+                ),
+            )
+            for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
         )
-        for session in sessions
-    ]
+
+    return [replace(session, rounds=aligned(session)) for session in sessions]
 
 
-def _excerpt(text: str, api_key: str | None) -> str:
+def excerpt(text: str, api_key: str | None) -> str:
     """One short line of `text`, redacted before it is cut, so that no piece of a key survives the cut."""
     text = " ".join(redact(text, api_key).split())
     return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
@@ -551,7 +542,7 @@ def failed_run(settings: ProbeSettings, error: Exception, started_at: float) -> 
         started_at=started_at,
         status=None,
         error_kind="internal_error",
-        error_detail=_excerpt(unforeseen(error), settings.api_key),
+        error_detail=excerpt(unforeseen(error), settings.api_key),
         ttft_seconds=None,
         total_seconds=None,
         prompt_tokens=None,

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
 from conftest import free_port, http_get, http_post, kvwatch
-from kvwatch.collectors.probe.session import ProbeSettings, probe_once
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.collectors.probe.targets import probe_once
 from kvwatch.collectors.probe.workload import synthetic
 from kvwatch.lab.server import ARRIVAL_KEY, ArrivalDating, dated_arrival
 

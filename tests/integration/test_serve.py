@@ -34,7 +34,7 @@ from conftest import REPO, free_port, http_get, http_post, launch, set_wall_cloc
 from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe import session as probe_module
-from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.targets import ProbeClients
 from kvwatch.config.settings import (
     LAB_DIRECTORY,
     PROMETHEUS_LABELS,
@@ -733,7 +733,7 @@ def test_a_run_failing_unforeseen_is_recorded_counted_stored_and_dated(
 
         async def one_run() -> None:
             service._gate, service._stop = asyncio.Semaphore(1), asyncio.Event()
-            async with StreamClient() as service._client:
+            async with ProbeClients() as service._clients:
                 await service.probe(target)
 
         before = time.time()

@@ -21,6 +21,9 @@ from kvwatch.lab.state import LabState
 IGNORE_SESSIONS = "ignore-session-ids"
 ENDPOINT = "lab-endpoint"
 VARIANT = "AllTraffic"
+LAB_REGION = "us-east-1"  # any region name: the front answers for every one, and the SigV4 is not verified
+# kvwatch serve's AWS credentials in the lab: the front requires a signature but checks none of it.
+LAB_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIDKVWATCHLAB", "AWS_SECRET_ACCESS_KEY": "kvwatch-lab-not-a-secret"}
 FRONT_FAULTS = (IGNORE_SESSIONS,)
 RELOAD_TIMEOUT_S = 10.0
 # Real vLLM on a CPU core takes seconds for a cold prefill; SageMaker allows a container 60 s.

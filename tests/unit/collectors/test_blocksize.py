@@ -28,7 +28,7 @@ from kvwatch.collectors.probe.blocksize import (
     sources_for,
 )
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.collectors.probe.session import _ideal, with_block_size
+from kvwatch.collectors.probe.session import ideal_cached, with_block_size
 from kvwatch.store.history import Store
 
 MODEL = "lab-model"
@@ -102,7 +102,7 @@ def test_granularity_is_the_gcd_of_the_distinct_non_zero_cached_counts():
 
 def test_the_ideal_is_recomputed_with_the_learned_block_by_the_one_definition():
     rounds = (round_(1, 1000, 0, 8), round_(2, 1300, 896, 8), round_(3, 1600, 1280), round_(4, None, None))
-    original = session(*(replace(r, ideal_cached_tokens=_ideal(p, r.prompt_tokens, 16))
+    original = session(*(replace(r, ideal_cached_tokens=ideal_cached(p, r.prompt_tokens, 16))
                          for p, r in zip((None, *rounds[:-1]), rounds, strict=True)))  # fmt: skip
     (aligned,) = with_block_size([original], 128)
     assert [r.ideal_cached_tokens for r in aligned.rounds] == [0, 896, 1280, None]

@@ -34,12 +34,11 @@ from kvwatch.collectors.probe.session import (
     MAX_TOKEN_COUNT,
     ProbeSettings,
     api_url,
-    probe_once,
     resolve_api_key,
     run_session,
-    run_sessions,
 )
 from kvwatch.collectors.probe.streaming import StreamClient
+from kvwatch.collectors.probe.targets import probe_once, run_sessions
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 from kvwatch.store.history import Store
@@ -988,10 +987,10 @@ def test_cli_prints_rounds_and_sessions_and_exits_0(lab, capsys):
     assert [line.split()[0] for line in lines[4:7]] == ["1", "2", "3"]
     assert lines[4].split()[4:6] == ["/", "0"] and lines[4].endswith("  -")  # round 1: nothing to reuse
     sessions = lines[8:]
-    assert sessions[0].split()[:4] == ["session", "stickiness", "rounds", "ok"]
-    assert [line.split()[:4] for line in sessions[1:]] == [
-        ["1", "sticky", "3", "yes"],
-        ["2", "sticky", "3", "yes"],
+    assert sessions[0].split()[:5] == ["session", "stickiness", "evidence", "rounds", "ok"]
+    assert [line.split()[:5] for line in sessions[1:]] == [
+        ["1", "sticky", "replica", "3", "yes"],
+        ["2", "sticky", "replica", "3", "yes"],
     ]
 
 

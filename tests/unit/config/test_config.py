@@ -38,7 +38,8 @@ TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
-    "backend, echoed, expect_sticky, failover, instance, job, kind, label, le, listener, log, outcome, "
+    "backend, echoed, evidence, expect_sticky, failover, instance, job, kind, label, le, listener, log, "
+    "outcome, "
     "quantile, reason, round, route_mode, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
@@ -263,8 +264,8 @@ INVALID = [
     (
         "unknown-key-target",
         'targets[0].modle: unknown key; did you mean "model"? known: api_key_env, api_key_file, backend, '
-        "base_url, block_size, expect_sticky, interval_seconds, model, name, rounds, route_mode, router, "
-        "schedule, session, sessions_per_run, timeout_seconds, timezone, workload",
+        "base_url, block_size, expect_sticky, interval_seconds, kind, model, name, rounds, route_mode, "
+        "router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, workload",
     ),
     (
         "unknown-key-exporter",
@@ -391,6 +392,8 @@ def test_minimal_file_takes_every_default():
         },
         "timeout_seconds": 60.0,
         "block_size": None,  # learned from the engines
+        "kind": "openai",  # an OpenAI-compatible route over HTTP
+        "sagemaker": None,  # only for kind sagemaker
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"

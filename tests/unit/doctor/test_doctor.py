@@ -299,9 +299,10 @@ def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "the following arguments are required: --base-url (or --setup --config FILE)"),
-        (["--setup"], "--setup checks the pipeline --config FILE sets up: give --config, not --base-url"),
+        ([], "required: --base-url or --sagemaker-endpoint (or --setup --config FILE)"),
+        (["--setup"], "--setup checks the pipeline --config FILE sets up: give --config, not --base-url or"),
         (["--setup", "--config", "k.yaml", "--base-url", "http://127.0.0.1:1"], "not --base-url"),
+        (["--setup", "--config", "k.yaml", "--sagemaker-endpoint", "e"], "or --sagemaker-endpoint"),
         (["--setup", "--config", "/nonexistent/kvwatch.yaml"], "error in /nonexistent/kvwatch.yaml"),
     ],
 )

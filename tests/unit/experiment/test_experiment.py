@@ -337,7 +337,7 @@ def recorded(monkeypatch):
             b_done.set()
         return session(settings.target, round_(1, backend="r1"))
 
-    monkeypatch.setattr(experiment_module, "run_session", fake_session)
+    monkeypatch.setattr(experiment_module, "run_target_session", fake_session)
 
     def run(load: Load) -> tuple[Experiment, list[tuple[str, str, int]]]:
         events.clear()
@@ -389,7 +389,7 @@ def test_without_a_load_one_session_runs_at_a_time_over_both_routes(monkeypatch)
         events.append(("end", settings.target))
         return session(settings.target, round_(1))
 
-    monkeypatch.setattr(experiment_module, "run_session", fake_session)
+    monkeypatch.setattr(experiment_module, "run_target_session", fake_session)
     a, b = (ProbeSettings(f"http://{label}.example", "m", target=label) for label in "ab")
     conversations = [Conversation("system", ("turn", "next"))] * SESSIONS
     sources = BlockSizeSources(override=BlockSize(16, "--block-size"))

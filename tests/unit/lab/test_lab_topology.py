@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from kvwatch.cli.main import main
+from kvwatch.config.settings import load_config
 from kvwatch.lab import components, stack
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, render_prometheus
 from kvwatch.lab.process import LabError
@@ -143,3 +144,18 @@ def test_fault_and_heal_on_a_saved_lab_of_clusters_name_the_cluster(planned, tmp
     assert "name one with --cluster NAME" in capsys.readouterr().err
     assert main(["lab", "heal", "--cluster", "z", "--state-dir", str(tmp_path)]) == 1
     assert "no cluster 'z' in this lab (clusters: a, b)" in capsys.readouterr().err
+
+
+def test_behind_the_sagemaker_gateway_serve_probes_the_endpoint_with_and_without_sessions(tmp_path):
+    (state,) = stack.plan(tmp_path, BASE, 2, ["sim"], gateway="sagemaker", fast=True)
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(render_kvwatch_config(state))
+    targets = {t.name: t for t in load_config(path).targets}
+    affinity, round_robin = targets["lab-affinity"], targets["lab-round-robin"]
+    assert (affinity.kind, affinity.session.mode, affinity.expect_sticky) == ("sagemaker", "client", True)
+    without = (round_robin.kind, round_robin.session.mode, round_robin.expect_sticky)
+    assert without == ("sagemaker", "none", False)
+    assert affinity.sagemaker.endpoint_url == f"http://127.0.0.1:{state.ports.affinity}"
+    assert round_robin.sagemaker.endpoint_name == "lab-endpoint"
+    serve = components.serve_process(state)
+    assert serve.env["AWS_SHARED_CREDENTIALS_FILE"] == str(tmp_path / "no-aws-files")  # never the user's

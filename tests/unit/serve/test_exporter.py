@@ -363,3 +363,24 @@ def test_without_a_cluster_the_series_carry_no_cluster_label(tmp_path):
     )
     samples = [s for family in Service(config).registry.collect() for s in family.samples]
     assert samples and [s for s in samples if "cluster" in s.labels] == []
+
+
+def test_sessions_judged_by_reuse_export_their_evidence_warm_reuse_and_session_losses(exporter):
+    """A SageMaker route names no replica: its sessions are judged by reuse, its last run's warm reuse is
+    exported with that evidence, and sessions found gone are counted by kind."""
+    results, registry = exporter
+    lost = SessionResult(
+        "lab-affinity", "affinity", "s-2", 1000.0, 1010.0,
+        tuple(round_result(n, backend=None, cached_tokens=0 if n == 1 else 9) for n in (1, 2)),
+        closed=True, session_losses=((2, "expired"),),
+    )  # fmt: skip
+    named = session(*(round_result(n) for n in (1, 2, 3)))
+    results.add_run(("lab-affinity", "affinity"), [lost], 1000, 1010)
+    assert value(registry, "kvwatch_probe_evidence_sessions_total", evidence="reuse") == 1
+    assert value(registry, "kvwatch_probe_evidence_sessions_total", evidence="replica") == 0
+    assert value(registry, "kvwatch_probe_session_losses_total", kind="expired") == 1
+    assert value(registry, "kvwatch_probe_session_losses_total", kind="not_found") == 0
+    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") == 9 / 96
+    results.add_run(("lab-affinity", "affinity"), [named], 1000, 1010)
+    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="replica") == 270 / 288
+    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") is None

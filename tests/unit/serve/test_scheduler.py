@@ -18,6 +18,7 @@ import pytest
 
 from conftest import set_wall_clock
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, Target
 from kvwatch.serve.jobs import GUARD_TICK_SECONDS, STEP_TOLERANCE_SECONDS, ClockStepGuard, Jobs
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS, Service, phase, run_summary
@@ -199,6 +200,22 @@ def test_the_guard_tells_a_step_of_the_wall_clock_from_its_running():
     assert after(0.25, 0.25) == 0.0  # the step is told once
     assert after(3600.5, 0.5) == pytest.approx(3600)
     assert after(10.0, 10.0) == 0.0  # a tick late (a busy loop) is no step
+
+
+def test_a_sagemaker_target_is_probed_through_its_endpoint_and_learns_no_block_size_from_it(tmp_path):
+    """Its probe settings carry the kind and the endpoint, its URL is the endpoint's, and the runtime API
+    serves no /metrics to learn the block size from (the sessions' cached tokens tell it)."""
+    endpoint = SageMakerEndpoint("chat", "eu-west-1", endpoint_url="http://127.0.0.1:9")
+    targets = (
+        Target("sm", model="m", kind="sagemaker", sagemaker=endpoint, interval_seconds=INTERVAL),
+        Target("gw", "http://127.0.0.1:8", "m", interval_seconds=INTERVAL),
+    )
+    service = Service(Config(targets=targets, store=StoreSettings(tmp_path / "kvwatch.db")))
+    probe = service.probes["sm"]
+    assert (probe.kind, probe.sagemaker, probe.base_url) == ("sagemaker", endpoint, "http://127.0.0.1:9")
+    assert service.block_sources["sm"].metrics_urls == ()
+    assert service.block_sources["gw"].metrics_urls == ("http://127.0.0.1:8/metrics",)
+    service.store.close()
 
 
 def test_serve_says_each_jobs_schedule_and_first_run_as_it_starts(tmp_path, monkeypatch, caplog):

@@ -1,0 +1,122 @@
+"""One probe conversation, round after round, through an Exchange: the loop every target kind shares
+(collectors.probe.targets), whatever carries its rounds (HTTP to an OpenAI-compatible route, SageMaker's
+runtime API). A conversation never raises: a failed round is a RoundResult with an error kind, and the
+conversation stops there."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
+from kvwatch.collectors.probe.workload import Conversation
+
+
+class Settings(Protocol):
+    """What the loop needs of a kind's settings (session.ProbeSettings)."""
+
+    target: str
+    route_mode: str
+
+
+class Exchange(Protocol):
+    """How one conversation's rounds reach a route of one target kind (collectors.probe.targets): its
+    session id, as a chat client would hold it, each round's request, and its end."""
+
+    session_id: str | None
+
+    async def round(
+        self, number: int, messages: list[dict], previous: RoundResult | None
+    ) -> tuple[RoundResult, str]:
+        """One round: its result (never raising) and the answer text."""
+
+    async def close(self) -> SessionClose:
+        """The conversation is over: what ending it on the route did."""
+
+
+@dataclass(frozen=True)
+class SessionClose:
+    """What a conversation's end did on the route: `closed` None when there was nothing to close, and
+    the session losses (round, kind) met on the way, each followed by a new session."""
+
+    closed: bool | None = None
+    losses: tuple[tuple[int, str], ...] = ()
+
+
+async def run_conversation(
+    exchange: Exchange,
+    settings: Settings,
+    conversation: Conversation,
+    think_seconds: float = 0.0,
+    render_system_prompt: Callable[[str], str] | None = None,
+    on_request: Callable[[list[dict]], None] | None = None,
+    stop: asyncio.Event | None = None,
+    on_round: Callable[[SessionResult], None] | None = None,
+) -> SessionResult:
+    """One conversation through the route, round after round, until its turns run out or a round fails.
+
+    `render_system_prompt`, when given, rewrites the system prompt before every round, as an application
+    that templates the current time into it does (the lab's dynamic-prefix fault). `stop`, once set,
+    abandons the round in flight: the session ends with its finished rounds, marked interrupted.
+    `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
+    stores it, so that no finished round depends on the process living to the session's end).
+    """
+    messages = [{"role": "system", "content": conversation.system_prompt}]
+    rounds: list[RoundResult] = []
+    started_at, interrupted, ended = time.time(), False, SessionClose()
+
+    def so_far() -> SessionResult:
+        return SessionResult(
+            target=settings.target,
+            route_mode=settings.route_mode,
+            session_id=exchange.session_id,
+            started_at=started_at,
+            finished_at=time.time(),
+            rounds=tuple(rounds),
+            interrupted=interrupted,
+            closed=ended.closed,
+            session_losses=ended.losses,
+        )
+
+    for number, turn in enumerate(conversation.user_turns, start=1):
+        if number > 1 and think_seconds > 0:
+            await asyncio.sleep(think_seconds)
+        messages.append({"role": "user", "content": turn})
+        if render_system_prompt is not None:
+            messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
+        if on_request is not None:
+            on_request([dict(m) for m in messages])
+        previous = rounds[-1] if rounds else None
+        answered = await _unless_stopped(stop, exchange.round(number, messages, previous))
+        if answered is None:
+            interrupted = True
+            break
+        result, answer = answered
+        rounds.append(result)
+        if not result.ok:
+            break
+        messages.append({"role": "assistant", "content": answer})
+        if on_round is not None:
+            on_round(so_far())
+    if not interrupted:  # a stop does not wait for a close: the route lets the session expire
+        ended = await exchange.close()
+    return so_far()
+
+
+async def _unless_stopped(
+    stop: asyncio.Event | None, work: Coroutine[object, object, tuple[RoundResult, str]]
+) -> tuple[RoundResult, str] | None:
+    """What `work` returns, or None when `stop` is set first; `work` is then cancelled."""
+    if stop is None:
+        return await work
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        task.cancel()  # nothing when it is done
+        await asyncio.wait((task,))
+    return None if task.cancelled() else task.result()

@@ -1,0 +1,254 @@
+"""kvwatch's SageMaker target against `kvwatch lab up --gateway sagemaker`, through the real AWS SDK
+(botocore): `kvwatch probe` judges sessions by reuse and says when they are lost and reopened, the lab's
+`kvwatch serve` probes the endpoint and KVWatchSessionReuseLost reaches Alertmanager when the front
+ignores session ids, `kvwatch experiment` sets the endpoint without sessions against the same with them,
+and the doctor names stateful sessions not enabled. Simulated replicas here (fast); real vLLM for the
+reuse at its 128-token block and the container started without stateful sessions."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, Lab, http_get, kvwatch
+from kvwatch.lab.gateways.sagemaker import ENDPOINT, LAB_CREDENTIALS, LAB_REGION
+from kvwatch.prometheus import queries
+
+REPLICAS = ("r1", "r2", "r3", "r4")
+MODEL = "lab-model"
+
+
+@pytest.fixture(autouse=True)
+def aws_credentials(monkeypatch, tmp_path):
+    """The lab's dummy credentials in the environment the commands inherit; never the user's files."""
+    for name, value in LAB_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab):
+    """Four simulated replicas behind the front, the lab's serve probing its endpoint every 5 s."""
+    return start_lab("--gateway", "sagemaker", "--replicas", str(len(REPLICAS)), "--users", "0")
+
+
+def endpoint(url: str, model: str = MODEL) -> list[str]:
+    return ["--sagemaker-endpoint", ENDPOINT, "--region", LAB_REGION, "--endpoint-url", url, "--model", model]
+
+
+def probe_json(lab: Lab, *options: str, timeout: float = 180) -> tuple[dict, subprocess.CompletedProcess]:
+    result = kvwatch(
+        "probe", *endpoint(lab.affinity, lab.status.get("model", MODEL)), "--prometheus",
+        lab.status["prometheus"], "--json", *options, timeout=timeout,
+    )  # fmt: skip
+    assert result.stdout, result.stderr
+    return json.loads(result.stdout), result
+
+
+def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:
+    """Each replica's ground-truth chat records of these sessions."""
+    found = {}
+    for replica in lab.status["replicas"]:
+        truth = http_get(f"{replica['url']}/lab/ground-truth", timeout=5).json()["records"]
+        found[replica["id"]] = [
+            r for r in truth if "prompt_tokens" in r and r.get("session_id") in session_ids
+        ]
+    return found
+
+
+def wait_for(condition, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(1)
+    raise AssertionError(f"{what}: not within {timeout:g} s")
+
+
+def active_alerts(lab: Lab, name: str) -> list[dict]:
+    params = {"active": "true", "silenced": "false", "inhibited": "false"}
+    alerts = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", params=params, timeout=5).json()
+    return [a for a in alerts if a["labels"]["alertname"] == name]
+
+
+def prometheus(lab: Lab, query: str) -> list[dict]:
+    """The lab Prometheus's instant answer to a board's query, every target, a 30 s rate window."""
+    filled = queries.fill_variables(query, window="30s", time_range="5m")
+    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": filled}, timeout=10)
+    return answer.json()["data"]["result"]
+
+
+def fault(lab: Lab, *args: str) -> str:
+    result = lab.cli("fault", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def assert_sticky_by_reuse(report: dict, block: int) -> None:
+    """Every session sticky, judged by reuse: each warm round cached all its ideal tokens, block-aligned."""
+    assert report["block_size"]["tokens"] == block, report["block_size"]
+    for session in report["sessions"]:
+        assert session["ok"] and session["closed"], session
+        assert (session["sticky"], session["evidence"], session["session_losses"]) == (True, "reuse", [])
+        first, *warm = session["rounds"]
+        assert first["ideal_cached_tokens"] == 0 and first["ttft_seconds"] > 0
+        for r in warm:
+            assert r["ttft_seconds"] > 0 and r["session_id_sent"] == session["session_id"], r
+            assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % block == 0, r
+            assert r["cached_tokens"] == r["ideal_cached_tokens"], r
+
+
+def test_probe_through_botocore_is_sticky_by_reuse_on_the_replica_that_opened_each_session(lab):
+    report, result = probe_json(lab, "--sessions", "3", "--rounds", "4")
+    assert result.returncode == 0, result.stderr
+    assert_sticky_by_reuse(report, block=16)  # the simulator's block
+    ids = {s["session_id"] for s in report["sessions"]}
+    assert len(ids) == 3
+    served = records(lab, ids)
+    for session_id in ids:  # ground truth: all four rounds on one replica, which knew the session
+        holders = [
+            replica for replica, found in served.items() if any(r["session_id"] == session_id for r in found)
+        ]
+        assert len(holders) == 1, (session_id, served)
+        assert sum(r["session_id"] == session_id for r in served[holders[0]]) == 4
+    text = kvwatch("probe", *endpoint(lab.affinity), "--sessions", "2", "--rounds", "3")
+    assert text.returncode == 0, text.stderr
+    assert "stateful sessions" in text.stdout and "Sessions closed at the end: 2 of 2." in text.stdout
+
+
+@pytest.fixture(scope="module")
+def quiet_lab(start_lab):
+    """One slow simulated replica and no serve probing: the only session open is the test's."""
+    return start_lab("--gateway", "sagemaker", "--replicas", "1", "--users", "0", "--no-probes",
+                     "--time-scale", "4")  # fmt: skip
+
+
+def test_expired_sessions_are_reported_and_reopened(quiet_lab):
+    """The fault expires the open session once its first round is done, while the probe runs on."""
+    lab = quiet_lab
+    command = [
+        sys.executable, "-m", "kvwatch.cli.main", "probe", *endpoint(lab.affinity), "--json",
+        "--sessions", "1", "--rounds", "8", "--max-tokens", "64",
+    ]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, cwd=REPO, **pipes) as run:
+        try:
+            pins = f"{lab.affinity}/-/lab-sessions"
+            (opened,) = wait_for(lambda: http_get(pins, timeout=5).json(), "the probe's session", timeout=60)
+            wait_for(lambda: any(records(lab, {opened}).values()), "its first round", timeout=60)
+            assert "every open session expired (1 in all)" in fault(lab, "expire-sessions")
+            out, err = run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert run.returncode == 0, err
+    (session,) = json.loads(out)["sessions"]
+    assert session["ok"] and len(session["rounds"]) == 8, session
+    assert [loss["kind"] for loss in session["session_losses"]] == ["not_found"], session
+    (loss,) = session["session_losses"]
+    ids = [r["session_id_sent"] for r in session["rounds"]]
+    reopened_at = loss["round"] - 1
+    assert ids[0] == opened and len(set(ids[:reopened_at])) == 1 and len(set(ids[reopened_at:])) == 1, ids
+    assert ids[-1] != opened and session["session_id"] == ids[-1]  # the session it ended in
+    assert session["rounds"][reopened_at]["ideal_cached_tokens"] == 0  # cold by design in the new session
+    assert lab.cli("heal").returncode == 0
+
+
+def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmanager(lab):
+    exporter = f"{lab.status['exporter']}/metrics"
+
+    def reuse_series() -> list[str]:
+        lines = http_get(exporter, timeout=5).text.splitlines()
+        return [line for line in lines if line.startswith('kvwatch_probe_warm_reuse_ratio{evidence="reuse"')]
+
+    series = wait_for(lambda: [s for s in reuse_series() if 'target="lab-affinity"' in s], "a probed run")
+    assert float(series[0].rsplit(" ", 1)[1]) == 1.0, series
+
+    # The boards' evidence panels, as the lab's Prometheus answers them: both routes judged by reuse alone.
+    def evidence() -> dict[tuple[str, str], float] | None:
+        found = {(r["metric"]["target"], r["metric"]["evidence"]): float(r["value"][1])
+                 for r in prometheus(lab, queries.PROBE_EVIDENCE_SHARE)}  # fmt: skip
+        return found if {target for target, _ in found} == {"lab-affinity", "lab-round-robin"} else None
+
+    shares = {key: share for key, share in wait_for(evidence, "the evidence shares").items() if share}
+    assert shares == {("lab-affinity", "reuse"): 1.0, ("lab-round-robin", "reuse"): 1.0}, shares
+    reuse = prometheus(lab, queries.PROBE_WARM_REUSE)
+    assert {(r["metric"]["target"], r["metric"]["evidence"]) for r in reuse} == {
+        ("lab-affinity", "reuse"),
+        ("lab-round-robin", "reuse"),
+    }, reuse
+    assert not active_alerts(lab, "KVWatchSessionReuseLost")
+    fault(lab, "ignore-session-ids")
+    try:
+        (alert,) = wait_for(
+            lambda: active_alerts(lab, "KVWatchSessionReuseLost"), "KVWatchSessionReuseLost at Alertmanager"
+        )
+        assert alert["labels"]["target"] == "lab-affinity", alert
+        assert alert["labels"]["severity"] == "critical"
+    finally:
+        assert lab.cli("heal").returncode == 0
+
+
+def test_experiment_sessions_against_no_sessions_gives_the_articles_table(lab, tmp_path):
+    out = tmp_path / "experiment"
+    result = kvwatch(
+        "experiment", *endpoint(lab.affinity), "--out", str(out), "--sessions", "6", "--rounds", "4",
+        "--system-tokens", "600", "--turn-tokens", "100", "--max-tokens", "8", "--seed", "5", timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with (out / "per-round.csv").open() as file:
+        rows = {(r["route"], int(r["round"])): r for r in csv.DictReader(file)}
+    assert set(rows) == {(route, n) for route in ("no_session", "session") for n in (1, 2, 3, 4)}
+    assert all((r["sessions"], r["errors"]) == ("6", "0") for r in rows.values()), rows
+    for number in (1, 2, 3, 4):  # the same seeded conversations through both
+        assert rows["session", number]["prompt_tokens"] == rows["no_session", number]["prompt_tokens"]
+    for number in (2, 3, 4):
+        with_sessions, without = rows["session", number], rows["no_session", number]
+        assert float(with_sessions["cached_ratio"]) >= float(without["cached_ratio"]), (number, rows)
+    with (out / "routes.csv").open() as file:
+        routes = {r["route"]: r for r in csv.DictReader(file)}
+    assert float(routes["session"]["sticky_share"]) == 1.0, routes
+    report = (out / "report.md").read_text()
+    assert "seed 5" in report and "no_session" in report, report
+
+
+def test_doctor_names_stateful_sessions_disabled(lab):
+    assert "without SAGEMAKER_ENABLE_STATEFUL_SESSIONS" in fault(lab, "disable-sessions")
+    try:
+        result = kvwatch("doctor", *endpoint(lab.affinity), "--json", timeout=180)
+        assert result.returncode == 1, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert "stateful_sessions_disabled" in report["causes"], report
+        text = kvwatch("doctor", *endpoint(lab.affinity), timeout=180).stdout
+        assert "stateful sessions not enabled" in text, text
+        assert "SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true" in text, text
+    finally:
+        assert lab.cli("heal").returncode == 0
+
+
+def test_real_vllm_reuses_every_warm_round_at_its_128_token_block(vllm_sagemaker_lab: Lab):
+    report, result = probe_json(
+        vllm_sagemaker_lab, "--sessions", "2", "--rounds", "3", "--system-tokens", "600",
+        "--turn-tokens", "150", "--max-tokens", "16", timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_sticky_by_reuse(report, block=128)
+
+
+def test_real_vllm_without_stateful_sessions_is_named_by_the_doctor(vllm_sagemaker_lab: Lab):
+    lab = vllm_sagemaker_lab
+    assert "without SAGEMAKER_ENABLE_STATEFUL_SESSIONS" in fault(lab, "disable-sessions")
+    try:
+        model = lab.status.get("model", MODEL)
+        result = kvwatch("doctor", *endpoint(lab.affinity, model), "--json", timeout=300)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "stateful_sessions_disabled" in json.loads(result.stdout)["causes"], result.stdout
+    finally:
+        assert lab.cli("heal").returncode == 0

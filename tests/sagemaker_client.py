@@ -1,10 +1,15 @@
 """Conversations through a lab SageMaker front with the real AWS SDK (botocore), as a client of a
-SageMaker endpoint holds them: open a session, stream rounds with its SessionId, close it."""
+SageMaker endpoint holds them: open a session, stream rounds with its SessionId, close it; and kvwatch's
+SageMaker target on the command line against such a front."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import dataclass, field
+
+from conftest import Lab, kvwatch
+from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS, LAB_REGION
 
 ENDPOINT = "lab-endpoint"
 JSON = "application/json"
@@ -70,3 +75,50 @@ class Conversation:
         self.usages.append(usage_of(text))
         self.messages.append({"role": "assistant", "content": f"answer {len(self.usages)}"})
         return answer
+
+
+# --- kvwatch's SageMaker target ------------------------------------------------------------------------
+
+MODEL = "lab-model"
+
+
+def use_lab_credentials(monkeypatch, tmp_path) -> None:
+    """The lab's dummy credentials in the environment the commands inherit; never the user's files."""
+    for name, value in LAB_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+def endpoint(url: str, model: str = MODEL) -> list[str]:
+    return ["--sagemaker-endpoint", ENDPOINT, "--region", LAB_REGION, "--endpoint-url", url, "--model", model]
+
+
+def probe_json(lab: Lab, *options: str, timeout: float = 180) -> tuple[dict, subprocess.CompletedProcess]:
+    result = kvwatch(
+        "probe", *endpoint(lab.affinity, lab.status.get("model", MODEL)), "--prometheus",
+        lab.status["prometheus"], "--json", *options, timeout=timeout,
+    )  # fmt: skip
+    assert result.stdout, result.stderr
+    return json.loads(result.stdout), result
+
+
+def fault(lab: Lab, *args: str) -> str:
+    result = lab.cli("fault", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def assert_sticky_by_reuse(report: dict, block: int) -> None:
+    """Every session sticky, judged by reuse: each warm round cached all its ideal tokens, block-aligned."""
+    assert report["block_size"]["tokens"] == block, report["block_size"]
+    for session in report["sessions"]:
+        assert session["ok"] and session["closed"], session
+        assert (session["sticky"], session["evidence"], session["session_losses"]) == (True, "reuse", [])
+        first, *warm = session["rounds"]
+        assert first["ideal_cached_tokens"] == 0 and first["ttft_seconds"] > 0
+        for r in warm:
+            assert r["ttft_seconds"] > 0 and r["session_id_sent"] == session["session_id"], r
+            assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % block == 0, r
+            assert r["cached_tokens"] == r["ideal_cached_tokens"], r

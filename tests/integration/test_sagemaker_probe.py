@@ -2,8 +2,8 @@
 (botocore): `kvwatch probe` judges sessions by reuse and says when they are lost and reopened, the lab's
 `kvwatch serve` probes the endpoint and KVWatchSessionReuseLost reaches Alertmanager when the front
 ignores session ids, `kvwatch experiment` sets the endpoint without sessions against the same with them,
-and the doctor names stateful sessions not enabled. Simulated replicas here (fast); real vLLM for the
-reuse at its 128-token block and the container started without stateful sessions."""
+and the doctor names stateful sessions not enabled. Simulated replicas here (fast); real vLLM in
+test_sagemaker_vllm.py."""
 
 from __future__ import annotations
 
@@ -14,42 +14,23 @@ import sys
 import time
 
 import pytest
+from sagemaker_client import assert_sticky_by_reuse, endpoint, fault, probe_json, use_lab_credentials
 
 from conftest import REPO, Lab, http_get, kvwatch
-from kvwatch.lab.gateways.sagemaker import ENDPOINT, LAB_CREDENTIALS, LAB_REGION
 from kvwatch.prometheus import queries
 
 REPLICAS = ("r1", "r2", "r3", "r4")
-MODEL = "lab-model"
 
 
 @pytest.fixture(autouse=True)
 def aws_credentials(monkeypatch, tmp_path):
-    """The lab's dummy credentials in the environment the commands inherit; never the user's files."""
-    for name, value in LAB_CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    use_lab_credentials(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def lab(start_lab):
     """Four simulated replicas behind the front, the lab's serve probing its endpoint every 5 s."""
     return start_lab("--gateway", "sagemaker", "--replicas", str(len(REPLICAS)), "--users", "0")
-
-
-def endpoint(url: str, model: str = MODEL) -> list[str]:
-    return ["--sagemaker-endpoint", ENDPOINT, "--region", LAB_REGION, "--endpoint-url", url, "--model", model]
-
-
-def probe_json(lab: Lab, *options: str, timeout: float = 180) -> tuple[dict, subprocess.CompletedProcess]:
-    result = kvwatch(
-        "probe", *endpoint(lab.affinity, lab.status.get("model", MODEL)), "--prometheus",
-        lab.status["prometheus"], "--json", *options, timeout=timeout,
-    )  # fmt: skip
-    assert result.stdout, result.stderr
-    return json.loads(result.stdout), result
 
 
 def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:
@@ -83,26 +64,6 @@ def prometheus(lab: Lab, query: str) -> list[dict]:
     filled = queries.fill_variables(query, window="30s", time_range="5m")
     answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": filled}, timeout=10)
     return answer.json()["data"]["result"]
-
-
-def fault(lab: Lab, *args: str) -> str:
-    result = lab.cli("fault", *args)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def assert_sticky_by_reuse(report: dict, block: int) -> None:
-    """Every session sticky, judged by reuse: each warm round cached all its ideal tokens, block-aligned."""
-    assert report["block_size"]["tokens"] == block, report["block_size"]
-    for session in report["sessions"]:
-        assert session["ok"] and session["closed"], session
-        assert (session["sticky"], session["evidence"], session["session_losses"]) == (True, "reuse", [])
-        first, *warm = session["rounds"]
-        assert first["ideal_cached_tokens"] == 0 and first["ttft_seconds"] > 0
-        for r in warm:
-            assert r["ttft_seconds"] > 0 and r["session_id_sent"] == session["session_id"], r
-            assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % block == 0, r
-            assert r["cached_tokens"] == r["ideal_cached_tokens"], r
 
 
 def test_probe_through_botocore_is_sticky_by_reuse_on_the_replica_that_opened_each_session(lab):
@@ -229,26 +190,5 @@ def test_doctor_names_stateful_sessions_disabled(lab):
         text = kvwatch("doctor", *endpoint(lab.affinity), timeout=180).stdout
         assert "stateful sessions not enabled" in text, text
         assert "SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true" in text, text
-    finally:
-        assert lab.cli("heal").returncode == 0
-
-
-def test_real_vllm_reuses_every_warm_round_at_its_128_token_block(vllm_sagemaker_lab: Lab):
-    report, result = probe_json(
-        vllm_sagemaker_lab, "--sessions", "2", "--rounds", "3", "--system-tokens", "600",
-        "--turn-tokens", "150", "--max-tokens", "16", timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert_sticky_by_reuse(report, block=128)
-
-
-def test_real_vllm_without_stateful_sessions_is_named_by_the_doctor(vllm_sagemaker_lab: Lab):
-    lab = vllm_sagemaker_lab
-    assert "without SAGEMAKER_ENABLE_STATEFUL_SESSIONS" in fault(lab, "disable-sessions")
-    try:
-        model = lab.status.get("model", MODEL)
-        result = kvwatch("doctor", *endpoint(lab.affinity, model), "--json", timeout=300)
-        assert result.returncode == 1, result.stdout + result.stderr
-        assert "stateful_sessions_disabled" in json.loads(result.stdout)["causes"], result.stdout
     finally:
         assert lab.cli("heal").returncode == 0

@@ -380,7 +380,10 @@ def test_sessions_judged_by_reuse_export_their_evidence_warm_reuse_and_session_l
     assert value(registry, "kvwatch_probe_evidence_sessions_total", evidence="replica") == 0
     assert value(registry, "kvwatch_probe_session_losses_total", kind="expired") == 1
     assert value(registry, "kvwatch_probe_session_losses_total", kind="not_found") == 0
-    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") == 9 / 96
+    warm_ideal = lost.rounds[1].ideal_cached_tokens
+    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") == 9 / warm_ideal
     results.add_run(("lab-affinity", "affinity"), [named], 1000, 1010)
-    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="replica") == 270 / 288
+    warm = named.rounds[1:]
+    reused = sum(r.cached_tokens for r in warm) / sum(r.ideal_cached_tokens for r in warm)
+    assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="replica") == reused
     assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") is None

@@ -15,6 +15,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Malformed,
     Request,
     check_fields,
+    path_of,
     request,
 )
 
@@ -45,6 +46,7 @@ def parse(record: Mapping[str, object]) -> Request:
         status=record["status"],
         session_id=record["session_id"],
         assigned=record["session_source"] == "assigned",
+        path=path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
     )
 
 

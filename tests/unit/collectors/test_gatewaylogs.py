@@ -12,6 +12,7 @@ import yaml
 from conftest import REPO, free_port
 from kvwatch.collectors.gatewaylogs import (
     LOG_FORMATS,
+    MALFORMED_REASONS,
     NO_UPSTREAM,
     Malformed,
     Request,
@@ -19,7 +20,7 @@ from kvwatch.collectors.gatewaylogs import (
     json_object,
     nginx,
 )
-from kvwatch.collectors.gatewaylogs.follower import MALFORMED_REASONS, GatewayLogFollower
+from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings
 from kvwatch.serve.scheduler import Service
 
@@ -65,7 +66,7 @@ def test_every_format_is_registered_under_its_name():
 def test_an_nginx_line_names_the_server_that_answered_after_a_failover():
     assert parse("nginx", NGINX_LINE) == Request(
         time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
-        session_id="chat-42", assigned=False,
+        session_id="chat-42", assigned=False, path="/v1/chat/completions",
     )  # fmt: skip
 
 

@@ -39,7 +39,7 @@ EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
     "backend, echoed, expect_sticky, failover, instance, job, kind, label, le, listener, log, outcome, "
-    "quantile, reason, round, route_mode, status_class, sticky, target, upstream"
+    "quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
@@ -122,7 +122,7 @@ INVALID = [
         "gateway-log-max-sessions-too-many",
         "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 1000001",
     ),
-    ("gateway-log-missing-path", "gateway_logs[0].path: required key is missing"),
+    ("gateway-log-missing-path", "gateway_logs[0].path: required for source file"),
     (
         "gateway-log-name",
         'gateway_logs[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "gateway.affinity"',

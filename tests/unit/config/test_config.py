@@ -116,7 +116,10 @@ INVALID = [
     ("empty", "the file is empty"),
     ("expect-sticky", 'targets[0].expect_sticky: expected true or false, got the string "yes"'),
     ("gateway-log-expect-sticky", "gateway_logs[0].expect_sticky: expected true or false, got the number 1"),
-    ("gateway-log-format", 'gateway_logs[0].format: unknown format "istio"; known: envoy, nginx'),
+    (
+        "gateway-log-format",
+        'gateway_logs[0].format: unknown format "istio"; known: envoy, ingress-nginx, nginx',
+    ),
     ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 0"),
     (
         "gateway-log-max-sessions-too-many",
@@ -278,7 +281,8 @@ INVALID = [
     ),
     (
         "gateway-log-format-typo",
-        'gateway_logs[0].format: unknown format "ngnix"; did you mean "nginx"? known: envoy, nginx',
+        'gateway_logs[0].format: unknown format "ngnix"; did you mean "nginx"? '
+        "known: envoy, ingress-nginx, nginx",
     ),
     ("router-typo", 'targets[0].router: unknown router "dynamoo"; did you mean "dynamo"? known: dynamo'),
     (

@@ -101,8 +101,10 @@ def assert_figures_equal_the_file_logs(lab: Lab) -> None:
                 value(samples, "kvwatch_gateway_session_spread_sessions", **listener, failover=moved)
                 == (truth.spread_sessions[name, moved])
             )
-        assert value(samples, "kvwatch_gateway_log_info", log=name, expect_sticky=str(name == "affinity").lower(),
-                     source="syslog") == 1  # fmt: skip
+        sticky = str(name == "affinity").lower()
+        assert (
+            value(samples, "kvwatch_gateway_log_info", log=name, expect_sticky=sticky, source="syslog") == 1
+        )
 
 
 def wait_for_alert(lab: Lab, since: float, alertname: str, **labels: str) -> None:
@@ -111,9 +113,9 @@ def wait_for_alert(lab: Lab, since: float, alertname: str, **labels: str) -> Non
         with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
             for alert in store.alerts():
                 matches = all(alert["labels"].get(k) == v for k, v in labels.items())
-                if alert["received_at"] >= since and alert["alertname"] == alertname and matches:
-                    if alert["status"] == "firing":
-                        return
+                named = alert["alertname"] == alertname and alert["status"] == "firing"
+                if alert["received_at"] >= since and named and matches:
+                    return
         time.sleep(1)
     raise AssertionError(f"no firing {alertname} {labels} within {WAIT_S} s")
 

@@ -11,8 +11,8 @@ from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot, SessionTall
 from kvwatch.core.errors import KVWatchError
 
 
-class SourceUnavailable(KVWatchError):
-    """A source that this kvwatch cannot run; the message says why."""
+class SourceUnavailable(KVWatchError, ValueError):
+    """A source that this kvwatch cannot run, or a receiver that cannot listen; the message says why."""
 
 
 class PushSource(Protocol):
@@ -43,7 +43,13 @@ class PushedLog:
         self.latest = tally.snapshot(SourceState(problem="not_polled"))
 
     def start(self) -> None:
-        self.receiver.start()
+        try:
+            self.receiver.start()
+        except OSError as error:
+            raise SourceUnavailable(
+                f"gateway log {self.name}: cannot listen for its {self.tally.source} source: "
+                f"{error.strerror or error}"
+            ) from None
 
     def poll(self) -> GatewayLogSnapshot:
         self.latest = self.tally.snapshot(SourceState())

@@ -333,3 +333,34 @@ def test_serve_receives_syslog_and_exports_it_as_a_file_log(tmp_path: Path):
     finally:
         pushed.close()
         service.store.close()
+
+
+def test_serve_names_the_gateway_log_whose_port_is_taken_and_starts_nothing(tmp_path: Path, capsys):
+    from kvwatch.cli.main import main
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        config = tmp_path / "kvwatch.yaml"
+        config.write_text(
+            f"gateway_logs:\n  - name: gw\n    source: syslog\n    listen: 127.0.0.1:{port}\n"
+            f"exporter:\n  listen: 127.0.0.1:{free_port()}\nstore:\n  path: {tmp_path / 'kvwatch.db'}\n"
+        )
+        assert main(["serve", "--config", str(config)]) == 1
+    assert "kvwatch serve: gateway log gw: cannot listen for its syslog source: Address already in use" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_source_without_its_receiver_is_refused_before_anything_starts(tmp_path: Path, capsys):
+    from kvwatch.cli.main import main
+
+    config = tmp_path / "kvwatch.yaml"
+    config.write_text(
+        f"gateway_logs:\n  - name: gw\n    source: otlp\n"
+        f"exporter:\n  listen: 127.0.0.1:{free_port()}\nstore:\n  path: {tmp_path / 'kvwatch.db'}\n"
+    )
+    assert main(["serve", "--config", str(config)]) == 1
+    assert "kvwatch serve: gateway log gw: the OTLP receiver is not part of this kvwatch yet" in (
+        capsys.readouterr().err
+    )

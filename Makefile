@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
-TEST_PACKAGES := chromium nodejs npm postgresql openssl
+TEST_PACKAGES := chromium nodejs npm postgresql openssl rsyslog
 LAB_ARGS ?=
 # Where the generated alerts and boards link the runbook (default: this project's public repository),
 # e.g. `make generate RUNBOOK_URL=https://wiki.example.net/kvwatch-runbook`; the dashboard's is

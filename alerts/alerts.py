@@ -275,6 +275,17 @@ def _probe_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "run's result has reached Prometheus: every run hangs, or the scheduler never ran it.",
         ),
         Alert(
+            "KVWatchGatewayLogSilent",
+            f"time() - max by ({by.keeping('job, instance, log')}) "
+            f"(kvwatch_gateway_log_last_record_timestamp_seconds)\n  > {t.source_silent_seconds:g}\n"
+            f'and on({by.keeping("job, instance, log")}) kvwatch_gateway_log_info{{source!="file"}}',
+            "warning",
+            "A gateway log's receiver gets nothing.",
+            "{{ $labels.log }} has received no access-log line for {{ $value | humanizeDuration }}: the "
+            "gateway or its relay stopped sending, or cannot reach kvwatch's listen address.",
+            for_="5m",
+        ),
+        Alert(
             "KVWatchTargetDown",
             "up == 0",
             "critical",

@@ -15,7 +15,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower, GatewayLogSnapshot
+from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
+from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot
 
 LINES = 300_000
 SESSIONS = 100_000

@@ -262,6 +262,14 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
     _family_argument(up, "--engine", REPLICA_KINDS, "sim")
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(
+        "--gateway-log-source",
+        choices=["file", "syslog"],
+        default="file",
+        help="how kvwatch gets the gateway's access logs: file (followed), or syslog (nginx sends the "
+        "affinity log over UDP, the round_robin log through a real rsyslog relay as RFC 5424 over TCP; the "
+        "files stay as ground truth); with --gateway nginx (default %(default)s)",
+    )
+    up.add_argument(
         "--envoy-lb",
         choices=sorted(LOAD_BALANCERS),
         help="the consistent hash of Envoy's affinity cluster: ring-hash (RING_HASH, Istio's default) or "
@@ -400,6 +408,10 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
         )
+    if args.gateway_log_source != "file" and args.gateway != "nginx":
+        return _fail(
+            f"--gateway-log-source {args.gateway_log_source} is for --gateway nginx, not {args.gateway}"
+        )
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
     if args.sagemaker_routing and args.gateway != "sagemaker":
@@ -450,6 +462,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 dashboard=args.dashboard,
                 engine=kind.name,
                 gateway=args.gateway,
+                gateway_log_source=args.gateway_log_source,
                 envoy_lb=args.envoy_lb or "ring-hash",
                 sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
             )

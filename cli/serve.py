@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kvwatch.cli.options import command
+from kvwatch.collectors.gatewaylogs.sources import SourceUnavailable
 from kvwatch.config.settings import ConfigError, load_config
 from kvwatch.serve import shard, startup
 from kvwatch.serve.scheduler import Service
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
+    except SourceUnavailable as error:  # a gateway log's receiver cannot listen
+        print(f"kvwatch serve: {error}", file=sys.stderr)
+        return 1
     except OSError as error:  # the exporter's port, free at the check, was taken since
         print(f"kvwatch serve: {startup.cannot_listen(config.exporter, error)}", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwatch.collectors.gatewaylogs import follower
+from kvwatch.collectors.gatewaylogs import metrics as gateway_log_metrics
 from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
 
 
@@ -14,4 +14,6 @@ def label_names() -> frozenset[str]:
         "expect_sticky",
         *(label for _, _, extra in COUNTERS.values() for label in extra),
     }
-    return frozenset(probes | follower.LABEL_NAMES | {"reason"})  # the store's kvwatch_store_writes_dropped
+    return frozenset(
+        probes | gateway_log_metrics.LABEL_NAMES | {"reason"}
+    )  # the store's kvwatch_store_writes_dropped

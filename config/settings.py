@@ -22,6 +22,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 from kvwatch.collectors import gatewaylogs, identity
+from kvwatch.collectors.gatewaylogs.sources import SOURCES
+from kvwatch.collectors.gatewaylogs.tally import INFERENCE_PATHS
 from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize, targets
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
@@ -269,26 +271,6 @@ class Target:
         object.__setattr__(self, "interval_seconds", gap)
 
 
-@dataclass(frozen=True)
-class GatewayLog:
-    """A gateway's JSON access log to follow (docs/gateway-logs.md)."""
-
-    name: str  # the `log` label
-    path: Path
-    spread_window_seconds: float = _bounded(600.0, 0, DAY, low_excluded=True)
-    # The source article recycles idle session ids after 30 min.
-    session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
-    max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
-    expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
-    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.LOG_FORMATS
-
-    def __post_init__(self):
-        _name(self.name, "name")
-        _check_ranges(self)
-        formats = gatewaylogs.LOG_FORMATS
-        _check(self.format in formats, "format", unknown("format", self.format, formats))
-
-
 def _listen(value: object, where: str) -> str:
     """The exporter's address as YAML gives it: host:port, or a bare port (`listen: 9464`), which YAML
     reads as a number."""
@@ -300,6 +282,66 @@ def _listen(value: object, where: str) -> str:
         f"expected host:port (e.g. 127.0.0.1:9464) or a port, got {_describe(value)}",
     )
     return value
+
+
+@dataclass(frozen=True)
+class GatewayLog:
+    """A gateway's JSON access log to follow or receive (docs/gateway-logs.md)."""
+
+    name: str  # the `log` label
+    path: Path | None = None  # the file the gateway writes, for source file
+    spread_window_seconds: float = _bounded(600.0, 0, DAY, low_excluded=True)
+    # The source article recycles idle session ids after 30 min.
+    session_ttl_seconds: float = _bounded(1800.0, 0, 7 * DAY, low_excluded=True)
+    max_sessions: int = _bounded(100_000, 1, 1_000_000)  # about 500 bytes each
+    expect_sticky: bool = True  # false for a round-robin listener's log: its sessions are meant to spread
+    format: str = "nginx"  # the gateway that writes it, one of gatewaylogs.LOG_FORMATS
+    source: str = "file"  # how it arrives, one of gatewaylogs.sources.SOURCES
+    # Where a push source (syslog, otlp) listens, host:port or a port; default 127.0.0.1:<its port>.
+    listen: str | None = dataclass_field(default=None, metadata={"read": _listen})
+    max_records_per_second: float = _bounded(50_000.0, 0, 10_000_000, low_excluded=True)  # per sender
+    inference_paths: tuple[str, ...] = INFERENCE_PATHS  # other requests are counted apart
+
+    def __post_init__(self):
+        _name(self.name, "name")
+        _check_ranges(self)
+        _check(
+            self.format in gatewaylogs.LOG_FORMATS,
+            "format",
+            unknown("format", self.format, gatewaylogs.LOG_FORMATS),
+        )
+        _check(self.source in SOURCES, "source", unknown("source", self.source, SOURCES))
+        port = SOURCES[self.source].default_port
+        if port is None:
+            _check(self.path is not None, "path", f"required for source {self.source}")
+            _check(self.listen is None, "listen", "a file is read, not received: drop listen or set source")
+        else:
+            object.__setattr__(self, "listen", _check_listen(self.listen or f"127.0.0.1:{port}", "listen"))
+        for i, path in enumerate(self.inference_paths):
+            _check(
+                path.startswith("/"),
+                f"inference_paths[{i}]",
+                'must be a path such as "/v1/chat/completions"',
+            )
+
+
+def _check_listen(listen: str, where: str) -> str:
+    """A listen address, host:port (a port alone: 127.0.0.1); an empty host means every interface to most
+    servers, so exposing a listener must be explicit."""
+    if listen.isdecimal():  # a port alone, given as a string
+        listen = f"127.0.0.1:{listen}"
+    _check(":" in listen, where, f'expected host:port (e.g. 127.0.0.1:9464) or a port, got "{listen}"')
+    host, _, port = listen.rpartition(":")
+    _check(
+        port.isdecimal() and 1 <= int(port) <= 65535,
+        where,
+        f'must be host:port with a port from 1 to 65535, got "{listen}"',
+    )
+    _check(
+        host, where, f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{listen}"'
+    )
+    _check(_is_host(host.strip("[]")), where, f'"{host}" is not an IP address or host name')
+    return listen
 
 
 @dataclass(frozen=True)
@@ -317,26 +359,7 @@ class ExporterSettings:
     def __post_init__(self):
         token_env, token_file = _SECRET_SOURCES[ExporterSettings]
         _secret_source(self.webhook_token_env, self.webhook_token_file, token_env, token_file, "token")
-        if self.listen.isdecimal():  # a port alone, given as a string
-            object.__setattr__(self, "listen", f"127.0.0.1:{self.listen}")
-        _check(
-            ":" in self.listen,
-            "listen",
-            f'expected host:port (e.g. 127.0.0.1:9464) or a port, got "{self.listen}"',
-        )
-        host, _, port = self.listen.rpartition(":")
-        _check(
-            port.isdecimal() and 1 <= int(port) <= 65535,
-            "listen",
-            f'must be host:port with a port from 1 to 65535, got "{self.listen}"',
-        )
-        # An empty host means every interface to most servers: exposing the exporter must be explicit.
-        _check(
-            host,
-            "listen",
-            f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{self.listen}"',
-        )
-        _check(_is_host(host.strip("[]")), "listen", f'"{host}" is not an IP address or host name')
+        object.__setattr__(self, "listen", _check_listen(self.listen, "listen"))
         wrong = label_value_problem(self.cluster or "")  # on every series: bounded as every label value is
         _check(wrong is None, "cluster", wrong)
 

@@ -6,6 +6,7 @@ adding an entry there and, if it has a port, a property in `lab.state.Ports`.
 
 from __future__ import annotations
 
+from kvwatch.lab import rsyslog
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS
 from kvwatch.lab.process import Process, binary
@@ -104,8 +105,9 @@ def planned_processes(state: LabState) -> list[list[Process]]:
     if state.users:
         last.append(traffic_process(state))
     alerting = [] if state.cluster else [alertmanager_process(state)]
+    relay = [rsyslog.process(state)] if state.gateway_log_source == "syslog" else []
     return [
         [replica_process(state, replica) for replica in state.replicas],
-        [GATEWAYS.lookup(state.gateway).process(state), *alerting],
+        [GATEWAYS.lookup(state.gateway).process(state), *relay, *alerting],
         last,
     ]

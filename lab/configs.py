@@ -186,6 +186,10 @@ def render_kvwatch_config(state: LabState) -> str:
         config["gateway_logs"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
+        if state.gateway_log_source == "syslog":  # the file stays as the ground truth
+            del log["path"]
+            log["source"] = "syslog"
+            log["listen"] = f"127.0.0.1:{getattr(ports, 'syslog_' + log['name'])}"
         if (
             log_format := GATEWAYS.lookup(state.gateway).log_format
         ) != GatewayLog.format:  # as the example, else

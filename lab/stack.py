@@ -21,7 +21,7 @@ import yaml
 from kvwatch.core.connections import request_sync
 from kvwatch.core.errors import UpstreamError
 from kvwatch.core.promapi import PrometheusApi
-from kvwatch.lab import sagemaker_faults
+from kvwatch.lab import rsyslog, sagemaker_faults
 from kvwatch.lab.components import planned_processes, replica_process
 from kvwatch.lab.configs import (
     render_alertmanager,
@@ -74,6 +74,8 @@ def _write_configs(state: LabState) -> None:
     if state.clusters:
         return
     GATEWAYS.lookup(state.gateway).write_configs(state)
+    if state.gateway_log_source == "syslog":
+        rsyslog.write_config(state)
     (state.directory / "kvwatch.yaml").write_text(render_kvwatch_config(state))
     # Written whole and renamed: background users read it at any moment.
     control = state.directory / "traffic.json"

@@ -46,6 +46,10 @@ class Ports:
     exporter = _above_base(4)
     dashboard = _above_base(5)
     gateway_admin = _above_base(6)  # a gateway's admin API and metrics (Envoy's); nginx has none
+    # With --gateway-log-source syslog: kvwatch's receivers of each listener's log, and rsyslog's input.
+    syslog_affinity = _above_base(7)
+    syslog_round_robin = _above_base(8)
+    syslog_relay = _above_base(9)
 
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
@@ -80,6 +84,9 @@ class LabState:
     dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
     engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
+    # How kvwatch gets the gateway's access logs: "file", or "syslog" (nginx sends the affinity log
+    # straight to kvwatch over UDP, the round_robin log through rsyslog, RFC 5424 over TCP)
+    gateway_log_source: str = "file"
     envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
     # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
     sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install the Debian packages kvwatch's lab runs (nginx, Prometheus, Alertmanager) and its tests use
-# (Chromium, PostgreSQL, openssl) when they are missing. Idempotent: does nothing when every binary is already there.
+# (Chromium, PostgreSQL, openssl, rsyslog) when they are missing. Idempotent: does nothing when every binary is already there.
 set -eu
 
 binary_for() {
@@ -9,6 +9,7 @@ binary_for() {
         prometheus) echo /usr/bin/prometheus ;;
         prometheus-alertmanager) echo /usr/bin/prometheus-alertmanager ;;
         postgresql) echo /usr/bin/pg_ctlcluster ;;  # postgresql-common, which the server packages need
+        rsyslog) echo /usr/sbin/rsyslogd ;;
         *) echo "/usr/bin/$1" ;;
     esac
 }

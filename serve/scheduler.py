@@ -21,7 +21,8 @@ import time
 import uuid
 from collections import Counter
 
-from kvwatch.collectors.gatewaylogs.follower import GatewayLogCollector, GatewayLogFollower
+from kvwatch.collectors.gatewaylogs.metrics import GatewayLogCollector
+from kvwatch.collectors.gatewaylogs.sources import PushedLog, open_log
 from kvwatch.collectors.probe import blocksize, targets, workload
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen, with_block_size
@@ -136,18 +137,7 @@ class Service:
             config.store.queue_capacity, config.store.retry_seconds, self.store.location
         )
         self.results = ProbeResults()
-        self.followers = [
-            GatewayLogFollower(
-                g.path,
-                g.name,
-                spread_window_seconds=g.spread_window_seconds,
-                session_ttl_seconds=g.session_ttl_seconds,
-                max_sessions=g.max_sessions,
-                expect_sticky=g.expect_sticky,
-                log_format=g.format,
-            )
-            for g in config.gateway_logs
-        ]
+        self.followers = [open_log(g) for g in config.gateway_logs]
         cluster = config.exporter.cluster
         self.registry = LabelledRegistry({config.cluster_label: cluster} if cluster else {})
         self.registry.register(
@@ -264,6 +254,8 @@ class Service:
         await runner.setup()
         listen = self.config.exporter
         try:
+            for pushed in (f for f in self.followers if isinstance(f, PushedLog)):
+                pushed.start()  # listening before the exporter serves, or serve stops with the reason
             await web.TCPSite(runner, listen.host, listen.port).start()
             log.info(
                 "exporter and webhook on http://%s:%d (/metrics, POST /alerts)", listen.host, listen.port

@@ -1,4 +1,5 @@
-"""Gateway access-log formats behind one interface: one module per format (`nginx`, `envoy`).
+"""Gateway access-log formats behind one interface: one module per format (`nginx`, `ingress-nginx`,
+`envoy`).
 
 Each turns one decoded JSON line into the `Request` that the follower (collectors/gatewaylogs/follower.py)
 counts; a gateway log's `format` in the config picks one by name (`LOG_FORMATS.lookup`).
@@ -6,7 +7,7 @@ counts; a gateway log's `format` in the config picks one by name (`LOG_FORMATS.l
 
 from __future__ import annotations
 
-from kvwatch.collectors.gatewaylogs import envoy, nginx
+from kvwatch.collectors.gatewaylogs import envoy, ingress_nginx, nginx
 from kvwatch.collectors.gatewaylogs.base import (
     MALFORMED_REASONS,
     NO_UPSTREAM,
@@ -17,7 +18,7 @@ from kvwatch.collectors.gatewaylogs.base import (
 )
 from kvwatch.core.registry import Registry
 
-LOG_FORMATS = Registry("gateway log format", (module.FORMAT for module in (nginx, envoy)))
+LOG_FORMATS = Registry("gateway log format", (module.FORMAT for module in (nginx, ingress_nginx, envoy)))
 
 __all__ = [
     "LOG_FORMATS",

@@ -34,6 +34,7 @@ class Request(NamedTuple):
     status: int
     session_id: str
     assigned: bool  # the client sent no session key: the id is one the gateway made
+    path: str | None = None  # the request's path without its query; None: the log does not say
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,15 @@ def check_fields(record: Mapping[str, object], types: Mapping[str, type | tuple[
 
 
 def request(
-    *, time: float, listener: str, upstream: str, failover: bool, status: int, session_id: str, assigned: bool
+    *,
+    time: float,
+    listener: str,
+    upstream: str,
+    failover: bool,
+    status: int,
+    session_id: str,
+    assigned: bool,
+    path: str | None = None,
 ) -> Request:
     """The request of a checked line, refused when it has no session id, an impossible status, or a time
     that is no time (JSON's NaN or Infinity, which Python reads)."""
@@ -83,4 +92,13 @@ def request(
         status=status,
         session_id=session_id,
         assigned=assigned,
+        path=path,
     )
+
+
+def path_of(target: object) -> str | None:
+    """The path of a logged request target (`/v1/models?x=1`), or of a request line (`GET /v1/models`);
+    None when the log has none."""
+    if not isinstance(target, str) or not target:
+        return None
+    return target.split(" ", 1)[-1].partition("?")[0]

@@ -19,6 +19,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Malformed,
     Request,
     check_fields,
+    path_of,
     request,
 )
 
@@ -59,6 +60,7 @@ def parse(record: Mapping[str, object]) -> Request:
         status=_CLIENT_CLOSED if status == _NO_RESPONSE else status,
         session_id=session_id or request_id or "",
         assigned=not session_id or session_id == request_id,
+        path=path_of(record.get("path")),  # "%REQ(:PATH)%", optional
     )
 
 

@@ -15,6 +15,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Malformed,
     Request,
     check_fields,
+    path_of,
     request,
 )
 
@@ -30,21 +31,27 @@ FIELDS = {
 _UPSTREAM_SEPARATOR = re.compile(r", | : ")
 
 
+def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
+    """The last server nginx tried (NO_UPSTREAM for none), and whether it tried more than one."""
+    tried = _UPSTREAM_SEPARATOR.split(upstream_addr) if upstream_addr else []
+    # An upstream group's name instead of an address means nginx found no live server.
+    return (tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM), len(tried) > 1
+
+
 def parse(record: Mapping[str, object]) -> Request:
     check_fields(record, FIELDS)
     if record["session_source"] not in ("client", "assigned"):
         raise Malformed("bad_value")
-    tried = _UPSTREAM_SEPARATOR.split(record["upstream_addr"]) if record["upstream_addr"] else []
-    # An upstream group's name instead of an address means nginx found no live server.
-    upstream = tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM
+    upstream, failover = upstream_tried(record["upstream_addr"])
     return request(
         time=record["msec"],
         listener=record["listener"],
         upstream=upstream,
-        failover=len(tried) > 1,
+        failover=failover,
         status=record["status"],
         session_id=record["session_id"],
         assigned=record["session_source"] == "assigned",
+        path=path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
     )
 
 

@@ -52,10 +52,24 @@ def _files(state: LabState, stamp: str) -> dict[str, str]:
         servers=servers,
         affinity_port=state.ports.affinity,
         round_robin_port=state.ports.round_robin,
+        **_syslog_lines(state),
     )
     listener = _NginxTemplate((TEMPLATES / "listener.conf").read_text()).substitute(generation=stamp)
     proxy = (TEMPLATES / "proxy.conf").read_text()
     return {"nginx.conf": conf, "proxy.conf": proxy, "listener.conf": listener}
+
+
+def _syslog_lines(state: LabState) -> dict[str, str]:
+    """With the syslog source, each listener also sends its log over syslog (RFC 3164, UDP): the
+    affinity one to kvwatch, the round_robin one to the lab's rsyslog, which relays it to kvwatch.
+    The files stay: they are the ground truth."""
+    if state.gateway_log_source != "syslog":
+        return {"affinity_syslog": "", "round_robin_syslog": ""}
+    line = "        access_log syslog:server=127.0.0.1:{},tag=nginx{} kvwatch_json;"
+    return {
+        "affinity_syslog": line.format(state.ports.syslog_affinity, ",nohostname"),
+        "round_robin_syslog": line.format(state.ports.syslog_relay, ""),
+    }
 
 
 def write_configs(state: LabState) -> None:

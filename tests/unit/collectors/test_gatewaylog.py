@@ -22,14 +22,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, http_get, stop, wait_http
-from kvwatch.collectors.gatewaylogs.follower import (
-    MALFORMED_REASONS,
-    MAX_LINE_BYTES,
-    GatewayLogCollector,
-    GatewayLogFollower,
-    GatewayLogSnapshot,
-    unreadable_reason,
-)
+from kvwatch.collectors.gatewaylogs import MALFORMED_REASONS
+from kvwatch.collectors.gatewaylogs.follower import MAX_LINE_BYTES, GatewayLogFollower, unreadable_reason
+from kvwatch.collectors.gatewaylogs.metrics import GatewayLogCollector
+from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot
 from kvwatch.core.labels import MAX_LABEL_VALUE_LENGTH, MAX_VALUES_PER_LABEL, OTHER
 
 T0 = 1_800_000_000.0
@@ -551,8 +547,8 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert value("log_unreadable_polls_total", log="affinity", reason="not_found") == 0
         assert value("log_unread_bytes", log="affinity") == 0
         assert value("log_last_poll_timestamp_seconds", log="absent") == T0 + 1
-        assert value("log_info", log="round_robin", expect_sticky="false") == 1
-        assert value("log_info", log="affinity", expect_sticky="true") == 1
+        assert value("log_info", log="round_robin", expect_sticky="false", source="file") == 1
+        assert value("log_info", log="affinity", expect_sticky="true", source="file") == 1
 
         exposition = generate_latest(registry).decode()
         assert "secret" not in exposition

@@ -12,14 +12,16 @@ import yaml
 from conftest import REPO, free_port
 from kvwatch.collectors.gatewaylogs import (
     LOG_FORMATS,
+    MALFORMED_REASONS,
     NO_UPSTREAM,
     Malformed,
     Request,
     envoy,
+    ingress_nginx,
     json_object,
     nginx,
 )
-from kvwatch.collectors.gatewaylogs.follower import MALFORMED_REASONS, GatewayLogFollower
+from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings
 from kvwatch.serve.scheduler import Service
 
@@ -55,8 +57,14 @@ def parse(format_name: str, line: str) -> Request:
 
 
 def test_every_format_is_registered_under_its_name():
-    assert LOG_FORMATS == {"nginx": nginx.FORMAT, "envoy": envoy.FORMAT}
-    with pytest.raises(ValueError, match='unknown gateway log format "istio"; known: envoy, nginx'):
+    assert LOG_FORMATS == {
+        "nginx": nginx.FORMAT,
+        "ingress-nginx": ingress_nginx.FORMAT,
+        "envoy": envoy.FORMAT,
+    }
+    with pytest.raises(
+        ValueError, match='unknown gateway log format "istio"; known: envoy, ingress-nginx, nginx'
+    ):
         LOG_FORMATS.lookup("istio")
     with pytest.raises(ValueError, match="unknown gateway log format"):
         GatewayLogFollower("access.jsonl", "lab", log_format="haproxy")
@@ -65,7 +73,7 @@ def test_every_format_is_registered_under_its_name():
 def test_an_nginx_line_names_the_server_that_answered_after_a_failover():
     assert parse("nginx", NGINX_LINE) == Request(
         time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
-        session_id="chat-42", assigned=False,
+        session_id="chat-42", assigned=False, path="/v1/chat/completions",
     )  # fmt: skip
 
 
@@ -201,3 +209,50 @@ def test_the_service_follows_an_envoy_log_with_the_same_metrics(tmp_path: Path):
     assert value("requests_without_session_key_total", **listener) == 1
     assert value("session_spread_sessions", **listener, failover="true") == 1
     assert value("session_spread_sessions", **listener, failover="false") == 0
+
+
+# As ingress-nginx writes the log-format-upstream of docs/gateway-logs.md: a failover, then a request
+# without the session header, and the controller's own health check.
+INGRESS_NGINX_LINE = (
+    '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"req_id":"5f1c0d2b9a3e4f60",'
+    '"proxy_upstream_name":"llm-vllm-8000","upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
+    '"upstream_status":"502, 200","status":200,"method":"POST","uri":"/v1/chat/completions",'
+    '"session_id":"chat-42","request_time":0.412}\n'
+)
+
+
+def ingress_line(**changes: object) -> str:
+    return json.dumps({**json.loads(INGRESS_NGINX_LINE), **changes}) + "\n"
+
+
+def test_an_ingress_nginx_line_is_a_request_of_its_ingress_backend():
+    assert parse("ingress-nginx", INGRESS_NGINX_LINE) == Request(
+        time=1764595231.535, listener="llm-vllm-8000", upstream=R2, failover=True, status=200,
+        session_id="chat-42", assigned=False, path="/v1/chat/completions",
+    )  # fmt: skip
+
+
+def test_an_ingress_nginx_request_without_the_session_header_is_one_the_gateway_assigned():
+    keyless = parse("ingress-nginx", ingress_line(session_id="", upstream_addr=R1))
+    assert (keyless.session_id, keyless.assigned, keyless.failover) == ("5f1c0d2b9a3e4f60", True, False)
+    no_server = parse("ingress-nginx", ingress_line(upstream_addr="", status=503))
+    assert no_server.upstream == NO_UPSTREAM
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"req_id": None}, "wrong_type"),
+        ({"status": "200"}, "wrong_type"),
+        ({"msec": float("nan")}, "bad_value"),
+    ],
+)
+def test_an_ingress_nginx_line_without_what_kvwatch_counts_is_malformed(changes, reason):
+    record = {**json.loads(INGRESS_NGINX_LINE), **changes}
+    with pytest.raises(Malformed) as raised:
+        LOG_FORMATS["ingress-nginx"].parse(record)
+    assert raised.value.reason == reason
+    without_backend = json.loads(INGRESS_NGINX_LINE)
+    del without_backend["proxy_upstream_name"]
+    with pytest.raises(Malformed, match="missing_field"):
+        LOG_FORMATS["ingress-nginx"].parse(without_backend)

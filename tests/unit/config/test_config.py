@@ -39,8 +39,7 @@ EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
     "backend, echoed, evidence, expect_sticky, failover, instance, job, kind, label, le, listener, log, "
-    "outcome, "
-    "quantile, reason, round, route_mode, status_class, sticky, target, upstream"
+    "outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
@@ -117,13 +116,16 @@ INVALID = [
     ("empty", "the file is empty"),
     ("expect-sticky", 'targets[0].expect_sticky: expected true or false, got the string "yes"'),
     ("gateway-log-expect-sticky", "gateway_logs[0].expect_sticky: expected true or false, got the number 1"),
-    ("gateway-log-format", 'gateway_logs[0].format: unknown format "istio"; known: envoy, nginx'),
+    (
+        "gateway-log-format",
+        'gateway_logs[0].format: unknown format "istio"; known: envoy, ingress-nginx, nginx',
+    ),
     ("gateway-log-max-sessions", "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 0"),
     (
         "gateway-log-max-sessions-too-many",
         "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 1000001",
     ),
-    ("gateway-log-missing-path", "gateway_logs[0].path: required key is missing"),
+    ("gateway-log-missing-path", "gateway_logs[0].path: required for source file"),
     (
         "gateway-log-name",
         'gateway_logs[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "gateway.affinity"',
@@ -279,7 +281,8 @@ INVALID = [
     ),
     (
         "gateway-log-format-typo",
-        'gateway_logs[0].format: unknown format "ngnix"; did you mean "nginx"? known: envoy, nginx',
+        'gateway_logs[0].format: unknown format "ngnix"; did you mean "nginx"? '
+        "known: envoy, ingress-nginx, nginx",
     ),
     ("router-typo", 'targets[0].router: unknown router "dynamoo"; did you mean "dynamo"? known: dynamo'),
     (

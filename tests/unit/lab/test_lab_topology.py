@@ -8,8 +8,9 @@ import yaml
 
 from kvwatch.cli.main import main
 from kvwatch.config.settings import load_config
-from kvwatch.lab import components, stack
+from kvwatch.lab import components, rsyslog, stack
 from kvwatch.lab.configs import render_alertmanager, render_kvwatch_config, render_prometheus
+from kvwatch.lab.gateways import nginx
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import MAX_CLUSTER_REPLICAS, MAX_CLUSTERS, LabState
 
@@ -159,3 +160,18 @@ def test_behind_the_sagemaker_gateway_serve_probes_the_endpoint_with_and_without
     assert round_robin.sagemaker.endpoint_name == "lab-endpoint"
     serve = components.serve_process(state)
     assert serve.env["AWS_SHARED_CREDENTIALS_FILE"] == str(tmp_path / "no-aws-files")  # never the user's
+
+
+def test_the_syslog_lab_sends_nginx_logs_to_kvwatch_and_through_rsyslog(tmp_path):
+    state = LabState(tmp_path, 21000, gateway_log_source="syslog")
+    conf = nginx.render(state)["nginx.conf"]
+    assert "access_log syslog:server=127.0.0.1:21007,tag=nginx,nohostname kvwatch_json;" in conf
+    assert "access_log syslog:server=127.0.0.1:21009,tag=nginx kvwatch_json;" in conf
+    assert f"access_log {tmp_path}/logs/gateway-affinity.jsonl kvwatch_json;" in conf  # the ground truth
+    logs = {log["name"]: log for log in yaml.safe_load(render_kvwatch_config(state))["gateway_logs"]}
+    assert logs["affinity"]["source"] == "syslog" and logs["affinity"]["listen"] == "127.0.0.1:21007"
+    assert logs["round_robin"]["listen"] == "127.0.0.1:21008" and "path" not in logs["round_robin"]
+    rsyslog.write_config(state)
+    relay = (tmp_path / "rsyslog.conf").read_text()
+    assert 'port="21009"' in relay and 'port="21008"' in relay and 'TCP_Framing="octet-counted"' in relay
+    assert "syslog:" not in nginx.render(LabState(tmp_path, 21000))["nginx.conf"]  # the default lab

@@ -81,7 +81,8 @@ KNOWN = (
     "load_imbalance_above, "
     "load_imbalance_for, min_prompt_tokens_per_second, min_returning_sessions, "
     "min_router_predictions_per_second, prediction_miss_for, probe_stale_intervals, router_predicted_above, "
-    "spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, warm_reuse_below, "
+    "source_silent_seconds, spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, "
+    "warm_reuse_below, "
     "warm_round_for"
 )
 

@@ -1,0 +1,325 @@
+"""Count what a gateway's access log says, whatever delivered it: load per upstream, requests without a
+session key, and sessions spread over more than one upstream (apart from those a failover moved), in
+bounded memory.
+
+Every source (collectors/gatewaylogs/sources/: a followed file, syslog, OTLP) hands its lines or decoded
+records to one `SessionTally`, which parses them with the log's format and counts them; the source then
+publishes `snapshot()` as the log's latest `GatewayLogSnapshot`. Session ids stay inside the tally: only
+counts leave it, by listener and upstream names bounded per log by core/labels.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvwatch.collectors import gatewaylogs
+from kvwatch.collectors.gatewaylogs.base import (
+    MALFORMED_REASONS,
+    NO_UPSTREAM,
+    Malformed,
+    Request,
+    json_object,
+)
+from kvwatch.core.labels import BoundedLabel
+
+# Why a poll could not read a followed file: a fixed list, so that a reason can be a label.
+UNREADABLE_REASONS = ("not_found", "permission_denied", "is_directory", "not_regular_file", "read_error")
+# Why a push source (syslog, OTLP) could not take what it received: a frame or datagram cut short, one
+# that is not a message of its protocol, one over the size limit, datagrams the kernel dropped because the
+# receive queue was full, messages of a sender over its rate, a request without the right credentials.
+REFUSED_REASONS = ("truncated", "malformed", "oversize", "kernel_drops", "over_rate", "unauthenticated")
+# The OpenAI API's inference paths: the requests that belong to sessions. Others (GET /v1/models, health
+# checks through the gateway) are counted apart, never as requests without a session key.
+INFERENCE_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+)
+# The gateway writes the log kvwatch reads on the same host or node, so on about the same clock: a minute
+# covers a clock step and a late flush. A later time is no request's, and would keep its session active
+# for as long as it is ahead; it is taken as the time the line was received.
+MAX_FUTURE_SECONDS = 60.0
+
+_LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_BOOLS = ("false", "true")  # label values, indexed by a bool
+
+
+def frozen(mapping: Mapping) -> Mapping:
+    return MappingProxyType(dict(mapping))
+
+
+def by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, int]:
+    return frozen({reason: counts[reason] for reason in reasons})
+
+
+class _Session:
+    """What the tally remembers of one session: when each upstream last served it, its two latest
+    requests, and when it last moved because of a failover."""
+
+    __slots__ = ("upstreams", "last", "previous", "failed_over")
+
+    def __init__(self) -> None:
+        self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
+        self.last = self.previous = self.failed_over = -math.inf
+
+    def served(self, upstream: str, at: float, failover: bool) -> None:
+        # Back on an upstream it had before its last failover: the failed server recovered, and this move
+        # is part of that failover too.
+        if failover or self.upstreams.get(upstream, math.inf) < self.failed_over:
+            self.failed_over = at
+        self.upstreams[upstream] = at
+        if at >= self.last:
+            self.previous, self.last = self.last, at
+        else:  # a gateway logs a request when it ends: a long one can come after a later one
+            self.previous = max(self.previous, at)
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """What the source of a log says of its reading, beside the counts: a followed file's problems, a push
+    source's refusals. A push source has no unreadable polls and leaves nothing unread."""
+
+    problem: str | None = None  # a reason of UNREADABLE_REASONS, "not_polled" before the first poll, or None
+    unreadable_polls: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(UNREADABLE_REASONS, 0))
+    unread_bytes: int = 0
+    unread_files: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GatewayLogSnapshot:
+    """The statistics of one gateway log as of one poll; the mappings are read-only copies.
+
+    Per-listener mappings have an entry (possibly 0) for every listener seen in the log.
+    """
+
+    log: str
+    source: str  # the kind of source that delivers it: file, syslog, otlp
+    expect_sticky: bool  # whether the log's listeners are meant to keep a session on one upstream
+    taken_at: float  # the clock's time of the poll: active sessions and spread are as of then
+    problem: str | None  # a reason of UNREADABLE_REASONS, "not_polled" before the first poll, or None
+    unreadable_polls: Mapping[str, int]  # reason -> polls that could not read the log, every reason
+    unread_bytes: int  # left for the next polls by the bound on bytes per poll
+    # reason -> files of the log never read: "rotated_unopened", rotated away before a poll opened them;
+    # empty where they cannot be counted (no inotify: not Linux, or the log's directory never existed)
+    unread_files: Mapping[str, int]
+    lines: int
+    malformed: Mapping[str, int]  # reason -> lines, every reason of MALFORMED_REASONS
+    refused: Mapping[str, int]  # reason -> what a push source could not take, every reason of REFUSED_REASONS
+    last_record_at: float  # when the source last delivered a line or record (0: never)
+    requests: Mapping[tuple[str, str], int]  # (listener, last upstream tried or NO_UPSTREAM) -> requests
+    other_requests: Mapping[str, int]  # listener -> requests to other than the inference paths
+    responses: Mapping[tuple[str, str], int]  # (listener, status class such as "2xx") -> requests
+    failovers: Mapping[str, int]  # listener -> requests that tried more than one upstream or saw one fail
+    without_session_key: Mapping[str, int]  # listener -> requests whose session id the gateway assigned
+    assigned_session_ids: Mapping[str, int]  # listener -> distinct session ids the gateway assigned
+    # (listener, failover) -> sessions on more than one upstream in the window; failover is "true" when
+    # the session moved because an upstream failed, "false" when nothing explains the move.
+    spread_sessions: Mapping[tuple[str, str], int]
+    returning_sessions: Mapping[str, int]  # listener -> sessions with 2+ requests in the window
+    active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
+    tracked_sessions: int
+    evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
+    future_times: int  # requests more than MAX_FUTURE_SECONDS ahead of the clock, taken as received
+    folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
+
+    @property
+    def readable(self) -> bool:
+        return self.problem is None
+
+    @property
+    def info(self) -> Mapping[tuple[str, str], int]:
+        return {(_BOOLS[self.expect_sticky], self.source): 1}
+
+
+class SessionTally:
+    """The counts of one gateway log, fed by its source from any thread.
+
+    `take_line` and `take_record` parse with the log's format (`log_format`, one of
+    gatewaylogs.LOG_FORMATS) and count; `refuse` counts what the source could not read, by a reason of
+    REFUSED_REASONS. A lock makes every call atomic, so that a receiver thread and the poll that
+    publishes `snapshot()` never see half a request. Event times come from the log (nginx's `msec`);
+    `clock` gives "now" for the window and the TTL.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        source: str = "file",
+        spread_window_seconds: float = 600.0,
+        session_ttl_seconds: float = 1800.0,
+        max_sessions: int = 100_000,
+        expect_sticky: bool = True,
+        log_format: str = "nginx",
+        inference_paths: tuple[str, ...] = INFERENCE_PATHS,
+        clock: Callable[[], float] = time.time,
+    ):
+        if not _LOG_NAME.fullmatch(name):
+            raise ValueError(f"gateway log name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        self.name = name
+        self.source = source
+        self._format = gatewaylogs.LOG_FORMATS.lookup(log_format)
+        self.spread_window_seconds = spread_window_seconds
+        self.session_ttl_seconds = session_ttl_seconds
+        self.max_sessions = max_sessions
+        self.expect_sticky = expect_sticky
+        self._inference_paths = frozenset(inference_paths)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._lines = 0
+        self._malformed: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()
+        self._last_record_at = 0.0
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._other_requests: Counter[str] = Counter()
+        self._responses: Counter[tuple[str, str]] = Counter()
+        self._failovers: Counter[str] = Counter()
+        self._without_key: Counter[str] = Counter()
+        self._assigned_ids: Counter[str] = Counter()
+        self._labels = {"listener": BoundedLabel(), "upstream": BoundedLabel(always=(NO_UPSTREAM,))}
+        # (listener, session id) -> its history, least recently seen first.
+        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._evicted = 0
+        self._future_times = 0
+
+    def take_line(self, line: bytes, received_at: float) -> None:
+        """One access-log line as the gateway wrote it (a JSON object)."""
+        try:
+            record = json_object(line)
+        except Malformed as malformed:
+            with self._lock:
+                self._count_malformed(malformed.reason, received_at)
+            return
+        self.take_record(record, received_at)
+
+    def take_record(self, record: Mapping[str, object], received_at: float) -> None:
+        """One decoded access-log record (a JSON object's fields), checked by the log's format."""
+        try:
+            request = self._format.parse(record)
+        except Malformed as malformed:
+            with self._lock:
+                self._count_malformed(malformed.reason, received_at)
+            return
+        with self._lock:
+            self._lines += 1
+            self._last_record_at = max(self._last_record_at, received_at)
+            self._count(request, received_at)
+
+    def line_too_long(self, received_at: float) -> None:
+        """A line over the source's length limit, skipped unread."""
+        with self._lock:
+            self._count_malformed("too_long", received_at)
+
+    def refuse(self, reason: str, count: int = 1) -> None:
+        """What a push source received and could not take, by a reason of REFUSED_REASONS."""
+        if reason not in REFUSED_REASONS:
+            raise ValueError(f"refused for {reason!r}, none of {', '.join(REFUSED_REASONS)}")
+        with self._lock:
+            self._refused[reason] += count
+
+    def _count_malformed(self, reason: str, received_at: float) -> None:
+        self._lines += 1
+        self._last_record_at = max(self._last_record_at, received_at)
+        self._malformed[reason] += 1
+
+    def _count(self, request: Request, received_at: float) -> None:
+        listener = self._labels["listener"](request.listener)
+        if request.path is not None and request.path not in self._inference_paths:
+            self._other_requests[listener] += 1
+            return
+        if request.time > received_at + MAX_FUTURE_SECONDS:
+            self._future_times += 1
+            request = request._replace(time=received_at)
+        failover = request.failover
+        # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
+        self._requests[listener, self._labels["upstream"](request.upstream)] += 1
+        self._responses[listener, f"{request.status // 100}xx"] += 1
+        if failover:
+            self._failovers[listener] += 1
+        key = (listener, request.session_id)
+        session = self._sessions.get(key)
+        if request.assigned:
+            self._without_key[listener] += 1
+            if session is None:
+                self._assigned_ids[listener] += 1
+        if request.upstream != NO_UPSTREAM:
+            if session is None:
+                session = self._sessions[key] = _Session()
+            session.served(request.upstream, request.time, failover)
+            self._sessions.move_to_end(key)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+                self._evicted += 1
+
+    def _forget_sessions_idle_since(self, horizon: float) -> None:
+        """Sessions idle longer than both the window and the TTL count for nothing; they are the oldest."""
+        while self._sessions:
+            if next(iter(self._sessions.values())).last >= horizon:
+                return
+            self._sessions.popitem(last=False)
+
+    def snapshot(self, state: SourceState) -> GatewayLogSnapshot:
+        """The counts as of now, with what the source says of its reading."""
+        with self._lock:
+            return self._snapshot(state)
+
+    def _snapshot(self, state: SourceState) -> GatewayLogSnapshot:
+        now = self.clock()
+        self._forget_sessions_idle_since(now - max(self.spread_window_seconds, self.session_ttl_seconds))
+        active_since, spread_since = now - self.session_ttl_seconds, now - self.spread_window_seconds
+        active: Counter[str] = Counter()
+        returning: Counter[str] = Counter()
+        spread: Counter[tuple[str, str]] = Counter()
+        for (listener, _), session in self._sessions.items():
+            active[listener] += session.last >= active_since
+            returning[listener] += session.previous >= spread_since
+            if sum(seen >= spread_since for seen in session.upstreams.values()) > 1:
+                spread[listener, _BOOLS[session.failed_over >= spread_since]] += 1
+        listeners = sorted({listener for listener, _ in self._requests} | set(self._other_requests))
+
+        def per_listener(counts: Counter[str]) -> Mapping[str, int]:
+            return frozen({listener: counts[listener] for listener in listeners})
+
+        return GatewayLogSnapshot(
+            log=self.name,
+            source=self.source,
+            expect_sticky=self.expect_sticky,
+            taken_at=now,
+            problem=state.problem,
+            unreadable_polls=frozen(state.unreadable_polls),
+            unread_bytes=state.unread_bytes,
+            unread_files=frozen(state.unread_files),
+            lines=self._lines,
+            malformed=by_reason(self._malformed, MALFORMED_REASONS),
+            refused=by_reason(self._refused, REFUSED_REASONS),
+            last_record_at=self._last_record_at,
+            requests=frozen(self._requests),
+            other_requests=per_listener(self._other_requests),
+            responses=frozen(self._responses),
+            failovers=per_listener(self._failovers),
+            without_session_key=per_listener(self._without_key),
+            assigned_session_ids=per_listener(self._assigned_ids),
+            spread_sessions=frozen(
+                {(name, moved): spread[name, moved] for name in listeners for moved in _BOOLS}
+            ),
+            returning_sessions=per_listener(returning),
+            active_sessions=per_listener(active),
+            tracked_sessions=len(self._sessions),
+            evicted_sessions=self._evicted,
+            future_times=self._future_times,
+            folded_labels=frozen(
+                {
+                    (label, reason): n
+                    for label, bound in self._labels.items()
+                    for reason, n in bound.folded.items()
+                }
+            ),
+        )

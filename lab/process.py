@@ -24,6 +24,7 @@ class Process:
     ready_url: str | None
     env: dict[str, str] = field(default_factory=dict)  # added to the lab's own environment
     ready_timeout_s: float = READY_TIMEOUT_S
+    ready_udp_port: int | None = None  # a server without HTTP serves once it holds this port on 127.0.0.1
 
 
 def kvwatch_command(*args: str) -> list[str]:

@@ -39,4 +39,4 @@ def process(state: LabState) -> Process:
         "-i",
         f"{d}/rsyslog/rsyslogd.pid",
     ]
-    return Process("rsyslog", argv, None)
+    return Process("rsyslog", argv, None, ready_udp_port=state.ports.syslog_relay)

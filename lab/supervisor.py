@@ -4,6 +4,7 @@ process group of its own."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -60,22 +61,35 @@ def _wait_ready(state: LabState, started: list[tuple[Process, subprocess.Popen]]
                     f"{process.name} exited with code {popen.returncode} while starting:\n"
                     f"{log_tail(state, process.name)}"
                 )
-            if process.ready_url is None:
+            if process.ready_url is None and process.ready_udp_port is None:
                 if time.monotonic() - began > 0.3:
                     del waiting[key]
                 continue
-            try:
-                if request_sync("GET", process.ready_url, READY_POLL_TIMEOUT_S).status_code == 200:
-                    del waiting[key]
-                    continue
-            except httpx.HTTPError:
-                pass
+            if _serves(process):
+                del waiting[key]
+                continue
             if time.monotonic() - began > process.ready_timeout_s:
+                where = process.ready_url or f"UDP 127.0.0.1:{process.ready_udp_port}"
                 raise LabError(
-                    f"{process.name} did not become ready at {process.ready_url} in "
+                    f"{process.name} did not become ready at {where} in "
                     f"{process.ready_timeout_s:.0f} s; its log ends:\n{log_tail(state, process.name)}"
                 )
         time.sleep(0.1)
+
+
+def _serves(process: Process) -> bool:
+    """Whether the process answers its ready URL, or holds its UDP port (a bind of ours then fails)."""
+    if process.ready_url is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", process.ready_udp_port))
+            except OSError as error:
+                return error.errno == errno.EADDRINUSE
+            return False
+    try:
+        return request_sync("GET", process.ready_url, READY_POLL_TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def start_processes(state: LabState, *processes: Process) -> None:

@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from kvwatch.cli.options import command
-from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import load_config
 from kvwatch.serve import startup
 
 

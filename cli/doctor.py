@@ -11,7 +11,8 @@ from pathlib import Path
 from kvwatch.cli import options
 from kvwatch.collectors.probe.models import chosen_model
 from kvwatch.collectors.probe.session import api_url, resolve_api_key
-from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import load_config
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.progress import Progress
 from kvwatch.core.redaction import redact

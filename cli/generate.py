@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from kvwatch.alerts.alerts import alerts
-from kvwatch.config.settings import ConfigError, cluster_label_problem
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import cluster_label_problem
 from kvwatch.core.connections import url_problem
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.naming import RUNBOOK_URL

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe.session import resolve_api_key
-from kvwatch.config.settings import STICKY_ROUTE_MODES, ConfigError, RouteMode
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import STICKY_ROUTE_MODES, RouteMode
 from kvwatch.doctor import affinity
 from kvwatch.onboarding import summary, survey, writers
 

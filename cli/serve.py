@@ -11,7 +11,8 @@ from pathlib import Path
 
 from kvwatch.cli.options import command
 from kvwatch.collectors.gatewaylogs.sources import SourceUnavailable
-from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import load_config
 from kvwatch.serve import shard, startup
 from kvwatch.serve.scheduler import Service
 

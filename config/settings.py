@@ -10,16 +10,12 @@ API keys never live in the file: a target names an environment variable or a fil
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
-import types
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
-
-import yaml
+from typing import Any, Literal
 
 from kvwatch.collectors import gatewaylogs, identity
 from kvwatch.collectors.gatewaylogs.sources import SOURCES
@@ -27,64 +23,35 @@ from kvwatch.collectors.gatewaylogs.tally import INFERENCE_PATHS
 from kvwatch.collectors.labels import label_names
 from kvwatch.collectors.probe import blocksize, targets
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
+from kvwatch.config.loading import SECRET_SOURCES, ConfigError, Invalid, check, describe, load_yaml
 from kvwatch.core.connections import endpoint_problem, url_problem
 from kvwatch.core.credentials import CredentialError, one_secret, read_secret_file
-from kvwatch.core.errors import KVWatchError
 from kvwatch.core.labels import CLUSTER_LABEL, label_value_problem
 from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.core.redaction import redact
-from kvwatch.core.registry import did_you_mean, unknown
+from kvwatch.core.registry import unknown
 from kvwatch.core.schedule import longest_gap, time_zone
-from kvwatch.core.strict_yaml import StrictLoader, plain_problem
 from kvwatch.store import databases, history
 
 # Where `kvwatch lab up` keeps its state and writes its config: the dashboard's default config is there.
 LAB_DIRECTORY = Path(".kvwatch/lab")
-
-T = TypeVar("T")
-
-
-class ConfigError(KVWatchError):
-    """The config cannot be used; the message says the one thing that is wrong and where."""
-
-
-class _Invalid(KVWatchError, ValueError):
-    """A failed check at `where`, relative to the object being checked ("" for the object itself)."""
-
-    def __init__(self, where: str, message: str):
-        super().__init__(f"{where}: {message}" if where else message)
-        self.where = where
-        self.message = message
-
 
 _NAME = re.compile(r"[a-z0-9_-]{1,64}")  # names become label values: short and tidy
 _HEADER = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-# Keys someone might paste a secret under; the message says how to do it instead.
-_SECRET_KEYS = {"api_key", "apikey", "key", "token", "api_token", "password"}
 # How a route picks a replica. The first three pin a session to one replica, so its probe sessions are
 # expected to stay there (`expect_sticky` defaults to it) and the affinity alerts watch it.
 RouteMode = Literal["affinity", "consistent_hash", "manual", "cache_aware", "round_robin", "random"]
 STICKY_ROUTE_MODES = frozenset({"affinity", "consistent_hash", "manual"})
-# What a config file may be: a real one is a few kilobytes and five levels deep; far more is a mistake that
-# would otherwise be read whole into memory (and one nested deeper, StrictLoader refuses).
-MAX_CONFIG_BYTES = 1 << 20
 HOUR, DAY = 3600, 86400
 # A run builds every session's prompts before it sends them: ~60 MB of text at most.
 MAX_RUN_TOKENS = 10_000_000
 
 
-def _check(ok: object, where: str, message: str) -> None:
-    if not ok:
-        raise _Invalid(where, message)
-
-
 def _name(value: str, where: str) -> None:
-    _check(
-        _NAME.fullmatch(value), where, f'must be 1-64 lowercase letters, digits, "_" or "-", got "{value}"'
-    )
+    check(_NAME.fullmatch(value), where, f'must be 1-64 lowercase letters, digits, "_" or "-", got "{value}"')
 
 
 def label_name_problem(name: str) -> str | None:
@@ -116,13 +83,13 @@ def _url(value: str | None, where: str) -> None:
     if value is not None:
         shown = redact(value)
         ok = value.startswith(("http://", "https://"))
-        _check(ok, where, f'must be an http:// or https:// URL with a host, got "{shown}"')
+        check(ok, where, f'must be an http:// or https:// URL with a host, got "{shown}"')
         problem = url_problem(value)
-        _check(problem is None, where, f'"{shown}" is not a valid URL: {problem}')
+        check(problem is None, where, f'"{shown}" is not a valid URL: {problem}')
 
 
 def _header(value: str, where: str) -> None:
-    _check(_HEADER.fullmatch(value), where, f'must be an HTTP header name, got "{value}"')
+    check(_HEADER.fullmatch(value), where, f'must be an HTTP header name, got "{value}"')
 
 
 def _bounded(default: float, low: float, high: float, *, low_excluded: bool = False) -> Any:
@@ -141,7 +108,7 @@ def _check_ranges(section: object) -> None:
                 continue
             ok = (value > low if low_excluded else value >= low) and value <= high
             low_text = f"> {_show(low)}" if low_excluded else f">= {_show(low)}"
-            _check(ok, number.name, f"must be {low_text} and <= {_show(high)}, got {_show(value)}")
+            check(ok, number.name, f"must be {low_text} and <= {_show(high)}, got {_show(value)}")
 
 
 def _show(number: float) -> str:
@@ -151,12 +118,12 @@ def _show(number: float) -> str:
 def _secret_source(env: str | None, file: Path | None, env_key: str, file_key: str, secret: str) -> None:
     """A secret comes from an environment variable or a file, named in the config; the secret itself may
     have been pasted as the variable's name: say so without repeating it."""
-    _check(
+    check(
         env is None or _ENV_VAR.fullmatch(env),
         env_key,
         f"must be the name of an environment variable (letters, digits and _), not the {secret} itself",
     )
-    _check(not (env and file), "", f"set {env_key} or {file_key}, not both")
+    check(not (env and file), "", f"set {env_key} or {file_key}, not both")
 
 
 @dataclass(frozen=True)
@@ -226,20 +193,20 @@ class Target:
     def __post_init__(self):
         _name(self.name, "name")
         if wrong := targets.target_problem(self.kind, self.base_url, self.model, self.sagemaker):
-            raise _Invalid(*wrong)
+            raise Invalid(*wrong)
         object.__setattr__(self, "base_url", self.sagemaker.base_url if self.sagemaker else self.base_url)
         _url(self.base_url, "base_url")
         pasted = endpoint_problem(self.base_url)  # a pasted …/v1/chat/completions
-        _check(pasted is None, "base_url", pasted or "")
+        check(pasted is None, "base_url", pasted or "")
         if self.expect_sticky is None:
             object.__setattr__(self, "expect_sticky", self.route_mode in STICKY_ROUTE_MODES)
         _secret_source(self.api_key_env, self.api_key_file, "api_key_env", "api_key_file", "key")
         routers = identity.ROUTERS
-        _check(
+        check(
             self.router is None or self.router in routers, "router", unknown("router", self.router, routers)
         )
         both = "set interval_seconds or schedule, not both"
-        _check(self.schedule is None or self.interval_seconds is None, "", both)
+        check(self.schedule is None or self.interval_seconds is None, "", both)
         if self.schedule is None and self.interval_seconds is None:
             object.__setattr__(self, "interval_seconds", 60.0)
         _check_ranges(self)
@@ -248,26 +215,26 @@ class Target:
         spec = self.workload
         if spec.sharegpt is None:  # synthetic: every session has a system prompt of its own
             tokens = self.sessions_per_run * (spec.system_tokens + self.rounds * spec.turn_tokens)
-            _check(
+            check(
                 tokens <= MAX_RUN_TOKENS,
                 "",
                 "a run's prompts, sessions_per_run x (workload.system_tokens + rounds x "
                 f"workload.turn_tokens), are {tokens} tokens, more than {MAX_RUN_TOKENS}; lower one of them",
             )
         if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
-            raise _Invalid("block_size", wrong)
+            raise Invalid("block_size", wrong)
 
     def _interval_of_schedule(self) -> None:
         """The schedule checked, and the interval it stands for where one is assumed: its longest gap."""
         try:
             time_zone(self.timezone)
         except ValueError as error:
-            raise _Invalid("timezone", str(error)) from None
+            raise Invalid("timezone", str(error)) from None
         try:
             gap = longest_gap(self.schedule, self.timezone)
         except ValueError as error:
-            raise _Invalid("schedule", str(error)) from None
-        _check(gap, "schedule", f'"{self.schedule}" never fires')
+            raise Invalid("schedule", str(error)) from None
+        check(gap, "schedule", f'"{self.schedule}" never fires')
         object.__setattr__(self, "interval_seconds", gap)
 
 
@@ -276,10 +243,10 @@ def _listen(value: object, where: str) -> str:
     reads as a number."""
     if isinstance(value, int) and not isinstance(value, bool):
         return f"127.0.0.1:{value}"
-    _check(
+    check(
         isinstance(value, str),
         where,
-        f"expected host:port (e.g. 127.0.0.1:9464) or a port, got {_describe(value)}",
+        f"expected host:port (e.g. 127.0.0.1:9464) or a port, got {describe(value)}",
     )
     return value
 
@@ -305,20 +272,20 @@ class GatewayLog:
     def __post_init__(self):
         _name(self.name, "name")
         _check_ranges(self)
-        _check(
+        check(
             self.format in gatewaylogs.LOG_FORMATS,
             "format",
             unknown("format", self.format, gatewaylogs.LOG_FORMATS),
         )
-        _check(self.source in SOURCES, "source", unknown("source", self.source, SOURCES))
+        check(self.source in SOURCES, "source", unknown("source", self.source, SOURCES))
         port = SOURCES[self.source].default_port
         if port is None:
-            _check(self.path is not None, "path", f"required for source {self.source}")
-            _check(self.listen is None, "listen", "a file is read, not received: drop listen or set source")
+            check(self.path is not None, "path", f"required for source {self.source}")
+            check(self.listen is None, "listen", "a file is read, not received: drop listen or set source")
         else:
             object.__setattr__(self, "listen", _check_listen(self.listen or f"127.0.0.1:{port}", "listen"))
         for i, path in enumerate(self.inference_paths):
-            _check(
+            check(
                 path.startswith("/"),
                 f"inference_paths[{i}]",
                 'must be a path such as "/v1/chat/completions"',
@@ -330,17 +297,17 @@ def _check_listen(listen: str, where: str) -> str:
     servers, so exposing a listener must be explicit."""
     if listen.isdecimal():  # a port alone, given as a string
         listen = f"127.0.0.1:{listen}"
-    _check(":" in listen, where, f'expected host:port (e.g. 127.0.0.1:9464) or a port, got "{listen}"')
+    check(":" in listen, where, f'expected host:port (e.g. 127.0.0.1:9464) or a port, got "{listen}"')
     host, _, port = listen.rpartition(":")
-    _check(
+    check(
         port.isdecimal() and 1 <= int(port) <= 65535,
         where,
         f'must be host:port with a port from 1 to 65535, got "{listen}"',
     )
-    _check(
+    check(
         host, where, f'name the host (127.0.0.1: this machine only, 0.0.0.0: every interface), got "{listen}"'
     )
-    _check(_is_host(host.strip("[]")), where, f'"{host}" is not an IP address or host name')
+    check(_is_host(host.strip("[]")), where, f'"{host}" is not an IP address or host name')
     return listen
 
 
@@ -357,11 +324,11 @@ class ExporterSettings:
     cluster: str | None = None  # the value of the cluster label on every exported series; None: no label
 
     def __post_init__(self):
-        token_env, token_file = _SECRET_SOURCES[ExporterSettings]
+        token_env, token_file = SECRET_SOURCES[ExporterSettings]
         _secret_source(self.webhook_token_env, self.webhook_token_file, token_env, token_file, "token")
         object.__setattr__(self, "listen", _check_listen(self.listen, "listen"))
         wrong = label_value_problem(self.cluster or "")  # on every series: bounded as every label value is
-        _check(wrong is None, "cluster", wrong)
+        check(wrong is None, "cluster", wrong)
 
     @property
     def host(self) -> str:
@@ -372,8 +339,7 @@ class ExporterSettings:
         return int(self.listen.rpartition(":")[2])
 
 
-# Where each section takes its secret from, for the message when one is pasted into the file.
-_SECRET_SOURCES = {ExporterSettings: ("webhook_token_env", "webhook_token_file")}
+SECRET_SOURCES[ExporterSettings] = ("webhook_token_env", "webhook_token_file")
 
 
 def _is_host(host: str) -> bool:
@@ -405,16 +371,16 @@ class StoreSettings:
         _check_ranges(self)
         # `kvwatch serve` creates the missing directories; a path in which none can be made is refused here.
         example = self.path / "kvwatch.db"
-        _check(
+        check(
             not os.path.isdir(self.path),
             "path",
             f'"{self.path}" is a directory; name the database file in it, e.g. "{example}"',
         )
         existing = next(parent for parent in self.path.parents if os.path.exists(parent))
-        _check(os.path.isdir(existing), "path", f'cannot be created: "{existing}" is not a directory')
-        password_env, password_file = _SECRET_SOURCES[StoreSettings]
+        check(os.path.isdir(existing), "path", f'cannot be created: "{existing}" is not a directory')
+        password_env, password_file = SECRET_SOURCES[StoreSettings]
         _secret_source(self.password_env, self.password_file, password_env, password_file, "password")
-        _check(
+        check(
             self.url or not (self.password_env or self.password_file),
             "",
             "a password is for a PostgreSQL store: set url too, or leave out password_env and password_file",
@@ -428,17 +394,15 @@ class StoreSettings:
         return self.url or self.path
 
 
-_SECRET_SOURCES[StoreSettings] = ("password_env", "password_file")
+SECRET_SOURCES[StoreSettings] = ("password_env", "password_file")
 
 
 def _store_url(url: str) -> None:
     shown = redact(url)
     scheme = databases.scheme_of(url)
     known = ", ".join(f"{name}://" for name in databases.SCHEMES)
-    _check(
-        scheme in databases.SCHEMES, "url", f'must be a URL of {known}, got "{shown}"; a file goes in path'
-    )
-    _check(
+    check(scheme in databases.SCHEMES, "url", f'must be a URL of {known}, got "{shown}"; a file goes in path')
+    check(
         shown == url,
         "url",
         "the password does not belong in the URL; name an environment variable (password_env) "
@@ -467,7 +431,7 @@ class DashboardSettings:
 
     def __post_init__(self):
         _url(self.runbook_url, "runbook_url")
-        _check("#" not in self.runbook_url, "runbook_url", "must have no #fragment: each alert's is added")
+        check("#" not in self.runbook_url, "runbook_url", "must have no #fragment: each alert's is added")
 
 
 @dataclass(frozen=True)
@@ -485,13 +449,13 @@ class Config:
 
     def __post_init__(self):
         wrong = cluster_label_problem(self.cluster_label)
-        _check(wrong is None, "cluster_label", wrong)
-        _check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
+        check(wrong is None, "cluster_label", wrong)
+        check(self.targets or self.gateway_logs, "", "nothing to watch: add a target or a gateway log")
         for section, items in (("targets", self.targets), ("gateway_logs", self.gateway_logs)):
             first: dict[str, int] = {}
             for i, item in enumerate(items):
                 if item.name in first:
-                    raise _Invalid(
+                    raise Invalid(
                         f"{section}[{i}].name", f'"{item.name}" is taken by {section}[{first[item.name]}]'
                     )
                 first[item.name] = i
@@ -500,124 +464,6 @@ class Config:
 def load_config(path: str | os.PathLike) -> Config:
     """Read and check a config file; any problem is one `ConfigError` naming the file."""
     return load_yaml(Config, path)
-
-
-def load_yaml(cls: type[T], path: str | os.PathLike) -> T:
-    """Read a YAML file as the dataclass `cls`, checked as a config is (unknown keys, types, ranges, YAML
-    errors); any problem is one `ConfigError` naming the file."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_CONFIG_BYTES + 1)  # no more: the path may be a huge file or /dev/zero
-        _check(len(data) <= MAX_CONFIG_BYTES, "", "larger than 1 MiB; a kvwatch config is a few kilobytes")
-        return _parse(data.decode("utf-8"), cls)
-    except OSError as error:
-        problem = f"cannot read it: {error.strerror}"
-    except UnicodeDecodeError:
-        problem = "not UTF-8 text"
-    except _Invalid as error:
-        problem = str(error)
-    raise ConfigError(f"error in {path}: {problem}")
-
-
-def _parse(text: str, cls: type[T]) -> T:
-    try:
-        data = yaml.load(text, Loader=StrictLoader)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark
-        raise _Invalid(
-            "", f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {plain_problem(error)}"
-        ) from None
-    except yaml.YAMLError as error:  # e.g. a control character, which has a position but no line
-        raise _Invalid("", f"invalid YAML: {str(error).splitlines()[0]}") from None
-    _check(data is not None, "", "the file is empty")
-    _check(isinstance(data, dict), "", f"the top level must be a mapping of keys, got {_describe(data)}")
-    return _build(cls, data, "")
-
-
-def _join(path: str, key: object) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _build(cls: type, data: object, path: str):
-    """Make `cls` from a YAML mapping: its defaults first, then every given key converted to its type."""
-    _check(isinstance(data, dict), path, f"expected a mapping, got {_describe(data)}")
-    known = {field.name: field for field in fields(cls)}
-    for key in data:
-        if key in known:
-            continue
-        if key in _SECRET_KEYS:
-            env, file = _SECRET_SOURCES.get(cls, ("api_key_env", "api_key_file"))
-            raise _Invalid(
-                _join(path, key),
-                f"secrets do not belong in the config file; name an environment variable ({env}) "
-                f"or a file ({file}) that holds it",
-            )
-        raise _Invalid(
-            _join(path, key), f"unknown key;{did_you_mean(key, known)} known: {', '.join(sorted(known))}"
-        )
-    hints = get_type_hints(cls)
-    values = {}
-    for name, field in known.items():
-        if name in data:
-            where, read = _join(path, name), field.metadata.get("read")  # "read": a key's own reader
-            values[name] = read(data[name], where) if read else _convert(hints[name], data[name], where)
-        else:
-            _check(field.default is not MISSING, _join(path, name), "required key is missing")
-    try:
-        return cls(**values)
-    except ValueError as error:  # _Invalid, or a section's own check (a target kind's EndpointProblem)
-        where, message = getattr(error, "where", ""), getattr(error, "message", str(error))
-        raise _Invalid(_join(path, where) if where else path, message) from None
-
-
-def _convert(kind: Any, value: object, path: str):
-    origin = get_origin(kind)
-    if origin in (Union, types.UnionType):  # `X | None`: null is None
-        if value is None:
-            return None
-        (kind,) = (arg for arg in get_args(kind) if arg is not type(None))
-        return _convert(kind, value, path)
-    if origin is Literal:
-        allowed = get_args(kind)
-        hint = did_you_mean(value, allowed) if isinstance(value, str) else ""
-        _check(
-            value in allowed,
-            path,
-            f"must be one of {', '.join(allowed)}; got {_describe(value)}{hint and ';'}{hint}",
-        )
-        return value
-    if origin is tuple:  # tuple[X, ...], from a YAML list
-        _check(isinstance(value, list), path, f"expected a list, got {_describe(value)}")
-        item_kind = get_args(kind)[0]
-        return tuple(_convert(item_kind, item, f"{path}[{i}]") for i, item in enumerate(value))
-    if is_dataclass(kind):
-        return _build(kind, value, path)
-    if kind is bool:
-        _check(isinstance(value, bool), path, f"expected true or false, got {_describe(value)}")
-        return value
-    if kind in (int, float):
-        # YAML's true/false are ints to Python; an int is a fine float, a float is not an int.
-        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
-        _check(ok, path, f"expected {'an integer' if kind is int else 'a number'}, got {_describe(value)}")
-        try:
-            return kind(value)
-        except OverflowError:  # an integer beyond any float: out of every range, as infinity is
-            return math.inf if value > 0 else -math.inf
-    _check(isinstance(value, str), path, f"expected a string, got {_describe(value)}")
-    _check(value, path, "must not be empty")
-    return Path(value).expanduser() if kind is Path else value
-
-
-def _describe(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, str):
-        return f'the string "{value}"'
-    if isinstance(value, int | float):
-        return f"the number {value}"
-    return "a mapping" if isinstance(value, dict) else "a list"
 
 
 def resolve_api_key(target: Target) -> str | None:

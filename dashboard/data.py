@@ -25,13 +25,8 @@ import streamlit as st
 
 from kvwatch.alerts import verdicts
 from kvwatch.collectors.probe import blocksize
-from kvwatch.config.settings import (
-    ConfigError,
-    Target,
-    load_config,
-    resolve_api_key,
-    resolve_store_password,
-)
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import Target, load_config, resolve_api_key, resolve_store_password
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.errors import QueryRefused, UnexpectedAnswer, Unreachable, UpstreamTimeout
 from kvwatch.core.naming import RUNBOOK

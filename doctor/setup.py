@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from kvwatch.config.settings import Config, ConfigError, resolve_store_password, resolve_webhook_token
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import Config, resolve_store_password, resolve_webhook_token
 from kvwatch.core.connections import connect_reason, request_sync
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact

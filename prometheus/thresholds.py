@@ -12,7 +12,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from kvwatch.config.settings import ConfigError, cluster_label_problem, load_yaml
+from kvwatch.config.loading import ConfigError, load_yaml
+from kvwatch.config.settings import cluster_label_problem
 from kvwatch.core.labels import CLUSTER_LABEL
 
 _DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")  # a Prometheus duration, e.g. 90s or 1h30m

@@ -20,9 +20,9 @@ import httpx
 from kvwatch.collectors.probe import workload
 from kvwatch.collectors.probe.models import list_models, listing_failed
 from kvwatch.collectors.probe.session import api_url
+from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import (
     Config,
-    ConfigError,
     ExporterSettings,
     Target,
     resolve_api_key,

@@ -37,7 +37,8 @@ from kvwatch.collectors.probe.targets.sagemaker import (
     replica_of,
 )
 from kvwatch.collectors.probe.workload import Conversation
-from kvwatch.config.settings import Config, ConfigError, StoreSettings, Target, Workload, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import Config, StoreSettings, Target, Workload, load_config
 from kvwatch.doctor.sagemaker import diagnosis_of
 from kvwatch.experiment.runner import run_experiment
 from kvwatch.serve.scheduler import Service

@@ -13,10 +13,10 @@ import yaml
 
 from conftest import REPO, free_port, kvwatch_bounded
 from kvwatch.cli import main
+from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import (
     BackendIdentity,
     Config,
-    ConfigError,
     DashboardSettings,
     ExporterSettings,
     GatewayLog,

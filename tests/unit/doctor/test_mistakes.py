@@ -24,7 +24,8 @@ from kvwatch.cli.main import main
 from kvwatch.collectors.probe import session as probe_session
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings
-from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import load_config
 from kvwatch.doctor.checks import diagnose, examine
 from kvwatch.doctor.findings import Check, Diagnosis
 

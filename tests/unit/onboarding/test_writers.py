@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from kvwatch.collectors.probe.blocksize import BlockSize
-from kvwatch.config.settings import ConfigError, load_config
+from kvwatch.config.loading import ConfigError
+from kvwatch.config.settings import load_config
 from kvwatch.onboarding import summary, writers
 from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _pick_model, _target
 from kvwatch.prometheus import queries

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime
 
 from kvwatch.alerts.alerts import ALERTS, Alert
 from kvwatch.prometheus.queries import (
@@ -90,3 +91,19 @@ def clears_at(keep_firing_since: float, keep_firing_for: float, interval: float)
     group (every `interval` seconds from `keep_firing_since`, the evaluation that first found the
     expression empty) at least `keep_firing_for` seconds later. Unix seconds."""
     return keep_firing_since + math.ceil(keep_firing_for / interval - 1e-9) * interval
+
+
+def held(alert: dict, rule: dict) -> dict[str, float | None]:
+    """For an alert of Prometheus' rules API: when its expression stopped matching (`stopped_at`), when
+    its rule's keep_firing_for lets it clear (`clears_at`) and that keep_firing_for in seconds, as
+    Prometheus loaded it; all None while the expression still matches."""
+    if not alert.get("keepFiringSince"):
+        return dict.fromkeys(("stopped_at", "clears_at", "keep_firing_for"))
+    # RFC 3339 as Prometheus writes it; Python 3.11 reads its nanoseconds (to microseconds) and its zone
+    stopped = datetime.fromisoformat(alert["keepFiringSince"]).timestamp()
+    held_for = float(rule.get("keepFiringFor", 0))
+    return {
+        "stopped_at": stopped,
+        "clears_at": clears_at(stopped, held_for, rule["interval"]),
+        "keep_firing_for": held_for,
+    }

@@ -184,7 +184,7 @@ def firing_alerts(at: float) -> Result:
 
     def firing(prometheus: PrometheusApi) -> pd.DataFrame:
         rows = [
-            {**alert["labels"], **_held(alert, rule)}
+            {**alert["labels"], **verdicts.held(alert, rule)}
             for rule in prometheus.alerting_rules()
             for alert in rule.get("alerts", [])
             if alert.get("state") == "firing"
@@ -192,23 +192,6 @@ def firing_alerts(at: float) -> Result:
         return _times(pd.DataFrame(rows), "stopped_at", "clears_at") if rows else FIRING_NONE
 
     return _call_prometheus(firing)
-
-
-def _held(alert: dict, rule: dict) -> dict[str, float | None]:
-    """When the alert's expression stopped matching and when its rule's keep_firing_for lets it clear."""
-    if not alert.get("keepFiringSince"):
-        return dict.fromkeys(("stopped_at", "clears_at", "keep_firing_for"))
-    stopped, held_for = _rfc3339(alert["keepFiringSince"]), float(rule.get("keepFiringFor", 0))
-    return {
-        "stopped_at": stopped,
-        "clears_at": verdicts.clears_at(stopped, held_for, rule["interval"]),
-        "keep_firing_for": held_for,
-    }
-
-
-def _rfc3339(stamp: str) -> float:
-    """Unix seconds of an RFC 3339 time as Prometheus writes it (nanoseconds, Z)."""
-    return pd.Timestamp(stamp).timestamp()
 
 
 # --- the cluster picked in the sidebar ----------------------------------------------------------------

@@ -80,7 +80,9 @@ class LabState:
     dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
     engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
-    envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
+    envoy_lb: str = "ring-hash"
+    # host:port of an OTLP/gRPC logs receiver Envoy also sends its access log to, beside the file ("": none).
+    gateway_log_otlp: str = ""  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
     # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
     sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
     model: str = "lab-model"  # the model name every replica serves

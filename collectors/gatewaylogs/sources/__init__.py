@@ -1,0 +1,1 @@
+"""Where a gateway's access-log records come from: one module (or folder) per kind of source."""

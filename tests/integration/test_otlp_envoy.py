@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LAB_CLIENT, chat, free_base_port, launch, stop
+from conftest import LAB_CLIENT, RecordingTally, chat, free_base_port, launch, stop
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.collectors.gatewaylogs.sources.otlp import OtlpSource, OtlpSourceConfig
 from kvwatch.lab.gateways import envoy
@@ -20,20 +20,6 @@ from kvwatch.lab.state import LabState, ReplicaSpec
 pytestmark = pytest.mark.integration
 
 DELIVERY_TIMEOUT_S = 30.0
-
-
-class RecordingTally:
-    """The counting side's interface (take_record, refuse), recording what it is handed."""
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-        self.refused: list[str] = []
-
-    def take_record(self, record, received_at: float) -> None:
-        self.records.append(dict(record))
-
-    def refuse(self, reason: str) -> None:
-        self.refused.append(reason)
 
 
 def file_log(state: LabState) -> list[dict]:

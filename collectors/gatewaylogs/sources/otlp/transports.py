@@ -29,7 +29,7 @@ LOGS_PATH = "/v1/logs"
 HTTP_READ_TIMEOUT_S = 10.0
 _GRPC_STATUS = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "oversize": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _HTTP_STATUS = {
     "unauthenticated": HTTPStatus.UNAUTHORIZED,

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import yaml
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
     ExportLogsServiceRequest,
     ExportLogsServiceResponse,
@@ -20,7 +21,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValu
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
 from conftest import RecordingTally
-from kvwatch.collectors.gatewaylogs import LOG_FORMATS
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS, envoy
 from kvwatch.collectors.gatewaylogs.sources.otlp import (
     REFUSE_REASONS,
     OtlpConfigError,
@@ -29,6 +30,7 @@ from kvwatch.collectors.gatewaylogs.sources.otlp import (
 )
 from kvwatch.collectors.gatewaylogs.sources.otlp.transports import EXPORT_METHOD
 
+REPO = Path(__file__).resolve().parents[3]
 # As Envoy's OpenTelemetry access logger sends a request (examples/envoy-otlp-access-log.yaml).
 ENVOY_ATTRIBUTES = {
     "start_time": "2026-12-05T05:28:35.055Z",
@@ -272,3 +274,26 @@ def test_a_section_that_cannot_serve_is_refused(options):
 def test_refuse_reasons_are_a_fixed_list_of_label_values():
     assert len(set(REFUSE_REASONS)) == len(REFUSE_REASONS)
     assert all(reason.isidentifier() for reason in REFUSE_REASONS)
+
+
+def documented_otlp_blocks() -> list[dict]:
+    """The YAML blocks of docs/gateway-logs.md's OTLP section (Envoy, Istio, Envoy Gateway)."""
+    page = (REPO / "docs" / "gateway-logs.md").read_text()
+    section = page.partition("## Envoy, Istio and Envoy Gateway over OpenTelemetry")[2]
+    blocks = [block.partition("```")[0] for block in section.split("```yaml\n")[1:]]
+    return [document for block in blocks for document in yaml.safe_load_all(block)]
+
+
+def test_the_documented_configs_send_the_fields_the_envoy_format_reads():
+    example = yaml.safe_load((REPO / "examples" / "envoy-otlp-access-log.yaml").read_text())
+    envoy_doc, istio, istio_telemetry, gateway = documented_otlp_blocks()
+    assert envoy_doc == example
+    attributes = example["access_log"][0]["typed_config"]["attributes"]["values"]
+    sent = {pair["key"]: pair["value"]["string_value"] for pair in attributes}
+    assert sorted(sent) == sorted(envoy.FIELDS)
+    (provider,) = istio["meshConfig"]["extensionProviders"]
+    assert provider["envoyOtelAls"]["logFormat"]["labels"] == sent
+    assert istio_telemetry["spec"]["accessLogging"][0]["providers"] == [{"name": provider["name"]}]
+    (setting,) = gateway["spec"]["telemetry"]["accessLog"]["settings"]
+    assert setting["format"]["json"] == sent
+    assert setting["sinks"][0]["type"] == "OpenTelemetry"

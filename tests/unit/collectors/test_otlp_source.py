@@ -7,6 +7,7 @@ import json
 import socket
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,7 @@ from kvwatch.collectors.gatewaylogs.sources.otlp import (
     OtlpSource,
     OtlpSourceConfig,
 )
+from kvwatch.collectors.gatewaylogs.sources.otlp.transports import CONNECTIONS_PER_SLOT as CONNECTIONS
 from kvwatch.collectors.gatewaylogs.sources.otlp.transports import EXPORT_METHOD
 
 REPO = Path(__file__).resolve().parents[3]
@@ -187,9 +189,33 @@ def test_a_sender_holding_every_slot_gets_the_next_one_refused_as_busy(serve, ta
     source = serve(max_in_flight=1)
     with socket.create_connection(("127.0.0.1", source.http_port), timeout=10) as slow:
         slow.sendall(b"POST /v1/logs HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n\x0a")
-        answers = [http_export(source, b"").status_code for _ in range(50)]
+        answers = [http_export_or_none(source) for _ in range(50)]
         assert 503 in answers  # at once, while the slow sender still holds the only slot
     assert "busy" in tally.refused
+
+
+def test_connections_past_the_bound_are_closed_and_counted_as_busy(serve, tally):
+    source = serve(max_in_flight=1)
+    idle = [socket.create_connection(("127.0.0.1", source.http_port), timeout=10) for _ in range(CONNECTIONS)]
+    try:
+        with pytest.raises(httpx.TransportError):
+            http_export(source, export_request(envoy_record()).SerializeToString())
+        assert tally.refused == ["busy"]
+    finally:
+        for connection in idle:
+            connection.close()
+    # Once the idle ones are gone, a sender is served again.
+    deadline = time.monotonic() + 10
+    while http_export_or_none(source) != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tally.records == [FILE_LOG_LINE]
+
+
+def http_export_or_none(source: OtlpSource) -> int | None:
+    try:
+        return http_export(source, export_request(envoy_record()).SerializeToString()).status_code
+    except httpx.TransportError:
+        return None
 
 
 @pytest.mark.parametrize("sent", [None, "Bearer wrong", "Bearer s3cret-but-longer", "s3cret"])

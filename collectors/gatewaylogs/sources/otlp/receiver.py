@@ -59,6 +59,22 @@ class Tally(Protocol):
     def refuse(self, reason: str) -> None: ...
 
 
+class _OneAtATime:
+    """The tally called by one thread at a time: the transports' worker threads take turns, so that the
+    counting side needs no lock of its own (it is still called from threads other than its owner's)."""
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally, self._lock = tally, threading.Lock()
+
+    def take_record(self, record: Mapping[str, object], received_at: float) -> None:
+        with self._lock:
+            self._tally.take_record(record, received_at)
+
+    def refuse(self, reason: str) -> None:
+        with self._lock:
+            self._tally.refuse(reason)
+
+
 class OtlpConfigError(KVWatchError, ValueError):
     """An OTLP source section that cannot serve: a bad address, or TLS half configured."""
 
@@ -124,7 +140,7 @@ class Receiver:
     """The transport-free part of the OTLP logs service, shared by gRPC and HTTP."""
 
     def __init__(self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes) -> None:
-        self.config, self.tally, self.fields = config, tally, fields
+        self.config, self.tally, self.fields = config, _OneAtATime(tally), fields
         token = read_secret_file(config.token_file, "OTLP bearer token") if config.token_file else None
         self._expected = f"Bearer {token}".encode() if token else None
         self._rate = RateLimit(config.max_records_per_second)

@@ -27,6 +27,9 @@ EXPORT_METHOD = "/opentelemetry.proto.collector.logs.v1.LogsService/Export"
 LOGS_PATH = "/v1/logs"
 # A sender that stops mid-request is let go after this long.
 HTTP_READ_TIMEOUT_S = 10.0
+# Open HTTP connections per request handled at once: idle keep-alive senders beside the busy ones. Past
+# this a new connection is closed at once (counted as busy), so that connections cannot pile up threads.
+CONNECTIONS_PER_SLOT = 4
 _GRPC_STATUS = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "oversize": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -140,7 +143,8 @@ def _json_request(receiver: Receiver, body: bytes) -> ExportLogsServiceRequest:
         for resource in document.get("resourceLogs", []):
             for scope in resource.get("scopeLogs", []):
                 for record in scope.get("logRecords", []):
-                    record.pop("traceId", None), record.pop("spanId", None)
+                    for hex_id in ("traceId", "spanId"):
+                        record.pop(hex_id, None)
         return json_format.ParseDict(document, ExportLogsServiceRequest(), ignore_unknown_fields=True)
     except (ValueError, TypeError, AttributeError, RecursionError, json_format.ParseError):
         receiver.refuse("malformed_json")
@@ -153,6 +157,7 @@ class _LogsHttpServer(ThreadingHTTPServer):
     def __init__(self, receiver: Receiver) -> None:
         self.receiver = receiver
         self.slots = threading.BoundedSemaphore(receiver.config.max_in_flight)
+        self.connections = threading.BoundedSemaphore(CONNECTIONS_PER_SLOT * receiver.config.max_in_flight)
         super().__init__(host_and_port(receiver.config.http_listen), _LogsHandler)
         key_and_cert = _credentials(receiver)
         if key_and_cert:
@@ -160,6 +165,19 @@ class _LogsHttpServer(ThreadingHTTPServer):
             context.load_cert_chain(receiver.config.tls_cert_file, receiver.config.tls_key_file)
             # The handshake happens in the request's thread, so that a silent client stalls no one else.
             self.socket = context.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.connections.acquire(blocking=False):
+            self.receiver.tally.refuse("busy")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.release()
 
     def handle_error(self, request, client_address) -> None:
         """A client that goes away mid-request or fails the handshake concerns no other."""

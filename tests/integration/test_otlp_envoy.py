@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import LAB_CLIENT, RecordingTally, chat, free_base_port, launch, stop
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
@@ -37,32 +38,57 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.1)
 
 
+def send_token(state: LabState, token: str) -> None:
+    """Envoy's OpenTelemetry loggers send `token` as gRPC metadata, as the docs say to set it."""
+    path = state.directory / "envoy" / "envoy.yaml"
+    bootstrap = yaml.safe_load(path.read_text())
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for log in listener["filter_chains"][0]["filters"][0]["typed_config"]["access_log"]:
+            if log["name"] == "envoy.access_loggers.open_telemetry":
+                metadata = [{"key": "authorization", "value": f"Bearer {token}"}]
+                log["typed_config"]["grpc_service"]["initial_metadata"] = metadata
+    path.write_text(yaml.safe_dump(bootstrap))
+
+
 @pytest.fixture
-def envoy_to_otlp(tmp_path: Path, start_replica):
-    tally = RecordingTally()
-    source = OtlpSource(OtlpSourceConfig(listen="127.0.0.1:0"), tally)
-    source.start()
-    replicas = [start_replica(name) for name in ("r1", "r2")]
-    state = LabState(
-        directory=tmp_path / "lab",
-        base_port=free_base_port(),
-        gateway="envoy",
-        gateway_log_otlp=f"127.0.0.1:{source.grpc_port}",
-        replicas=[ReplicaSpec(replica.id, replica.port, replica.flavour) for replica in replicas],
-    )
-    (state.directory / "logs").mkdir(parents=True)
-    envoy.write_configs(state)
-    spec = envoy.process(state)
-    process = launch(spec.argv, tmp_path / "envoy.log", spec.ready_url)
-    try:
-        yield state, tally, replicas
-    finally:
-        stop(process)
-        source.stop()
+def start_envoy_to_otlp(tmp_path: Path, start_replica):
+    """A real Envoy in front of two replicas, logging to a file and to an OTLP source: its state, the
+    source's tally and the replicas. With `tokens`, the token the source requires and the one Envoy sends."""
+    started = []
+
+    def start(tokens: tuple[str, str] | None = None):
+        tally = RecordingTally()
+        token_file = None
+        if tokens:
+            token_file = tmp_path / "otlp-token"
+            token_file.write_text(tokens[0])
+        source = OtlpSource(OtlpSourceConfig(listen="127.0.0.1:0", token_file=token_file), tally)
+        source.start()
+        started.append(source.stop)
+        replicas = [start_replica(name) for name in ("r1", "r2")]
+        state = LabState(
+            directory=tmp_path / "lab",
+            base_port=free_base_port(),
+            gateway="envoy",
+            gateway_log_otlp=f"127.0.0.1:{source.grpc_port}",
+            replicas=[ReplicaSpec(replica.id, replica.port, replica.flavour) for replica in replicas],
+        )
+        (state.directory / "logs").mkdir(parents=True)
+        envoy.write_configs(state)
+        if tokens:
+            send_token(state, tokens[1])
+        spec = envoy.process(state)
+        process = launch(spec.argv, tmp_path / "envoy.log", spec.ready_url)
+        started.append(lambda: stop(process))
+        return state, tally, replicas
+
+    yield start
+    for stopping in reversed(started):
+        stopping()
 
 
-def test_envoy_requests_arrive_over_otlp_as_its_file_log_wrote_them(envoy_to_otlp):
-    state, tally, replicas = envoy_to_otlp
+def test_envoy_requests_arrive_over_otlp_as_its_file_log_wrote_them(start_envoy_to_otlp):
+    state, tally, replicas = start_envoy_to_otlp()
     affinity, round_robin = (
         f"http://127.0.0.1:{port}" for port in (state.ports.affinity, state.ports.round_robin)
     )
@@ -70,7 +96,7 @@ def test_envoy_requests_arrive_over_otlp_as_its_file_log_wrote_them(envoy_to_otl
         for session in ("s-1", "s-2", None):
             assert chat(affinity, session).status_code == 200
         assert chat(round_robin, f"rr-{round_number}").status_code == 200
-    replicas[1].process.terminate()  # a request the gateway could not proxy: no upstream, a failover
+    replicas[1].process.terminate()  # requests to a stopped replica: retried elsewhere, or failed
     replicas[1].process.wait(timeout=10)
     for session in ("s-3", "s-4"):
         chat(affinity, session)
@@ -89,4 +115,17 @@ def test_envoy_requests_arrive_over_otlp_as_its_file_log_wrote_them(envoy_to_otl
     assert [parse(r) for r in by_request(tally.records)] == [parse(r) for r in by_request(written)]
     assert {r["listener"] for r in tally.records} == {"affinity", "round_robin"}
     assert [r["upstream_host"] for r in tally.records].count(None) == 1
-    assert max(r["upstream_request_attempt_count"] for r in tally.records) > 1  # the stopped replica's
+
+
+@pytest.mark.parametrize(("sent", "delivered"), [("s3cret", True), ("wrong", False)])
+def test_envoy_authenticates_with_the_token_it_is_given(start_envoy_to_otlp, sent, delivered):
+    state, tally, _ = start_envoy_to_otlp(tokens=("s3cret", sent))
+    affinity = f"http://127.0.0.1:{state.ports.affinity}"
+    for session in ("s-1", "s-2"):
+        assert chat(affinity, session).status_code == 200
+    if delivered:
+        wait_for(lambda: len(tally.records) == 2, "the OTLP source did not receive both requests")
+        assert tally.refused == []
+    else:
+        wait_for(lambda: tally.refused, "the OTLP source did not refuse Envoy's batch")
+        assert set(tally.refused) == {"unauthenticated"} and tally.records == []

@@ -68,20 +68,30 @@ def _unlogged_generation_polls() -> dict:
     return {"header_filter": {"header": path}}
 
 
+def _otlp_receivers(state: LabState) -> dict[str, str]:
+    """Each listener's OTLP receiver, host:port: with --gateway-log-source otlp kvwatch serve's receiver of
+    that listener's gateway log; else the lab's `gateway_log_otlp` for both; else none."""
+    if state.gateway_log_source == "otlp":
+        return {listener: f"127.0.0.1:{getattr(state.ports, 'syslog_' + listener)}" for listener in LISTENERS}
+    return dict.fromkeys(LISTENERS, state.gateway_log_otlp) if state.gateway_log_otlp else {}
+
+
 def _otlp_access_log(listener: str) -> dict:
-    """The documented OpenTelemetry access log (docs/gateway-logs.md) for `listener`, to _otlp_cluster."""
+    """The documented OpenTelemetry access log (docs/gateway-logs.md) for `listener`, to its own cluster."""
     (log,) = yaml.safe_load(OTLP_ACCESS_LOG_EXAMPLE.read_text())["access_log"]
     for attribute in log["typed_config"]["attributes"]["values"]:
         if attribute["key"] == "listener":
             attribute["value"]["string_value"] = listener
+    log["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = f"kvwatch_otlp_{listener}"
     log["filter"] = _unlogged_generation_polls()
     return log
 
 
-def _otlp_cluster(state: LabState) -> dict:
-    """The documented cluster of kvwatch's OTLP receiver, at the lab's `gateway_log_otlp` address."""
+def _otlp_cluster(listener: str, receiver: str) -> dict:
+    """The documented cluster of kvwatch's OTLP receiver, for `listener`'s log, at `receiver` (host:port)."""
     (cluster,) = yaml.safe_load(OTLP_ACCESS_LOG_EXAMPLE.read_text())["clusters"]
-    host, _, port = state.gateway_log_otlp.rpartition(":")
+    host, _, port = receiver.rpartition(":")
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = f"kvwatch_otlp_{listener}"
     address = {"socket_address": {"address": host, "port_value": int(port)}}
     cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": address}}]}]
     return cluster
@@ -115,7 +125,7 @@ def _listener(state: LabState, listener: str) -> dict:
         ],
         # The file log stays beside the OpenTelemetry one: the ground truth of what was sent over OTLP.
         "access_log": [_access_log(state, listener)]
-        + ([_otlp_access_log(listener)] if state.gateway_log_otlp else []),
+        + ([_otlp_access_log(listener)] if _otlp_receivers(state) else []),
     }
     return {
         "name": listener,
@@ -135,7 +145,7 @@ def _bootstrap(state: LabState) -> dict:
         "dynamic_resources": {"cds_config": _file_source(state.directory / "envoy" / "cds.yaml")},
         "static_resources": {
             "listeners": [_listener(state, listener) for listener in LISTENERS],
-            "clusters": [_otlp_cluster(state)] if state.gateway_log_otlp else [],
+            "clusters": [_otlp_cluster(*receiver) for receiver in _otlp_receivers(state).items()],
         },
     }
 

@@ -24,6 +24,7 @@ from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
     CLUSTER_PORT_STRIDE,
+    LOG_SOURCE_GATEWAYS,
     MAX_CLUSTER_REPLICAS,
     MAX_CLUSTERS,
     LabState,
@@ -263,11 +264,12 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
     up.add_argument(
         "--gateway-log-source",
-        choices=["file", "syslog"],
+        choices=["file", *LOG_SOURCE_GATEWAYS],
         default="file",
-        help="how kvwatch gets the gateway's access logs: file (followed), or syslog (nginx sends the "
-        "affinity log over UDP, the round_robin log through a real rsyslog relay as RFC 5424 over TCP; the "
-        "files stay as ground truth); with --gateway nginx (default %(default)s)",
+        help="how kvwatch gets the gateway's access logs: file (followed), syslog (with --gateway nginx: "
+        "nginx sends the affinity log over UDP, the round_robin log through a real rsyslog relay as RFC "
+        "5424 over TCP), or otlp (with --gateway envoy: Envoy's OpenTelemetry access logger sends both "
+        "over OTLP/gRPC); the files stay as ground truth (default %(default)s)",
     )
     up.add_argument(
         "--envoy-lb",
@@ -408,9 +410,11 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
         )
-    if args.gateway_log_source != "file" and args.gateway != "nginx":
+    wanted_gateway = LOG_SOURCE_GATEWAYS.get(args.gateway_log_source, args.gateway)
+    if args.gateway != wanted_gateway:
         return _fail(
-            f"--gateway-log-source {args.gateway_log_source} is for --gateway nginx, not {args.gateway}"
+            f"--gateway-log-source {args.gateway_log_source} is for --gateway {wanted_gateway}, "
+            f"not {args.gateway}"
         )
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")

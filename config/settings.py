@@ -268,6 +268,10 @@ class GatewayLog:
     listen: str | None = dataclass_field(default=None, metadata={"read": _listen})
     max_records_per_second: float = _bounded(50_000.0, 0, 10_000_000, low_excluded=True)  # per sender
     inference_paths: tuple[str, ...] = INFERENCE_PATHS  # other requests are counted apart
+    # source otlp: the file holding the bearer token senders must present, and TLS's certificate and key
+    token_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     def __post_init__(self):
         _name(self.name, "name")
@@ -284,6 +288,16 @@ class GatewayLog:
             check(self.listen is None, "listen", "a file is read, not received: drop listen or set source")
         else:
             object.__setattr__(self, "listen", _check_listen(self.listen or f"127.0.0.1:{port}", "listen"))
+        if self.source != "otlp":
+            for key in ("token_file", "tls_cert_file", "tls_key_file"):
+                _check(getattr(self, key) is None, key, "only for source otlp")
+        else:
+            _check(self.format == "envoy", "format", "source otlp receives Envoy's records: set format envoy")
+            _check(
+                (self.tls_cert_file is None) == (self.tls_key_file is None),
+                "tls_key_file",
+                "tls_cert_file and tls_key_file go together",
+            )
         for i, path in enumerate(self.inference_paths):
             check(
                 path.startswith("/"),

@@ -186,9 +186,9 @@ def render_kvwatch_config(state: LabState) -> str:
         config["gateway_logs"] = []
     for log in config["gateway_logs"]:
         log["path"] = str(directory / "logs" / f"gateway-{log['name']}.jsonl")
-        if state.gateway_log_source == "syslog":  # the file stays as the ground truth
+        if state.gateway_log_source != "file":  # the file stays as the ground truth
             del log["path"]
-            log["source"] = "syslog"
+            log["source"] = state.gateway_log_source
             log["listen"] = f"127.0.0.1:{getattr(ports, 'syslog_' + log['name'])}"
         if (
             log_format := GATEWAYS.lookup(state.gateway).log_format

@@ -21,6 +21,8 @@ REPLICA_PORT_OFFSET = 10
 CLUSTER_PORT_STRIDE = 20
 MAX_CLUSTERS = 4
 MAX_CLUSTER_REPLICAS = CLUSTER_PORT_STRIDE - REPLICA_PORT_OFFSET
+# The lab's gateway-log sources other than the file, and the gateway that sends each.
+LOG_SOURCE_GATEWAYS = {"syslog": "nginx", "otlp": "envoy"}
 
 
 def cluster_names(count: int) -> list[str]:
@@ -46,7 +48,7 @@ class Ports:
     exporter = _above_base(4)
     dashboard = _above_base(5)
     gateway_admin = _above_base(6)  # a gateway's admin API and metrics (Envoy's); nginx has none
-    # With --gateway-log-source syslog: kvwatch's receivers of each listener's log, and rsyslog's input.
+    # With --gateway-log-source syslog or otlp: kvwatch's receivers of each listener's log; rsyslog's input.
     syslog_affinity = _above_base(7)
     syslog_round_robin = _above_base(8)
     syslog_relay = _above_base(9)
@@ -84,10 +86,13 @@ class LabState:
     dashboard: bool = True  # the Streamlit app; tests that never open it save its start and its CPU
     engine: str = "sim"  # the kind of replica: lab.replicas.REPLICA_KINDS
     gateway: str = "nginx"  # what the replicas sit behind: lab.gateways.GATEWAYS
-    # How kvwatch gets the gateway's access logs: "file", or "syslog" (nginx sends the affinity log
-    # straight to kvwatch over UDP, the round_robin log through rsyslog, RFC 5424 over TCP)
+    # How kvwatch gets the gateway's access logs: "file", "syslog" (nginx sends the affinity log
+    # straight to kvwatch over UDP, the round_robin log through rsyslog, RFC 5424 over TCP), or "otlp"
+    # (Envoy sends its access log to kvwatch over OTLP/gRPC, its file log kept beside as ground truth)
     gateway_log_source: str = "file"
     envoy_lb: str = "ring-hash"  # the consistent hash of Envoy's affinity cluster: ring-hash or maglev
+    # host:port of an OTLP/gRPC logs receiver Envoy also sends its access log to, beside the file ("": none).
+    gateway_log_otlp: str = ""
     # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
     sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
     model: str = "lab-model"  # the model name every replica serves

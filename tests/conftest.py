@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.lab.state import LabState
 
@@ -162,6 +163,21 @@ class Replica:
 
     def set_faults(self, **faults) -> httpx.Response:
         return http_post(f"{self.url}/lab/faults", json=faults, timeout=5)
+
+
+class RecordingTally:
+    """A gateway-log source's counting side (take_record, refuse), recording what it is handed."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.refused: list[str] = []
+
+    def take_record(self, record, received_at: float) -> None:
+        self.records.append(dict(record))
+
+    def refuse(self, reason: str, count: int = 1) -> None:
+        assert reason in REFUSED_REASONS, f"{reason!r} is none of the tally's REFUSED_REASONS"
+        self.refused.extend([reason] * count)
 
 
 @pytest.fixture

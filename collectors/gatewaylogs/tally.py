@@ -34,7 +34,20 @@ UNREADABLE_REASONS = ("not_found", "permission_denied", "is_directory", "not_reg
 # Why a push source (syslog, OTLP) could not take what it received: a frame or datagram cut short, one
 # that is not a message of its protocol, one over the size limit, datagrams the kernel dropped because the
 # receive queue was full, messages of a sender over its rate, a request without the right credentials.
-REFUSED_REASONS = ("truncated", "malformed", "oversize", "kernel_drops", "over_rate", "unauthenticated")
+# Why a push source could not take what it received: one fixed list for every source, so that a reason
+# can be a label (docs/gateway-logs.md says what each means).
+REFUSED_REASONS = (
+    "truncated",  # cut short: a syslog frame by its connection's end, an HTTP body before its Content-Length
+    "malformed",  # no syslog message at all
+    "oversize",  # a syslog message or an OTLP request over its bound
+    "kernel_drops",  # UDP datagrams the kernel dropped with the receive queue full (Linux)
+    "over_rate",  # a sender's lines or records over max_records_per_second
+    "unauthenticated",  # an OTLP request without the bearer token of token_file
+    "malformed_protobuf",  # bytes that are no OTLP ExportLogsServiceRequest (garbage, or cut short)
+    "malformed_json",  # an OTLP/JSON body that is no ExportLogsServiceRequest
+    "missing_field",  # an OTLP record without one of the format's fields, in attributes or body
+    "busy",  # an OTLP/HTTP request beyond the receiver's bound of requests at once
+)
 # The OpenAI API's inference paths: the requests that belong to sessions. Others (GET /v1/models, health
 # checks through the gateway) are counted apart, never as requests without a session key.
 INFERENCE_PATHS = (

@@ -29,6 +29,7 @@ from kvwatch.lab.state import LabState
 REPO = Path(__file__).resolve().parent.parent.parent
 # What docs/gateway-logs.md tells users to add.
 ACCESS_LOG_EXAMPLE = REPO / "examples" / "envoy-access-log.yaml"
+OTLP_ACCESS_LOG_EXAMPLE = REPO / "examples" / "envoy-otlp-access-log.yaml"
 RELOAD_TIMEOUT_S = 30.0
 CONFIG_DUMP_TIMEOUT_S = 2.0
 LOAD_BALANCERS = {"ring-hash": "RING_HASH", "maglev": "MAGLEV"}
@@ -58,9 +59,42 @@ def _access_log(state: LabState, listener: str) -> dict:
     (log,) = yaml.safe_load(ACCESS_LOG_EXAMPLE.read_text())["access_log"]
     log["typed_config"]["path"] = str(state.directory / "logs" / f"gateway-{listener}.jsonl")
     log["typed_config"]["log_format"]["json_format"]["listener"] = listener
-    path = {"name": ":path", "string_match": {"exact": GENERATION_PATH}, "invert_match": True}
-    log["filter"] = {"header_filter": {"header": path}}
+    log["filter"] = _unlogged_generation_polls()
     return log
+
+
+def _unlogged_generation_polls() -> dict:
+    path = {"name": ":path", "string_match": {"exact": GENERATION_PATH}, "invert_match": True}
+    return {"header_filter": {"header": path}}
+
+
+def _otlp_receivers(state: LabState) -> dict[str, str]:
+    """Each listener's OTLP receiver, host:port: with --gateway-log-source otlp kvwatch serve's receiver of
+    that listener's gateway log; else the lab's `gateway_log_otlp` for both; else none."""
+    if state.gateway_log_source == "otlp":
+        return {listener: f"127.0.0.1:{getattr(state.ports, 'syslog_' + listener)}" for listener in LISTENERS}
+    return dict.fromkeys(LISTENERS, state.gateway_log_otlp) if state.gateway_log_otlp else {}
+
+
+def _otlp_access_log(listener: str) -> dict:
+    """The documented OpenTelemetry access log (docs/gateway-logs.md) for `listener`, to its own cluster."""
+    (log,) = yaml.safe_load(OTLP_ACCESS_LOG_EXAMPLE.read_text())["access_log"]
+    for attribute in log["typed_config"]["attributes"]["values"]:
+        if attribute["key"] == "listener":
+            attribute["value"]["string_value"] = listener
+    log["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = f"kvwatch_otlp_{listener}"
+    log["filter"] = _unlogged_generation_polls()
+    return log
+
+
+def _otlp_cluster(listener: str, receiver: str) -> dict:
+    """The documented cluster of kvwatch's OTLP receiver, for `listener`'s log, at `receiver` (host:port)."""
+    (cluster,) = yaml.safe_load(OTLP_ACCESS_LOG_EXAMPLE.read_text())["clusters"]
+    host, _, port = receiver.rpartition(":")
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = f"kvwatch_otlp_{listener}"
+    address = {"socket_address": {"address": host, "port_value": int(port)}}
+    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": address}}]}]
+    return cluster
 
 
 def _listener(state: LabState, listener: str) -> dict:
@@ -89,7 +123,9 @@ def _listener(state: LabState, listener: str) -> dict:
                 "typed_config": {"@type": f"{_TYPES}.extensions.filters.http.router.v3.Router"},
             },
         ],
-        "access_log": [_access_log(state, listener)],
+        # The file log stays beside the OpenTelemetry one: the ground truth of what was sent over OTLP.
+        "access_log": [_access_log(state, listener)]
+        + ([_otlp_access_log(listener)] if _otlp_receivers(state) else []),
     }
     return {
         "name": listener,
@@ -107,7 +143,10 @@ def _bootstrap(state: LabState) -> dict:
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": state.ports.gateway_admin}}
         },
         "dynamic_resources": {"cds_config": _file_source(state.directory / "envoy" / "cds.yaml")},
-        "static_resources": {"listeners": [_listener(state, listener) for listener in LISTENERS]},
+        "static_resources": {
+            "listeners": [_listener(state, listener) for listener in LISTENERS],
+            "clusters": [_otlp_cluster(*receiver) for receiver in _otlp_receivers(state).items()],
+        },
     }
 
 

@@ -52,7 +52,11 @@ def ground_truth(lab: Lab, listener: str) -> GatewayLogSnapshot:
     (settings,) = [log for log in config["gateway_logs"] if log["name"] == listener]
     path = lab.state_dir / "logs" / f"gateway-{listener}.jsonl"
     with GatewayLogFollower(
-        path, listener, spread_window_seconds=settings["spread_window_seconds"], expect_sticky=False
+        path,
+        listener,
+        spread_window_seconds=settings["spread_window_seconds"],
+        expect_sticky=False,
+        log_format=settings.get("format", "nginx"),
     ) as follower:
         return follower.poll()
 
@@ -70,8 +74,9 @@ def traffic(lab: Lab, prefix: str, sessions: int) -> None:
         assert LAB_CLIENT.get(f"{url}/v1/models").status_code == 200
 
 
-def assert_figures_equal_the_file_logs(lab: Lab) -> None:
-    """Once kvwatch has received every line of each file log, its figures are the file's."""
+def assert_figures_equal_the_file_logs(lab: Lab, source: str = "syslog") -> None:
+    """Once kvwatch has received every line of each file log (from its push `source`), its figures are
+    the file's."""
     deadline = time.monotonic() + WAIT_S
     while True:
         truths = {listener: ground_truth(lab, listener) for listener in LISTENERS}
@@ -102,9 +107,7 @@ def assert_figures_equal_the_file_logs(lab: Lab) -> None:
                 == (truth.spread_sessions[name, moved])
             )
         sticky = str(name == "affinity").lower()
-        assert (
-            value(samples, "kvwatch_gateway_log_info", log=name, expect_sticky=sticky, source="syslog") == 1
-        )
+        assert value(samples, "kvwatch_gateway_log_info", log=name, expect_sticky=sticky, source=source) == 1
 
 
 def wait_for_alert(lab: Lab, since: float, alertname: str, **labels: str) -> None:

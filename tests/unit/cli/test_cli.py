@@ -60,3 +60,25 @@ def test_the_command_suggested_for_a_new_shell_is_the_path_unless_kvwatch_on_pat
     assert kvwatch_command() == "kvwatch"  # installed on PATH, e.g. by pipx
     monkeypatch.setenv("VIRTUAL_ENV", str(Path(sys.executable).parent.parent))
     assert kvwatch_command() == installed  # an activated virtualenv is not active in a new shell
+
+
+@pytest.mark.parametrize(
+    ("source", "gateway", "wanted"), [("syslog", "envoy", "nginx"), ("otlp", "nginx", "envoy")]
+)
+def test_a_lab_log_source_with_a_gateway_that_cannot_send_it_is_refused(
+    source, gateway, wanted, tmp_path, capsys
+):
+    arguments = [
+        "lab",
+        "up",
+        "--gateway",
+        gateway,
+        "--gateway-log-source",
+        source,
+        "--state-dir",
+        str(tmp_path),
+    ]
+    assert main(arguments) != 0
+    expected = f"--gateway-log-source {source} is for --gateway {wanted}, not {gateway}"
+    assert expected in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -346,15 +346,17 @@ def test_serve_names_the_gateway_log_whose_port_is_taken_and_starts_nothing(tmp_
     )
 
 
-def test_a_source_without_its_receiver_is_refused_before_anything_starts(tmp_path: Path, capsys):
+def test_an_otlp_log_whose_token_file_cannot_be_read_is_refused_before_anything_starts(tmp_path, capsys):
     from kvwatch.cli.main import main
 
     config = tmp_path / "kvwatch.yaml"
     config.write_text(
-        f"gateway_logs:\n  - name: gw\n    source: otlp\n"
+        f"gateway_logs:\n  - name: gw\n    format: envoy\n    source: otlp\n    listen: {free_port()}\n"
+        f"    token_file: {tmp_path / 'missing'}\n"
         f"exporter:\n  listen: 127.0.0.1:{free_port()}\nstore:\n  path: {tmp_path / 'kvwatch.db'}\n"
     )
     assert main(["serve", "--config", str(config)]) == 1
-    assert "kvwatch serve: gateway log gw: the OTLP receiver is not part of this kvwatch yet" in (
-        capsys.readouterr().err
+    assert (
+        f"kvwatch serve: gateway log gw: cannot read OTLP bearer token file {tmp_path / 'missing'}: "
+        "No such file or directory" in capsys.readouterr().err
     )

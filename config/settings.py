@@ -290,10 +290,10 @@ class GatewayLog:
             object.__setattr__(self, "listen", _check_listen(self.listen or f"127.0.0.1:{port}", "listen"))
         if self.source != "otlp":
             for key in ("token_file", "tls_cert_file", "tls_key_file"):
-                _check(getattr(self, key) is None, key, "only for source otlp")
+                check(getattr(self, key) is None, key, "only for source otlp")
         else:
-            _check(self.format == "envoy", "format", "source otlp receives Envoy's records: set format envoy")
-            _check(
+            check(self.format == "envoy", "format", "source otlp receives Envoy's records: set format envoy")
+            check(
                 (self.tls_cert_file is None) == (self.tls_key_file is None),
                 "tls_key_file",
                 "tls_cert_file and tls_key_file go together",

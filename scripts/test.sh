@@ -2,7 +2,7 @@
 # The whole suite, as `make test` and CI run it, in two lanes side by side. The real-vLLM tests mostly
 # wait for engines to start, restart and be scraped: they run in a pytest of their own pinned to the last
 # core (their engines with it), then the alert and rule tests, which mostly wait for Prometheus, and the
-# Envoy and multi-cluster labs', on every core; the rest runs beside them. On a single core the lanes
+# Envoy, multi-cluster and SageMaker labs', on every core; the rest runs beside them. On a single core the lanes
 # run one after the other. Fails if any part failed.
 #   usage: sh scripts/test.sh PYTHON
 set -u
@@ -12,7 +12,8 @@ vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_
     tests/integration/test_sagemaker_contract.py tests/integration/test_sagemaker_vllm.py"
 after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
     tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py
-    tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py"
+    tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py
+    tests/integration/test_sagemaker_probe.py tests/integration/test_lab_sagemaker.py"
 log=test-artifacts/beside.log
 last_core=$(($(nproc) - 1))
 pin=""

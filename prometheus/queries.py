@@ -295,10 +295,12 @@ def replica_ids(by: Grouping) -> str:
 def instance_name(by: Grouping) -> str:
     """An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
     where the replica ids know the instance's id (a template query at notification time), else its address.
-    The instance is looked up in its own cluster: "" matches a Prometheus without the label."""
+    The instance is looked up in its own cluster: "" matches a Prometheus without the label. An absent
+    label is "" to Prometheus's templates but nil to vmalert's, which `printf %q` renders as `%!q(<nil>)`:
+    `or` makes it "" in both."""
     labels = by.keeping("instance").split(", ")
     matchers = ", ".join(f"{label}=%q" for label in labels)
-    values = " ".join(f"$labels.{label}" for label in labels)
+    values = " ".join(f'(or $labels.{label} "")' for label in labels)
     lookup = f"{replica_ids(by)} and on({by.keeping('instance')}) up{{{matchers}}}"
     return (
         "{{ $name := $labels.instance }}"

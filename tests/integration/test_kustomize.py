@@ -82,18 +82,27 @@ def test_the_base_holds_every_board_byte_for_byte_in_a_configmap_for_the_grafana
     assert all(json.loads(text)["uid"] for text in boards.values())
 
 
+def pod_volumes(workload: dict) -> list[dict]:
+    return workload["spec"]["template"]["spec"]["volumes"]
+
+
 def receiver(directory: Path, scratch: Path) -> tuple[GatewayLog, dict, dict, dict]:
     """A gateway's rendered receiver: its one gateway log as kvwatch reads it, its Service, its pod
     template and the NetworkPolicy that admits its senders."""
     objects = rendered(directory)
     deployment = named(objects, "Deployment", "kvwatch-gateway-logs")
-    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    (volume,) = [v for v in pod_volumes(deployment) if "configMap" in v]
     config = named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["kvwatch.yaml"]
     path = scratch / f"{directory.name}.yaml"
     path.write_text(config)
     loaded = load_config(path)
     assert loaded.targets == () and deployment["spec"]["replicas"] == 1  # one receiver sees the whole log
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod_volumes(deployment) if "secret" in v}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (token_mount,) = [m for m in container["volumeMounts"] if m["name"] in secrets]
+    assert loaded.exporter.webhook_token_file.parent == Path(token_mount["mountPath"])  # its webhook refuses
+    assert secrets[token_mount["name"]] == "kvwatch-webhook-token"
     (log,) = loaded.gateway_logs
     senders = named(objects, "NetworkPolicy", "kvwatch-gateway-logs-senders")
     return log, named(objects, "Service", "kvwatch-gateway-logs"), deployment["spec"]["template"], senders

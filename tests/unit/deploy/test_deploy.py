@@ -25,6 +25,12 @@ from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(path for path in K8S.glob("*.yaml") if path.name != "kustomization.yaml")
+# The gateways' receivers (deploy/k8s/gateways), but istiod's Helm values, which are no Kubernetes object.
+GATEWAY_MANIFESTS = sorted(
+    path
+    for path in K8S.glob("gateways/*/*.yaml")
+    if path.name not in ("kustomization.yaml", "istiod-values.yaml")
+)
 # The oldest Kubernetes the manifests are for: the StatefulSet's pod-index label is GA from 1.32.
 KUBERNETES = "1.32"
 # prometheus-operator's CRDs of PodMonitor and PrometheusRule, verbatim from its release v0.93.0, and
@@ -85,7 +91,7 @@ def schema_errors(document: dict) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", MANIFESTS + GATEWAY_MANIFESTS, ids=lambda path: str(path.relative_to(K8S)))
 def test_every_manifest_is_valid_to_its_schema(path):
     found = {
         f"{document['kind']}/{document['metadata']['name']}": schema_errors(document)

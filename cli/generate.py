@@ -1,5 +1,6 @@
 """`kvwatch generate`: write kvwatch's generated files (recording and alerting rules, the Kubernetes
-PrometheusRule, Grafana boards) from prometheus/, alerts/ and grafana/.
+PrometheusRule, Grafana boards and their copies for the Kubernetes ConfigMaps) from prometheus/, alerts/
+and grafana/.
 
 `--config FILE` reads a thresholds file (prometheus/thresholds.py; docs/alerts.md "Thresholds file"),
 without it the defaults, which the committed files are; `--out DIR` writes under DIR, without it the
@@ -37,6 +38,7 @@ from kvwatch.prometheus.rules import (
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds, load_thresholds
 
 REPO = Path(__file__).resolve().parent.parent
+K8S_DASHBOARDS = "deploy/k8s/dashboards"  # the boards the Grafana sidecar loads from ConfigMaps
 _PLAIN_URL = re.compile(r"[^\s\"'\\#]+")
 
 
@@ -76,8 +78,19 @@ def generated_files(
     as a whole: the one way every alert annotation and board link follows the setting.
     """
     t = dataclasses.replace(thresholds, cluster_label=cluster_label) if cluster_label else thresholds
-    files = rule_file_texts(t.cluster_label, t) | boards.dashboard_files(t)
+    files = rule_file_texts(t.cluster_label, t) | kubernetes_boards(boards.dashboard_files(t))
     return {path: text.replace(RUNBOOK_URL, runbook_url) for path, text in files.items()}
+
+
+def kubernetes_boards(files: dict[str, str]) -> dict[str, str]:
+    """The boards and, for deploy/k8s's ConfigMaps, a copy of each provisioned one beside its
+    kustomization, which reads no file above its own directory."""
+    copies = {
+        f"{K8S_DASHBOARDS}/{Path(path).name}": text
+        for path, text in files.items()
+        if path.startswith("grafana/dashboards/")
+    }
+    return files | copies
 
 
 def runbook_url(text: str) -> str:

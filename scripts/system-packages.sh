@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install the Debian packages kvwatch's lab runs (nginx, Prometheus, Alertmanager) and its tests use
-# (Chromium, PostgreSQL, openssl, rsyslog) when they are missing. Idempotent: does nothing when every binary is already there.
+# (Chromium, PostgreSQL, openssl, rsyslog, kubectl) when they are missing. Idempotent: does nothing when every binary is already there.
 set -eu
 
 binary_for() {
@@ -10,6 +10,7 @@ binary_for() {
         prometheus-alertmanager) echo /usr/bin/prometheus-alertmanager ;;
         postgresql) echo /usr/bin/pg_ctlcluster ;;  # postgresql-common, which the server packages need
         rsyslog) echo /usr/sbin/rsyslogd ;;
+        kubernetes-client) echo /usr/bin/kubectl ;;  # any kubectl will do: its kustomize renders deploy/k8s
         *) echo "/usr/bin/$1" ;;
     esac
 }

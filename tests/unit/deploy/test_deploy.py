@@ -1,8 +1,9 @@
-"""deploy/k8s: every manifest is valid to Kubernetes' own OpenAPI schemas (kubernetes-validate) and
-prometheus-operator's CRD schemas, unknown fields included; the PrometheusRule carries exactly the rule
-files' groups, the kvwatch config in the ConfigMap is a valid kvwatch config, the StatefulSet runs every
-shard of its targets twice as a non-root container on a read-only root filesystem, and the pod exposes
-only the exporter port, whose webhook requires a token mounted from a Secret."""
+"""deploy/k8s: every manifest is valid to Kubernetes' own OpenAPI schemas (kubernetes-validate),
+prometheus-operator's and Istio's CRD schemas, unknown fields included; the PrometheusRule carries
+exactly the rule files' groups, the kvwatch config in the ConfigMap is a valid kvwatch config, the
+StatefulSet runs every shard of its targets twice as a non-root container on a read-only root
+filesystem, and the pod exposes only the exporter port, whose webhook requires a token mounted from a
+Secret. tests/integration/test_kustomize.py checks deploy/k8s as kubectl's kustomize renders it."""
 
 from __future__ import annotations
 
@@ -23,11 +24,21 @@ from kvwatch.config.settings import Config, load_config
 from kvwatch.serve import shard
 
 K8S = REPO / "deploy" / "k8s"
-MANIFESTS = sorted(K8S.glob("*.yaml"))
+MANIFESTS = sorted(path for path in K8S.glob("*.yaml") if path.name != "kustomization.yaml")
+# The gateways' receivers (deploy/k8s/gateways), but istiod's Helm values, which are no Kubernetes object.
+GATEWAY_MANIFESTS = sorted(
+    path
+    for path in K8S.glob("gateways/*/*.yaml")
+    if path.name not in ("kustomization.yaml", "istiod-values.yaml")
+)
 # The oldest Kubernetes the manifests are for: the StatefulSet's pod-index label is GA from 1.32.
 KUBERNETES = "1.32"
-# prometheus-operator's CRDs of PodMonitor and PrometheusRule, verbatim from its release v0.93.0.
-OPERATOR_CRDS = REPO / "tests" / "testdata" / "prometheus-operator-v0.93.0"
+# prometheus-operator's CRDs of PodMonitor and PrometheusRule, verbatim from its release v0.93.0, and
+# Istio's of Telemetry, verbatim from manifests/charts/base/files/crd-all.gen.yaml of its release 1.29.6.
+CRDS = [
+    REPO / "tests" / "testdata" / "prometheus-operator-v0.93.0",
+    REPO / "tests" / "testdata" / "istio-1.29.6",
+]
 
 
 def documents(text: str) -> list[dict]:
@@ -47,15 +58,20 @@ def strict(schema: object) -> object:
     return schema
 
 
+# What the API server checks of every object itself, which some CRDs' schemas leave out (Istio's).
+OBJECT_FIELDS = {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"}}
+
+
 @functools.cache
-def operator_schemas() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
+def crd_schemas() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
     """Each served version of each CRD by (apiVersion, kind); OpenAPI v3 schemas are JSON Schema draft 4."""
     schemas = {}
-    for path in OPERATOR_CRDS.glob("*.yaml"):
+    for path in (path for directory in CRDS for path in directory.glob("*.yaml")):
         (crd,) = documents(path.read_text())
         for version in crd["spec"]["versions"]:
             api_version = f"{crd['spec']['group']}/{version['name']}"
-            schema = strict(version["schema"]["openAPIV3Schema"])
+            schema = version["schema"]["openAPIV3Schema"]
+            schema = strict(schema | {"properties": OBJECT_FIELDS | schema["properties"]})
             schemas[api_version, crd["spec"]["names"]["kind"]] = jsonschema.Draft4Validator(schema)
     return schemas
 
@@ -63,7 +79,7 @@ def operator_schemas() -> dict[tuple[str, str], jsonschema.Draft4Validator]:
 def schema_errors(document: dict) -> list[str]:
     """What the schema of the document's kind finds wrong with it, each at its path; a kind with no
     schema is an error too, so that no manifest goes unchecked."""
-    validator = operator_schemas().get((document["apiVersion"], document["kind"]))
+    validator = crd_schemas().get((document["apiVersion"], document["kind"]))
     if validator is not None:
         return [f"{error.json_path}: {error.message}" for error in validator.iter_errors(document)]
     try:
@@ -75,7 +91,7 @@ def schema_errors(document: dict) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", MANIFESTS + GATEWAY_MANIFESTS, ids=lambda path: str(path.relative_to(K8S)))
 def test_every_manifest_is_valid_to_its_schema(path):
     found = {
         f"{document['kind']}/{document['metadata']['name']}": schema_errors(document)
@@ -105,6 +121,12 @@ def test_every_manifest_is_valid_to_its_schema(path):
             "PrometheusRule",
             lambda d: d["spec"]["groups"][0]["rules"][0].update({"for": "5 minutes"}),
             "$.spec.groups[0].rules[0].for: '5 minutes' does not match",
+        ),
+        (
+            "gateways/istio/telemetry.yaml",
+            "Telemetry",
+            lambda d: d["spec"]["accessLogging"][0].update(provider={"name": "kvwatch-otlp"}),
+            "$.spec.accessLogging[0]: Additional properties are not allowed ('provider'",
         ),
     ],
 )

@@ -31,6 +31,8 @@ import pytest
 
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
+from kvwatch.lab import stack
+from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -474,6 +476,19 @@ def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
     """After a test of a shared lab: one that failed before its own heal leaves no fault for the next."""
     if LabState.load(lab.state_dir).faults:
         heal(lab, sessions)
+
+
+def fault_with_gateway_stopped(lab: Lab, gateway: str, match: str) -> str:
+    """`break-affinity` while the gateway's process is stopped (SIGSTOP), so that it cannot take the new
+    config: the LabError the fault must fail with, which matches `match`."""
+    pid = lab.status["processes"][gateway]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LabError, match=match) as raised:
+            stack.fault(LabState.load(lab.state_dir), "break-affinity")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return str(raised.value)
 
 
 class Lab:

@@ -11,8 +11,6 @@ headers, the access log), heals and checks the baseline is back.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections import Counter
 
@@ -25,13 +23,13 @@ from conftest import (
     assert_baseline,
     chat,
     fault,
+    fault_with_gateway_stopped,
     heal,
     heal_if_faulted,
     upstreams,
 )
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
-from kvwatch.lab import stack
 from kvwatch.lab.gateways import envoy
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
@@ -263,14 +261,8 @@ def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
 def test_a_config_envoy_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped Envoy reads no xDS file: the fault fails naming what it serves, with its log."""
     monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 2.0)
-    pid = lab.status["processes"]["envoy"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(LabError, match="Envoy did not load the new config within 2 s") as raised:
-            stack.fault(LabState.load(lab.state_dir), "break-affinity")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert "logs/envoy.log ends:\n" in str(raised.value) and "cds:" in str(raised.value)
+    error = fault_with_gateway_stopped(lab, "envoy", "Envoy did not load the new config within 2 s")
+    assert "logs/envoy.log ends:\n" in error and "cds:" in error
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
     heal(lab, SESSIONS)
 

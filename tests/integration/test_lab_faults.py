@@ -33,14 +33,14 @@ from conftest import (
     assert_baseline,
     chat,
     fault,
+    fault_with_gateway_stopped,
     heal,
     heal_if_faulted,
     stop,
     upstreams,
 )
-from kvwatch.lab import stack
 from kvwatch.lab.gateways import nginx as nginx_gateway
-from kvwatch.lab.process import LabError, is_ours
+from kvwatch.lab.process import is_ours
 from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
@@ -314,15 +314,9 @@ def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped nginx master cannot act on the reload: its old worker goes on serving the old config."""
     monkeypatch.setattr(nginx_gateway, "RELOAD_TIMEOUT_S", 2.0)
     entries = len(faults_log(lab))
-    nginx = lab.status["processes"]["nginx"]
-    os.kill(nginx, signal.SIGSTOP)
-    try:
-        with pytest.raises(LabError, match="nginx did not reload within 2 s") as raised:
-            stack.fault(LabState.load(lab.state_dir), "break-affinity")
-    finally:
-        os.kill(nginx, signal.SIGCONT)
-    assert "workers from before the reload still running: [" in str(raised.value)
-    assert "logs/nginx-error.log ends" in str(raised.value)
+    error = fault_with_gateway_stopped(lab, "nginx", "nginx did not reload within 2 s")
+    assert "workers from before the reload still running: [" in error
+    assert "logs/nginx-error.log ends" in error
     assert len(faults_log(lab)) == entries  # a change that does not serve is not in faults.log
     # The saved state says what the written config asks for, so heal undoes it.
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]

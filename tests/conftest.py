@@ -449,6 +449,26 @@ def assert_admin_api_unproxied(lab: Lab, listener: str) -> None:
         assert LAB_CLIENT.get(f"{replica['url']}/lab/state").json()["faults"]["prefix_caching"] is True
 
 
+def assert_round_robin(url: str, sessions: list[str]) -> None:
+    """Strict round robin: each round of each session (three, replicas enough) went to another replica."""
+    seen = upstreams(url, sessions)
+    assert all(len(set(rounds)) == len(rounds) for rounds in seen.values()), seen
+
+
+def assert_spread(url: str, sessions: list[str]) -> None:
+    """The gateway does not keep sessions: the rounds of some session went to more than one replica."""
+    seen = upstreams(url, sessions)
+    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+
+
+def session_pinned_to(lab: Lab, upstream: str) -> str:
+    """A session id the lab's affinity listener sends to `upstream` (host:port), out of 200 tried."""
+    candidates = (f"pinned-{i}" for i in range(200))
+    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == upstream), None)
+    assert pinned, f"no session pinned to {upstream}"
+    return pinned
+
+
 def fault(lab: Lab, *args: str) -> None:
     """`kvwatch lab fault ...`, which must succeed."""
     result = lab.cli("fault", *args)

@@ -21,11 +21,14 @@ from conftest import LAB_CLIENT as CLIENT
 from conftest import (
     assert_admin_api_unproxied,
     assert_baseline,
+    assert_round_robin,
+    assert_spread,
     chat,
     fault,
     fault_with_gateway_stopped,
     heal,
     heal_if_faulted,
+    session_pinned_to,
     upstreams,
 )
 from kvwatch.cli.main import main
@@ -98,8 +101,7 @@ def gateway_metric(samples: dict[tuple, float], name: str, **labels: str) -> flo
 def test_affinity_keeps_sessions_round_robin_spreads_them_and_ids_are_assigned(lab):
     assert lab.status["gateway"] == "envoy" and lab.status["processes"]["envoy"]
     assert_baseline(lab, SESSIONS)
-    seen = upstreams(lab.round_robin, ROUND_ROBIN_SESSIONS)
-    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    assert_round_robin(lab.round_robin, ROUND_ROBIN_SESSIONS)
     for url in (lab.affinity, lab.round_robin):
         assigned = chat(url).headers["X-Session-Id"]
         assert assigned and assigned != "echo-me"
@@ -175,8 +177,7 @@ def test_the_access_log_gives_the_same_gateway_metrics_as_nginx(lab):
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
     fault(lab, "break-affinity")
-    seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
-    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
     first = ROUND_ROBIN_SESSIONS[0]
     entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == first for e in log) >= 3)
     assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
@@ -188,8 +189,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     response = chat(lab.affinity, "mine")
     assigned = response.headers["X-Session-Id"]
     assert assigned not in ("", "mine")
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the request that was assigned `assigned`
     entries = lab.access_log("affinity", until=lambda log: len(after(log, assigned)) >= sent)
     assert all(parsed(e).assigned for e in after(entries, assigned)[:sent])
@@ -202,8 +202,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
     fault(lab, "hash-request-id")
     assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the "kept" request
     entries = lab.access_log("affinity", until=lambda log: len(after(log, "kept")) >= sent)
     mine = [parsed(e) for e in after(entries, "kept")]
@@ -213,9 +212,7 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
 
 def test_kill_replica_fails_over_and_heal_restarts_it(lab):
     r3 = lab.replica_url("r3").removeprefix("http://")
-    candidates = (f"pinned-{i}" for i in range(200))  # about one in three is pinned to r3
-    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == r3), None)
-    assert pinned, "no session pinned to r3"
+    pinned = session_pinned_to(lab, r3)
     fault(lab, "kill-replica", "r3")
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     # Envoy retries a request r3 refused on another replica, and logs the second attempt.

@@ -12,7 +12,7 @@ import httpx
 
 from kvwatch.collectors import identity
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.models import list_models
+from kvwatch.collectors.probe.models import list_models, listing_failed
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session
 from kvwatch.collectors.probe.streaming import StreamClient
@@ -125,12 +125,8 @@ async def _models(client: httpx.AsyncClient, wanted: Request) -> list[str]:
     url = redact(api_url(wanted.base_url, "models"))
     try:
         return await list_models(client, wanted.base_url, wanted.api_key, TIMEOUT_S)
-    except httpx.HTTPStatusError as error:
-        raise SurveyError(f"GET {url} answered HTTP {error.response.status_code}") from None
-    except httpx.HTTPError as error:
-        raise SurveyError(f"GET {url} failed: {connect_reason(error)}") from None
-    except ValueError as error:
-        raise SurveyError(f"GET {url}: {error}: is this an OpenAI-compatible API?") from None
+    except (httpx.HTTPError, ValueError) as error:
+        raise SurveyError(f"GET {url} {listing_failed(error)}") from None
 
 
 def _pick_model(found: Survey, model: str | None) -> str:

@@ -31,6 +31,8 @@ import pytest
 
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
+from kvwatch.lab import stack
+from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -447,6 +449,26 @@ def assert_admin_api_unproxied(lab: Lab, listener: str) -> None:
         assert LAB_CLIENT.get(f"{replica['url']}/lab/state").json()["faults"]["prefix_caching"] is True
 
 
+def assert_round_robin(url: str, sessions: list[str]) -> None:
+    """Strict round robin: each round of each session (three, replicas enough) went to another replica."""
+    seen = upstreams(url, sessions)
+    assert all(len(set(rounds)) == len(rounds) for rounds in seen.values()), seen
+
+
+def assert_spread(url: str, sessions: list[str]) -> None:
+    """The gateway does not keep sessions: the rounds of some session went to more than one replica."""
+    seen = upstreams(url, sessions)
+    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+
+
+def session_pinned_to(lab: Lab, upstream: str) -> str:
+    """A session id the lab's affinity listener sends to `upstream` (host:port), out of 200 tried."""
+    candidates = (f"pinned-{i}" for i in range(200))
+    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == upstream), None)
+    assert pinned, f"no session pinned to {upstream}"
+    return pinned
+
+
 def fault(lab: Lab, *args: str) -> None:
     """`kvwatch lab fault ...`, which must succeed."""
     result = lab.cli("fault", *args)
@@ -474,6 +496,19 @@ def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
     """After a test of a shared lab: one that failed before its own heal leaves no fault for the next."""
     if LabState.load(lab.state_dir).faults:
         heal(lab, sessions)
+
+
+def fault_with_gateway_stopped(lab: Lab, gateway: str, match: str) -> str:
+    """`break-affinity` while the gateway's process is stopped (SIGSTOP), so that it cannot take the new
+    config: the LabError the fault must fail with, which matches `match`."""
+    pid = lab.status["processes"][gateway]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(LabError, match=match) as raised:
+            stack.fault(LabState.load(lab.state_dir), "break-affinity")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return str(raised.value)
 
 
 class Lab:

@@ -37,15 +37,24 @@ class Request(NamedTuple):
     path: str | None = None  # the request's path without its query; None: the log does not say
 
 
+FieldTypes = Mapping[str, type | tuple[type, ...]]
+
+
 @dataclass(frozen=True)
 class LogFormat:
-    """One gateway's access-log format: how a decoded JSON line becomes a request.
+    """One gateway's access-log format: the fields a decoded JSON line must have, and how a line that has
+    them becomes a request.
 
     `parse` raises Malformed with the reason a line is no request.
     """
 
     name: str
-    parse: Callable[[Mapping[str, object]], Request]
+    fields: FieldTypes
+    read: Callable[[Mapping[str, object]], Request]  # given a line whose fields are checked
+
+    def parse(self, record: Mapping[str, object]) -> Request:
+        check_fields(record, self.fields)
+        return self.read(record)
 
 
 def json_object(line: bytes) -> Mapping[str, object]:
@@ -59,7 +68,7 @@ def json_object(line: bytes) -> Mapping[str, object]:
     return record
 
 
-def check_fields(record: Mapping[str, object], types: Mapping[str, type | tuple[type, ...]]) -> None:
+def check_fields(record: Mapping[str, object], types: FieldTypes) -> None:
     """Every field present with one of its types; JSON's true and false are never numbers."""
     for field, allowed in types.items():
         if field not in record:

@@ -13,15 +13,7 @@ import math
 from collections.abc import Mapping
 from datetime import datetime
 
-from kvwatch.collectors.gatewaylogs.base import (
-    NO_UPSTREAM,
-    LogFormat,
-    Malformed,
-    Request,
-    check_fields,
-    path_of,
-    request,
-)
+from kvwatch.collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, path_of, request
 
 _OPTIONAL_TEXT = (str, type(None))
 FIELDS = {
@@ -41,8 +33,7 @@ FAILOVER_FLAGS = frozenset({"UF", "URX"})
 _NO_RESPONSE, _CLIENT_CLOSED = 0, 499
 
 
-def parse(record: Mapping[str, object]) -> Request:
-    check_fields(record, FIELDS)
+def read(record: Mapping[str, object]) -> Request:
     try:
         started = datetime.fromisoformat(record["start_time"])
     except ValueError:
@@ -64,4 +55,4 @@ def parse(record: Mapping[str, object]) -> Request:
     )
 
 
-FORMAT = LogFormat(name="envoy", parse=parse)
+FORMAT = LogFormat(name="envoy", fields=FIELDS, read=read)

@@ -10,33 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvwatch.collectors.gatewaylogs.base import LogFormat, Request, check_fields, path_of, request
-from kvwatch.collectors.gatewaylogs.nginx import upstream_tried
+from kvwatch.collectors.gatewaylogs.base import LogFormat, Request, path_of
+from kvwatch.collectors.gatewaylogs.nginx import NGINX_FIELDS, nginx_request
 
 FIELDS = {
-    "msec": (int, float),
+    **NGINX_FIELDS,  # its session_id: "$http_x_session_id", or whichever header the ingress hashes by
     "req_id": str,
     "proxy_upstream_name": str,
-    "upstream_addr": str,
-    "status": int,
-    "session_id": str,  # "$http_x_session_id", or whichever header the ingress hashes by
 }
 
 
-def parse(record: Mapping[str, object]) -> Request:
-    check_fields(record, FIELDS)
-    upstream, failover = upstream_tried(record["upstream_addr"])
+def read(record: Mapping[str, object]) -> Request:
     session_id = record["session_id"]
-    return request(
-        time=record["msec"],
+    return nginx_request(
+        record,
         listener=record["proxy_upstream_name"],
-        upstream=upstream,
-        failover=failover,
-        status=record["status"],
         session_id=session_id or record["req_id"],
         assigned=not session_id,
         path=path_of(record.get("uri")),  # "$uri", optional
     )
 
 
-FORMAT = LogFormat(name="ingress-nginx", parse=parse)
+FORMAT = LogFormat(name="ingress-nginx", fields=FIELDS, read=read)

@@ -9,24 +9,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from kvwatch.collectors.gatewaylogs.base import (
-    NO_UPSTREAM,
-    LogFormat,
-    Malformed,
-    Request,
-    check_fields,
-    path_of,
-    request,
-)
+from kvwatch.collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, path_of, request
 
-FIELDS = {
-    "msec": (int, float),
-    "listener": str,
-    "status": int,
-    "upstream_addr": str,
-    "session_id": str,
-    "session_source": str,
-}
+# What nginx logs alike as kvwatch's log_format and as ingress-nginx's: `nginx_request` reads them.
+NGINX_FIELDS = {"msec": (int, float), "status": int, "upstream_addr": str, "session_id": str}
+FIELDS = {**NGINX_FIELDS, "listener": str, "session_source": str}
 # nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
 _UPSTREAM_SEPARATOR = re.compile(r", | : ")
 
@@ -38,21 +25,25 @@ def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
     return (tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM), len(tried) > 1
 
 
-def parse(record: Mapping[str, object]) -> Request:
-    check_fields(record, FIELDS)
-    if record["session_source"] not in ("client", "assigned"):
-        raise Malformed("bad_value")
+def nginx_request(record: Mapping[str, object], **session) -> Request:
+    """The request of a line with NGINX_FIELDS: its time, status and the servers tried, with the
+    `listener`, `session_id`, `assigned` and `path` the format says in its own way."""
     upstream, failover = upstream_tried(record["upstream_addr"])
     return request(
-        time=record["msec"],
+        time=record["msec"], upstream=upstream, failover=failover, status=record["status"], **session
+    )
+
+
+def read(record: Mapping[str, object]) -> Request:
+    if record["session_source"] not in ("client", "assigned"):
+        raise Malformed("bad_value")
+    return nginx_request(
+        record,
         listener=record["listener"],
-        upstream=upstream,
-        failover=failover,
-        status=record["status"],
         session_id=record["session_id"],
         assigned=record["session_source"] == "assigned",
         path=path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
     )
 
 
-FORMAT = LogFormat(name="nginx", parse=parse)
+FORMAT = LogFormat(name="nginx", fields=FIELDS, read=read)

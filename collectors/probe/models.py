@@ -82,7 +82,7 @@ async def what_answers(client: httpx.AsyncClient, probe: ProbeSettings) -> Serve
     except httpx.HTTPStatusError as error:
         models, models_answer = None, f"answers HTTP {error.response.status_code}"
     except ValueError as error:
-        models, models_answer = None, f"answers {str(error).removeprefix('the answer is ')}"
+        models, models_answer = None, f"answers {error}"
     except httpx.HTTPError as error:
         models, models_answer = None, f"failed: {connect_reason(error)}"
     if models is not None:
@@ -133,24 +133,29 @@ async def list_models(
     client: httpx.AsyncClient, base_url: str, api_key: str | None, deadline_s: float
 ) -> list[str]:
     """The model ids GET <base URL>/models lists. Raises httpx.HTTPError (an error status too) or
-    ValueError when the answer is no model list."""
+    ValueError saying what the answer is instead of a model list ("no JSON", "no model list: ...")."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = await request(client, "GET", api_url(base_url, "models"), deadline_s, headers=headers)
     response.raise_for_status()
-    answer = response.json()
+    try:
+        answer = response.json()
+    except ValueError:  # no JSON, or not UTF-8
+        raise ValueError("no JSON") from None
     listed = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(listed, list) or not all(isinstance(m, dict) and "id" in m for m in listed):
-        raise ValueError("the answer is no model list: no `data` of objects with an `id`")
+        raise ValueError("no model list: no `data` of objects with an `id`")
     return [str(model["id"]) for model in listed]
 
 
 def listing_failed(error: httpx.HTTPError | ValueError) -> str:
-    """Why `list_models` gave no list, to follow "GET <url>": an error status, a timeout, no model list,
-    or the operating system's reason for no connection."""
+    """Why `list_models` gave no list, to follow "GET <url>": an error status, an answer that is no model
+    list (no JSON, or JSON without one), a timeout, or the operating system's reason for no connection."""
     if isinstance(error, httpx.HTTPStatusError):
         return f"answered HTTP {error.response.status_code}"
-    if isinstance(error, httpx.TimeoutException | ValueError):
-        return f"failed: {error}"
+    if isinstance(error, ValueError):
+        return f"answered {error}, where an OpenAI-compatible API lists its models"
+    if isinstance(error, httpx.TimeoutException):
+        return f"failed: {str(error) or 'no answer in time'}"
     return f"failed: {connect_reason(error)}"
 
 

@@ -11,8 +11,6 @@ headers, the access log), heals and checks the baseline is back.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections import Counter
 
@@ -23,15 +21,18 @@ from conftest import LAB_CLIENT as CLIENT
 from conftest import (
     assert_admin_api_unproxied,
     assert_baseline,
+    assert_round_robin,
+    assert_spread,
     chat,
     fault,
+    fault_with_gateway_stopped,
     heal,
     heal_if_faulted,
+    session_pinned_to,
     upstreams,
 )
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
-from kvwatch.lab import stack
 from kvwatch.lab.gateways import envoy
 from kvwatch.lab.process import LabError
 from kvwatch.lab.state import LabState
@@ -100,8 +101,7 @@ def gateway_metric(samples: dict[tuple, float], name: str, **labels: str) -> flo
 def test_affinity_keeps_sessions_round_robin_spreads_them_and_ids_are_assigned(lab):
     assert lab.status["gateway"] == "envoy" and lab.status["processes"]["envoy"]
     assert_baseline(lab, SESSIONS)
-    seen = upstreams(lab.round_robin, ROUND_ROBIN_SESSIONS)
-    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    assert_round_robin(lab.round_robin, ROUND_ROBIN_SESSIONS)
     for url in (lab.affinity, lab.round_robin):
         assigned = chat(url).headers["X-Session-Id"]
         assert assigned and assigned != "echo-me"
@@ -177,8 +177,7 @@ def test_the_access_log_gives_the_same_gateway_metrics_as_nginx(lab):
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
     fault(lab, "break-affinity")
-    seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
-    assert all(len(set(rounds)) == REPLICAS for rounds in seen.values()), seen
+    assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
     first = ROUND_ROBIN_SESSIONS[0]
     entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == first for e in log) >= 3)
     assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
@@ -190,8 +189,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     response = chat(lab.affinity, "mine")
     assigned = response.headers["X-Session-Id"]
     assert assigned not in ("", "mine")
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the request that was assigned `assigned`
     entries = lab.access_log("affinity", until=lambda log: len(after(log, assigned)) >= sent)
     assert all(parsed(e).assigned for e in after(entries, assigned)[:sent])
@@ -204,8 +202,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
     fault(lab, "hash-request-id")
     assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the "kept" request
     entries = lab.access_log("affinity", until=lambda log: len(after(log, "kept")) >= sent)
     mine = [parsed(e) for e in after(entries, "kept")]
@@ -215,9 +212,7 @@ def test_hash_request_id_echoes_the_id_but_spreads(lab):
 
 def test_kill_replica_fails_over_and_heal_restarts_it(lab):
     r3 = lab.replica_url("r3").removeprefix("http://")
-    candidates = (f"pinned-{i}" for i in range(200))  # about one in three is pinned to r3
-    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == r3), None)
-    assert pinned, "no session pinned to r3"
+    pinned = session_pinned_to(lab, r3)
     fault(lab, "kill-replica", "r3")
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     # Envoy retries a request r3 refused on another replica, and logs the second attempt.
@@ -263,14 +258,8 @@ def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
 def test_a_config_envoy_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped Envoy reads no xDS file: the fault fails naming what it serves, with its log."""
     monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 2.0)
-    pid = lab.status["processes"]["envoy"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(LabError, match="Envoy did not load the new config within 2 s") as raised:
-            stack.fault(LabState.load(lab.state_dir), "break-affinity")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert "logs/envoy.log ends:\n" in str(raised.value) and "cds:" in str(raised.value)
+    error = fault_with_gateway_stopped(lab, "envoy", "Envoy did not load the new config within 2 s")
+    assert "logs/envoy.log ends:\n" in error and "cds:" in error
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
     heal(lab, SESSIONS)
 

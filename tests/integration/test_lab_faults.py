@@ -31,16 +31,19 @@ from conftest import (
     REPO,
     assert_admin_api_unproxied,
     assert_baseline,
+    assert_round_robin,
+    assert_spread,
     chat,
     fault,
+    fault_with_gateway_stopped,
     heal,
     heal_if_faulted,
+    session_pinned_to,
     stop,
     upstreams,
 )
-from kvwatch.lab import stack
 from kvwatch.lab.gateways import nginx as nginx_gateway
-from kvwatch.lab.process import LabError, is_ours
+from kvwatch.lab.process import is_ours
 from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration
@@ -102,8 +105,7 @@ def test_baseline_is_sticky(lab):
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
     fault(lab, "break-affinity")
-    seen = upstreams(lab.affinity, ROUND_ROBIN_SESSIONS)
-    assert all(len(set(rounds)) == 3 for rounds in seen.values()), seen
+    assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
     logged = [e for e in lab.access_log("affinity") if e["session_id"] == ROUND_ROBIN_SESSIONS[0]]
     assert len({e["upstream_addr"] for e in logged}) == 3
     assert faults_log(lab)[-1]["fault"] == "break-affinity"
@@ -115,8 +117,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
     fault(lab, "drop-session-header")
     response = chat(lab.affinity, "mine")
     assert response.headers["X-Session-Id"] not in ("", "mine")
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     # Every request after the fault carries a gateway-assigned id.
     recent = lab.access_log("affinity")[-len(SESSIONS) :]
     assert {e["session_source"] for e in recent} == {"assigned"}
@@ -127,8 +128,7 @@ def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
     fault(lab, "hash-request-id")
     assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    seen = upstreams(lab.affinity, SESSIONS)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
+    assert_spread(lab.affinity, SESSIONS)
     mine = [e for e in lab.access_log("affinity") if e["session_id"] in SESSIONS]
     assert mine and {e["session_source"] for e in mine} == {"client"}
     heal(lab, SESSIONS)
@@ -203,9 +203,7 @@ def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
 def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     url = lab.replica_url("r3")
     r3 = url.removeprefix("http://")
-    candidates = (f"pinned-{i}" for i in range(200))  # about one in four is pinned to r3
-    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == r3), None)
-    assert pinned, "no session pinned to r3"
+    pinned = session_pinned_to(lab, r3)
     for _ in range(3):
         chat(url)
     served_before = replica_counter(url, "vllm:request_success_total")
@@ -314,15 +312,9 @@ def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped nginx master cannot act on the reload: its old worker goes on serving the old config."""
     monkeypatch.setattr(nginx_gateway, "RELOAD_TIMEOUT_S", 2.0)
     entries = len(faults_log(lab))
-    nginx = lab.status["processes"]["nginx"]
-    os.kill(nginx, signal.SIGSTOP)
-    try:
-        with pytest.raises(LabError, match="nginx did not reload within 2 s") as raised:
-            stack.fault(LabState.load(lab.state_dir), "break-affinity")
-    finally:
-        os.kill(nginx, signal.SIGCONT)
-    assert "workers from before the reload still running: [" in str(raised.value)
-    assert "logs/nginx-error.log ends" in str(raised.value)
+    error = fault_with_gateway_stopped(lab, "nginx", "nginx did not reload within 2 s")
+    assert "workers from before the reload still running: [" in error
+    assert "logs/nginx-error.log ends" in error
     assert len(faults_log(lab)) == entries  # a change that does not serve is not in faults.log
     # The saved state says what the written config asks for, so heal undoes it.
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]

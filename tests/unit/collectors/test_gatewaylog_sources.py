@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,19 +144,16 @@ def test_what_is_no_syslog_message_is_refused_by_reason(frame, reason):
 
 
 @pytest.fixture
-def receive(tmp_path) -> Iterator[Callable[..., PushedLog]]:
-    started: list[PushedLog] = []
-
+def receive(request) -> Callable[..., PushedLog]:
     def start(**settings) -> PushedLog:
-        section = GatewayLog(name="gw", source="syslog", listen=f"127.0.0.1:{free_port()}", **settings)
-        pushed = open_log(section)
+        pushed = open_log(
+            GatewayLog(name="gw", source="syslog", listen=f"127.0.0.1:{free_port()}", **settings)
+        )
         pushed.start()
-        started.append(pushed)
+        request.addfinalizer(pushed.close)
         return pushed
 
-    yield start
-    for pushed in started:
-        pushed.close()
+    return start
 
 
 def address(pushed: PushedLog) -> tuple[str, int]:

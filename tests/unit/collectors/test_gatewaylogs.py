@@ -42,6 +42,13 @@ ENVOY_LINE = (
     '"start_time":"2026-12-01T13:20:31.123Z","upstream_host":"10.0.0.1:8000",'
     '"upstream_request_attempt_count":1}\n'
 )
+# As ingress-nginx writes the log-format-upstream of docs/gateway-logs.md: a failover from R1 to R2.
+INGRESS_NGINX_LINE = (
+    '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"req_id":"5f1c0d2b9a3e4f60",'
+    '"proxy_upstream_name":"llm-vllm-8000","upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
+    '"upstream_status":"502, 200","status":200,"method":"POST","uri":"/v1/chat/completions",'
+    '"session_id":"chat-42","request_time":0.412}\n'
+)
 STARTED = datetime.fromisoformat("2026-12-01T13:20:31.123+00:00").timestamp()
 REQUEST_ID = "2b8f2c7e-4d1a-4a5e-9f0b-6c3d1e7a9b10"
 
@@ -70,18 +77,28 @@ def test_every_format_is_registered_under_its_name():
         GatewayLogFollower("access.jsonl", "lab", log_format="haproxy")
 
 
-def test_an_nginx_line_names_the_server_that_answered_after_a_failover():
-    assert parse("nginx", NGINX_LINE) == Request(
-        time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
-        session_id="chat-42", assigned=False, path="/v1/chat/completions",
-    )  # fmt: skip
+FAILED_OVER = Request(
+    time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
+    session_id="chat-42", assigned=False, path="/v1/chat/completions",
+)  # fmt: skip
 
 
-def test_an_envoy_line_is_a_request_that_ended_when_its_last_byte_went_out():
-    assert parse("envoy", ENVOY_LINE) == Request(
-        time=STARTED + 0.412, listener="affinity", upstream=R1, failover=False, status=200,
-        session_id="chat-42", assigned=False,
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "format_name, line, expected",
+    [
+        # The nginx formats name the server that answered after a failover.
+        ("nginx", NGINX_LINE, FAILED_OVER),
+        ("ingress-nginx", INGRESS_NGINX_LINE, FAILED_OVER._replace(listener="llm-vllm-8000")),  # its backend
+        # Envoy's request ended when its last byte went out; this line has no path.
+        (
+            "envoy",
+            ENVOY_LINE,
+            FAILED_OVER._replace(time=STARTED + 0.412, upstream=R1, failover=False, path=None),
+        ),
+    ],
+)
+def test_each_formats_line_is_the_request_it_stands_for(format_name, line, expected):
+    assert parse(format_name, line) == expected
 
 
 @pytest.mark.parametrize(
@@ -211,25 +228,8 @@ def test_the_service_follows_an_envoy_log_with_the_same_metrics(tmp_path: Path):
     assert value("session_spread_sessions", **listener, failover="false") == 0
 
 
-# As ingress-nginx writes the log-format-upstream of docs/gateway-logs.md: a failover, then a request
-# without the session header, and the controller's own health check.
-INGRESS_NGINX_LINE = (
-    '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"req_id":"5f1c0d2b9a3e4f60",'
-    '"proxy_upstream_name":"llm-vllm-8000","upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
-    '"upstream_status":"502, 200","status":200,"method":"POST","uri":"/v1/chat/completions",'
-    '"session_id":"chat-42","request_time":0.412}\n'
-)
-
-
 def ingress_line(**changes: object) -> str:
     return json.dumps({**json.loads(INGRESS_NGINX_LINE), **changes}) + "\n"
-
-
-def test_an_ingress_nginx_line_is_a_request_of_its_ingress_backend():
-    assert parse("ingress-nginx", INGRESS_NGINX_LINE) == Request(
-        time=1764595231.535, listener="llm-vllm-8000", upstream=R2, failover=True, status=200,
-        session_id="chat-42", assigned=False, path="/v1/chat/completions",
-    )  # fmt: skip
 
 
 def test_an_ingress_nginx_request_without_the_session_header_is_one_the_gateway_assigned():

@@ -75,19 +75,15 @@ def tally() -> RecordingTally:
 
 
 @pytest.fixture
-def serve(tally):
-    started: list[OtlpSource] = []
-
+def serve(request, tally):
     def start(**options) -> OtlpSource:
         config = OtlpSourceConfig(listen="127.0.0.1:0", http_listen="127.0.0.1:0", **options)
         source = OtlpSource(config, tally)
         source.start()
-        started.append(source)
+        request.addfinalizer(source.stop)
         return source
 
-    yield start
-    for source in started:
-        source.stop()
+    return start
 
 
 def grpc_export(source: OtlpSource, body: bytes, metadata=(), credentials=None) -> ExportLogsServiceResponse:

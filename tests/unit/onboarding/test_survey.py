@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 from loopback import chat_answer, serving
 
+from kvwatch.onboarding import survey
 from kvwatch.onboarding.survey import Request, Survey, SurveyError, Target, _survey
 from kvwatch.prometheus.queries import ENGINE_TARGETS
 
@@ -19,8 +20,8 @@ def gateway(
     headers_for, seen: list | None = None, models: object = None, streams: bool = True
 ) -> web.Application:
     """A streaming chat route whose answers carry `headers_for(request headers)`; `seen` collects the
-    request headers; `models` replaces the model list's answer; without `streams`, a whole completion
-    answers a request for a stream too."""
+    request headers; `models` replaces the model list's answer (JSON, or its handler); without `streams`, a
+    whole completion answers a request for a stream too."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         if seen is not None:
@@ -30,7 +31,7 @@ def gateway(
     listed = {"data": [{"id": MODEL}]} if models is None else models
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", lambda _: web.json_response(listed))
+    app.router.add_get("/v1/models", listed if callable(listed) else lambda _: web.json_response(listed))
     return app
 
 
@@ -67,16 +68,34 @@ def test_an_echoing_gateway_keeps_client_mode_and_smg_is_probed_with_its_routing
     assert any("X-SMG-Routing-Key" in headers for headers in seen)
 
 
+async def silent(_: web.Request) -> web.Response:
+    await asyncio.sleep(30)
+    raise AssertionError("the survey waited for a silent model list")
+
+
 @pytest.mark.parametrize(
     "models, message",
     [
-        ({"status": "success", "data": {"resultType": "vector"}}, "is this an OpenAI-compatible API?"),
+        (
+            {"status": "success", "data": {"resultType": "vector"}},
+            "/v1/models answered no model list: no `data` of objects with an `id`, where an "
+            "OpenAI-compatible API lists its models",
+        ),
+        (
+            lambda _: web.Response(text="<html><title>Grafana</title></html>", content_type="text/html"),
+            "/v1/models answered no JSON, where an OpenAI-compatible API lists its models",
+        ),
+        (lambda _: web.json_response({}, status=503), "/v1/models answered HTTP 503"),
+        (silent, "/v1/models failed: no complete answer within 0.5 s"),
         ({"data": []}, "the route lists no model"),
     ],
+    ids=["json-without-a-list", "no-json", "error-status", "timeout", "empty-list"],
 )
-def test_a_route_without_a_model_list_is_refused_before_anything_is_written(models, message):
-    with pytest.raises(SurveyError, match=message):
+def test_a_route_without_a_model_list_is_refused_before_anything_is_written(monkeypatch, models, message):
+    monkeypatch.setattr(survey, "TIMEOUT_S", 0.5)
+    with pytest.raises(SurveyError) as raised:
         survey_of(gateway(lambda _: {}, models=models))
+    assert message in str(raised.value)
 
 
 def test_sessions_that_move_between_replicas_say_how_to_name_a_route_that_does_not_pin():

@@ -12,6 +12,7 @@ from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
     ENGINE_PRESENCE,
+    GATEWAY_RETURNING_REQUESTS,
     INSTANCE_CACHE_SERIES,
     INSTANCE_HIT_RATIO,
     INSTANCE_PROMPT_TOKENS,
@@ -20,6 +21,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_PREDICTIONS,
     Grouping,
     first_of,
+    gateway_moved,
     gateway_spread,
     instance_name,
     per_route,
@@ -145,6 +147,22 @@ def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "{{ $labels.listener }} within the spread window were served by more than one replica, with no "
             "failover to explain it: the gateway no longer pins sessions to the replica holding their cache.",
             for_=t.spread_for,
+        ),
+        Alert(
+            "KVWatchGatewaySessionsMoved",
+            f"{gateway_moved(by)} > {t.moved_share_above}\n"
+            f"and on({by.listener}) sum by ({by.listener}) ({GATEWAY_RETURNING_REQUESTS}) * 60"
+            f" >= {t.min_returning_requests_per_minute:g}\n"
+            f"and {watched_listeners(by)}",
+            "critical",
+            "Real requests through a sticky gateway listener land on another replica than their session's "
+            "previous one.",
+            "{{ $value | humanizePercentage }} of the requests that came back to {{ $labels.log }} / "
+            "{{ $labels.listener }} over the last minute were served by another replica than their "
+            "session's previous request, with no failover or change of replicas to explain it: the "
+            "gateway no longer pins sessions to the replica holding their cache.",
+            for_=t.moved_for,
+            keep_firing_for="2m",
         ),
     )
 

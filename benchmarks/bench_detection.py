@@ -1,6 +1,7 @@
 """Detection latency: from a fault in the lab's faults.log to its alert at kvwatch's webhook, and its floor.
 
-Every fault runs at two settings: the shipped production defaults (rules and Alertmanager timers as
+Every fault runs at two settings (the real-traffic lab, whose row is about production timers, at the
+first only): the shipped production defaults (rules and Alertmanager timers as
 shipped, probes every 30 s, the lab's 5 s scrape and evaluation) and the lab's fast test settings (--fast:
 1 s scrape and evaluation, probes every 5 s, --rule-time-scale 0.1). Labs run side by side, each a few
 faults one after another; before the next fault starts, every alert it or a later fault must raise
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from kvwatch.core.promapi import PrometheusApi
 from kvwatch.lab.process import kvwatch_command
 from kvwatch.store.history import Store
 
@@ -87,6 +89,8 @@ CACHING_OFF_UNREPORTED = Case(
     {"scope": "instance", "replica": "r2"},
 )
 GATEWAY_SPREAD = Case(("break-affinity",), "KVWatchGatewaySessionsSpread", {"log": "affinity"})
+GATEWAY_MOVED = Case(("break-affinity",), "KVWatchGatewaySessionsMoved", {"log": "affinity"})
+RESTART_REPLICA_R2 = Case(("restart-replica", "r2"))
 
 # The alert tests' lab: enough users that their traffic outweighs the probes'.
 PROBED = (
@@ -104,12 +108,16 @@ PROBED = (
 # The real-sessions test's lab: as many users as replicas would let a broken gateway's strict round
 # robin send each user's next request to the same replica, so the counts are coprime.
 UNPROBED = ("--replicas", "3", "--users", "4", "--think", "0.2", "--time-scale", "0.2", "--no-probes")
+# The real-traffic lab: 20 users through the affinity gateway, each back about every 50 s, so about 20
+# sessions come back a minute, one request each; no probes. A restart must raise nothing there.
+REAL_TRAFFIC = ("--replicas", "3", "--users", "20", "--think", "50", "--time-scale", "0.2", "--no-probes")
 PRODUCTION = ()
 FAST = ("--fast", "--rule-time-scale", "0.1")
 # The hit-ratio alert compares with the ratio's own past: an hour before the last 10 minutes (6 minutes
 # before the last minute when fast); a lab younger than that offset has no past to compare with.
 PAST_S = {PRODUCTION: 660, FAST: 120}
 SPREAD_PAST_S = 120  # healthy sessions in the spread window, as the real-sessions test's lab has
+REAL_TRAFFIC_PAST_S = 180  # every user has started and come back at least once
 SETTINGS = {PRODUCTION: "production defaults", FAST: "lab fast"}
 
 # Lanes run side by side; each runs its labs one after another. About 20 minutes in all.
@@ -142,8 +150,10 @@ LANES = (
         ),
         LabRun("unprobed", FAST, SPREAD_PAST_S, ((GATEWAY_SPREAD,),)),
     ),
+    (LabRun("real traffic", PRODUCTION, REAL_TRAFFIC_PAST_S, ((RESTART_REPLICA_R2,), (GATEWAY_MOVED,))),),
 )
-LAB_OPTIONS = {"probed": PROBED, "unprobed": UNPROBED}
+LAB_OPTIONS = {"probed": PROBED, "unprobed": UNPROBED, "real traffic": REAL_TRAFFIC}
+NO_PROBES = {"unprobed": "`--no-probes`", "real traffic": "`--no-probes`, 20 users back every ~50 s"}
 
 
 def seconds(duration: str) -> float:
@@ -375,6 +385,15 @@ def _heal_until_resolved(state_dir: Path, since: float, names: set[str]) -> None
         time.sleep(max(0.0, groups_gone_at(alerts) - time.time()))
 
 
+def returning_per_minute(state_dir: Path, minutes: int = 3) -> float:
+    """Requests that came back to the affinity listener a minute, over the last minutes (Prometheus's
+    scrapes of kvwatch's counter): the traffic a real-traffic row was measured at."""
+    status = json.loads(_kvwatch("lab", "status", "--json", "--state-dir", str(state_dir)).stdout)
+    expr = f'sum(increase(kvwatch_gateway_returning_requests_total{{listener="affinity"}}[{minutes}m]))'
+    (series,) = PrometheusApi(status["prometheus"], 30).query(expr)
+    return float(series["value"][1]) / minutes
+
+
 def _run_lab(run: LabRun, rows: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state_dir = Path(tmp) / "lab"
@@ -383,8 +402,11 @@ def _run_lab(run: LabRun, rows: dict) -> None:
             time.sleep(run.warmup_s)
             for index, batch in enumerate(run.batches):
                 floors = {case: floor(state_dir, case) for case in batch if case.alertname}
+                traffic = returning_per_minute(state_dir) if run.name == "real traffic" else None
                 started = time.time()
                 found = _measure_batch(state_dir, batch, floors)
+                if traffic is not None:
+                    found = {case: f"{m} ({traffic:.0f} returning a minute)" for case, m in found.items()}
                 for case in batch:
                     rows[(run.name, case, run.options)] = (found[case], floors.get(case))
                     print(
@@ -429,7 +451,7 @@ def run() -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, case in cases:
-        fault = f"{case.name} (`--no-probes`)" if name == "unprobed" else case.name
+        fault = f"{case.name} ({NO_PROBES[name]})" if name in NO_PROBES else case.name
         alert = case.alertname or "none but Watchdog"
         if case.labels.get("scope"):
             alert += f" ({case.labels['scope']})"

@@ -198,6 +198,14 @@ INSTANCE_REQUEST_SHARE = f"instance:kvwatch_requests_per_cluster_requests:ratio_
 CLUSTER_LOAD_IMBALANCE = f"cluster:kvwatch_requests_max_per_mean:ratio_rate{WINDOW}"
 INSTANCE_CACHE_SERIES = "instance:kvwatch_engine_cache_series:present"
 GATEWAY_SPREAD_SHARE = "listener:kvwatch_gateway_spread_sessions_per_returning_sessions:ratio"
+# Real users' returning requests (a session's request after its previous one): over a minute, how many come
+# back, and the share served by another replica than their session's previous request, by whether a
+# failover explains it. A break shows as soon as sessions come back, not after half the spread window.
+MOVED_WINDOW = "1m"
+GATEWAY_RETURNING_REQUESTS = f"listener:kvwatch_gateway_returning_requests:rate{MOVED_WINDOW}"
+GATEWAY_MOVED_SHARE = (
+    f"listener:kvwatch_gateway_moved_requests_per_returning_requests:ratio_rate{MOVED_WINDOW}"
+)
 
 
 # What routers predict they will reuse, next to what the engines delivered (CLUSTER_HIT_RATIO): the mean
@@ -284,6 +292,10 @@ def warm_reuse_ratio(by: Grouping) -> str:
 
 def gateway_spread(by: Grouping) -> str:
     return f'max by ({by.listener}) ({GATEWAY_SPREAD_SHARE}{{failover="false"}})'
+
+
+def gateway_moved(by: Grouping) -> str:
+    return f'max by ({by.listener}) ({GATEWAY_MOVED_SHARE}{{failover="false"}})'
 
 
 def replica_ids(by: Grouping) -> str:

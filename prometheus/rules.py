@@ -21,6 +21,8 @@ from kvwatch.prometheus.queries import (
     ENGINE_CACHE_SERIES,
     ENGINE_TTFT,
     FINISHED_REQUESTS,
+    GATEWAY_MOVED_SHARE,
+    GATEWAY_RETURNING_REQUESTS,
     GATEWAY_SPREAD_SHARE,
     INSTANCE_CACHE_SERIES,
     INSTANCE_CACHED_BY_SOURCE,
@@ -34,6 +36,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE_TTFT,
     LMCACHE,
     LOCAL,
+    MOVED_WINDOW,
     PREFIX_MATCH_DECISIONS,
     QUANTILES,
     ROUTER_PREDICTED_HIT_RATIOS,
@@ -161,17 +164,26 @@ def recording_rules(by: Grouping) -> tuple[Rule, ...]:
 RECORDING_RULES = recording_rules(Grouping())
 
 
-# Real users' sessions, from the gateway access logs (collectors/gatewaylogs/follower.py): of the
-# sessions that came back within the spread window, the share served by more than one upstream, by whether
-# a failover moved them.
+# Real users' sessions, from the gateway access logs (collectors/gatewaylogs/tally.py): of the sessions
+# that came back within the spread window, the share served by more than one upstream, by whether a
+# failover moved them; and of the requests that came back over the last minute, the share served by
+# another upstream than their session's previous request, by whether a failover explains it.
 def gateway_rules(by: Grouping) -> tuple[Rule, ...]:
     listener = by.listener
+    returning = f"sum by ({listener}) (rate(kvwatch_gateway_returning_requests_total[{MOVED_WINDOW}]))"
     return (
         Rule(
             GATEWAY_SPREAD_SHARE,
             f"sum by ({listener}, failover) (kvwatch_gateway_session_spread_sessions)\n"
             f"  / on({listener}) group_left()\n"
             f"  (sum by ({listener}) (kvwatch_gateway_returning_sessions) > 0)",
+        ),
+        Rule(GATEWAY_RETURNING_REQUESTS, returning),
+        Rule(
+            GATEWAY_MOVED_SHARE,
+            f"sum by ({listener}, failover) (rate(kvwatch_gateway_moved_requests_total[{MOVED_WINDOW}]))\n"
+            f"  / on({listener}) group_left()\n"
+            f"  ({returning} > 0)",
         ),
     )
 

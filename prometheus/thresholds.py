@@ -35,6 +35,9 @@ class Thresholds:
     spread_share_above: float = 0.5  # share of returning real sessions moved without a failover
     min_returning_sessions: int = 5  # traffic guard of the spread alert
     spread_for: str = "1m"  # ... held this long
+    moved_share_above: float = 0.25  # share of returning real requests moved without a failover, over 1m
+    min_returning_requests_per_minute: float = 5.0  # traffic guard of the moved-requests alert
+    moved_for: str = "0m"  # ... held this long
     warm_cold_ratio_above: float = 0.8  # warm-round TTFT over round-1 TTFT on a sticky route
     warm_round_for: str = "2m"  # ... held this long
     hit_ratio_floor: float = 0.1

@@ -40,6 +40,11 @@ _FAMILIES = (
     ("kvwatch_gateway_returning_sessions", GaugeMetricFamily, "returning_sessions", ("listener",),
      "Sessions with two or more requests within the spread window (the ones that could spread), as of the "
      "last log poll."),
+    ("kvwatch_gateway_returning_requests", CounterMetricFamily, "returning_requests", ("listener",),
+     "Requests on an upstream whose session's previous request came within the session TTL."),
+    ("kvwatch_gateway_moved_requests", CounterMetricFamily, "moved_requests", ("listener", "failover"),
+     "Returning requests served by another upstream than their session's previous request; "
+     "failover=\"true\": a failover or a replica joining or leaving the listener explains the move."),
     ("kvwatch_gateway_active_sessions", GaugeMetricFamily, "active_sessions", ("listener",),
      "Sessions seen within the session TTL, as of the last log poll."),
     ("kvwatch_gateway_malformed_lines", CounterMetricFamily, "malformed", ("reason",),

@@ -1,6 +1,6 @@
 """Count what a gateway's access log says, whatever delivered it: load per upstream, requests without a
-session key, and sessions spread over more than one upstream (apart from those a failover moved), in
-bounded memory.
+session key, sessions spread over more than one upstream (apart from those a failover moved), and
+returning requests served elsewhere than their session's previous one, in bounded memory.
 
 Every source (collectors/gatewaylogs/sources/: a followed file, syslog, OTLP) hands its lines or decoded
 records to one `SessionTally`, which parses them with the log's format and counts them; the source then
@@ -61,6 +61,10 @@ INFERENCE_PATHS = (
 # for as long as it is ahead; it is taken as the time the line was received.
 MAX_FUTURE_SECONDS = 60.0
 
+# The upstreams remembered per listener, to tell a replica that joined or left from one still serving: the
+# least recently serving ones are forgotten beyond it (and then count as gone).
+MAX_UPSTREAMS_PER_LISTENER = 1024
+
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BOOLS = ("false", "true")  # label values, indexed by a bool
 
@@ -75,15 +79,20 @@ def by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, in
 
 class _Session:
     """What the tally remembers of one session: when each upstream last served it, its two latest
-    requests, and when it last moved because of a failover."""
+    requests, when it last moved because of a failover, and its latest request as logged (its upstream,
+    its number among its listener's requests, whether it failed over) with when it last moved for a
+    cause."""
 
-    __slots__ = ("upstreams", "last", "previous", "failed_over")
+    __slots__ = ("upstreams", "last", "previous", "failed_over", "upstream", "number", "failover", "excused")
 
     def __init__(self) -> None:
         self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
-        self.last = self.previous = self.failed_over = -math.inf
+        self.last = self.previous = self.failed_over = self.excused = -math.inf
+        self.upstream: str | None = None  # the upstream of the latest request logged
+        self.number = 0
+        self.failover = False
 
-    def served(self, upstream: str, at: float, failover: bool) -> None:
+    def served(self, upstream: str, at: float, failover: bool, number: int) -> None:
         # Back on an upstream it had before its last failover: the failed server recovered, and this move
         # is part of that failover too.
         if failover or self.upstreams.get(upstream, math.inf) < self.failed_over:
@@ -93,6 +102,39 @@ class _Session:
             self.previous, self.last = self.last, at
         else:  # a gateway logs a request when it ends: a long one can come after a later one
             self.previous = max(self.previous, at)
+        self.upstream, self.number, self.failover = upstream, number, failover
+
+
+class _Upstreams:
+    """Which upstreams serve one listener, by the listener's own count of requests: a replica that joined
+    or left the listener since a session's previous request explains the session's move."""
+
+    __slots__ = ("served", "seen")
+
+    def __init__(self) -> None:
+        self.served = 0  # requests with an upstream on the listener
+        self.seen: OrderedDict[str, list[int]] = OrderedDict()  # upstream -> [first, last] request number
+
+    def serve(self, upstream: str) -> int:
+        """Count a request served by `upstream`; its number among the listener's requests."""
+        self.served += 1
+        if (numbers := self.seen.get(upstream)) is None:
+            self.seen[upstream] = [self.served, self.served]
+            if len(self.seen) > MAX_UPSTREAMS_PER_LISTENER:
+                self.seen.popitem(last=False)
+        else:
+            numbers[1] = self.served
+            self.seen.move_to_end(upstream)
+        return self.served
+
+    def changed(self, previous: str, current: str, since: int) -> bool:
+        """Whether the replicas changed since request number `since`: `current` served its first request
+        after it (a replica joined: a scale-out remaps sessions), or `previous` served none of the
+        listener's requests after it while they were more than twice its upstreams (it left: dead or
+        scaled in; under any balancing a live one serves some of that many)."""
+        joined = self.seen[current][0] > since
+        left = self.seen.get(previous, (0, 0))[1] <= since and self.served - since > 2 * len(self.seen)
+        return joined or left
 
 
 @dataclass(frozen=True)
@@ -137,6 +179,11 @@ class GatewayLogSnapshot:
     # the session moved because an upstream failed, "false" when nothing explains the move.
     spread_sessions: Mapping[tuple[str, str], int]
     returning_sessions: Mapping[str, int]  # listener -> sessions with 2+ requests in the window
+    # listener -> requests of a session seen before within the TTL, on an upstream (see SessionTally)
+    returning_requests: Mapping[str, int]
+    # (listener, failover) -> returning requests served by another upstream than their session's previous
+    # request; failover is "true" when a failover or a change of the listener's upstreams explains it
+    moved_requests: Mapping[tuple[str, str], int]
     active_sessions: Mapping[str, int]  # listener -> sessions seen within the TTL
     tracked_sessions: int
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
@@ -157,7 +204,12 @@ class SessionTally:
 
     `take_line` and `take_record` parse with the log's format (`log_format`, one of
     gatewaylogs.LOG_FORMATS) and count; `refuse` counts what the source could not read, by a reason of
-    REFUSED_REASONS. A lock makes every call atomic, so that a receiver thread and the poll that
+    REFUSED_REASONS. A returning request is one on an upstream whose session's previous request (in the
+    log's order) came within the session TTL; it moved when another upstream served it. A move is
+    explained (a failover) when this request failed over, when the previous one did (its upstream
+    failed), when it goes back to an upstream the session left in an explained move, or when the
+    listener's upstreams changed since the previous request (`_Upstreams.changed`: one joined or left).
+    A lock makes every call atomic, so that a receiver thread and the poll that
     publishes `snapshot()` never see half a request. Event times come from the log (nginx's `msec`);
     `clock` gives "now" for the window and the TTL.
     """
@@ -197,6 +249,9 @@ class SessionTally:
         self._failovers: Counter[str] = Counter()
         self._without_key: Counter[str] = Counter()
         self._assigned_ids: Counter[str] = Counter()
+        self._returning: Counter[str] = Counter()
+        self._moved: Counter[tuple[str, str]] = Counter()
+        self._upstreams: dict[str, _Upstreams] = {}  # listener -> its upstreams
         self._labels = {"listener": BoundedLabel(), "upstream": BoundedLabel(always=(NO_UPSTREAM,))}
         # (listener, session id) -> its history, least recently seen first.
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
@@ -266,11 +321,29 @@ class SessionTally:
         if request.upstream != NO_UPSTREAM:
             if session is None:
                 session = self._sessions[key] = _Session()
-            session.served(request.upstream, request.time, failover)
+            number = self._upstreams.setdefault(listener, _Upstreams()).serve(request.upstream)
+            if session.upstream is not None and request.time - session.last <= self.session_ttl_seconds:
+                self._count_return(listener, session, request)
+            session.served(request.upstream, request.time, failover, number)
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
                 self._evicted += 1
+
+    def _count_return(self, listener: str, session: _Session, request: Request) -> None:
+        """A returning request, and whether it moved, explained or not (see the class)."""
+        self._returning[listener] += 1
+        if request.upstream == session.upstream:
+            return
+        explained = (
+            request.failover
+            or session.failover
+            or session.upstreams.get(request.upstream, math.inf) < session.excused
+            or self._upstreams[listener].changed(session.upstream, request.upstream, session.number)
+        )
+        if explained:
+            session.excused = request.time
+        self._moved[listener, _BOOLS[explained]] += 1
 
     def _forget_sessions_idle_since(self, horizon: float) -> None:
         """Sessions idle longer than both the window and the TTL count for nothing; they are the oldest."""
@@ -324,6 +397,10 @@ class SessionTally:
                 {(name, moved): spread[name, moved] for name in listeners for moved in _BOOLS}
             ),
             returning_sessions=per_listener(returning),
+            returning_requests=per_listener(self._returning),
+            moved_requests=frozen(
+                {(name, moved): self._moved[name, moved] for name in listeners for moved in _BOOLS}
+            ),
             active_sessions=per_listener(active),
             tracked_sessions=len(self._sessions),
             evicted_sessions=self._evicted,

@@ -536,6 +536,10 @@ def test_the_collector_exposes_counts_and_never_session_ids(tmp_path):
         assert value("returning_sessions", **aff) == 1
         assert value("returning_sessions", **rr) == 1
         assert value("active_sessions", **aff) == 2
+        assert value("returning_requests_total", **aff) == 1
+        assert value("moved_requests_total", **aff, failover="false") == 0
+        # R2 served its first request after the session's previous one: a replica that joined
+        assert value("moved_requests_total", **rr, failover="true") == 1
         assert value("malformed_lines_total", log="affinity", reason="invalid_json") == 1
         assert value("malformed_lines_total", log="round_robin", reason="too_long") == 0
         assert value("lines_total", log="affinity") == 4

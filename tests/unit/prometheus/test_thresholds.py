@@ -21,6 +21,8 @@ hit_ratio_floor: 0.25
 hit_ratio_drop_for: 7m
 keyless_share_window: 7m
 load_imbalance_above: 3
+moved_share_above: 0.4
+min_returning_requests_per_minute: 12
 """
 
 
@@ -46,6 +48,8 @@ def test_a_thresholds_file_moves_the_rules_alerts_and_boards(tmp_path):
     assert [d["for"] for d in drops] == ["7m", "7m"]
     keyless = alert_rules(alerts, "KVWatchSessionIdNotPropagated")[1]["expr"]
     assert "[7m]" in keyless and "[7m] offset 1h" in keyless and "[5m]" not in keyless
+    (moved,) = alert_rules(alerts, "KVWatchGatewaySessionsMoved")
+    assert '{failover="false"}) > 0.4\n' in moved["expr"] and " * 60 >= 12\n" in moved["expr"]
     for relative in ("prometheus/rules/kvwatch-engines.yml", "deploy/k8s/prometheusrule.yaml"):
         text = (out / relative).read_text()
         assert "by (region, job, instance)" in text and "by (cluster" not in text, relative
@@ -79,8 +83,9 @@ KNOWN = (
     "cluster_label, delivered_per_predicted_below, echo_ratio_below, hit_ratio_drop_factor, "
     "hit_ratio_drop_for, hit_ratio_floor, keyless_rise_factor, keyless_share_above, keyless_share_window, "
     "load_imbalance_above, "
-    "load_imbalance_for, min_prompt_tokens_per_second, min_returning_sessions, "
-    "min_router_predictions_per_second, prediction_miss_for, probe_stale_intervals, router_predicted_above, "
+    "load_imbalance_for, min_prompt_tokens_per_second, min_returning_requests_per_minute, "
+    "min_returning_sessions, min_router_predictions_per_second, moved_for, moved_share_above, "
+    "prediction_miss_for, probe_stale_intervals, router_predicted_above, "
     "source_silent_seconds, spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, "
     "warm_reuse_below, "
     "warm_round_for"

@@ -18,7 +18,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     LogFormat,
     Malformed,
     Request,
-    check_fields,
+    field_check,
     path_of,
     request,
 )
@@ -35,6 +35,7 @@ FIELDS = {
     "session_id": _OPTIONAL_TEXT,
     "request_id": _OPTIONAL_TEXT,
 }
+_check = field_check(FIELDS)  # check_fields(record, FIELDS), quick for a good line
 # UF: the connection to the upstream failed; URX: the retries ran out on failing upstreams.
 FAILOVER_FLAGS = frozenset({"UF", "URX"})
 # Envoy logs 0 when it sent no response because the client went away first: nginx's 499 for the same.
@@ -42,7 +43,7 @@ _NO_RESPONSE, _CLIENT_CLOSED = 0, 499
 
 
 def parse(record: Mapping[str, object]) -> Request:
-    check_fields(record, FIELDS)
+    _check(record)
     try:
         started = datetime.fromisoformat(record["start_time"])
     except ValueError:

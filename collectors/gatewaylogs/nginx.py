@@ -14,7 +14,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     LogFormat,
     Malformed,
     Request,
-    check_fields,
+    field_check,
     path_of,
     request,
 )
@@ -27,19 +27,22 @@ FIELDS = {
     "session_id": str,
     "session_source": str,
 }
+_check = field_check(FIELDS)  # check_fields(record, FIELDS), quick for a good line
 # nginx joins the servers it tried with ", " and the groups of an internal redirect with " : ".
 _UPSTREAM_SEPARATOR = re.compile(r", | : ")
 
 
 def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
     """The last server nginx tried (NO_UPSTREAM for none), and whether it tried more than one."""
-    tried = _UPSTREAM_SEPARATOR.split(upstream_addr) if upstream_addr else []
-    # An upstream group's name instead of an address means nginx found no live server.
-    return (tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM), len(tried) > 1
+    if ", " not in upstream_addr and " : " not in upstream_addr:  # one server, or none: most lines
+        # An upstream group's name instead of an address means nginx found no live server.
+        return (upstream_addr if ":" in upstream_addr else NO_UPSTREAM), False
+    tried = _UPSTREAM_SEPARATOR.split(upstream_addr)
+    return (tried[-1] if ":" in tried[-1] else NO_UPSTREAM), True
 
 
 def parse(record: Mapping[str, object]) -> Request:
-    check_fields(record, FIELDS)
+    _check(record)
     if record["session_source"] not in ("client", "assigned"):
         raise Malformed("bad_value")
     upstream, failover = upstream_tried(record["upstream_addr"])

@@ -252,7 +252,8 @@ class SessionTally:
     def received(self) -> int:
         """Lines and records taken (malformed ones too) and those refused: what the source has handed over,
         for whoever waits for it to catch up, without a snapshot's cost."""
-        return self._lines + self._refused.total()
+        with self._lock:
+            return self._lines + self._refused.total()
 
     def line_too_long(self, received_at: float) -> None:
         """A line over the source's length limit, skipped unread."""

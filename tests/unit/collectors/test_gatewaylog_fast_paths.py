@@ -160,7 +160,9 @@ def test_a_batch_of_lines_counts_as_the_same_lines_one_by_one():
         one_by_one.take_line(line, 1795975250.0)
     batched.take_lines(lines, 1795975250.0)
     assert batched.snapshot(SourceState()) == one_by_one.snapshot(SourceState())
-    assert batched.received == 20
+    assert batched.received == 20  # malformed lines too
+    batched.refuse("over_rate", 2)
+    assert batched.received == 22  # and what the source refused
 
 
 def attribute(key: str, **value: object) -> KeyValue:

@@ -13,6 +13,7 @@ import random
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
@@ -22,24 +23,35 @@ LINES = 300_000
 SESSIONS = 100_000
 
 
-def _write_log(path: Path) -> None:
+def entries(count: int = LINES) -> Iterator[dict[str, object]]:
+    """The lab's nginx log lines, decoded: sessions drawn from SESSIONS over 8 upstreams, 5 % without a
+    session key, 1 % failovers."""
     rng = random.Random(0)
     upstreams = [f"127.0.0.1:{18010 + i}" for i in range(8)]
-    with path.open("w") as out:
-        for i in range(LINES):
-            session = f"{rng.randrange(SESSIONS):032x}"
-            client = rng.random() > 0.05
-            upstream = rng.choice(upstreams)
-            if rng.random() < 0.01:
-                upstream = f"{rng.choice(upstreams)}, {upstream}"
-            entry = {
-                "time": "2026-11-29T18:00:00+00:00", "msec": 1795975200.0 + i / 100, "listener": "affinity",
-                "request": "POST /v1/chat/completions", "status": 200, "upstream_addr": upstream,
-                "upstream_status": "200", "session_id": session if client else f"{i:032x}",
-                "session_source": "client" if client else "assigned", "request_time": 0.412,
-                "upstream_response_time": "0.412",
-            }  # fmt: skip
-            out.write(json.dumps(entry, separators=(",", ":")) + "\n")
+    for i in range(count):
+        session = f"{rng.randrange(SESSIONS):032x}"
+        client = rng.random() > 0.05
+        upstream = rng.choice(upstreams)
+        if rng.random() < 0.01:
+            upstream = f"{rng.choice(upstreams)}, {upstream}"
+        yield {
+            "time": "2026-11-29T18:00:00+00:00", "msec": 1795975200.0 + i / 100, "listener": "affinity",
+            "request": "POST /v1/chat/completions", "status": 200, "upstream_addr": upstream,
+            "upstream_status": "200", "session_id": session if client else f"{i:032x}",
+            "session_source": "client" if client else "assigned", "request_time": 0.412,
+            "upstream_response_time": "0.412",
+        }  # fmt: skip
+
+
+def lines(count: int = LINES) -> list[bytes]:
+    """The same lines as nginx writes them, without their newline."""
+    return [json.dumps(entry, separators=(",", ":")).encode() for entry in entries(count)]
+
+
+def _write_log(path: Path) -> None:
+    with path.open("wb") as out:
+        for line in lines():
+            out.write(line + b"\n")
 
 
 def run() -> str:

@@ -168,14 +168,14 @@ class Replica:
 
 
 class RecordingTally:
-    """A gateway-log source's counting side (take_record, refuse), recording what it is handed."""
+    """A gateway-log source's counting side (take_records, refuse), recording what it is handed."""
 
     def __init__(self) -> None:
         self.records: list[dict] = []
         self.refused: list[str] = []
 
-    def take_record(self, record, received_at: float) -> None:
-        self.records.append(dict(record))
+    def take_records(self, records, received_at: float) -> None:
+        self.records.extend(dict(record) for record in records)
 
     def refuse(self, reason: str, count: int = 1) -> None:
         assert reason in REFUSED_REASONS, f"{reason!r} is none of the tally's REFUSED_REASONS"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import orjson
 
 from kvwatch.core.errors import KVWatchError
 
@@ -51,14 +54,41 @@ class LogFormat:
     name: str
     fields: FieldTypes
     read: Callable[[Mapping[str, object]], Request]  # given a line whose fields are checked
+    check: Callable[[Mapping[str, object]], None] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check", field_check(self.fields))
 
     def parse(self, record: Mapping[str, object]) -> Request:
-        check_fields(record, self.fields)
+        self.check(record)
         return self.read(record)
 
 
 def json_object(line: bytes) -> Mapping[str, object]:
-    """One log line decoded; every format writes one JSON object per line."""
+    """One log line decoded; every format writes one JSON object per line.
+
+    orjson decodes it six times faster than json, the hot path of a busy gateway's log. Where orjson
+    refuses a line (NaN, a lone surrogate, a BOM, UTF-16, nesting past 1,024) or may have read an integer
+    past 64 bits as a float, json decides as it always has, so that every line reads as json reads it.
+    """
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return _json_object(line)
+    if not isinstance(record, dict):
+        raise Malformed("invalid_json")
+    for value in record.values():
+        if value.__class__ is float and not -_INTEGER_LIMIT < value < _INTEGER_LIMIT:
+            return _json_object(line)
+    return record
+
+
+# orjson reads an integer within 64 bits as int, a longer one as float, as json reads no integer; a float
+# within this bound is exact either way. Formats read only a record's top-level values.
+_INTEGER_LIMIT = float(2**63)
+
+
+def _json_object(line: bytes) -> Mapping[str, object]:
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):
@@ -75,6 +105,31 @@ def check_fields(record: Mapping[str, object], types: FieldTypes) -> None:
             raise Malformed("missing_field")
         if isinstance(record[field], bool) or not isinstance(record[field], allowed):
             raise Malformed("wrong_type")
+
+
+def field_check(types: Mapping[str, type | tuple[type, ...]]) -> Callable[[Mapping[str, object]], None]:
+    """`check_fields` for one format's fields, quicker for a line that passes: a decoded JSON value is of
+    its type exactly, and no format's types include bool. A line that fails is checked by `check_fields`,
+    which says why."""
+    exact = tuple(
+        (field, frozenset(allowed if isinstance(allowed, tuple) else (allowed,)))
+        for field, allowed in types.items()
+    )
+    if any(bool in kinds for _, kinds in exact):
+        raise ValueError("field_check: bool is never a field's type")
+
+    def check(record: Mapping[str, object]) -> None:
+        try:
+            for field, kinds in exact:
+                if record[field].__class__ not in kinds:
+                    break
+            else:
+                return
+        except KeyError:
+            pass
+        check_fields(record, types)
+
+    return check
 
 
 def request(
@@ -94,14 +149,7 @@ def request(
         raise Malformed("bad_value")
     # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
     return Request(
-        time=time,
-        listener=sys.intern(listener),
-        upstream=sys.intern(upstream),
-        failover=failover,
-        status=status,
-        session_id=session_id,
-        assigned=assigned,
-        path=path,
+        time, sys.intern(listener), sys.intern(upstream), failover, status, session_id, assigned, path
     )
 
 

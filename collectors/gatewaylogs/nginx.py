@@ -20,9 +20,11 @@ _UPSTREAM_SEPARATOR = re.compile(r", | : ")
 
 def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
     """The last server nginx tried (NO_UPSTREAM for none), and whether it tried more than one."""
-    tried = _UPSTREAM_SEPARATOR.split(upstream_addr) if upstream_addr else []
-    # An upstream group's name instead of an address means nginx found no live server.
-    return (tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM), len(tried) > 1
+    if ", " not in upstream_addr and " : " not in upstream_addr:  # one server, or none: most lines
+        # An upstream group's name instead of an address means nginx found no live server.
+        return (upstream_addr if ":" in upstream_addr else NO_UPSTREAM), False
+    tried = _UPSTREAM_SEPARATOR.split(upstream_addr)
+    return (tried[-1] if ":" in tried[-1] else NO_UPSTREAM), True
 
 
 def nginx_request(record: Mapping[str, object], **session) -> Request:

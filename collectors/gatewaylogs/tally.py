@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -67,6 +67,7 @@ MAX_UPSTREAMS_PER_LISTENER = 1024
 
 _LOG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _BOOLS = ("false", "true")  # label values, indexed by a bool
+_STATUS_CLASSES = tuple(f"{hundreds}xx" for hundreds in range(6))  # indexed by a status (100-599) // 100
 
 
 def frozen(mapping: Mapping) -> Mapping:
@@ -202,16 +203,15 @@ class GatewayLogSnapshot:
 class SessionTally:
     """The counts of one gateway log, fed by its source from any thread.
 
-    `take_line` and `take_record` parse with the log's format (`log_format`, one of
-    gatewaylogs.LOG_FORMATS) and count; `refuse` counts what the source could not read, by a reason of
-    REFUSED_REASONS. A returning request is one on an upstream whose session's previous request (in the
-    log's order) came within the session TTL; it moved when another upstream served it. A move is
-    explained (a failover) when this request failed over, when the previous one did (its upstream
-    failed), when it goes back to an upstream the session left in an explained move, or when the
-    listener's upstreams changed since the previous request (`_Upstreams.changed`: one joined or left).
-    A lock makes every call atomic, so that a receiver thread and the poll that
-    publishes `snapshot()` never see half a request. Event times come from the log (nginx's `msec`);
-    `clock` gives "now" for the window and the TTL.
+    `take_line` and `take_record` (`take_lines`, `take_records`: a batch) parse with the log's format
+    (`log_format`, one of gatewaylogs.LOG_FORMATS) and count; `refuse` counts what the source could not read,
+    by a reason of REFUSED_REASONS. A returning request is one on an upstream whose session's previous request
+    (in the log's order) came within the session TTL; it moved when another upstream served it. A move is
+    explained (a failover) when this request failed over, when the previous one did (its upstream failed),
+    when it goes back to an upstream the session left in an explained move, or when the listener's upstreams
+    changed since the previous request (`_Upstreams.changed`: one joined or left). A lock makes every call
+    atomic, so that a receiver thread and the poll that publishes `snapshot()` never see half a request. Event
+    times come from the log (nginx's `msec`); `clock` gives "now" for the window and the TTL.
     """
 
     def __init__(
@@ -253,6 +253,7 @@ class SessionTally:
         self._moved: Counter[tuple[str, str]] = Counter()
         self._upstreams: dict[str, _Upstreams] = {}  # listener -> its upstreams
         self._labels = {"listener": BoundedLabel(), "upstream": BoundedLabel(always=(NO_UPSTREAM,))}
+        self._listener_label, self._upstream_label = self._labels["listener"], self._labels["upstream"]
         # (listener, session id) -> its history, least recently seen first.
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
@@ -260,26 +261,53 @@ class SessionTally:
 
     def take_line(self, line: bytes, received_at: float) -> None:
         """One access-log line as the gateway wrote it (a JSON object)."""
-        try:
-            record = json_object(line)
-        except Malformed as malformed:
-            with self._lock:
-                self._count_malformed(malformed.reason, received_at)
-            return
-        self.take_record(record, received_at)
+        self.take_lines((line,), received_at)
+
+    def take_lines(self, lines: Iterable[bytes], received_at: float) -> None:
+        """Lines received together (a burst of datagrams, a TCP read): each parsed as `take_line` does,
+        then all counted under one hold of the lock."""
+        self._count_all([self._parsed_line(line) for line in lines], received_at)
 
     def take_record(self, record: Mapping[str, object], received_at: float) -> None:
         """One decoded access-log record (a JSON object's fields), checked by the log's format."""
+        self.take_records((record,), received_at)
+
+    def take_records(self, records: Iterable[Mapping[str, object]], received_at: float) -> None:
+        """Records received together (an OTLP request's), each checked as `take_record` does, then all
+        counted under one hold of the lock."""
+        self._count_all([self._parsed_record(record) for record in records], received_at)
+
+    def _parsed_line(self, line: bytes) -> Request | str:
+        """The request a line stands for, or the reason (of MALFORMED_REASONS) it stands for none."""
         try:
-            request = self._format.parse(record)
+            return self._format.parse(json_object(line))
         except Malformed as malformed:
-            with self._lock:
-                self._count_malformed(malformed.reason, received_at)
+            return malformed.reason
+
+    def _parsed_record(self, record: Mapping[str, object]) -> Request | str:
+        try:
+            return self._format.parse(record)
+        except Malformed as malformed:
+            return malformed.reason
+
+    def _count_all(self, parsed: list[Request | str], received_at: float) -> None:
+        if not parsed:
             return
         with self._lock:
-            self._lines += 1
+            self._lines += len(parsed)
             self._last_record_at = max(self._last_record_at, received_at)
-            self._count(request, received_at)
+            for request in parsed:
+                if request.__class__ is str:
+                    self._malformed[request] += 1
+                else:
+                    self._count(request, received_at)
+
+    @property
+    def received(self) -> int:
+        """Lines and records taken (malformed ones too) and those refused: what the source has handed over,
+        for whoever waits for it to catch up, without a snapshot's cost."""
+        with self._lock:
+            return self._lines + self._refused.total()
 
     def line_too_long(self, received_at: float) -> None:
         """A line over the source's length limit, skipped unread."""
@@ -299,50 +327,55 @@ class SessionTally:
         self._malformed[reason] += 1
 
     def _count(self, request: Request, received_at: float) -> None:
-        listener = self._labels["listener"](request.listener)
-        if request.path is not None and request.path not in self._inference_paths:
+        at, listener, upstream, failover, status, session_id, assigned, path = request
+        listener = self._listener_label(listener)
+        if path is not None and path not in self._inference_paths:
             self._other_requests[listener] += 1
             return
-        if request.time > received_at + MAX_FUTURE_SECONDS:
+        if at > received_at + MAX_FUTURE_SECONDS:
             self._future_times += 1
-            request = request._replace(time=received_at)
-        failover = request.failover
+            at = received_at
         # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
-        self._requests[listener, self._labels["upstream"](request.upstream)] += 1
-        self._responses[listener, f"{request.status // 100}xx"] += 1
+        self._requests[listener, self._upstream_label(upstream)] += 1
+        self._responses[listener, _STATUS_CLASSES[status // 100]] += 1
         if failover:
             self._failovers[listener] += 1
-        key = (listener, request.session_id)
-        session = self._sessions.get(key)
-        if request.assigned:
+        key = (listener, session_id)
+        sessions = self._sessions
+        session = sessions.get(key)
+        if assigned:
             self._without_key[listener] += 1
             if session is None:
                 self._assigned_ids[listener] += 1
-        if request.upstream != NO_UPSTREAM:
-            if session is None:
-                session = self._sessions[key] = _Session()
-            number = self._upstreams.setdefault(listener, _Upstreams()).serve(request.upstream)
-            if session.upstream is not None and request.time - session.last <= self.session_ttl_seconds:
-                self._count_return(listener, session, request)
-            session.served(request.upstream, request.time, failover, number)
-            self._sessions.move_to_end(key)
-            if len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-                self._evicted += 1
+        if upstream != NO_UPSTREAM:
+            if session is not None:
+                sessions.move_to_end(key)
+            else:
+                session = sessions[key] = _Session()
+                if len(sessions) > self.max_sessions:
+                    sessions.popitem(last=False)
+                    self._evicted += 1
+            number = self._upstreams.setdefault(listener, _Upstreams()).serve(upstream)
+            if session.upstream is not None and at - session.last <= self.session_ttl_seconds:
+                self._count_return(listener, session, upstream, failover, at)
+            session.served(upstream, at, failover, number)
 
-    def _count_return(self, listener: str, session: _Session, request: Request) -> None:
-        """A returning request, and whether it moved, explained or not (see the class)."""
+    def _count_return(
+        self, listener: str, session: _Session, upstream: str, failover: bool, at: float
+    ) -> None:
+        """A returning request to `upstream` at `at`, and whether it moved, explained or not (see the
+        class)."""
         self._returning[listener] += 1
-        if request.upstream == session.upstream:
+        if upstream == session.upstream:
             return
         explained = (
-            request.failover
+            failover
             or session.failover
-            or session.upstreams.get(request.upstream, math.inf) < session.excused
-            or self._upstreams[listener].changed(session.upstream, request.upstream, session.number)
+            or session.upstreams.get(upstream, math.inf) < session.excused
+            or self._upstreams[listener].changed(session.upstream, upstream, session.number)
         )
         if explained:
-            session.excused = request.time
+            session.excused = at
         self._moved[listener, _BOOLS[explained]] += 1
 
     def _forget_sessions_idle_since(self, horizon: float) -> None:

@@ -42,7 +42,6 @@ _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40) if sys.platform.startswith("li
 _COUNT = struct.Struct("I")
 _OCTET_COUNT_DIGITS = 7  # "16384 " and then some: more digits are no octet count
 
-_PRI = re.compile(rb"<(\d{1,3})>")
 _RFC3164_TIME = re.compile(rb"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d ")
 # RFC 3164's optional host name and its tag (`nginx:` or `nginx[12]:`), before the message.
 _RFC3164_TAG = re.compile(rb"(?:[^ :]+ )?[^ :\[]{1,48}(?:\[[^\]]*\])?: ")
@@ -59,10 +58,10 @@ class Refused(KVWatchError, ValueError):
 
 def message_of(frame: bytes) -> bytes:
     """The message part of one syslog message, RFC 5424 or RFC 3164."""
-    pri = _PRI.match(frame)
-    if pri is None or int(pri.group(1)) > 191:
+    end = frame.find(b">", 2, 5)  # `<PRI>`: 1 to 3 digits, 191 at most
+    if frame[:1] != b"<" or end < 0 or not frame[1:end].isdigit() or int(frame[1:end]) > 191:
         raise Refused("malformed")
-    rest = frame[pri.end() :]
+    rest = frame[end + 1 :]
     message = _rfc5424_message(rest[2:]) if rest.startswith(b"1 ") else _rfc3164_message(rest)
     message = message.removeprefix(_BOM).rstrip(b"\r\n\0")
     if not message:
@@ -120,20 +119,29 @@ class _Rates:
     def __init__(self, per_second: float) -> None:
         self.per_second = per_second
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # sender -> [tokens, last refill]
+        self._latest: tuple[str, list[float]] | None = None  # the last sender, already the most recent
 
     def allow(self, sender: str, now: float) -> bool:
-        bucket = self._buckets.get(sender)
-        if bucket is None:
-            bucket = self._buckets[sender] = [self.per_second, now]
-            if len(self._buckets) > MAX_SENDERS:
-                self._buckets.popitem(last=False)
-        self._buckets.move_to_end(sender)
+        if self._latest is not None and self._latest[0] == sender:  # a burst from one sender: most lines
+            bucket = self._latest[1]
+        else:
+            bucket = self._bucket(sender, now)
         bucket[0] = min(self.per_second, bucket[0] + (now - bucket[1]) * self.per_second)
         bucket[1] = now
         if bucket[0] < 1:
             return False
         bucket[0] -= 1
         return True
+
+    def _bucket(self, sender: str, now: float) -> list[float]:
+        bucket = self._buckets.get(sender)
+        if bucket is None:
+            bucket = self._buckets[sender] = [self.per_second, now]
+            if len(self._buckets) > MAX_SENDERS:
+                self._buckets.popitem(last=False)
+        self._buckets.move_to_end(sender)
+        self._latest = (sender, bucket)
+        return bucket
 
 
 class _Connection:
@@ -224,16 +232,19 @@ class SyslogReceiver:
 
     def _read_datagrams(self, udp: socket.socket) -> None:
         ancillary = socket.CMSG_SPACE(_COUNT.size) if _SO_RXQ_OVFL is not None else 0
+        messages: list[bytes] = []
         for _ in range(MAX_DATAGRAMS_PER_WAKE):
             try:
                 data, ancdata, flags, sender = udp.recvmsg(MAX_MESSAGE_BYTES, ancillary)
             except BlockingIOError:
-                return
-            self._count_kernel_drops(ancdata)
+                break
+            if ancdata:
+                self._count_kernel_drops(ancdata)
             if flags & socket.MSG_TRUNC:
                 self.tally.refuse("oversize")
             else:
-                self._take(data, sender[0])
+                self._collect(data, sender[0], messages)
+        self._take(messages)
 
     def _count_kernel_drops(self, ancdata: list) -> None:
         for level, kind, data in ancdata:
@@ -273,10 +284,12 @@ class SyslogReceiver:
             sock.close()
             return
         connection.buffer += data
-        self._take_frames(connection)
+        messages: list[bytes] = []
+        self._take_frames(connection, messages)
+        self._take(messages)
 
-    def _take_frames(self, connection: _Connection) -> None:
-        """Take every whole frame in the buffer; what is left is the start of the next one."""
+    def _take_frames(self, connection: _Connection, messages: list[bytes]) -> None:
+        """Collect every whole frame's message in the buffer; what is left is the start of the next one."""
         buffer = connection.buffer
         while buffer:
             if connection.skip_bytes:
@@ -289,11 +302,11 @@ class SyslogReceiver:
                 connection.skip_line = end < 0
             elif buffer[0] in b"\r\n":
                 del buffer[:1]
-            elif not self._take_frame(connection, buffer):
+            elif not self._take_frame(connection, buffer, messages):
                 return
 
-    def _take_frame(self, connection: _Connection, buffer: bytearray) -> bool:
-        """Take the frame at the start of the buffer; False when it is not whole yet."""
+    def _take_frame(self, connection: _Connection, buffer: bytearray, messages: list[bytes]) -> bool:
+        """Collect the message of the frame at the start of the buffer; False when it is not whole yet."""
         if buffer[:1].isdigit():  # octet counting: "LENGTH SP MESSAGE"
             space = buffer.find(b" ", 0, _OCTET_COUNT_DIGITS)
             if space < 0:
@@ -329,21 +342,25 @@ class SyslogReceiver:
             if len(frame) > MAX_MESSAGE_BYTES:
                 self.tally.refuse("oversize")
                 return True
-        self._take(frame, connection.sender)
+        self._collect(frame, connection.sender, messages)
         return True
 
     # --- both -------------------------------------------------------------------------------------
 
-    def _take(self, frame: bytes, sender: str) -> None:
+    def _collect(self, frame: bytes, sender: str, messages: list[bytes]) -> None:
+        """Add the frame's message to `messages`, or count why it has none."""
         if not self._rates.allow(sender, time.monotonic()):
             self.tally.refuse("over_rate")
             return
         try:
-            message = message_of(frame)
+            messages.append(message_of(frame))
         except Refused as refused:
             self.tally.refuse(refused.reason)
-            return
-        self.tally.take_line(message, self.tally.clock())
+
+    def _take(self, messages: list[bytes]) -> None:
+        """The messages of one wake's datagrams, or of one TCP read, counted together."""
+        if messages:
+            self.tally.take_lines(messages, self.tally.clock())
 
 
 SOURCE = Source(name="syslog", default_port=DEFAULT_PORT, receiver=SyslogReceiver)

@@ -28,7 +28,7 @@ __all__ = ["SOURCE", "OtlpConfigError", "OtlpSource", "OtlpSourceConfig", "Tally
 
 class OtlpSource:
     """Receives OTLP logs for one gateway log. `fields` are the format's fields and their types (Envoy's
-    by default), the keys of every record handed to `tally.take_record`."""
+    by default), the keys of every record handed to `tally.take_records`."""
 
     def __init__(self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes = envoy.FIELDS) -> None:
         self._receiver = Receiver(config, tally, fields)  # reads the token file: a bad one fails here

@@ -9,9 +9,10 @@ the records that could be read are delivered all the same.
 from __future__ import annotations
 
 import hmac
+import itertools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,9 +25,9 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
 )
 
 from kvwatch.collectors.gatewaylogs.sources.otlp.records import (
+    AccessLogRecords,
     FieldTypes,
     MissingFields,
-    access_log_record,
     count_records,
     log_records,
 )
@@ -43,9 +44,9 @@ DEFAULT_MAX_IN_FLIGHT = 4
 class Tally(Protocol):
     """The counting side: what a source hands its records and its refusals to."""
 
-    def take_record(self, record: Mapping[str, object], received_at: float) -> None: ...
+    def take_records(self, records: Iterable[Mapping[str, object]], received_at: float) -> None: ...
 
-    def refuse(self, reason: str) -> None: ...
+    def refuse(self, reason: str, count: int = 1) -> None: ...
 
 
 class _OneAtATime:
@@ -55,13 +56,13 @@ class _OneAtATime:
     def __init__(self, tally: Tally) -> None:
         self._tally, self._lock = tally, threading.Lock()
 
-    def take_record(self, record: Mapping[str, object], received_at: float) -> None:
+    def take_records(self, records: Iterable[Mapping[str, object]], received_at: float) -> None:
         with self._lock:
-            self._tally.take_record(record, received_at)
+            self._tally.take_records(records, received_at)
 
-    def refuse(self, reason: str) -> None:
+    def refuse(self, reason: str, count: int = 1) -> None:
         with self._lock:
-            self._tally.refuse(reason)
+            self._tally.refuse(reason, count)
 
 
 class OtlpConfigError(KVWatchError, ValueError):
@@ -130,6 +131,7 @@ class Receiver:
 
     def __init__(self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes) -> None:
         self.config, self.tally, self.fields = config, _OneAtATime(tally), fields
+        self._access_log_record = AccessLogRecords(fields)
         token = read_secret_file(config.token_file, "OTLP bearer token") if config.token_file else None
         self._expected = f"Bearer {token}".encode() if token else None
         self._rate = RateLimit(config.max_records_per_second)
@@ -157,22 +159,22 @@ class Receiver:
             self.refuse("malformed_protobuf")
 
     def export(self, request: ExportLogsServiceRequest) -> ExportLogsServiceResponse:
-        """Every record delivered or counted; the answer names how many were rejected and why."""
+        """Every record delivered or counted; the answer names how many were rejected and why. The
+        request's records reach the tally together, in one call."""
         received_at = time.time()
-        admitted = self._rate.admit(count_records(request))
-        rejected: dict[str, int] = {}
-        for index, log_record in enumerate(log_records(request)):
-            reason = None
-            if index >= admitted:
-                reason = "over_rate"
-            else:
-                try:
-                    self.tally.take_record(access_log_record(log_record, self.fields), received_at)
-                except MissingFields:
-                    reason = "missing_field"
-            if reason:
-                self.tally.refuse(reason)
-                rejected[reason] = rejected.get(reason, 0) + 1
+        total = count_records(request)
+        admitted = self._rate.admit(total)
+        records, missing = [], 0
+        for log_record in itertools.islice(log_records(request), admitted):
+            try:
+                records.append(self._access_log_record(log_record))
+            except MissingFields:
+                missing += 1
+        self.tally.take_records(records, received_at)
+        rejected = {"missing_field": missing, "over_rate": total - admitted}
+        rejected = {reason: count for reason, count in rejected.items() if count}
+        for reason, count in rejected.items():
+            self.tally.refuse(reason, count)
         if not rejected:
             return ExportLogsServiceResponse()
         message = ", ".join(f"{count} {reason}" for reason, count in rejected.items())

@@ -1,0 +1,212 @@
+"""The gateway-log hot path's quick ways read every line, record and frame as the plain ways do: orjson
+as json, the exact-type field check as check_fields, the one-server upstream as the split, a batch of
+lines as the same lines one by one, OTLP attributes as plain_value, a burst from one sender as the token
+buckets say."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+
+import pytest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValueList
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
+
+from kvwatch.collectors.gatewaylogs import envoy, nginx
+from kvwatch.collectors.gatewaylogs.base import Malformed, check_fields, field_check, json_object
+from kvwatch.collectors.gatewaylogs.sources.otlp.records import AccessLogRecords, MissingFields
+from kvwatch.collectors.gatewaylogs.sources.syslog import _Rates
+from kvwatch.collectors.gatewaylogs.tally import SessionTally, SourceState
+
+
+def json_reading(line: bytes) -> object:
+    """What json makes of a line: the object, or the reason it is none."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return "invalid_json"
+    return record if isinstance(record, dict) else "invalid_json"
+
+
+def fast_reading(line: bytes) -> object:
+    try:
+        return json_object(line)
+    except Malformed as malformed:
+        return malformed.reason
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"msec":1795975200.123,"status":200,"listener":"chat"}\n',
+        b'{"status":18446744073709551615}',  # 2**64 - 1: orjson's largest int
+        b'{"status":18446744073709551616}',  # 2**64: orjson reads a float, json an int
+        b'{"status":100000000000000000000000000000}',
+        b'{"msec":-9223372036854775809}',  # below -2**63
+        b'{"msec":9.3e18}',
+        b'{"msec":NaN}',
+        b'{"msec":-Infinity}',
+        b'{"msec":1e400}',
+        b'{"session_id":"\\ud800"}',  # a lone surrogate, which json reads
+        b'\xef\xbb\xbf{"status":200}',  # a UTF-8 byte order mark
+        '{"status":200}'.encode("utf-16"),
+        b'{"a":1,"a":2,"b":-0.0}',
+        b"[" * 2000 + b"]" * 2000,
+        b'{"a":' * 2000 + b"1" + b"}" * 2000,
+        b'{"session_id":"\xff"}',  # no UTF-8
+        b"[1]",
+        b'"text"',
+        b"",
+        b'{"status":200} x',
+    ],
+)
+def test_a_line_reads_as_json_reads_it(line):
+    assert repr(fast_reading(line)) == repr(json_reading(line))
+
+
+def test_an_integer_past_64_bits_is_a_bad_status_as_json_reads_it_not_a_wrong_type():
+    tally = SessionTally("fast")
+    entry = {
+        "msec": 1795975200.0, "listener": "chat", "status": 10**30, "upstream_addr": "127.0.0.1:8001",
+        "session_id": "s1", "session_source": "client",
+    }  # fmt: skip
+    tally.take_line(json.dumps(entry).encode(), time.time())
+    malformed = tally.snapshot(SourceState()).malformed
+    assert (malformed["bad_value"], malformed["wrong_type"]) == (1, 0)
+
+
+class Status(enum.IntEnum):
+    OK = 200
+
+
+TYPES = {"msec": (int, float), "status": int, "session_id": str, "upstream_host": (str, type(None))}
+GOOD = {"msec": 1.5, "status": 200, "session_id": "s", "upstream_host": None}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"msec": 2},
+        {"status": True},
+        {"msec": False},
+        {"status": 200.0},
+        {"status": Status.OK},  # a subclass: isinstance says yes
+        {"session_id": None},
+        {"upstream_host": "127.0.0.1:8001"},
+        {"upstream_host": 1},
+        {"extra": object()},
+    ],
+)
+def test_the_quick_field_check_says_what_check_fields_says(changes):
+    record = {**GOOD, **changes}
+
+    def outcome(check) -> str:
+        try:
+            check(record)
+        except Malformed as malformed:
+            return malformed.reason
+        return "ok"
+
+    assert outcome(field_check(TYPES)) == outcome(lambda r: check_fields(r, TYPES))
+
+
+def test_a_missing_field_is_missing_whichever_check():
+    record = {key: value for key, value in GOOD.items() if key != "status"}
+    with pytest.raises(Malformed, match="missing_field"):
+        field_check(TYPES)(record)
+
+
+def test_a_field_check_with_bool_as_a_type_is_a_bug():
+    with pytest.raises(ValueError, match="bool"):
+        field_check({"flag": bool})
+
+
+@pytest.mark.parametrize(
+    ("upstream_addr", "expected"),
+    [
+        ("", ("none", False)),
+        ("127.0.0.1:8001", ("127.0.0.1:8001", False)),
+        ("engines", ("none", False)),  # a group's name: no live server
+        ("127.0.0.1:8001, 127.0.0.1:8002", ("127.0.0.1:8002", True)),
+        ("127.0.0.1:8001 : 127.0.0.1:8002", ("127.0.0.1:8002", True)),
+        ("127.0.0.1:8001, engines", ("none", True)),
+        ("127.0.0.1:8001, ", ("none", True)),
+        ("127.0.0.1:8001,127.0.0.1:8002", ("127.0.0.1:8001,127.0.0.1:8002", False)),  # not nginx's separator
+    ],
+)
+def test_the_upstream_nginx_tried_last(upstream_addr, expected):
+    assert nginx.upstream_tried(upstream_addr) == expected
+
+
+def nginx_line(i: int, **changes: object) -> bytes:
+    entry = {
+        "msec": 1795975200.0 + i, "listener": "chat", "status": 200,
+        "upstream_addr": f"127.0.0.1:{8001 + i % 3}", "session_id": f"s{i % 5}",
+        "session_source": "client", "request": "POST /v1/chat/completions",
+    }  # fmt: skip
+    return json.dumps({**entry, **changes}).encode()
+
+
+def test_a_batch_of_lines_counts_as_the_same_lines_one_by_one():
+    lines = [nginx_line(i) for i in range(20)]
+    lines[3] = b"not json"
+    lines[7] = nginx_line(7, status="200")
+    lines[11] = nginx_line(11, request="GET /v1/models")
+    lines[13] = nginx_line(13, session_source="assigned", session_id="a13", upstream_addr="engines")
+    one_by_one, batched = (SessionTally("one", clock=lambda: 1795975300.0) for _ in range(2))
+    for line in lines:
+        one_by_one.take_line(line, 1795975250.0)
+    batched.take_lines(lines, 1795975250.0)
+    assert batched.snapshot(SourceState()) == one_by_one.snapshot(SourceState())
+    assert batched.received == 20  # malformed lines too
+    batched.refuse("over_rate", 2)
+    assert batched.received == 22  # and what the source refused
+
+
+def attribute(key: str, **value: object) -> KeyValue:
+    return KeyValue(key=key, value=AnyValue(**value))
+
+
+ENVOY_STRINGS = {
+    "start_time": "2026-12-05T05:28:35.055Z", "duration": "38", "listener": "chat", "response_code": "200",
+    "response_flags": "-", "upstream_host": "127.0.0.1:8001", "upstream_request_attempt_count": "1",
+    "session_id": "-", "request_id": "45a54e73",
+}  # fmt: skip
+
+
+def test_otlp_attributes_of_any_kind_read_as_plain_values_and_typed_as_the_format_wants():
+    attributes = [attribute(key, string_value=value) for key, value in ENVOY_STRINGS.items()]
+    attributes[1] = attribute("duration", int_value=38)  # not a string: taken as it is
+    attributes[4] = attribute("response_flags", string_value="")  # an empty string is a string
+    attributes[5] = attribute("upstream_host", bool_value=False)  # read as the value it is
+    attributes.append(attribute("listener", string_value="later"))  # the last one counts
+    attributes.append(attribute("unknown", string_value="ignored"))
+    record = AccessLogRecords(envoy.FIELDS)(LogRecord(attributes=attributes))
+    assert record == {
+        **ENVOY_STRINGS, "duration": 38, "listener": "later", "response_code": 200, "response_flags": "",
+        "upstream_host": False, "upstream_request_attempt_count": 1, "session_id": None,
+    }  # fmt: skip
+
+
+def test_otlp_body_fields_fill_in_for_missing_attributes_and_a_missing_field_is_named():
+    pairs = [KeyValue(key=key, value=AnyValue(string_value=value)) for key, value in ENVOY_STRINGS.items()]
+    body = AnyValue(kvlist_value=KeyValueList(values=pairs))
+    read = AccessLogRecords(envoy.FIELDS)
+    assert read(LogRecord(body=body, attributes=[attribute("listener", string_value="attr")]))[
+        "listener"
+    ] == ("attr")
+    assert read(LogRecord(body=body))["duration"] == 38
+    with pytest.raises(MissingFields, match="response_code"):
+        read(LogRecord(attributes=[attribute("listener", string_value="chat")]))
+
+
+def test_a_burst_from_one_sender_uses_its_own_bucket_after_another_sender_came_between():
+    rates = _Rates(per_second=2)
+    now = 100.0
+    assert [rates.allow("a", now), rates.allow("a", now), rates.allow("a", now)] == [True, True, False]
+    assert rates.allow("b", now)
+    assert not rates.allow("a", now)  # still a's empty bucket, not b's
+    assert rates.allow("b", now)
+    assert rates.allow("a", now + 0.5)  # refilled at its rate

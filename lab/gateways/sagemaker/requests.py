@@ -65,8 +65,10 @@ def _skew_message(stamp: str, signed: float, now: float) -> str:
         return datetime.fromtimestamp(when, UTC).strftime(AMZ_DATE)
 
     if signed < now:
-        return f"Signature expired: {stamp} is now earlier than {at(now - MAX_SKEW_S)} ({at(now)} - 5 min.)"
-    return f"Signature not yet current: {stamp} is still later than {at(now + MAX_SKEW_S)} ({at(now)} + 5 min.)"
+        earlier = at(now - MAX_SKEW_S)
+        return f"Signature expired: {stamp} is now earlier than {earlier} ({at(now)} - 5 min.)"
+    later = at(now + MAX_SKEW_S)
+    return f"Signature not yet current: {stamp} is still later than {later} ({at(now)} + 5 min.)"
 
 
 def validated_session(session_id: str | None, streaming: bool) -> str | None:

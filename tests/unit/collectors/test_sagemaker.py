@@ -422,13 +422,20 @@ class RuntimeFront(QuietHandler):
         self.wfile.write(body)
 
 
-def test_over_http_botocore_signs_sends_the_session_header_and_a_refusal_reopens(monkeypatch):
+def over_the_wire(monkeypatch, **changes):
+    """One round of one conversation through botocore, to a RuntimeFront."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     RuntimeFront.seen = []
     with loopback_http(RuntimeFront) as url:
         endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
-        (session,) = probe_once(settings(sagemaker=endpoint, base_url=url), [Conversation("s", ("one",))])
+        over = settings(sagemaker=endpoint, base_url=url, **changes)
+        (session,) = probe_once(over, [Conversation("s", ("one",))])
+    return session
+
+
+def test_over_http_botocore_signs_sends_the_session_header_and_a_refusal_reopens(monkeypatch):
+    session = over_the_wire(monkeypatch)
     paths = [(seen["path"], seen.get("X-Amzn-SageMaker-Session-Id")) for seen in RuntimeFront.seen]
     assert paths == [
         ("/endpoints/chat-endpoint/invocations", "NEW_SESSION"),
@@ -448,13 +455,7 @@ def test_over_http_botocore_signs_sends_the_session_header_and_a_refusal_reopens
 
 
 def test_a_custom_session_header_is_sent_as_configured_and_no_session_is_opened(monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    RuntimeFront.seen = []
-    with loopback_http(RuntimeFront) as url:
-        endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
-        custom = settings(sagemaker=endpoint, base_url=url, session_header="X-Session-Id")
-        (session,) = probe_once(custom, [Conversation("s", ("one",))])
+    session = over_the_wire(monkeypatch, session_header="X-Session-Id")
     (seen,) = RuntimeFront.seen
     assert seen["path"] == "/endpoints/chat-endpoint/invocations-response-stream"
     assert (

@@ -67,19 +67,38 @@ def test_a_healthy_endpoint_passes_every_check_under_load_too():
     )
 
 
-# --- sessions never opened -----------------------------------------------------------------------------
+# --- sessions never opened, or sent in a custom header ------------------------------------------------
+
+LOST = "2 of 2 sessions reused less than their whole history on a warm round"
 
 
-def test_a_target_without_sessions_is_named_sessions_not_opened_with_the_fix():
-    sessions = [reusing(None, None, lost=True), reusing(None, None, lost=True)]
-    diagnosis = diagnosis_of(sessions, settings(session_mode="none"))
-    assert diagnosis.causes == ["sessions_not_opened"]
+@pytest.mark.parametrize(
+    "changes, sent, cause, evidence, fix",
+    [
+        (
+            {"session_mode": "none"},
+            None,
+            "sessions_not_opened",
+            f"the target opens no session (session mode none): 6 rounds carried no SessionId; {LOST}",
+            "open a session per conversation (InvokeEndpoint with SessionId=NEW_SESSION",
+        ),
+        (
+            {"session_header": "X-Session-Id"},
+            "c-1",
+            "session_header_stripped",
+            "the target sends its session id in X-Session-Id, a header SageMaker's runtime API does not "
+            f"define and strips before the container, and no SessionId: {LOST}",
+            "send the session as SessionId, not X-Session-Id: open a session",
+        ),
+    ],
+)
+def test_rounds_without_a_sessionid_are_named_with_the_fix(changes, sent, cause, evidence, fix):
+    sessions = [reusing(None, sent, lost=True), reusing(None, sent, lost=True)]
+    diagnosis = diagnosis_of(sessions, settings(**changes))
+    assert diagnosis.causes == [cause]
     found = check(diagnosis, "stateful sessions")
-    assert found.evidence == (
-        "the target opens no session (session mode none): 6 rounds carried no SessionId; "
-        "2 of 2 sessions reused less than their whole history on a warm round"
-    )
-    assert "SessionId=NEW_SESSION" in found.fix and "X-Amzn-SageMaker-Session-Id" in found.fix
+    assert found.evidence == evidence
+    assert found.fix.startswith(fix) and "X-Amzn-SageMaker-Session-Id" in found.fix
     assert check(diagnosis, "reuse in sessions").status == "skipped"
 
 
@@ -91,22 +110,6 @@ def test_an_open_answered_without_a_new_session_id_is_sessions_not_opened_not_di
     assert diagnosis.causes == ["sessions_not_opened"]
     found = check(diagnosis, "stateful sessions")
     assert found.evidence == detail and "X-Amzn-SageMaker-New-Session-Id" in found.fix
-
-
-# --- the session header sent as a custom header --------------------------------------------------------
-
-
-def test_a_custom_session_header_is_named_stripped_when_reuse_is_lost():
-    sessions = [reusing(None, "c-1", lost=True), reusing(None, "c-2", lost=True)]
-    diagnosis = diagnosis_of(sessions, settings(session_header="X-Session-Id"))
-    assert diagnosis.causes == ["session_header_stripped"]
-    found = check(diagnosis, "stateful sessions")
-    assert found.evidence == (
-        "the target sends its session id in X-Session-Id, a header SageMaker's runtime API does not define "
-        "and strips before the container, and no SessionId: 2 of 2 sessions reused less than their whole "
-        "history on a warm round"
-    )
-    assert found.fix.startswith("send the session as SessionId, not X-Session-Id: open a session")
 
 
 def test_a_custom_session_header_is_named_even_when_routing_kept_the_reuse():

@@ -47,8 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", type=Path, metavar="FILE", help="kvwatch YAML config, for --setup")
     options.add_route_arguments(parser, required=False, sagemaker=True)
-    options.add_session_arguments(
-        parser, "session id header, e.g. x-smg-routing-key for SMG (default %(default)s)"
+    options.add_session_arguments(parser, "session id header, e.g. x-smg-routing-key for SMG")
+    parser.add_argument(
+        "--no-session",
+        action="store_true",
+        help="with --sagemaker-endpoint: probe as an application that opens no stateful session (no "
+        "SessionId), to see what the endpoint's routing does without one",
     )
     parser.add_argument(
         "--gateway",
@@ -87,6 +91,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.sagemaker_endpoint:
         return _sagemaker(args)
     try:
+        if args.no_session:
+            raise ValueError("--no-session is for a --sagemaker-endpoint")
         if not args.base_url:
             raise ValueError(
                 "the following arguments are required: --base-url or --sagemaker-endpoint "
@@ -136,6 +142,7 @@ def _sagemaker(args: argparse.Namespace) -> int:
             timeout_seconds=args.timeout,
             kind="sagemaker",
             sagemaker=endpoint,
+            session_mode="none" if args.no_session else "client",
         )
     except ValueError as error:
         print(f"kvwatch doctor: {error}", file=sys.stderr)

@@ -78,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="client: a new id per session; server: adopt the id the gateway returns; none: send none "
         "(default %(default)s)",
     )
-    options.add_session_arguments(parser, "default %(default)s")
+    options.add_session_arguments(parser, "session id header")
     options.add_block_size_arguments(parser)
 
 

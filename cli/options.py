@@ -137,7 +137,10 @@ def add_session_arguments(parser: argparse.ArgumentParser, session_header_help: 
     """--session-header (each command words its help for its use of it), --router (a router that names
     the replica only when asked) and --backend-header: what route_settings reads."""
     parser.add_argument(
-        "--session-header", default=ProbeSettings.session_header, metavar="H", help=session_header_help
+        "--session-header",
+        metavar="H",
+        help=f"{session_header_help} (default X-Session-Id; on SageMaker, SessionId's "
+        "X-Amzn-SageMaker-Session-Id: any other header is sent as a custom one, which SageMaker strips)",
     )
     parser.add_argument(
         "--router",

@@ -59,9 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="session_mode",
         help="send no session id (--session-mode none): the A/B against sessions",
     )
-    options.add_session_arguments(
-        parser, "session id header, e.g. x-smg-routing-key for SMG's manual policy (default %(default)s)"
-    )
+    options.add_session_arguments(parser, "session id header, e.g. x-smg-routing-key for SMG's manual policy")
     parser.add_argument(
         "--sharegpt",
         metavar="FILE",

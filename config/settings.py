@@ -131,10 +131,13 @@ class SessionSettings:
     """How a probe session carries its id, which the gateway hashes on."""
 
     mode: Literal["client", "server", "none"] = "client"  # make a UUID / adopt the gateway's / send none
-    header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
+    # e.g. x-smg-routing-key for SMG's manual policy; None: the kind's own (X-Session-Id; on sagemaker,
+    # SessionId's X-Amzn-SageMaker-Session-Id)
+    header: str | None = None
 
     def __post_init__(self):
-        _header(self.header, "header")
+        if self.header is not None:
+            _header(self.header, "header")
 
 
 @dataclass(frozen=True)

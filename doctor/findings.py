@@ -29,6 +29,10 @@ CAUSES = (
     "model_stream_error",
     "sessions_expire_between_rounds",
     "session_reuse_lost",
+    "sessions_not_opened",
+    "session_header_stripped",
+    "clock_skew",
+    "prefix_aware_overflow",
 )
 
 

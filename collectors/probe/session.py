@@ -122,7 +122,10 @@ class ProbeSettings:
     # client: a UUID per session; server: adopt the gateway's; none. On sagemaker, client and server both
     # open a stateful session per conversation (the container makes its id), none sends none.
     session_mode: str = "client"
-    session_header: str = "X-Session-Id"  # e.g. x-smg-routing-key for SMG's manual policy
+    # e.g. x-smg-routing-key for SMG's manual policy; None: the kind's own (TargetKind.session_header).
+    # On sagemaker any other header than SageMaker's carries the session as the application would send
+    # it, a custom header SageMaker strips (what the doctor names), instead of a SessionId.
+    session_header: str | None = None
     backend_headers: tuple[str, ...] = identity.DEFAULT_HEADERS
     backend_json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
     router: str | None = None  # one of identity.ROUTERS: a router that names the replica only when asked
@@ -148,7 +151,9 @@ class ProbeSettings:
         identity.request_extras(self.router)  # ValueError for an unknown router
         from kvwatch.collectors.probe.targets import KINDS  # its kinds import this module
 
-        KINDS.lookup(self.kind)  # ValueError naming the kinds
+        kind = KINDS.lookup(self.kind)  # ValueError naming the kinds
+        if self.session_header is None:
+            object.__setattr__(self, "session_header", kind.session_header)
         if (self.kind == "sagemaker") != (self.sagemaker is not None):
             raise ValueError("a sagemaker target needs its endpoint, and only a sagemaker target has one")
         for name in ("max_tokens", "block_size", "timeout_seconds"):

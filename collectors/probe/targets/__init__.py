@@ -29,6 +29,8 @@ class TargetKind(Protocol):
     name: str
     # Whether the route's origin serves the engines' /metrics, where the block size may be learned.
     serves_metrics: bool
+    # The header a session id travels in unless the target names another (ProbeSettings.session_header).
+    session_header: str
 
     def client_key(self, settings: ProbeSettings) -> Hashable:
         """What tells apart the clients this kind needs: settings with the same key share one."""

@@ -11,6 +11,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 class OpenAIKind:
     name = "openai"
     serves_metrics = True
+    session_header = "X-Session-Id"  # the session id's header unless a target names another
 
     def client_key(self, settings: ProbeSettings) -> Hashable:
         return None  # one pool of kept-alive connections per origin serves every route

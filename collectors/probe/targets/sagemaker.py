@@ -9,7 +9,9 @@ may span two parts): it is read line by line as the OpenAI path reads its stream
 first generated token's part. A session the endpoint no longer knows (a 400 naming it, or a
 `ClosedSessionId` on a round) is counted by kind, and a new one is opened for the round. SageMaker names
 no instance: a round names its replica only when the container says so in its custom attributes
-(`replica=...`); otherwise stickiness is judged by reuse. Session mode "none" sends no `SessionId`.
+(`replica=...`); otherwise stickiness is judged by reuse. Session mode "none" sends no `SessionId`; a
+session header other than SessionId's (`X-Amzn-SageMaker-Session-Id`) sends each conversation's id in that
+custom header instead, as an application configured so would, which SageMaker strips.
 
 botocore is synchronous: each call runs on the client's own threads, and the round's clock is read there,
 from just before the call to the part that completed each line.
@@ -21,11 +23,15 @@ import asyncio
 import calendar
 import json
 import re
+import socket
+import threading
 import time
+import uuid
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from urllib.parse import urlsplit
 
 from kvwatch.collectors.probe.conversation import SessionClose
 from kvwatch.collectors.probe.records import RoundResult
@@ -41,11 +47,14 @@ from kvwatch.collectors.probe.session import (
     status_failure,
     unforeseen,
 )
-from kvwatch.core.connections import url_problem
+from kvwatch.core.connections import connect_reason, url_problem
 from kvwatch.core.errors import KVWatchError
 from kvwatch.core.redaction import redact
 
 NEW_SESSION = "NEW_SESSION"
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"  # how botocore sends SessionId
+# What a round opening a session says when the endpoint answered without a session id (the doctor reads it).
+NO_NEW_SESSION = "the open answered no X-Amzn-SageMaker-New-Session-Id"
 OPEN_BODY = json.dumps({"requestType": "NEW_SESSION"}).encode()  # exactly this: the container refuses more
 CLOSE_BODY = json.dumps({"requestType": "CLOSE"}).encode()
 CLOSED_SESSION_HEADER = "x-amzn-sagemaker-closed-session-id"  # botocore lowercases HTTPHeaders
@@ -109,6 +118,20 @@ class Runtime:
     def __init__(self, client: object, threads: int = MAX_THREADS) -> None:
         self.client = client
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvwatch-sagemaker")
+        self._extra = threading.local()  # headers the API does not define, for the thread's next call
+        client.meta.events.register("before-sign.sagemaker-runtime.*", self._add_headers)
+
+    def _add_headers(self, request, **_) -> None:
+        for name, value in (getattr(self._extra, "headers", None) or {}).items():
+            request.headers[name] = value
+
+    def invoke(self, operation, headers: dict[str, str], **params) -> dict:
+        """`operation(**params)` sent with `headers` besides the API's own, in the calling thread."""
+        self._extra.headers = headers
+        try:
+            return operation(**params)
+        finally:
+            self._extra.headers = None
 
     @classmethod
     def for_settings(cls, settings: ProbeSettings) -> Runtime:
@@ -145,6 +168,7 @@ class Runtime:
 class SageMakerKind:
     name = "sagemaker"
     serves_metrics = False  # the runtime API serves no engine metrics
+    session_header = SESSION_HEADER
 
     def client_key(self, settings: ProbeSettings) -> Hashable:
         endpoint = settings.sagemaker
@@ -177,7 +201,11 @@ class SageMakerExchange:
         self.session_id: str | None = None
         self.expires_at: float | None = None  # unix seconds, from the open's Expires
         self.opened = 0
-        self._sessions = settings.session_mode != "none"
+        # A session header other than SessionId's: the conversation's id goes in it, as an application
+        # would send it, and no stateful session is opened (SageMaker strips the header: the doctor says so).
+        custom = custom_session_header(settings)
+        self._custom = {custom: str(uuid.uuid4())} if custom and settings.session_mode != "none" else {}
+        self._sessions = settings.session_mode != "none" and not custom
         self._lost: str | None = None  # how the session was lost after the last round (closed by the route)
         self._losses: list[tuple[int, str]] = []
 
@@ -237,8 +265,8 @@ class SageMakerExchange:
         if not new:
             raise RoundFailure(
                 "bad_response",
-                f"the open answered no X-Amzn-SageMaker-New-Session-Id (are stateful sessions enabled in "
-                f"the container? SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true): {body}",
+                f"{NO_NEW_SESSION} (are stateful sessions enabled in the container? "
+                f"SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true): {body}",
             )
         return parse_new_session(new)
 
@@ -267,7 +295,9 @@ class SageMakerExchange:
         deadline = time.perf_counter() + settings.timeout_seconds
         try:
             sent_at = time.perf_counter()
-            response = self.runtime.client.invoke_endpoint_with_response_stream(**params)
+            response = self.runtime.invoke(
+                self.runtime.client.invoke_endpoint_with_response_stream, self._custom, **params
+            )
             reply.status = response["ResponseMetadata"]["HTTPStatusCode"]
             backend = replica_of(response.get("CustomAttributes"))
             headers = response["ResponseMetadata"].get("HTTPHeaders", {})
@@ -280,7 +310,8 @@ class SageMakerExchange:
             reply.fail(*failure_of(error, reply))
         # SageMaker echoes no session id: one the endpoint answered 200 to counts as taken, as echoed.
         taken = session_id if reply.status == 200 else None
-        return round_result(settings, number, started_at, reply, previous, session_id, backend, taken)
+        sent = session_id or next(iter(self._custom.values()), None)
+        return round_result(settings, number, started_at, reply, previous, sent, backend, taken)
 
     def _loss_kind(self) -> str:
         expired = self.expires_at is not None and time.time() >= self.expires_at
@@ -319,6 +350,12 @@ def _drain(parts: Iterator[dict], deadline: float) -> None:
                 return
     except Exception:  # noqa: BLE001 - the round's answer is complete; its connection is not reused
         return
+
+
+def custom_session_header(settings: ProbeSettings) -> str | None:
+    """The target's session header when it is not SessionId's: a custom one, which SageMaker strips."""
+    header = settings.session_header or SESSION_HEADER
+    return None if header.lower() == SESSION_HEADER.lower() else header
 
 
 def parse_new_session(header: str) -> tuple[str, float | None]:
@@ -385,10 +422,31 @@ def failure_of(error: Exception, reply: Reply) -> tuple[str, str]:
     if isinstance(error, exceptions.SSLError):
         return "tls_error", str(error)
     if isinstance(error, exceptions.EndpointConnectionError):
-        return "connection_refused", str(error)
+        return _connection_failure(error)
     if isinstance(error, exceptions.HTTPClientError):
         return "stream_error" if reply.status == 200 else "http_error", str(error)
     return "internal_error", unforeseen(error)
+
+
+def _connection_failure(error: Exception) -> tuple[str, str]:
+    """botocore's "Could not connect" as the OpenAI path words it: dns_error for a host name that does
+    not resolve (a typo in endpoint_url, a region with no such endpoint), else connection_refused, with
+    the operating system's reason under urllib3's."""
+    cause = error.kwargs.get("error")
+    origin = urlsplit(error.kwargs.get("endpoint_url", "")).netloc
+    reason = connect_reason(cause) if isinstance(cause, BaseException) else str(error)
+    if _unresolved(cause):
+        return "dns_error", f"{redact(origin)}: {reason}"
+    return "connection_refused", f"cannot connect to {redact(origin)}: {reason}"
+
+
+def _unresolved(error: BaseException | None) -> bool:
+    """Does the chain under `error` hold the resolver's refusal (urllib3 wraps socket.gaierror)?"""
+    while error is not None:
+        if isinstance(error, socket.gaierror):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _client_error(error: Exception, reply: Reply) -> tuple[str, str]:

@@ -55,10 +55,20 @@ def _check_date(stamp: str, now: float) -> None:
             f"Date must be in ISO-8601 'basic format'. Got '{stamp}'."
         ) from None
     if abs(now - signed) > MAX_SKEW_S:
-        clock = datetime.fromtimestamp(now, UTC).strftime(AMZ_DATE)
-        raise errors.invalid_signature(
-            f"Signature expired: {stamp} is now earlier than or later than {clock} by more than 5 min."
-        )
+        raise errors.invalid_signature(_skew_message(stamp, signed, now))
+
+
+def _skew_message(stamp: str, signed: float, now: float) -> str:
+    """AWS's words for a signature dated over 5 minutes before its clock, or after it."""
+
+    def at(when: float) -> str:
+        return datetime.fromtimestamp(when, UTC).strftime(AMZ_DATE)
+
+    if signed < now:
+        earlier = at(now - MAX_SKEW_S)
+        return f"Signature expired: {stamp} is now earlier than {earlier} ({at(now)} - 5 min.)"
+    later = at(now + MAX_SKEW_S)
+    return f"Signature not yet current: {stamp} is still later than {later} ({at(now)} + 5 min.)"
 
 
 def validated_session(session_id: str | None, streaming: bool) -> str | None:

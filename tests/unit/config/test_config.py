@@ -369,7 +369,7 @@ def test_minimal_file_takes_every_default():
         "expect_sticky": True,  # affinity routes pin sessions
         "api_key_env": None,
         "api_key_file": None,
-        "session": {"mode": "client", "header": "X-Session-Id"},
+        "session": {"mode": "client", "header": None},  # the kind's own: X-Session-Id on openai
         "backend": {
             "headers": (
                 "X-Upstream",

@@ -95,6 +95,29 @@ def test_a_missing_incomplete_misscoped_or_stale_signature_is_refused(headers, c
     assert words in refused.value.members["Message"]
 
 
+@pytest.mark.parametrize(
+    "signed_at, message",
+    [
+        # AWS's words, as botocore's users quote them (boto/botocore#3587, aws/aws-sdk-js#1652).
+        (
+            "20261205T042000Z",
+            "Signature expired: 20261205T042000Z is now earlier than 20261205T042500Z "
+            "(20261205T043000Z - 5 min.)",
+        ),
+        (
+            "20261205T045000Z",
+            "Signature not yet current: 20261205T045000Z is still later than 20261205T043500Z "
+            "(20261205T043000Z + 5 min.)",
+        ),
+    ],
+)
+def test_a_signature_dated_over_5_minutes_off_is_refused_in_aws_words(signed_at, message):
+    with pytest.raises(errors.AwsError) as refused:
+        check_signature({**SIGNED, "X-Amz-Date": signed_at}, NOW)
+    assert (refused.value.code, refused.value.members["Message"]) == ("InvalidSignatureException", message)
+    check_signature({**SIGNED, "X-Amz-Date": "20261205T043459Z"}, NOW)  # 4:59 ahead: accepted
+
+
 def test_new_session_opens_only_on_invoke_endpoint():
     assert validated_session("NEW_SESSION", streaming=False) == "NEW_SESSION"
     assert validated_session("abc-123", streaming=True) == "abc-123"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvwatch.collectors.gatewaylogs.base import LogFormat, Request, check_fields, path_of, request
-from kvwatch.collectors.gatewaylogs.nginx import upstream_tried
+from kvwatch.collectors.gatewaylogs.nginx import header_time, upstream_tried
 
 FIELDS = {
     "msec": (int, float),
@@ -36,6 +36,7 @@ def parse(record: Mapping[str, object]) -> Request:
         session_id=session_id or record["req_id"],
         assigned=not session_id,
         path=path_of(record.get("uri")),  # "$uri", optional
+        first_byte_seconds=header_time(record),  # "$upstream_header_time", optional
     )
 
 

@@ -1,7 +1,8 @@
 """nginx's JSON access log: the `kvwatch_json` log_format of docs/gateway-logs.md (the lab's too).
 
 nginx names the session's source itself (`session_source`), and lists every server it tried in
-`upstream_addr`: more than one is a failover.
+`upstream_addr`: more than one is a failover. `upstream_header_time`, optional, is the upstream's time to
+the first byte of its answer's headers, a list as `upstream_addr` is: the last server's is the answer's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Malformed,
     Request,
     check_fields,
+    optional_number,
     path_of,
     request,
 )
@@ -38,6 +40,17 @@ def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
     return (tried[-1] if tried and ":" in tried[-1] else NO_UPSTREAM), len(tried) > 1
 
 
+def header_time(record: Mapping[str, object]) -> float | None:
+    """The last server's `$upstream_header_time` in seconds; None when the line has none or the server
+    sent no headers ("-")."""
+    times = record.get("upstream_header_time")
+    if times is None:
+        return None
+    if not isinstance(times, str):
+        raise Malformed("wrong_type")
+    return optional_number({"last": _UPSTREAM_SEPARATOR.split(times)[-1]}, "last")
+
+
 def parse(record: Mapping[str, object]) -> Request:
     check_fields(record, FIELDS)
     if record["session_source"] not in ("client", "assigned"):
@@ -52,6 +65,7 @@ def parse(record: Mapping[str, object]) -> Request:
         session_id=record["session_id"],
         assigned=record["session_source"] == "assigned",
         path=path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
+        first_byte_seconds=header_time(record),
     )
 
 

@@ -27,6 +27,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Request,
     json_object,
 )
+from kvwatch.collectors.gatewaylogs.rounds import RoundTimes
 from kvwatch.core.labels import BoundedLabel
 
 # Why a poll could not read a followed file: a fixed list, so that a reason can be a label.
@@ -75,13 +76,14 @@ def by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, in
 
 class _Session:
     """What the tally remembers of one session: when each upstream last served it, its two latest
-    requests, and when it last moved because of a failover."""
+    requests, when it last moved because of a failover, and how many requests it had (its round)."""
 
-    __slots__ = ("upstreams", "last", "previous", "failed_over")
+    __slots__ = ("upstreams", "last", "previous", "failed_over", "rounds")
 
     def __init__(self) -> None:
         self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
         self.last = self.previous = self.failed_over = -math.inf
+        self.rounds = 0
 
     def served(self, upstream: str, at: float, failover: bool) -> None:
         # Back on an upstream it had before its last failover: the failed server recovered, and this move
@@ -89,6 +91,7 @@ class _Session:
         if failover or self.upstreams.get(upstream, math.inf) < self.failed_over:
             self.failed_over = at
         self.upstreams[upstream] = at
+        self.rounds += 1
         if at >= self.last:
             self.previous, self.last = self.last, at
         else:  # a gateway logs a request when it ends: a long one can come after a later one
@@ -142,6 +145,13 @@ class GatewayLogSnapshot:
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
     future_times: int  # requests more than MAX_FUTURE_SECONDS ahead of the clock, taken as received
     folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
+    # (listener, round label) -> (cumulative (le, count) buckets, sum): the upstream's time to first byte
+    # of the successful requests with a client session key, by their round in the session (rounds.py)
+    first_byte_seconds: Mapping[tuple[str, str], tuple[tuple[tuple[str, float], ...], float]] = field(
+        default_factory=dict
+    )
+    # (listener, round label) -> the median first-byte time of its latest rounds.RECENT requests
+    first_byte_median_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def readable(self) -> bool:
@@ -202,6 +212,7 @@ class SessionTally:
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
         self._future_times = 0
+        self._round_times = RoundTimes()
 
     def take_line(self, line: bytes, received_at: float) -> None:
         """One access-log line as the gateway wrote it (a JSON object)."""
@@ -267,10 +278,17 @@ class SessionTally:
             if session is None:
                 session = self._sessions[key] = _Session()
             session.served(request.upstream, request.time, failover)
+            self._time_round(listener, session.rounds, request)
             self._sessions.move_to_end(key)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
                 self._evicted += 1
+
+    def _time_round(self, listener: str, round_: int, request: Request) -> None:
+        """A successful request's first-byte time by its round; a request without a client session key
+        has no round (the gateway's id is its own), and a failed one no answer to time."""
+        if request.first_byte_seconds is not None and not request.assigned and 200 <= request.status < 300:
+            self._round_times.observe(listener, round_, request.first_byte_seconds)
 
     def _forget_sessions_idle_since(self, horizon: float) -> None:
         """Sessions idle longer than both the window and the TTL count for nothing; they are the oldest."""
@@ -335,4 +353,6 @@ class SessionTally:
                     for reason, n in bound.folded.items()
                 }
             ),
+            first_byte_seconds=frozen(self._round_times.histograms()),
+            first_byte_median_seconds=frozen(self._round_times.medians()),
         )

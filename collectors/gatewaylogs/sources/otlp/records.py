@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
+from kvwatch.collectors.gatewaylogs import envoy
 from kvwatch.core.errors import KVWatchError
 
 FieldTypes = Mapping[str, type | tuple[type, ...]]
@@ -85,13 +86,17 @@ def _typed(value: object, allowed: type | tuple[type, ...]) -> object:
     return value
 
 
-def access_log_record(log_record: LogRecord, fields: FieldTypes) -> dict[str, object]:
-    """The format's fields of one LogRecord: the attributes', else the body's; raises MissingFields."""
+def access_log_record(
+    log_record: LogRecord, fields: FieldTypes, optional: FieldTypes = envoy.OPTIONAL_FIELDS
+) -> dict[str, object]:
+    """The format's fields of one LogRecord, and those of its `optional` ones it has: the attributes',
+    else the body's; raises MissingFields."""
+    wanted = {**optional, **fields}
     found = dict(_body_fields(log_record.body))
-    found.update((pair.key, plain_value(pair.value)) for pair in log_record.attributes if pair.key in fields)
+    found.update((pair.key, plain_value(pair.value)) for pair in log_record.attributes if pair.key in wanted)
     if not fields.keys() <= found.keys():
         raise MissingFields(sorted(fields.keys() - found.keys()))
-    return {name: _typed(found[name], allowed) for name, allowed in fields.items()}
+    return {name: _typed(found[name], allowed) for name, allowed in wanted.items() if name in found}
 
 
 def log_records(request: ExportLogsServiceRequest) -> Iterator[LogRecord]:

@@ -1,6 +1,6 @@
 """Real users' time to first token by round, from the gateway's access log: multi-turn sessions through
 the lab's gateways, and what kvwatch derives per listener and round against the replicas' ground truth
-(each request's first token, timed by the replica that served it).
+(each request's first token, timed by the replica that served it, vLLM- and SGLang-flavoured).
 
 Envoy times the answer's first body byte (`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%`): the first
 token of a stream, whenever the engine sends its headers. nginx times the headers
@@ -29,7 +29,8 @@ ROUNDS = 4
 SYSTEM = "You answer questions about the weather in the lab. " * 30  # a history worth caching
 # 16 tokens stream for about 300 ms after the first: a figure timed to the answer's end is far off.
 MAX_TOKENS = 16
-QUIET = ("--users", "0", "--no-probes", "--replicas", "3")
+# Replicas of both flavours: the SGLang-flavoured stream starts and ends as SGLang's does.
+QUIET = ("--users", "0", "--no-probes", "--replicas", "3", "--flavours", "vllm,sglang")
 # The first byte reaches the gateway after the replica's first token, by loopback HTTP and two process
 # wake-ups: 1 to 2.5 ms in the median on a quiet machine, up to 10 ms on one busy with other tests.
 # Within 5 ms is the figure on a quiet machine (docs/gateway-logs.md); the bound leaves room for a busy

@@ -225,6 +225,25 @@ def _reuse_row(layout: Layout) -> None:
 
     layout.add(local_hit_ratio_by_instance(), 12)
     layout.add(cached_share_by_source(), 12)
+    layout.add(
+        rounds_barchart(
+            "Real users' TTFT per round (gateway logs)",
+            "Median time to first byte of real users' requests by their round in the session (the n-th "
+            "request of its session id the gateway logged; 8+: the 8th and later), per gateway listener, "
+            "from the access log: each listener's latest 256 requests of the round.\n\n"
+            "It is the time to first token where the gateway times the answer's first body byte (Envoy "
+            "1.37+ with first_body_byte_us). nginx times the headers, which vLLM, SGLang and the lab's "
+            "replicas send before the first token: there it is not TTFT (docs/gateway-logs.md).\n\n"
+            "Good: a sticky listener's bars stay flat from round 2 on. Bad: they climb with the round "
+            "like round robin's: later rounds pay for the whole history again.",
+            queries.GATEWAY_FIRST_BYTE_BY_ROUND,
+            column="listener",
+            capped=True,
+            unit="s",
+            no_value=NO_GATEWAY_DATA,
+        ),
+        24,
+    )
 
 
 def _pinning_row(layout: Layout, t: Thresholds) -> None:

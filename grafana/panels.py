@@ -215,27 +215,32 @@ def verdict_stat(title: str, what: str, verdict: Verdict, legend: str) -> JSON:
     return panel
 
 
-def rounds_barchart(title: str, description: str, expr: str, **options: Any) -> JSON:
-    """Bars per round (x axis) and route mode, from an instant query by (round, route_mode).
+def rounds_barchart(
+    title: str, description: str, expr: str, column: str = "route_mode", capped: bool = False, **options: Any
+) -> JSON:
+    """Bars per round (x axis) and `column` (a route mode, a gateway listener), from an instant query by
+    (round, column).
 
-    Rounds are sorted as numbers before the table is pivoted, so round 10 follows round 9."""
+    Rounds are sorted as numbers before the table is pivoted, so round 10 follows round 9; `capped`
+    rounds (1 to 7 and "8+", rounds.ROUNDS) sort as they are, which a number would lose the "+" of."""
     panel = _panel("barchart", title, description, [target(expr, instant=True, fmt="table")], **options)
+    as_numbers = {
+        "id": "convertFieldType",
+        "options": {"conversions": [{"destinationType": "number", "targetField": "round"}], "fields": {}},
+    }
     panel["transformations"] = [
-        {
-            "id": "convertFieldType",
-            "options": {"conversions": [{"destinationType": "number", "targetField": "round"}], "fields": {}},
-        },
+        *([] if capped else [as_numbers]),
         {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": "round"}]}},
         {
             "id": "groupingToMatrix",
             "options": {
-                "columnField": "route_mode",
+                "columnField": column,
                 "emptyValue": "null",
                 "rowField": "round",
                 "valueField": "Value",
             },
         },
-        {"id": "organize", "options": {"renameByName": {"round\\route_mode": "round"}}},
+        {"id": "organize", "options": {"renameByName": {f"round\\{column}": "round"}}},
     ]
     panel["options"] = {
         "barWidth": 0.9,

@@ -442,6 +442,9 @@ REQUESTS_WITHOUT_SESSION_KEY_SHARE = _ratio(
     _sum_rate("kvwatch_gateway_requests_without_session_key_total", "", "log, listener"),
     _sum_rate("kvwatch_gateway_requests_total", "", "log, listener"),
 )
+# Real users' median time to first byte by round per gateway listener, from the access log: the
+# per-round chart for real traffic (the first token where the gateway times the answer's body, Envoy).
+GATEWAY_FIRST_BYTE_BY_ROUND = "max by (log, listener, round) (kvwatch_gateway_first_byte_median_seconds)"
 PROBE_ERRORS_BY_KIND = _sum_rate("kvwatch_probe_errors_total", PROBE_SELECTOR, "kind")
 PROBE_ROUNDS_BY_BACKEND = _sum_rate("kvwatch_probe_backend_rounds_total", PROBE_SELECTOR, "backend")
 PROBE_LAST_RUN_AGE = (

@@ -38,6 +38,9 @@ class Request(NamedTuple):
     session_id: str
     assigned: bool  # the client sent no session key: the id is one the gateway made
     path: str | None = None  # the request's path without its query; None: the log does not say
+    # Seconds from the gateway sending the request upstream to the first byte of the answer (nginx: its
+    # headers; Envoy: its body, the first token of a stream); None: the log does not say.
+    first_byte_seconds: float | None = None
 
 
 FieldTypes = Mapping[str, type | tuple[type, ...]]
@@ -142,14 +145,25 @@ def request(
     session_id: str,
     assigned: bool,
     path: str | None = None,
+    first_byte_seconds: float | None = None,
 ) -> Request:
     """The request of a checked line, refused when it has no session id, an impossible status, or a time
     that is no time (JSON's NaN or Infinity, which Python reads)."""
     if not session_id or not 100 <= status <= 599 or not math.isfinite(time):
         raise Malformed("bad_value")
+    if first_byte_seconds is not None and not 0 <= first_byte_seconds < math.inf:
+        raise Malformed("bad_value")
     # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
     return Request(
-        time, sys.intern(listener), sys.intern(upstream), failover, status, session_id, assigned, path
+        time,
+        sys.intern(listener),
+        sys.intern(upstream),
+        failover,
+        status,
+        session_id,
+        assigned,
+        path,
+        first_byte_seconds,
     )
 
 
@@ -159,3 +173,18 @@ def path_of(target: object) -> str | None:
     if not isinstance(target, str) or not target:
         return None
     return target.split(" ", 1)[-1].partition("?")[0]
+
+
+def optional_number(record: Mapping[str, object], field: str) -> float | None:
+    """An optional numeric field: None when absent, null, "-" or "" (a value the gateway did not have)."""
+    value = record.get(field)
+    if value is None or value in ("-", ""):
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise Malformed("wrong_type") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Malformed("wrong_type")
+    return float(value)

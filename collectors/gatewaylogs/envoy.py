@@ -4,7 +4,9 @@ examples/envoy-access-log.yaml (docs/gateway-logs.md).
 Envoy renders a value it does not have as null: no session header, no upstream host. It has no field for
 where the session id came from, so a gateway that assigns ids gives a request without one its own
 x-request-id: a session id equal to the request id, or none at all, is the gateway's. A retry shows in
-the attempt count, a failed upstream in the response flags.
+the attempt count, a failed upstream in the response flags. `first_body_byte_us`, optional, is
+`%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%` (Envoy 1.37 or later): from sending the request upstream
+to the first byte of the answer's body, which for a stream is its first token.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import math
 from collections.abc import Mapping
 from datetime import datetime
 
-from kvwatch.collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, path_of, request
+from kvwatch.collectors.gatewaylogs.base import (
+    NO_UPSTREAM,
+    LogFormat,
+    Malformed,
+    Request,
+    optional_number,
+    path_of,
+    request,
+)
 
 _OPTIONAL_TEXT = (str, type(None))
 FIELDS = {
@@ -27,6 +37,8 @@ FIELDS = {
     "session_id": _OPTIONAL_TEXT,
     "request_id": _OPTIONAL_TEXT,
 }
+# Fields a line may have; the OTLP source reads them where a record has them.
+OPTIONAL_FIELDS = {"path": _OPTIONAL_TEXT, "first_body_byte_us": (int, float, type(None))}
 # UF: the connection to the upstream failed; URX: the retries ran out on failing upstreams.
 FAILOVER_FLAGS = frozenset({"UF", "URX"})
 # Envoy logs 0 when it sent no response because the client went away first: nginx's 499 for the same.
@@ -43,6 +55,7 @@ def read(record: Mapping[str, object]) -> Request:
         raise Malformed("bad_value")
     session_id, request_id = record["session_id"], record["request_id"]
     status = record["response_code"]
+    first_body_byte_us = optional_number(record, "first_body_byte_us")
     return request(
         time=started.timestamp() + duration_ms / 1000,
         listener=record["listener"],
@@ -52,6 +65,7 @@ def read(record: Mapping[str, object]) -> Request:
         session_id=session_id or request_id or "",
         assigned=not session_id or session_id == request_id,
         path=path_of(record.get("path")),  # "%REQ(:PATH)%", optional
+        first_byte_seconds=None if first_body_byte_us is None else first_body_byte_us / 1e6,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot
@@ -74,10 +74,15 @@ _FAMILIES = (
      "oversize, kernel_drops (the UDP receive queue was full), over_rate, unauthenticated."),
     ("kvwatch_gateway_log_last_record_timestamp_seconds", GaugeMetricFamily, "last_record_at", (),
      "Unix time the log's source last delivered a line or record (0: never)."),
+    ("kvwatch_gateway_first_byte_median_seconds", GaugeMetricFamily, "first_byte_median_seconds",
+     ("listener", "round"), "Median upstream time to first byte of the latest 256 successful requests "
+     "with a client session key, by their round in the session (8+: the 8th and later): TTFT by round "
+     "where the first byte is the first token (docs/gateway-logs.md)."),
     ("kvwatch_gateway_log_info", GaugeMetricFamily, "info", ("expect_sticky", "source"),
      "The log's settings: whether its listeners are meant to keep each session on one upstream, and its "
      "source (file, syslog, otlp)."),
 )  # fmt: skip
+FIRST_BYTE = "kvwatch_gateway_first_byte_seconds"
 LABEL_NAMES = frozenset({"log", *(label for _, _, _, labels, _ in _FAMILIES for label in labels)})
 
 
@@ -97,6 +102,20 @@ def _metric_families(snapshots: list[GatewayLogSnapshot]) -> Iterator[Metric]:
             for label_values, value in _samples(getattr(snapshot, attribute)):
                 family.add_metric([snapshot.log, *label_values], value)
         yield family
+    yield _first_byte_histograms(snapshots)
+
+
+def _first_byte_histograms(snapshots: list[GatewayLogSnapshot]) -> Metric:
+    histogram = HistogramMetricFamily(
+        FIRST_BYTE,
+        "Upstream time to first byte of successful requests with a client session key, by their round "
+        "in the session (8+: the 8th and later): nginx's $upstream_header_time, Envoy's first body byte.",
+        labels=["log", "listener", "round"],
+    )
+    for snapshot in snapshots:
+        for (listener, round_), (buckets, total) in snapshot.first_byte_seconds.items():
+            histogram.add_metric([snapshot.log, listener, round_], list(buckets), total)
+    return histogram
 
 
 class GatewayLogCollector(Collector):

@@ -1,7 +1,8 @@
 """nginx's JSON access log: the `kvwatch_json` log_format of docs/gateway-logs.md (the lab's too).
 
 nginx names the session's source itself (`session_source`), and lists every server it tried in
-`upstream_addr`: more than one is a failover.
+`upstream_addr`: more than one is a failover. `upstream_header_time`, optional, is the upstream's time to
+the first byte of its answer's headers, a list as `upstream_addr` is: the last server's is the answer's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from kvwatch.collectors.gatewaylogs.base import NO_UPSTREAM, LogFormat, Malformed, Request, path_of, request
+from kvwatch.collectors.gatewaylogs.base import (
+    NO_UPSTREAM,
+    LogFormat,
+    Malformed,
+    Request,
+    optional_number,
+    path_of,
+    request,
+)
 
 # What nginx logs alike as kvwatch's log_format and as ingress-nginx's: `nginx_request` reads them.
 NGINX_FIELDS = {"msec": (int, float), "status": int, "upstream_addr": str, "session_id": str}
@@ -27,12 +36,29 @@ def upstream_tried(upstream_addr: str) -> tuple[str, bool]:
     return (tried[-1] if ":" in tried[-1] else NO_UPSTREAM), True
 
 
+def header_time(record: Mapping[str, object]) -> float | None:
+    """The last server's `$upstream_header_time` in seconds; None when the line has none or the server
+    sent no headers ("-")."""
+    times = record.get("upstream_header_time")
+    if times is None:
+        return None
+    if not isinstance(times, str):
+        raise Malformed("wrong_type")
+    return optional_number({"last": _UPSTREAM_SEPARATOR.split(times)[-1]}, "last")
+
+
 def nginx_request(record: Mapping[str, object], **session) -> Request:
     """The request of a line with NGINX_FIELDS: its time, status and the servers tried, with the
-    `listener`, `session_id`, `assigned` and `path` the format says in its own way."""
+    `listener`, `session_id`, `assigned` and `path` the format says in its own way, and the first byte's
+    time where the line has `upstream_header_time`."""
     upstream, failover = upstream_tried(record["upstream_addr"])
     return request(
-        time=record["msec"], upstream=upstream, failover=failover, status=record["status"], **session
+        time=record["msec"],
+        upstream=upstream,
+        failover=failover,
+        status=record["status"],
+        first_byte_seconds=header_time(record),  # "$upstream_header_time", optional
+        **session,
     )
 
 

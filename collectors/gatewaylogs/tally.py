@@ -27,6 +27,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Request,
     json_object,
 )
+from kvwatch.collectors.gatewaylogs.rounds import RoundTimes
 from kvwatch.core.labels import BoundedLabel
 
 # Why a poll could not read a followed file: a fixed list, so that a reason can be a label.
@@ -80,11 +81,21 @@ def by_reason(counts: Counter[str], reasons: tuple[str, ...]) -> Mapping[str, in
 
 class _Session:
     """What the tally remembers of one session: when each upstream last served it, its two latest
-    requests, when it last moved because of a failover, and its latest request as logged (its upstream,
-    its number among its listener's requests, whether it failed over) with when it last moved for a
-    cause."""
+    requests, when it last moved because of a failover, how many requests it had (its round), and its
+    latest request as logged (its upstream, its number among its listener's requests, whether it failed
+    over) with when it last moved for a cause."""
 
-    __slots__ = ("upstreams", "last", "previous", "failed_over", "upstream", "number", "failover", "excused")
+    __slots__ = (
+        "upstreams",
+        "last",
+        "previous",
+        "failed_over",
+        "upstream",
+        "number",
+        "failover",
+        "excused",
+        "rounds",
+    )
 
     def __init__(self) -> None:
         self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
@@ -92,6 +103,7 @@ class _Session:
         self.upstream: str | None = None  # the upstream of the latest request logged
         self.number = 0
         self.failover = False
+        self.rounds = 0
 
     def served(self, upstream: str, at: float, failover: bool, number: int) -> None:
         # Back on an upstream it had before its last failover: the failed server recovered, and this move
@@ -99,6 +111,7 @@ class _Session:
         if failover or self.upstreams.get(upstream, math.inf) < self.failed_over:
             self.failed_over = at
         self.upstreams[upstream] = at
+        self.rounds += 1
         if at >= self.last:
             self.previous, self.last = self.last, at
         else:  # a gateway logs a request when it ends: a long one can come after a later one
@@ -190,6 +203,13 @@ class GatewayLogSnapshot:
     evicted_sessions: int  # dropped to respect max_sessions while still within the window or TTL
     future_times: int  # requests more than MAX_FUTURE_SECONDS ahead of the clock, taken as received
     folded_labels: Mapping[tuple[str, str], int]  # (label, reason) -> requests shown as labels.OTHER
+    # (listener, round label) -> (cumulative (le, count) buckets, sum): the upstream's time to first byte
+    # of the successful requests with a client session key, by their round in the session (rounds.py)
+    first_byte_seconds: Mapping[tuple[str, str], tuple[tuple[tuple[str, float], ...], float]] = field(
+        default_factory=dict
+    )
+    # (listener, round label) -> the median first-byte time of its latest rounds.RECENT requests
+    first_byte_median_seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def readable(self) -> bool:
@@ -258,6 +278,7 @@ class SessionTally:
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self._evicted = 0
         self._future_times = 0
+        self._round_times = RoundTimes()
 
     def take_line(self, line: bytes, received_at: float) -> None:
         """One access-log line as the gateway wrote it (a JSON object)."""
@@ -327,7 +348,7 @@ class SessionTally:
         self._malformed[reason] += 1
 
     def _count(self, request: Request, received_at: float) -> None:
-        at, listener, upstream, failover, status, session_id, assigned, path = request
+        at, listener, upstream, failover, status, session_id, assigned, path, first_byte_seconds = request
         listener = self._listener_label(listener)
         if path is not None and path not in self._inference_paths:
             self._other_requests[listener] += 1
@@ -359,6 +380,10 @@ class SessionTally:
             if session.upstream is not None and at - session.last <= self.session_ttl_seconds:
                 self._count_return(listener, session, upstream, failover, at)
             session.served(upstream, at, failover, number)
+            # Timed by its round: a request without a client session key has no round (the id is the
+            # gateway's), a failed one no answer to time.
+            if first_byte_seconds is not None and not assigned and 200 <= status < 300:
+                self._round_times.observe(listener, session.rounds, first_byte_seconds)
 
     def _count_return(
         self, listener: str, session: _Session, upstream: str, failover: bool, at: float
@@ -445,4 +470,6 @@ class SessionTally:
                     for reason, n in bound.folded.items()
                 }
             ),
+            first_byte_seconds=frozen(self._round_times.histograms()),
+            first_byte_median_seconds=frozen(self._round_times.medians()),
         )

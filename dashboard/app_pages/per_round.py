@@ -1,7 +1,8 @@
 """Per-round TTFT from the probe history: the source article's chart. With affinity, rounds 2+ reuse the
 history and stay near round 1's cost; with round robin they pay for the whole history, growing by round.
 Split at a moment (a fault, an alert, a picked time), it shows before and after side by side: a break
-in affinity is round robin's climb appearing on the right."""
+in affinity is round robin's climb appearing on the right. Below, the same figure for real users, per
+gateway listener, from the gateway logs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from plotly.subplots import make_subplots
 
 from kvwatch.core.naming import plural
 from kvwatch.dashboard import data, ui
+from kvwatch.prometheus import queries
 
 WHOLE_RANGE, PICKED = "No split: the whole range", "A time I pick (UTC)"
 PERIODS = ("before", "after")
@@ -142,6 +144,35 @@ def per_round(targets: list[str], seconds: int) -> None:
     st.table(table(summary, shown, periods, "n").fillna(0).astype(int))
 
 
+def real_users_chart(medians: pd.DataFrame) -> go.Figure:
+    """Bars of the median first-byte time per round, one colour per gateway log and listener."""
+    figure = go.Figure()
+    shown = medians.assign(name=medians["log"] + " / " + medians["listener"]).sort_values("round")
+    for (name, rows), color in zip(shown.groupby("name"), itertools.cycle(ui.SERIES_COLORS)):
+        figure.add_bar(x=rows["round"], y=rows["value"] * 1000, name=name, marker_color=color)
+    figure.update_xaxes(title_text="round", type="category")
+    figure.update_yaxes(title_text="TTFT (ms)", rangemode="tozero")
+    figure.update_layout(margin={"t": 30}, legend={"orientation": "h", "y": -0.2}, height=380)
+    return figure
+
+
+@st.fragment(run_every=data.REFRESH_SECONDS)
+def real_users(seconds: int) -> None:
+    st.subheader("Real users, by gateway listener")
+    found = data.instant(queries.GATEWAY_FIRST_BYTE_BY_ROUND, data.span(seconds))
+    if ui.failed(found):
+        return
+    if found.value.empty:
+        ui.empty("No gateway log has timed a request's first byte yet (docs/gateway-logs.md).")
+        return
+    st.caption(
+        "Median time to first byte of each listener's latest requests of a round, from its access log; "
+        "8+ is the 8th round and later. The first token where the gateway times the answer's body (Envoy): "
+        "nginx times the headers, which vLLM and SGLang send before it."
+    )
+    st.plotly_chart(real_users_chart(found.value), key="real_users_chart")
+
+
 st.title("Per-round TTFT")
 config = data.settings()
 if not ui.failed(config):
@@ -149,3 +180,4 @@ if not ui.failed(config):
     picked = st.multiselect("Targets", names, default=names, key="per_round_targets")
     seconds = ui.time_range("per_round_range")
     per_round(picked, seconds)
+    real_users(seconds)

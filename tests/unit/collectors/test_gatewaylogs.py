@@ -32,7 +32,8 @@ NGINX_LINE = (
     '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"listener":"affinity",'
     '"request":"POST /v1/chat/completions","status":200,"upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
     '"upstream_status":"502, 200","session_id":"chat-42","session_source":"client",'
-    '"request_time":0.412,"upstream_response_time":"0.001, 0.411"}\n'
+    '"request_time":0.412,"upstream_response_time":"0.001, 0.411",'
+    '"upstream_header_time":"0.001, 0.087"}\n'
 )
 # Written from Envoy 1.40's documented output of examples/envoy-access-log.yaml (no Envoy binary here):
 # keys sorted, no spaces, numbers for the numeric operators, "-" for no response flags.
@@ -40,14 +41,14 @@ ENVOY_LINE = (
     '{"duration":412,"listener":"affinity","request_id":"2b8f2c7e-4d1a-4a5e-9f0b-6c3d1e7a9b10",'
     '"response_code":200,"response_flags":"-","session_id":"chat-42",'
     '"start_time":"2026-12-01T13:20:31.123Z","upstream_host":"10.0.0.1:8000",'
-    '"upstream_request_attempt_count":1}\n'
+    '"upstream_request_attempt_count":1,"first_body_byte_us":87012}\n'
 )
 # As ingress-nginx writes the log-format-upstream of docs/gateway-logs.md: a failover from R1 to R2.
 INGRESS_NGINX_LINE = (
     '{"time":"2026-12-01T13:20:31+00:00","msec":1764595231.535,"req_id":"5f1c0d2b9a3e4f60",'
     '"proxy_upstream_name":"llm-vllm-8000","upstream_addr":"10.0.0.1:8000, 10.0.0.2:8000",'
     '"upstream_status":"502, 200","status":200,"method":"POST","uri":"/v1/chat/completions",'
-    '"session_id":"chat-42","request_time":0.412}\n'
+    '"session_id":"chat-42","request_time":0.412,"upstream_header_time":"0.001, 0.087"}\n'
 )
 STARTED = datetime.fromisoformat("2026-12-01T13:20:31.123+00:00").timestamp()
 REQUEST_ID = "2b8f2c7e-4d1a-4a5e-9f0b-6c3d1e7a9b10"
@@ -79,7 +80,7 @@ def test_every_format_is_registered_under_its_name():
 
 FAILED_OVER = Request(
     time=1764595231.535, listener="affinity", upstream=R2, failover=True, status=200,
-    session_id="chat-42", assigned=False, path="/v1/chat/completions",
+    session_id="chat-42", assigned=False, path="/v1/chat/completions", first_byte_seconds=0.087,
 )  # fmt: skip
 
 
@@ -93,7 +94,9 @@ FAILED_OVER = Request(
         (
             "envoy",
             ENVOY_LINE,
-            FAILED_OVER._replace(time=STARTED + 0.412, upstream=R1, failover=False, path=None),
+            FAILED_OVER._replace(
+                time=STARTED + 0.412, upstream=R1, failover=False, path=None, first_byte_seconds=0.087012
+            ),
         ),
     ],
 )
@@ -140,7 +143,7 @@ def test_the_documented_envoy_json_format_is_what_the_envoy_format_reads():
     config = snippet["access_log"][0]["typed_config"]
     assert config["@type"] == "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
     fields = config["log_format"]["json_format"]
-    assert sorted(fields) == sorted(envoy.FIELDS)
+    assert sorted(fields) == sorted([*envoy.FIELDS, "first_body_byte_us"])
     assert fields["session_id"] == "%REQ(X-SESSION-ID)%" and fields["request_id"] == "%REQ(X-REQUEST-ID)%"
     # The line of these tests has exactly the documented fields.
     assert sorted(json.loads(ENVOY_LINE)) == sorted(fields)

@@ -345,7 +345,7 @@ def test_the_documented_configs_send_the_fields_the_envoy_format_reads():
     assert envoy_doc == example
     attributes = example["access_log"][0]["typed_config"]["attributes"]["values"]
     sent = {pair["key"]: pair["value"]["string_value"] for pair in attributes}
-    assert sorted(sent) == sorted(envoy.FIELDS)
+    assert sorted(sent) == sorted([*envoy.FIELDS, "first_body_byte_us"])
     (provider,) = istio["meshConfig"]["extensionProviders"]
     assert provider["envoyOtelAls"]["logFormat"]["labels"] == sent
     assert istio_telemetry["spec"]["accessLogging"][0]["providers"] == [{"name": provider["name"]}]

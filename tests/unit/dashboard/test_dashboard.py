@@ -1140,6 +1140,25 @@ def test_doctor_runs_and_lists_its_findings(fake):
     assert list(at.table[0].value["status"]) == ["pass", "fail"]
 
 
+def test_per_round_shows_real_users_ttft_by_round_per_gateway_listener(fake):
+    fake.values[queries.GATEWAY_FIRST_BYTE_BY_ROUND] = pd.DataFrame(
+        {"log": ["gw"] * 4, "listener": ["affinity", "affinity", "round_robin", "round_robin"],
+         "round": ["2", "1", "1", "8+"], "value": [0.03, 0.1, 0.1, 0.4]}
+    )  # fmt: skip
+    at = open_page("per_round")
+    assert not at.exception
+    (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith("real_users_chart")]
+    bars = {t["name"]: (t["x"], decoded(t["y"])) for t in json.loads(chart.proto.spec)["data"]}
+    assert bars == {
+        "gw / affinity": (["1", "2"], [pytest.approx(100), pytest.approx(30)]),
+        "gw / round_robin": (["1", "8+"], [pytest.approx(100), pytest.approx(400)]),
+    }
+
+
+def test_per_round_says_when_no_gateway_log_timed_a_first_byte(fake):
+    assert "No gateway log has timed a request's first byte yet" in texts(open_page("per_round"))
+
+
 # --- empty ---------------------------------------------------------------------------------------------
 
 

@@ -753,7 +753,8 @@ def test_sessions_and_per_round_pages_equal_the_store(lab, store, monkeypatch):
         assert int(found[4]) == sum(not s["ok"] for s in mine), caption
 
     page = AppTest.from_file(str(pages / "per_round.py"), default_timeout=30).run()
-    (chart,) = page.get("plotly_chart")
+    # The probes' chart; below it, real users' from the gateway logs.
+    (chart,) = [c for c in page.get("plotly_chart") if c.proto.id.endswith("per_round_chart")]
     traces = json.loads(chart.proto.spec)["data"]
     for band, line in zip(traces[::2], traces[1::2], strict=True):  # each line after its band
         target, quantile = line["name"].rsplit(" ", 1)

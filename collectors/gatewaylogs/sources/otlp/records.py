@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
+from kvwatch.collectors.gatewaylogs import envoy
 from kvwatch.core.errors import KVWatchError
 
 FieldTypes = Mapping[str, type | tuple[type, ...]]
@@ -94,20 +95,22 @@ def _converter(allowed: type | tuple[type, ...]) -> Callable[[object], object] |
 
 
 class AccessLogRecords:
-    """The format's fields of LogRecords, each field's conversion chosen once for all records."""
+    """The format's fields of LogRecords, and those of its `optional` ones a record has, each field's
+    conversion chosen once for all records."""
 
-    def __init__(self, fields: FieldTypes) -> None:
+    def __init__(self, fields: FieldTypes, optional: FieldTypes = envoy.OPTIONAL_FIELDS) -> None:
         self.fields = fields
-        converters = {name: _converter(allowed) for name, allowed in fields.items()}
+        self._wanted = {**optional, **fields}
+        converters = {name: _converter(allowed) for name, allowed in self._wanted.items()}
         self._typed = [(name, typed) for name, typed in converters.items() if typed is not None]
 
     def __call__(self, log_record: LogRecord) -> dict[str, object]:
-        """The format's fields of one LogRecord: the attributes', else the body's; raises MissingFields."""
+        """The wanted fields of one LogRecord: the attributes', else the body's; raises MissingFields."""
         found = dict(_body_fields(log_record.body)) if log_record.HasField("body") else {}
-        fields = self.fields
+        wanted = self._wanted
         for pair in log_record.attributes:
             key = pair.key
-            if key in fields:
+            if key in wanted:
                 value = pair.value
                 # Envoy sends every attribute as a string: read as plain_value reads it, in one call.
                 text = value.string_value
@@ -115,12 +118,12 @@ class AccessLogRecords:
                     found[key] = text
                 else:
                     found[key] = plain_value(value)
-        try:
-            record = {name: found[name] for name in fields}
-        except KeyError:
-            raise MissingFields(sorted(fields.keys() - found.keys())) from None
+        if not self.fields.keys() <= found.keys():
+            raise MissingFields(sorted(self.fields.keys() - found.keys()))
+        record = {name: found[name] for name in wanted if name in found}
         for name, typed in self._typed:
-            record[name] = typed(record[name])
+            if name in record:
+                record[name] = typed(record[name])
         return record
 
 

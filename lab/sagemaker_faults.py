@@ -11,10 +11,12 @@ from collections.abc import Callable
 import httpx
 
 from kvwatch.core.connections import request_sync
+from kvwatch.lab.gateways.sagemaker import holding
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.replicas.base import DISABLE_SESSIONS, sessions_directory
 from kvwatch.lab.state import LabState, ReplicaSpec
+from kvwatch.lab.supervisor import STOP_TIMEOUT_S
 
 EXPIRE_SESSIONS = "expire-sessions"
 CONTAINER_FAULTS = (EXPIRE_SESSIONS, DISABLE_SESSIONS)
@@ -46,11 +48,15 @@ def heal(state: LabState, restart: Restart) -> None:
 
 def _expire(state: LabState, replica: ReplicaSpec, restart: Restart) -> int:
     """Expire a replica's sessions: the simulator's through its admin API, a real engine's by dating
-    their files in the past while it is stopped (the session manager restores them at start)."""
+    their files in the past while it is stopped (the session manager restores them at start), the front
+    holding its requests meanwhile: a round in flight finishes, the next one waits and meets the expiry."""
     if REPLICA_KINDS.lookup(state.engine).admin_api:
         return _expire_live(replica)
     dated = []
-    restart(state, replica, lambda: dated.extend(_date_files(state, replica, time.time() - 1)))
+    started = REPLICA_KINDS.lookup(state.engine).process(state, replica)
+    restart_s = 2 * STOP_TIMEOUT_S + started.ready_timeout_s  # stopped (SIGTERM, SIGKILL), then ready
+    with holding(state, replica, restart_s):
+        restart(state, replica, lambda: dated.extend(_date_files(state, replica, time.time() - 1)))
     return len(dated)
 
 

@@ -58,6 +58,16 @@ def http_post(url: str, **options) -> httpx.Response:
     return httpx.post(url, verify=TLS, **options)
 
 
+def wait_for(condition, what: str, timeout: float = 120.0, every: float = 1.0):
+    """Poll until `condition()` returns something truthy, and return it; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(every)
+    raise AssertionError(f"{what} within {timeout:.0f} s")
+
+
 _DATETIME = datetime  # the real class, which set_wall_clock replaces in every module that holds it
 
 
@@ -521,8 +531,10 @@ class Lab:
         self.started_at = time.time()
         self.status = self.cli("status", "--json").json
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        result = kvwatch("lab", *args, "--state-dir", str(self.state_dir))
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`kvwatch lab ARGS` on this lab; a fault or heal that restarts real vLLM wants a longer
+        `timeout` (the lab allows its start minutes on a busy machine)."""
+        result = kvwatch("lab", *args, "--state-dir", str(self.state_dir), timeout=timeout)
         if "--json" in args and result.returncode == 0:
             result.json = json.loads(result.stdout)
         return result

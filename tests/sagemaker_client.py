@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conftest import Lab, kvwatch
+from conftest import REPO, Lab, http_get, kvwatch, wait_for
 from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS, LAB_REGION
 
 ENDPOINT = "lab-endpoint"
@@ -104,8 +106,12 @@ def probe_json(lab: Lab, *options: str, timeout: float = 180) -> tuple[dict, sub
     return json.loads(result.stdout), result
 
 
+# A fault or heal that restarts a real vLLM container: the lab's bound on its start (5 min) and more.
+RESTART_TIMEOUT_S = 600
+
+
 def fault(lab: Lab, *args: str) -> str:
-    result = lab.cli("fault", *args)
+    result = lab.cli("fault", *args, timeout=RESTART_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -122,3 +128,48 @@ def assert_sticky_by_reuse(report: dict, block: int) -> None:
             assert r["ttft_seconds"] > 0 and r["session_id_sent"] == session["session_id"], r
             assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % block == 0, r
             assert r["cached_tokens"] == r["ideal_cached_tokens"], r
+
+
+def probe_through_an_expiry(lab: Lab, options: list[str], expire: Callable[[subprocess.Popen], None]):
+    """`kvwatch probe --json`, one session of 8 rounds, in the background; once the session's first round
+    is served, `expire(the probe's process)` expires it. Checks the probe counted one loss (not_found:
+    before its Expires), ran the rounds before it in the first session and the rest in one new one, the
+    first there cold by design; returns the session, the id first opened and that round's index."""
+    pins = f"{lab.affinity}/-/lab-sessions"
+    before, model = set(http_get(pins, timeout=5).json()), lab.status.get("model", MODEL)
+    command = [
+        sys.executable, "-m", "kvwatch.cli.main", "probe", *endpoint(lab.affinity, model), "--json",
+        "--sessions", "1", "--rounds", "8", *options,
+    ]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, cwd=REPO, **pipes) as run:
+        try:
+            (opened,) = wait_for(
+                lambda: set(http_get(pins, timeout=5).json()) - before, "its session", timeout=120, every=0.1
+            )
+            wait_for(lambda: rounds_of(lab, opened, 200), "its first round", timeout=120, every=0.1)
+            expire(run)
+            out, err = run.communicate(timeout=RESTART_TIMEOUT_S)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert run.returncode == 0, err
+    (session,) = json.loads(out)["sessions"]
+    assert session["ok"] and len(session["rounds"]) == 8, session
+    assert [loss["kind"] for loss in session["session_losses"]] == ["not_found"], session
+    reopened_at = session["session_losses"][0]["round"] - 1
+    ids = [r["session_id_sent"] for r in session["rounds"]]
+    assert ids[0] == opened and set(ids[:reopened_at]) == {opened}, ids
+    assert len(set(ids[reopened_at:])) == 1 and session["session_id"] == ids[-1] != opened, ids
+    assert session["rounds"][reopened_at]["ideal_cached_tokens"] == 0  # cold by design in the new session
+    return session, opened, reopened_at
+
+
+def rounds_of(lab: Lab, session_id: str, status: int | None = None) -> list[dict]:
+    """The front's access-log lines of the session's streamed rounds (of that status)."""
+    return [
+        e
+        for e in lab.access_log("affinity")
+        if e["session_id"] == session_id and e["request"].endswith("-response-stream")
+        if status is None or e["status"] == status
+    ]

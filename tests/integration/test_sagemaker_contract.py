@@ -115,18 +115,3 @@ def test_real_vllm_behind_the_front_keeps_a_session_and_reuses_its_prefix(
     with pytest.raises(client.exceptions.ModelError) as refused:
         conversation.round("after the close")
     assert f"session not found: {session_id}" in refused.value.response["OriginalMessage"]
-
-
-def test_fault_expire_sessions_expires_real_vllms_sessions(vllm_sagemaker_lab, sagemaker_runtime):
-    client = sagemaker_runtime(vllm_sagemaker_lab.affinity)
-    session_id, _ = open_session(client)
-    conversation = Conversation(client, "expiry", system_words=50, max_tokens=2, session_id=session_id)
-    conversation.round("first")
-    result = vllm_sagemaker_lab.cli("fault", "expire-sessions")
-    assert result.returncode == 0, result.stderr
-    assert "every open session expired" in result.stdout
-    conversation.round("second")  # vLLM restored the session expired, and drops it on this request
-    with pytest.raises(client.exceptions.ModelError) as refused:
-        conversation.round("third")
-    assert f"session not found: {session_id}" in refused.value.response["OriginalMessage"]
-    assert vllm_sagemaker_lab.cli("heal").returncode == 0

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
-import time
 
 import pytest
-from sagemaker_client import assert_sticky_by_reuse, endpoint, fault, probe_json, use_lab_credentials
+from sagemaker_client import (
+    assert_sticky_by_reuse,
+    endpoint,
+    fault,
+    probe_json,
+    probe_through_an_expiry,
+    use_lab_credentials,
+)
 
-from conftest import REPO, Lab, http_get, kvwatch
+from conftest import Lab, http_get, kvwatch, wait_for
 from kvwatch.prometheus import queries
 
 REPLICAS = ("r1", "r2", "r3", "r4")
@@ -42,15 +46,6 @@ def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:
             r for r in truth if "prompt_tokens" in r and r.get("session_id") in session_ids
         ]
     return found
-
-
-def wait_for(condition, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(1)
-    raise AssertionError(f"{what}: not within {timeout:g} s")
 
 
 def active_alerts(lab: Lab, name: str) -> list[dict]:
@@ -93,33 +88,12 @@ def quiet_lab(start_lab):
 
 def test_expired_sessions_are_reported_and_reopened(quiet_lab):
     """The fault expires the open session once its first round is done, while the probe runs on."""
-    lab = quiet_lab
-    command = [
-        sys.executable, "-m", "kvwatch.cli.main", "probe", *endpoint(lab.affinity), "--json",
-        "--sessions", "1", "--rounds", "8", "--max-tokens", "64",
-    ]  # fmt: skip
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    with subprocess.Popen(command, cwd=REPO, **pipes) as run:
-        try:
-            pins = f"{lab.affinity}/-/lab-sessions"
-            (opened,) = wait_for(lambda: http_get(pins, timeout=5).json(), "the probe's session", timeout=60)
-            wait_for(lambda: any(records(lab, {opened}).values()), "its first round", timeout=60)
-            assert "every open session expired (1 in all)" in fault(lab, "expire-sessions")
-            out, err = run.communicate(timeout=300)
-        finally:
-            if run.poll() is None:
-                run.kill()
-    assert run.returncode == 0, err
-    (session,) = json.loads(out)["sessions"]
-    assert session["ok"] and len(session["rounds"]) == 8, session
-    assert [loss["kind"] for loss in session["session_losses"]] == ["not_found"], session
-    (loss,) = session["session_losses"]
-    ids = [r["session_id_sent"] for r in session["rounds"]]
-    reopened_at = loss["round"] - 1
-    assert ids[0] == opened and len(set(ids[:reopened_at])) == 1 and len(set(ids[reopened_at:])) == 1, ids
-    assert ids[-1] != opened and session["session_id"] == ids[-1]  # the session it ended in
-    assert session["rounds"][reopened_at]["ideal_cached_tokens"] == 0  # cold by design in the new session
-    assert lab.cli("heal").returncode == 0
+
+    def expire(_probe) -> None:
+        assert "every open session expired (1 in all)" in fault(quiet_lab, "expire-sessions")
+
+    probe_through_an_expiry(quiet_lab, ["--max-tokens", "64"], expire)
+    assert quiet_lab.cli("heal").returncode == 0
 
 
 def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmanager(lab):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group
+from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group, wait_for
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import queries
 
@@ -66,16 +66,6 @@ def prometheus_query(lab: Lab, expr: str, at: float) -> list[dict]:
     )
     response.raise_for_status()
     return response.json()["data"]["result"]
-
-
-def wait_for(condition, what: str, timeout: float = 120.0, every: float = 1.0):
-    """Poll until `condition()` returns something truthy, and return it; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(every)
-    raise AssertionError(f"{what} within {timeout:.0f} s")
 
 
 def replica_urls(lab: Lab) -> dict[str, str]:

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -31,7 +31,7 @@ from aiohttp import web
 
 from kvwatch.core.errors import Unreachable  # a container not answering: refused, reset before an answer
 from kvwatch.lab import sessions
-from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, errors
+from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, LOAD_PATH, errors
 from kvwatch.lab.gateways.sagemaker.eventstream import encode_exception, payload_part
 from kvwatch.lab.gateways.sagemaker.requests import check_signature, forwarded_headers, validated_session
 from kvwatch.lab.gateways.sagemaker.routing import STRATEGIES, Instance, Load
@@ -60,6 +60,8 @@ class FrontConfig:
     prefix_length: int
     concurrency_threshold: int
     container_timeout_s: float
+    # instance id -> seconds its new requests may wait (while the lab restarts it), at most
+    held: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> FrontConfig:
@@ -80,6 +82,7 @@ class Front:
         self.pins: dict[str, str] = {}  # session id -> instance id
         self.load = Load()
         self.client: aiohttp.ClientSession | None = None
+        self.reloaded = asyncio.Event()  # set, then replaced, at each reload: what held requests await
 
     def reload(self) -> None:
         try:
@@ -88,6 +91,18 @@ class Front:
             log.error("kept the old config: %s cannot be used: %r", self.config_path, error)
             return
         log.info("config %s loaded", self.config.generation)
+        self.reloaded.set()
+        self.reloaded = asyncio.Event()
+
+    async def released(self, instance: Instance) -> None:
+        """Return once the instance is not held (the lab restarts a container under its clients, as
+        SageMaker would never show them); Unreachable if it stays held longer than the lab said."""
+        deadline = time.monotonic() + self.config.held.get(instance.id, 0.0)
+        while instance.id in self.config.held:
+            try:
+                await asyncio.wait_for(self.reloaded.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise Unreachable(f"instance {instance.id} held for over its timeout") from None
 
     def instance(self, instance_id: str) -> Instance | None:
         return next((i for i in self.config.instances if i.id == instance_id), None)
@@ -95,6 +110,7 @@ class Front:
     def choose(self, listener: str, body: bytes, headers, excluded: set[str]) -> Instance:
         """An instance for a request without a session, by the listener's routing strategy."""
         candidates = [i for i in self.config.instances if i.id not in excluded]
+        candidates = [i for i in candidates if i.id not in self.config.held] or candidates
         if not candidates:
             raise errors.service_unavailable()
         strategy = STRATEGIES.lookup(self.config.listeners[listener]["routing"])
@@ -199,6 +215,7 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
 
 
 async def _post(front: Front, instance: Instance, body: bytes, headers: dict) -> aiohttp.ClientResponse:
+    await front.released(instance)
     front.load.outstanding[instance.id] = front.load.outstanding.get(instance.id, 0) + 1
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=front.config.container_timeout_s)
     try:
@@ -290,6 +307,11 @@ async def pins(request: web.Request) -> web.Response:
     return web.json_response(request.app[FRONT_KEY].pins)
 
 
+async def load(request: web.Request) -> web.Response:
+    """Requests in flight per instance: what the lab waits to drain before it restarts a held one."""
+    return web.json_response(request.app[FRONT_KEY].load.outstanding)
+
+
 def make_app(front: Front, listener: str) -> web.Application:
     app = web.Application(middlewares=[unknown_operation], client_max_size=64 * 1024 * 1024)
     app[FRONT_KEY] = front
@@ -300,6 +322,7 @@ def make_app(front: Front, listener: str) -> web.Application:
             web.post("/endpoints/{name}/invocations-response-stream", invoke_streaming),
             web.get(GENERATION_PATH, generation),
             web.get(SESSIONS_PATH, pins),
+            web.get(LOAD_PATH, load),
         ]
     )
     return app

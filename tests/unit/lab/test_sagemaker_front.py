@@ -3,13 +3,17 @@ rest-json parser with the SageMaker runtime's service model: the exception the A
 
 from __future__ import annotations
 
+import asyncio
+import json
 from datetime import UTC, datetime
 
 import botocore.session
 import pytest
 from botocore.parsers import RestJSONParser
 
+from kvwatch.core.errors import Unreachable
 from kvwatch.lab.gateways.sagemaker import errors
+from kvwatch.lab.gateways.sagemaker.front import Front
 from kvwatch.lab.gateways.sagemaker.requests import check_signature, forwarded_headers, validated_session
 from kvwatch.lab.gateways.sagemaker.routing import STRATEGIES, Instance, Load
 
@@ -172,3 +176,48 @@ def test_prefix_aware_keeps_a_prefix_on_one_instance_until_the_threshold():
 def test_random_spreads_requests():
     load = Load()
     assert {STRATEGIES["RANDOM"].choose(INSTANCES, load, None, 8).id for _ in range(60)} == {"r0", "r1", "r2"}
+
+
+def front_config(tmp_path, held: dict[str, float]):
+    """A front.json of two instances, `held` holding (for so many seconds at most), and its path."""
+    path = tmp_path / "front.json"
+    config = {
+        "generation": f"g-{'-'.join(sorted(held))}", "endpoint": "lab-endpoint", "variant": "AllTraffic",
+        "instances": [{"id": "r1", "url": "http://127.0.0.1:9"}, {"id": "r2", "url": "http://127.0.0.1:9"}],
+        "listeners": {"affinity": {"port": 9, "routing": "RANDOM"}}, "faults": [],
+        "log_directory": str(tmp_path), "prefix_length": 1024, "concurrency_threshold": 8,
+        "container_timeout_s": 30.0, "held": held,
+    }  # fmt: skip
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_a_held_instances_requests_wait_for_the_config_that_releases_it(tmp_path):
+    async def scenario():
+        front = Front(front_config(tmp_path, held={"r1": 60.0}))
+        waiting = asyncio.create_task(front.released(Instance("r1", "http://127.0.0.1:9")))
+        await asyncio.sleep(0)  # the task runs until it waits
+        assert not waiting.done()
+        await front.released(Instance("r2", "http://127.0.0.1:9"))  # another instance's go through
+        front_config(tmp_path, held={})
+        front.reload()
+        await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(scenario())
+
+
+def test_an_instance_held_longer_than_the_lab_said_is_unreachable(tmp_path):
+    async def scenario():
+        front = Front(front_config(tmp_path, held={"r1": 0.05}))
+        with pytest.raises(Unreachable, match="held"):
+            await front.released(Instance("r1", "http://127.0.0.1:9"))
+
+    asyncio.run(scenario())
+
+
+def test_requests_without_a_session_go_to_instances_not_held(tmp_path):
+    front = Front(front_config(tmp_path, held={"r1": 60.0}))
+    assert {front.choose("affinity", b"{}", {}, set()).id for _ in range(20)} == {"r2"}
+    front_config(tmp_path, held={"r1": 60.0, "r2": 60.0})
+    front.reload()  # every instance held: the request waits for one
+    assert {front.choose("affinity", b"{}", {}, set()).id for _ in range(20)} == {"r1", "r2"}

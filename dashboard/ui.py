@@ -11,7 +11,8 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.core.naming import replica_name
+from kvwatch.collectors.probe.records import REUSED_SHARE
+from kvwatch.core.naming import plural, replica_name
 from kvwatch.dashboard import data
 from kvwatch.prometheus import queries
 
@@ -166,6 +167,41 @@ RISES = {GOOD: "normal", BAD: "inverse", NEUTRAL: "off"}
 # Lines and bars of things with no good or bad to them (instances, targets, sources) never take the
 # red, green or orange that verdicts and marks mean.
 SERIES_COLORS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8")
+
+
+# What a session's stickiness was judged by (collectors.probe.records.EVIDENCE), as the pages say it.
+EVIDENCE_WORDS = {
+    "replica": "judged by replica identity: each round named the replica that served it",
+    "reuse": "judged by reuse: no round named its replica (SageMaker names none), so the warm rounds' "
+    "cached tokens tell",
+    "none": "not judged: no round named its replica, and no warm round reported cached tokens",
+}
+
+
+def stickiness_evidence(sessions: pd.DataFrame, target: str) -> str | None:
+    """What the stickiness of `target`'s sessions (data.sessions) was judged by, and for those judged by
+    reuse what their warm rounds cached against what a replica holding the conversation would have;
+    None without a session of it."""
+    mine = sessions[sessions["target"] == target] if len(sessions) else sessions
+    if mine.empty:
+        return None
+    counts = mine["evidence"].value_counts()
+    said = [
+        f"{plural(int(counts[kind]), 'session')} {words}."
+        for kind, words in EVIDENCE_WORDS.items()
+        if kind in counts
+    ]
+    reuse = mine[mine["evidence"] == "reuse"]
+    ideal = int(reuse["warm_ideal_cached_tokens"].sum())
+    if ideal:
+        cached, rounds = int(reuse["warm_cached_tokens"].sum()), int(reuse["warm_rounds"].sum())
+        reused = int(reuse["warm_rounds_reused"].sum())
+        said.append(
+            f"Judged by reuse, warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the "
+            f"conversation would have ({cached / ideal:.0%}); {reused} of {plural(rounds, 'warm round')} "
+            f"cached at least {REUSED_SHARE:.0%} of theirs."
+        )
+    return " ".join(said)
 
 
 NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind": [], "text": []})

@@ -172,8 +172,7 @@ SERIES_COLORS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f
 # What a session's stickiness was judged by (collectors.probe.records.EVIDENCE), as the pages say it.
 EVIDENCE_WORDS = {
     "replica": "judged by replica identity: each round named the replica that served it",
-    "reuse": "judged by reuse: no round named its replica (SageMaker names none), so the warm rounds' "
-    "cached tokens tell",
+    "reuse": "judged by reuse: no round named its replica (SageMaker names none)",
     "none": "not judged: no round named its replica, and no warm round reported cached tokens",
 }
 
@@ -185,23 +184,28 @@ def stickiness_evidence(sessions: pd.DataFrame, target: str) -> str | None:
     mine = sessions[sessions["target"] == target] if len(sessions) else sessions
     if mine.empty:
         return None
-    counts = mine["evidence"].value_counts()
-    said = [
-        f"{plural(int(counts[kind]), 'session')} {words}."
-        for kind, words in EVIDENCE_WORDS.items()
-        if kind in counts
-    ]
-    reuse = mine[mine["evidence"] == "reuse"]
-    ideal = int(reuse["warm_ideal_cached_tokens"].sum())
-    if ideal:
-        cached, rounds = int(reuse["warm_cached_tokens"].sum()), int(reuse["warm_rounds"].sum())
-        reused = int(reuse["warm_rounds_reused"].sum())
-        said.append(
-            f"Judged by reuse, warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the "
-            f"conversation would have ({cached / ideal:.0%}); {reused} of {plural(rounds, 'warm round')} "
-            f"cached at least {REUSED_SHARE:.0%} of theirs."
-        )
+    said = []
+    for kind, words in EVIDENCE_WORDS.items():
+        judged = mine[mine["evidence"] == kind]
+        if not judged.empty:
+            figures = reuse_figures(judged) if kind == "reuse" else ""
+            said.append(f"{plural(len(judged), 'session')} {words}{figures}.")
     return " ".join(said)
+
+
+def reuse_figures(judged: pd.DataFrame) -> str:
+    """The warm rounds' cached against ideal tokens of sessions judged by reuse, the judgment's grounds."""
+    cached, ideal, rounds, reused = (
+        int(judged[column].sum())
+        for column in ("warm_cached_tokens", "warm_ideal_cached_tokens", "warm_rounds", "warm_rounds_reused")
+    )
+    if not ideal:
+        return ""
+    return (
+        f"; their warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the conversation "
+        f"would have ({cached / ideal:.0%}), and {reused} of {plural(rounds, 'warm round')} at least "
+        f"{REUSED_SHARE:.0%} of theirs"
+    )
 
 
 NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind": [], "text": []})

@@ -151,16 +151,15 @@ def test_the_store_and_the_pages_say_each_session_was_judged_by_reuse_as_the_rep
     cached, ideal = int(judged["warm_cached_tokens"].sum()), int(judged["warm_ideal_cached_tokens"].sum())
     rounds = int(judged["warm_rounds"].sum())
     assert (
-        f"{len(shown)} sessions judged by reuse: no round named its replica (SageMaker names none), so the "
-        f"warm rounds' cached tokens tell. Judged by reuse, warm rounds cached {cached:,} of the {ideal:,} "
-        f"tokens a replica holding the conversation would have (100%); {rounds} of {rounds} warm rounds "
-        "cached at least 50% of theirs."
+        f"{len(shown)} sessions judged by reuse: no round named its replica (SageMaker names none); their "
+        f"warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the conversation would "
+        f"have (100%), and {rounds} of {rounds} warm rounds at least 50% of theirs."
     ) in captions(at), captions(at)
 
     overview = [c for c in captions(page("overview", lab, monkeypatch)) if "judged by" in c]
     assert len(overview) == 2, overview  # one for each route, both judged by reuse alone
     affinity = re.search(
-        r"cached ([\d,]+) of the ([\d,]+) tokens .* \(100%\); (\d+) of (\d+) warm", overview[0]
+        r"cached ([\d,]+) of the ([\d,]+) tokens .* \(100%\), and (\d+) of (\d+) warm", overview[0]
     )
     assert affinity and (affinity[1], affinity[3]) == (affinity[2], affinity[4]), overview
     assert "judged by replica identity" not in " ".join(overview)

@@ -850,7 +850,7 @@ def test_sessions_list_and_drill_into_one(fake):
     assert not at.exception
     assert "2 sessions" in texts(at) and "100% stayed on one replica" in texts(at)
     assert "2 sessions judged by replica identity: each round named the replica that served it." in texts(at)
-    assert "Judged by reuse" not in texts(at)
+    assert "judged by reuse" not in texts(at)
     assert list(at.dataframe[0].value["evidence"]) == ["replica", "replica"]
     assert list(at.dataframe[0].value["id"]) == [2, 1]
     assert list(at.dataframe[0].value["interrupted"]) == [False, False]
@@ -881,9 +881,9 @@ BY_REUSE = {
     6: by_reuse(6, 3),
 }
 REUSE_WORDS = (
-    "2 sessions judged by reuse: no round named its replica (SageMaker names none), so the warm rounds' "
-    "cached tokens tell. Judged by reuse, warm rounds cached 8,000 of the 9,600 tokens a replica holding "
-    "the conversation would have (83%); 5 of 6 warm rounds cached at least 50% of theirs."
+    "2 sessions judged by reuse: no round named its replica (SageMaker names none); their warm rounds "
+    "cached 8,000 of the 9,600 tokens a replica holding the conversation would have (83%), and 5 of 6 "
+    "warm rounds at least 50% of theirs."
 )
 
 

@@ -11,7 +11,8 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvwatch.alerts import verdicts
-from kvwatch.core.naming import replica_name
+from kvwatch.collectors.probe.records import REUSED_SHARE
+from kvwatch.core.naming import plural, replica_name
 from kvwatch.dashboard import data
 from kvwatch.prometheus import queries
 
@@ -166,6 +167,45 @@ RISES = {GOOD: "normal", BAD: "inverse", NEUTRAL: "off"}
 # Lines and bars of things with no good or bad to them (instances, targets, sources) never take the
 # red, green or orange that verdicts and marks mean.
 SERIES_COLORS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8")
+
+
+# What a session's stickiness was judged by (collectors.probe.records.EVIDENCE), as the pages say it.
+EVIDENCE_WORDS = {
+    "replica": "judged by replica identity: each round named the replica that served it",
+    "reuse": "judged by reuse: no round named its replica (SageMaker names none)",
+    "none": "not judged: no round named its replica, and no warm round reported cached tokens",
+}
+
+
+def stickiness_evidence(sessions: pd.DataFrame, target: str) -> str | None:
+    """What the stickiness of `target`'s sessions (data.sessions) was judged by, and for those judged by
+    reuse what their warm rounds cached against what a replica holding the conversation would have;
+    None without a session of it."""
+    mine = sessions[sessions["target"] == target] if len(sessions) else sessions
+    if mine.empty:
+        return None
+    said = []
+    for kind, words in EVIDENCE_WORDS.items():
+        judged = mine[mine["evidence"] == kind]
+        if not judged.empty:
+            figures = reuse_figures(judged) if kind == "reuse" else ""
+            said.append(f"{plural(len(judged), 'session')} {words}{figures}.")
+    return " ".join(said)
+
+
+def reuse_figures(judged: pd.DataFrame) -> str:
+    """The warm rounds' cached against ideal tokens of sessions judged by reuse, the judgment's grounds."""
+    cached, ideal, rounds, reused = (
+        int(judged[column].sum())
+        for column in ("warm_cached_tokens", "warm_ideal_cached_tokens", "warm_rounds", "warm_rounds_reused")
+    )
+    if not ideal:
+        return ""
+    return (
+        f"; their warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the conversation "
+        f"would have ({cached / ideal:.0%}), and {reused} of {plural(rounds, 'warm round')} at least "
+        f"{REUSED_SHARE:.0%} of theirs"
+    )
 
 
 NO_EVENTS = pd.DataFrame({"time": pd.Series(dtype="datetime64[ns, UTC]"), "kind": [], "text": []})

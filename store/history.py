@@ -2,7 +2,7 @@
 
 Prometheus keeps the aggregates; the per-session, per-round detail the dashboard drills into lives
 here, in an SQLite file (one writing process) or a PostgreSQL database (every shard writes it), with the
-same schema and the same versioned migrations (collectors.stores). `kvwatch serve` writes through one
+same schema and the same versioned migrations (store.schema). `kvwatch serve` writes through one
 StoreWriter thread, so that a locked or full store never holds up its event loop; others read at the
 same time (the dashboard, with `readonly=True`).
 
@@ -33,10 +33,10 @@ from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.core.errors import KVWatchError
 from kvwatch.store.base import BUSY_TIMEOUT_SECONDS, Database, StoreError, first_line
 from kvwatch.store.databases import open_database, transient
+from kvwatch.store.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
 
 log = logging.getLogger("kvwatch.store")
 
-SCHEMA_VERSION = 5
 ALERT_STATUSES = ("firing", "resolved")
 MAX_QUOTED_CHARS = 64  # of a rejected value in its message: a warning line stays a line
 
@@ -49,76 +49,6 @@ class AlertsAdded:
     rejected: tuple[str, ...] = ()  # e.g. "alerts[1].status: must be firing or resolved, got 'pending'"
 
 
-_SCHEMA = (
-    """CREATE TABLE sessions (
-        id {serial},
-        target TEXT NOT NULL,
-        route_mode TEXT NOT NULL,
-        session_id TEXT,
-        started_at DOUBLE PRECISION NOT NULL,
-        finished_at DOUBLE PRECISION NOT NULL,
-        ok INTEGER NOT NULL,
-        error_kind TEXT,
-        sticky INTEGER,
-        backend_switches INTEGER,
-        session_id_echoed INTEGER,
-        interrupted INTEGER NOT NULL DEFAULT 0,
-        uid TEXT,
-        in_flight INTEGER NOT NULL DEFAULT 0,
-        writer INTEGER
-    )""",
-    "CREATE INDEX sessions_by_time ON sessions (started_at)",
-    "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
-    "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
-    """CREATE TABLE rounds (
-        session INTEGER NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
-        round INTEGER NOT NULL,
-        started_at DOUBLE PRECISION NOT NULL,
-        status INTEGER,
-        error_kind TEXT,
-        error_detail TEXT,
-        ttft_seconds DOUBLE PRECISION,
-        total_seconds DOUBLE PRECISION,
-        prompt_tokens INTEGER,
-        cached_tokens INTEGER,
-        ideal_cached_tokens INTEGER,
-        completion_tokens INTEGER,
-        backend TEXT,
-        session_id_sent TEXT,
-        session_id_returned TEXT,
-        first_content_seconds DOUBLE PRECISION,
-        PRIMARY KEY (session, round)
-    ) {without_rowid}""",
-    # Alertmanager repeats a group's alerts in every notification: one row per alert per state
-    # (fingerprint, status, starts_at) keeps the first receipt, which is what detection latency needs.
-    """CREATE TABLE alerts (
-        id {serial},
-        received_at DOUBLE PRECISION NOT NULL,
-        status TEXT NOT NULL,
-        alertname TEXT NOT NULL,
-        severity TEXT,
-        target TEXT,
-        instance TEXT,
-        labels TEXT NOT NULL,
-        annotations TEXT NOT NULL,
-        starts_at DOUBLE PRECISION NOT NULL,
-        ends_at DOUBLE PRECISION,
-        fingerprint TEXT NOT NULL,
-        UNIQUE (fingerprint, status, starts_at)
-    )""",
-    "CREATE INDEX alerts_by_time ON alerts (received_at)",
-)
-# What takes a store of the version before each one to that version, keeping its history.
-_MIGRATIONS = {
-    2: ("ALTER TABLE rounds ADD COLUMN first_content_seconds REAL",),  # reasoning models' second TTFT
-    3: ("ALTER TABLE sessions ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0",),  # cut by a stop
-    4: (  # written round by round: the writer's id of a session, and whether it still runs
-        "ALTER TABLE sessions ADD COLUMN uid TEXT",
-        "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
-        "ALTER TABLE sessions ADD COLUMN in_flight INTEGER NOT NULL DEFAULT 0",
-    ),
-    5: ("ALTER TABLE sessions ADD COLUMN writer INTEGER",),  # which of several writers, to tell if it lives
-}
 # Fields and properties of SessionResult / RoundResult, stored under their own names.
 _SESSION_COLUMNS = (
     "target",
@@ -132,6 +62,12 @@ _SESSION_COLUMNS = (
     "backend_switches",
     "session_id_echoed",
     "interrupted",
+    # What `sticky` was judged by (records.EVIDENCE), and the warm rounds' reuse behind a judgment by reuse.
+    "evidence",
+    "warm_rounds",
+    "warm_rounds_reused",
+    "warm_cached_tokens",
+    "warm_ideal_cached_tokens",
 )
 _ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
 _ROUND_TABLE_COLUMNS = ("session", *_ROUND_COLUMNS)
@@ -194,7 +130,7 @@ class Store:
                 )
             if version < SCHEMA_VERSION:
                 steps = range(version + 1, SCHEMA_VERSION + 1)
-                for statement in _SCHEMA if version == 0 else [s for n in steps for s in _MIGRATIONS[n]]:
+                for statement in SCHEMA if version == 0 else [s for n in steps for s in MIGRATIONS[n]]:
                     db.execute(statement.format(serial=db.serial, without_rowid=db.without_rowid))
                 db.set_schema_version(SCHEMA_VERSION)
             if not readonly and (cut := db.cut_short()):
@@ -248,7 +184,10 @@ class Store:
 
         `since` (unix seconds) keeps sessions that started then or later; `ok`, `sticky`,
         `session_id_echoed`, `interrupted` and `in_flight` are booleans (None when unknown). A session
-        still `in_flight` when its writer is gone reads as interrupted.
+        still `in_flight` when its writer is gone reads as interrupted. `evidence` says what `sticky` was
+        judged by (replica, reuse or none); `warm_rounds` counts the warm rounds reuse judges,
+        `warm_rounds_reused` those that reused at least half their ideal, `warm_cached_tokens` and
+        `warm_ideal_cached_tokens` are their sums (None without warm rounds).
         """
         where, params = _where({"target = ?": target, "started_at >= ?": since})
         sql = f"SELECT * FROM sessions {where} ORDER BY started_at DESC, id DESC"

@@ -37,6 +37,8 @@ SESSION_LOSS_KINDS = (
 )
 # What a session's stickiness is judged by: the replica each round names, or its cached tokens.
 EVIDENCE = ("replica", "reuse", "none")
+# Judged by reuse, a warm round that cached less than this share of its ideal landed on another replica.
+REUSED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,36 @@ class SessionResult:
         switches = self.backend_switches
         if switches is not None:
             return switches == 0
-        warm = [r for r in self.rounds[1:] if r.ok and r.cached_tokens is not None and r.ideal_cached_tokens]
-        if not warm:
-            return None
-        return all(r.cached_tokens >= 0.5 * r.ideal_cached_tokens for r in warm)
+        warm = self._warm
+        return all(map(_reused, warm)) if warm else None
+
+    @property
+    def _warm(self) -> tuple[RoundResult, ...]:
+        """The rounds reuse judges: rounds 2+ that succeeded, reported their cached tokens and had
+        something a pinned replica would have cached."""
+        return tuple(
+            r for r in self.rounds[1:] if r.ok and r.cached_tokens is not None and r.ideal_cached_tokens
+        )
+
+    @property
+    def warm_rounds(self) -> int:
+        """How many rounds reuse judges (the figures below are theirs)."""
+        return len(self._warm)
+
+    @property
+    def warm_rounds_reused(self) -> int:
+        """Of those, how many cached at least REUSED_SHARE of their ideal: all when sticky by reuse."""
+        return sum(map(_reused, self._warm))
+
+    @property
+    def warm_cached_tokens(self) -> int | None:
+        """What the warm rounds cached, the reuse behind a judgment by it; None without warm rounds."""
+        return sum(r.cached_tokens for r in self._warm) if self._warm else None
+
+    @property
+    def warm_ideal_cached_tokens(self) -> int | None:
+        """What a pinned replica would have cached in the warm rounds; None without warm rounds."""
+        return sum(r.ideal_cached_tokens for r in self._warm) if self._warm else None
 
     @property
     def evidence(self) -> str:
@@ -136,3 +164,8 @@ class SessionResult:
         if not sent:
             return None
         return all(r.session_id_returned == r.session_id_sent for r in sent)
+
+
+def _reused(warm: RoundResult) -> bool:
+    """A warm round reused what a pinned replica would have, or most of it: it stayed on its replica."""
+    return warm.cached_tokens >= REUSED_SHARE * warm.ideal_cached_tokens

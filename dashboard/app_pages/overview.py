@@ -236,11 +236,15 @@ def sticky_words(expected: bool) -> str:
     return "expected to keep each session on one replica" if expected else "not expected to be sticky"
 
 
-def route(board: Board, target: Target) -> None:
+def route(board: Board, target: Target, sessions: data.Result) -> None:
+    """A probe route's tiles, under what its sessions' stickiness was judged by over the range (from
+    the store's `sessions`): the replica each round named, or the warm rounds' reuse."""
     st.subheader(target.name)
     st.caption(
         f"Probe route, {target.route_mode}, {sticky_words(target.expect_sticky)} · {redact(target.base_url)}"
     )
+    if not sessions.error and (evidence := ui.stickiness_evidence(sessions.value, target.name)):
+        st.caption(f"Since {ui.as_of(board.over.start)}: {evidence}")
     for column, shown in zip(st.columns(3), (STICKY, WARM_COLD, AFFINITY_EFFICIENCY), strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
@@ -332,8 +336,11 @@ def overview() -> None:
     st.header("Do sessions stay on their replica, and what does it cost?")
     if not targets:
         ui.empty(f"No probe targets in {data.config_path()}: add one to see stickiness and warm rounds.")
+    sessions = data.sessions(over.start) if targets else data.Result(pd.DataFrame())
+    if sessions.error:
+        st.caption(f"What each route's stickiness was judged by is not shown: {sessions.error}")
     for target in targets:
-        route(board, target)
+        route(board, target, sessions)
     if not logs:
         ui.empty(f"No gateway logs in {data.config_path()}: add one to watch real sessions.")
     for log in logs:

@@ -1,5 +1,6 @@
-"""Sessions: the recent probe sessions of one target, the backend each round landed on (a switch is
-where a session lost its cache), and one session's rounds in detail."""
+"""Sessions: the recent probe sessions of one target, what their stickiness was judged by (the replica
+each round named, or the warm rounds' reuse), the backend each round landed on (a switch is where a
+session lost its cache), and one session's rounds in detail."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ SESSION_COLUMNS = {
     "started_at": st.column_config.DatetimeColumn("started (UTC)", format=ui.TIME_FORMAT),
     "ok": "succeeded",
     "sticky": "on one replica",
+    "evidence": "judged by",  # replica (each round named it), reuse (the warm rounds' cached tokens), none
+    "warm_rounds": "warm rounds",  # those reuse judges: rounds 2+ with cached tokens and an ideal above 0
+    "warm_cached_tokens": "warm cached tokens",
+    "warm_ideal_cached_tokens": "warm ideal cached tokens",
     "backend_switches": "backend switches",
     "session_id_echoed": "session id echoed",
     "error_kind": "error",
@@ -43,7 +48,8 @@ def timeline(sessions: pd.DataFrame, rounds: pd.DataFrame) -> go.Figure:
     """One row per session, one square per round coloured by backend, a red bar where the backend changed."""
     named = labels(sessions)
     shown = rounds[rounds["session"].isin(named)].assign(
-        row=lambda r: r["session"].map(named), backend=lambda r: r["backend"].fillna("unknown")
+        row=lambda r: r["session"].map(named),
+        backend=lambda r: r["backend"].astype(object).fillna("unknown"),  # all NaN where none is named
     )
     served = shown[shown["error_kind"].isna()]
     previous = served.groupby("session")["backend"].shift()
@@ -135,6 +141,7 @@ def recent(target: str, seconds: int) -> None:
         + (f"{judged.mean():.0%} stayed on one replica; " if len(judged) else "")
         + f"{switches}; {int((~sessions['ok']).sum())} failed."
     )
+    st.caption(ui.stickiness_evidence(sessions, target))
     st.subheader("Backend per round")
     st.plotly_chart(timeline(shown, rounds), key="sessions_timeline")
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import sys
+from itertools import pairwise
 
 import pytest
+import streamlit as st
 from sagemaker_client import (
     assert_sticky_by_reuse,
     endpoint,
@@ -19,9 +23,12 @@ from sagemaker_client import (
     probe_through_an_expiry,
     use_lab_credentials,
 )
+from streamlit.testing.v1 import AppTest
 
-from conftest import Lab, http_get, kvwatch, wait_for
+from conftest import REPO, Lab, http_get, kvwatch, wait_for
+from kvwatch.lab.engine import ReplicaSettings
 from kvwatch.prometheus import queries
+from kvwatch.store.history import Store
 
 REPLICAS = ("r1", "r2", "r3", "r4")
 
@@ -77,6 +84,81 @@ def test_probe_through_botocore_is_sticky_by_reuse_on_the_replica_that_opened_ea
     text = kvwatch("probe", *endpoint(lab.affinity), "--sessions", "2", "--rounds", "3")
     assert text.returncode == 0, text.stderr
     assert "stateful sessions" in text.stdout and "Sessions closed at the end: 2 of 2." in text.stdout
+
+
+def page(name: str, lab: Lab, monkeypatch) -> AppTest:
+    """A dashboard page on the lab's own config: its store, its Prometheus."""
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(lab.state_dir / "kvwatch.yaml")])
+    st.cache_data.clear()
+    at = AppTest.from_file(str(REPO / "dashboard" / "app_pages" / f"{name}.py"), default_timeout=60).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def captions(at: AppTest) -> list[str]:
+    return [caption.value for caption in at.caption]
+
+
+def warm_truth(served: list[dict], block: int) -> tuple[int, int]:
+    """What a session's warm rounds cached, as the replica recorded them, and what a replica holding the
+    conversation would have cached: each round's previous prompt and answer in whole blocks, below its
+    own prompt's last token."""
+    cached = sum(r["cached_tokens"] for r in served[1:])
+    held = [
+        min((before["prompt_tokens"] + before["completion_tokens"]) // block * block,
+            (after["prompt_tokens"] - 1) // block * block)
+        for before, after in pairwise(served)
+    ]  # fmt: skip
+    return cached, sum(held)
+
+
+def test_the_store_and_the_pages_say_each_session_was_judged_by_reuse_as_the_replicas_cached(
+    lab, monkeypatch
+):
+    """The lab's serve stores each session through the endpoint judged by reuse, with its warm rounds'
+    cached and ideal tokens; the Sessions page and the Overview show them, and they are what the replica
+    holding each session cached and what its prompts and answers let it cache."""
+
+    def stored() -> list[dict] | None:
+        with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+            done = [s for s in store.sessions(target="lab-affinity") if not s["in_flight"]]
+        return done if len(done) >= 2 else None
+
+    assert all(s["evidence"] == "reuse" for s in wait_for(stored, "two stored sessions of lab-affinity"))
+    at = page("sessions", lab, monkeypatch)
+    assert at.selectbox(key="sessions_target").value == "lab-affinity"
+    shown = at.dataframe[0].value
+    judged = shown[shown["warm_rounds"] > 0]
+    assert set(shown["evidence"]) == {"reuse"} and len(judged) >= 2, shown
+    truth = records(lab, set(judged["session_id"]))
+    for row in judged.to_dict("records"):
+        holders = {
+            replica
+            for replica, found in truth.items()
+            if any(r["session_id"] == row["session_id"] for r in found)
+        }
+        assert len(holders) == 1, (row, holders)  # ground truth: sticky
+        served = sorted(
+            (r for r in truth[holders.pop()] if r["session_id"] == row["session_id"]), key=lambda r: r["time"]
+        )
+        cached, ideal = warm_truth(served[: 1 + row["warm_rounds"]], ReplicaSettings.block_size)
+        assert (row["warm_cached_tokens"], row["warm_ideal_cached_tokens"]) == (cached, ideal), (row, served)
+        assert cached == ideal > 0 and row["sticky"]
+    cached, ideal = int(judged["warm_cached_tokens"].sum()), int(judged["warm_ideal_cached_tokens"].sum())
+    rounds = int(judged["warm_rounds"].sum())
+    assert (
+        f"{len(shown)} sessions judged by reuse: no round named its replica (SageMaker names none); their "
+        f"warm rounds cached {cached:,} of the {ideal:,} tokens a replica holding the conversation would "
+        f"have (100%), and {rounds} of {rounds} warm rounds at least 50% of theirs."
+    ) in captions(at), captions(at)
+
+    overview = [c for c in captions(page("overview", lab, monkeypatch)) if "judged by" in c]
+    assert len(overview) == 2, overview  # one for each route, both judged by reuse alone
+    affinity = re.search(
+        r"cached ([\d,]+) of the ([\d,]+) tokens .* \(100%\), and (\d+) of (\d+) warm", overview[0]
+    )
+    assert affinity and (affinity[1], affinity[3]) == (affinity[2], affinity[4]), overview
+    assert "judged by replica identity" not in " ".join(overview)
 
 
 @pytest.fixture(scope="module")

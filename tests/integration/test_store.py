@@ -74,6 +74,22 @@ def is_postgres(location: Path | str) -> bool:
     return str(location).startswith("postgresql://")
 
 
+def write(location: Path | str, *statements: str) -> None:
+    """Statements another client of the database commits, past the store."""
+    if is_postgres(location):
+        with psycopg.connect(str(location), password=PASSWORD) as db:
+            for statement in statements:
+                db.execute(statement)
+        return
+    db = sqlite3.connect(location)
+    try:
+        for statement in statements:
+            db.execute(statement)
+        db.commit()
+    finally:
+        db.close()
+
+
 def query(location: Path | str, sql: str) -> list[tuple]:
     """What another client of the database reads (the sqlite3 module or psycopg), past the store."""
     if is_postgres(location):
@@ -125,13 +141,15 @@ def test_session_round_trip_gives_back_the_record(store):
         "id": ids[0], "target": "lab-affinity", "route_mode": "affinity", "session_id": "5f0c-session",
         "started_at": 1000.0, "finished_at": 1003.5, "ok": True, "error_kind": None, "sticky": True,
         "backend_switches": 0, "session_id_echoed": True, "interrupted": False, "uid": None,
-        "in_flight": False,
+        "in_flight": False, "evidence": "replica", "warm_rounds": 2, "warm_rounds_reused": 2,
+        "warm_cached_tokens": 1184 + 2368, "warm_ideal_cached_tokens": 1184 + 2368,
     }  # fmt: skip
     assert rows[0] == {
         "id": ids[1], "target": "lab-round-robin", "route_mode": "round_robin", "session_id": "5f0c-session",
         "started_at": 2000.0, "finished_at": 2003.5, "ok": False, "error_kind": "unauthorized",
         "sticky": False, "backend_switches": 1, "session_id_echoed": False, "interrupted": False,
-        "uid": None, "in_flight": False,
+        "uid": None, "in_flight": False, "evidence": "replica", "warm_rounds": 1, "warm_rounds_reused": 1,
+        "warm_cached_tokens": 1184, "warm_ideal_cached_tokens": 1184,
     }  # fmt: skip
 
 
@@ -204,6 +222,52 @@ def test_unknown_stickiness_is_null_not_false(store):
     store.add_session(unknown)
     (row,) = store.sessions()
     assert (row["sticky"], row["backend_switches"], row["session_id_echoed"]) == (None, None, None)
+    assert (row["evidence"], row["warm_rounds"], row["warm_cached_tokens"]) == ("none", 0, None)
+
+
+# Sessions through a route that names no replica (SageMaker), judged by their warm rounds' reuse: one
+# whose warm rounds cached all a pinned replica would have, one whose third round cached under half.
+BY_REUSE = (
+    session("sagemaker", 3000.0, *(round_result(n, backend=None) for n in (1, 2, 3))),
+    session("sagemaker", 4000.0, round_result(1, backend=None), round_result(2, backend=None),
+            round_result(3, backend=None, cached_tokens=1100)),
+)  # fmt: skip
+EVIDENCE = ("evidence", "warm_rounds", "warm_rounds_reused", "warm_cached_tokens", "warm_ideal_cached_tokens")
+
+
+def test_a_session_judged_by_reuse_keeps_its_warm_rounds_cached_and_ideal_tokens(store):
+    for judged in BY_REUSE:
+        store.add_session(judged)
+    rows = store.sessions(target="sagemaker")
+    assert [(row["sticky"], *(row[c] for c in EVIDENCE)) for row in rows] == [
+        (False, "reuse", 2, 1, 1184 + 1100, 1184 + 2368),
+        (True, "reuse", 2, 2, 1184 + 2368, 1184 + 2368),
+    ]
+
+
+def test_a_store_of_schema_5_learns_each_stored_sessions_evidence_from_its_rounds(location):
+    """Schema 6 keeps what each session's stickiness was judged by and its warm rounds' reuse: a store
+    written before it gets them for the sessions it holds, as the records judge them (in SQLite and
+    PostgreSQL alike)."""
+    unknown = session("t", 900.0, round_result(1, backend=None, cached_tokens=None))
+    failed = session("t", 950.0, round_result(1, backend=None), round_result(2, backend=None, status=500,
+                     error_kind="http_error", ttft_seconds=None))  # fmt: skip
+    stored = (session(), *BY_REUSE, unknown, failed)
+    with open_store(location) as store:
+        for one in stored:
+            store.add_session(one)
+    version = "UPDATE kvwatch_schema SET version = 5" if is_postgres(location) else "PRAGMA user_version = 5"
+    write(location, *(f"ALTER TABLE sessions DROP COLUMN {column}" for column in EVIDENCE), version)
+    with pytest.raises(StoreError, match="has schema 5, from an older kvwatch: `kvwatch serve` upgrades it"):
+        open_store(location, readonly=True)
+
+    with open_store(location) as store:
+        rows = sorted(store.sessions(), key=lambda row: row["started_at"])
+        assert [store.session(row["id"]) for row in rows] == sorted(stored, key=lambda s: s.started_at)
+    expected = [tuple(getattr(s, c) for c in EVIDENCE) for s in sorted(stored, key=lambda s: s.started_at)]
+    assert [tuple(row[c] for c in EVIDENCE) for row in rows] == expected
+    assert {row[0] for row in expected} == {"replica", "reuse", "none"}
+    assert ("none", 0, 0, None, None) in expected  # a failed warm round is no evidence
 
 
 def test_rounds_rows_carry_their_session_and_route(store):
@@ -344,7 +408,7 @@ def test_an_unknown_store_scheme_is_refused():
 def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     """Schema 2 added each round's time to the first answer text (reasoning models), schema 3 whether a
     session was cut short by a stop, schema 4 its writer's id and whether it is in flight, schema 5 which
-    of several writers wrote it; a store
+    of several writers wrote it, schema 6 what its stickiness was judged by; a store
     written before them keeps its sessions, whose rounds read None there and which were neither
     interrupted nor in flight."""
     path = tmp_path / "kvwatch.db"
@@ -357,6 +421,8 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     db.execute("ALTER TABLE sessions DROP COLUMN uid")
     db.execute("ALTER TABLE sessions DROP COLUMN in_flight")
     db.execute("ALTER TABLE sessions DROP COLUMN writer")
+    for column in EVIDENCE:
+        db.execute(f"ALTER TABLE sessions DROP COLUMN {column}")
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
@@ -370,6 +436,7 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     with Store(path, readonly=True) as reader:
         assert [r["first_content_seconds"] for r in reader.rounds("reasoning")] == [0.9, None]
         assert [(s["interrupted"], s["in_flight"]) for s in reader.sessions()] == [(False, False)] * 2
+        assert [s["evidence"] for s in reader.sessions()] == ["replica"] * 2
 
 
 def test_readonly_store_cannot_write(location):

@@ -262,13 +262,17 @@ def test_a_session_is_opened_untimed_used_by_every_round_and_closed():
     assert (session.ok, session.session_id, session.closed, session.session_losses) == (True, "s-1", True, ())
     assert [r.ideal_cached_tokens for r in session.rounds] == [0, 256, 512]
     assert (session.sticky, session.evidence, session.session_id_echoed) == (True, "reuse", True)
+    assert (session.warm_rounds, session.warm_rounds_reused) == (2, 2)  # the reuse behind the judgment
+    assert (session.warm_cached_tokens, session.warm_ideal_cached_tokens) == (256 + 512, 256 + 512)
 
 
 def test_warm_rounds_that_stop_reusing_make_the_session_not_sticky_by_reuse():
-    rounds = [round_events(300, 0), round_events(600, 0), round_events(900, 0)]
+    rounds = [round_events(300, 0), round_events(600, 0), round_events(900, 256)]
     scripted = Scripted(opened("s-1"), *(streamed(r) for r in rounds), closed("s-1"))
     session = converse(scripted, block_size=128)
     assert (session.sticky, session.evidence) == (False, "reuse")
+    assert (session.warm_rounds, session.warm_rounds_reused) == (2, 1)  # 256 of 512: half is reuse
+    assert (session.warm_cached_tokens, session.warm_ideal_cached_tokens) == (256, 256 + 512)
 
 
 def test_a_replica_named_in_the_custom_attributes_is_the_rounds_backend():

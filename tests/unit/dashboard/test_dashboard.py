@@ -117,10 +117,11 @@ SESSIONS = {
 }
 
 
-def sessions_frame() -> pd.DataFrame:
-    """SESSIONS as data.sessions() gives them: the store's columns, newest first, times in UTC."""
+def sessions_frame(sessions: dict[int, SessionResult] = SESSIONS) -> pd.DataFrame:
+    """The sessions as data.sessions() gives them: the store's columns, newest first, times in UTC."""
     columns = ("target", "route_mode", "session_id", "ok", "error_kind", "sticky", "backend_switches",
-               "session_id_echoed", "interrupted")  # fmt: skip
+               "session_id_echoed", "interrupted", "evidence", "warm_rounds", "warm_rounds_reused",
+               "warm_cached_tokens", "warm_ideal_cached_tokens")  # fmt: skip
     rows = [
         {
             "id": i,
@@ -129,7 +130,7 @@ def sessions_frame() -> pd.DataFrame:
             "finished_at": s.finished_at,
             "in_flight": False,
         }
-        for i, s in reversed(SESSIONS.items())
+        for i, s in reversed(sessions.items())
     ]
     frame = pd.DataFrame(rows)
     frame["started_at"] = pd.to_datetime(frame["started_at"], unit="s", utc=True)
@@ -267,6 +268,7 @@ class Fake:
         self.ranges, self.values = dict(SERIES), dict(INSTANT)  # what range and instant queries return
         self.prometheus = self.store = self.alertmanager = None  # an error message, when set
         self.empty = False
+        self.probed = SESSIONS  # what data.sessions() reads from the store
         self.history = rounds_frame()  # what data.rounds() reads from the store
         self.rounds_read: list[tuple] = []  # data.rounds()'s arguments, call by call
         self.report = Result(None)
@@ -308,7 +310,7 @@ class Fake:
         return self.firing if self.firing.error else self._frame(self.prometheus, self.firing.value)
 
     def _sessions(self, since: float) -> Result:
-        return self._frame(self.store, sessions_frame())
+        return self._frame(self.store, sessions_frame(self.probed))
 
     def _rounds(self, since: float, target: str | None = None, session: int | None = None) -> Result:
         self.rounds_read.append((since, target, session))
@@ -847,6 +849,9 @@ def test_sessions_list_and_drill_into_one(fake):
     at = open_page("sessions")
     assert not at.exception
     assert "2 sessions" in texts(at) and "100% stayed on one replica" in texts(at)
+    assert "2 sessions judged by replica identity: each round named the replica that served it." in texts(at)
+    assert "judged by reuse" not in texts(at)
+    assert list(at.dataframe[0].value["evidence"]) == ["replica", "replica"]
     assert list(at.dataframe[0].value["id"]) == [2, 1]
     assert list(at.dataframe[0].value["interrupted"]) == [False, False]
     assert list(at.dataframe[0].value["in_flight"]) == [False, False]
@@ -858,6 +863,56 @@ def test_sessions_list_and_drill_into_one(fake):
     assert list(detail["cached tokens"]) == [0, 0, 0, 0]
     assert list(detail["ideal cached tokens"]) == [0, 1300, 1600, 1900]
     assert detail["error"].iloc[-1] == "timeout"
+
+
+def by_reuse(number: int, lost_round: int | None = None) -> SessionResult:
+    """A session through a route that names no replica (a SageMaker endpoint), judged by its warm
+    rounds' reuse: each cached all a replica holding the conversation would have, but `lost_round`."""
+    judged = session(number, "lab-affinity", [None] * 4, [0.40, 0.05, 0.05, 0.05])
+    rounds = tuple(replace(r, cached_tokens=0) if r.round == lost_round else r for r in judged.rounds)
+    return replace(judged, rounds=rounds)
+
+
+# lab-affinity names no replica: its warm rounds ideally cache 1300, 1600 and 1900 tokens; session 6's
+# third round cached nothing. lab-round-robin's rounds still name theirs.
+BY_REUSE = {
+    **{i: s for i, s in SESSIONS.items() if s.target != "lab-affinity"},
+    5: by_reuse(5),
+    6: by_reuse(6, 3),
+}
+REUSE_WORDS = (
+    "2 sessions judged by reuse: no round named its replica (SageMaker names none); their warm rounds "
+    "cached 8,000 of the 9,600 tokens a replica holding the conversation would have (83%), and 5 of 6 "
+    "warm rounds at least 50% of theirs."
+)
+
+
+def test_sessions_judged_by_reuse_say_so_with_their_warm_rounds_cached_and_ideal_tokens(fake):
+    fake.probed, fake.history = BY_REUSE, rounds_frame(BY_REUSE)
+    at = open_page("sessions")
+    assert not at.exception
+    assert REUSE_WORDS in texts(at) and "replica identity" not in texts(at)
+    table = at.dataframe[0].value
+    assert list(table["id"]) == [6, 5] and list(table["evidence"]) == ["reuse", "reuse"]
+    assert list(table["sticky"]) == [False, True]
+    assert list(table["warm_rounds"]) == [3, 3]
+    assert list(table["warm_cached_tokens"]) == [1300 + 1900, 1300 + 1600 + 1900]
+    assert list(table["warm_ideal_cached_tokens"]) == [1300 + 1600 + 1900] * 2
+
+
+def test_the_overview_says_what_each_routes_stickiness_was_judged_by(fake):
+    fake.probed = BY_REUSE
+    said = texts(open_page("overview"))
+    since = f"Since {ui.as_of(SPAN_START)}: "
+    assert f"{since}{REUSE_WORDS}" in said
+    assert (
+        f"{since}2 sessions judged by replica identity: each round named the replica that served it." in said
+    )
+    fake.store = NO_STORE
+    at = open_page("overview")
+    assert not at.exception and metrics(at)["Sessions on one replica"] == ["100%", "0%"]
+    assert f"What each route's stickiness was judged by is not shown: {NO_STORE}" in texts(at)
+    assert "judged by reuse" not in texts(at)
 
 
 def test_sessions_read_the_rounds_of_the_timeline_and_the_picked_session_only(fake):

@@ -20,7 +20,6 @@ from kvwatch.collectors.gatewaylogs.sources.otlp.receiver import (
     Tally,
 )
 from kvwatch.collectors.gatewaylogs.sources.otlp.records import FieldTypes
-from kvwatch.collectors.gatewaylogs.sources.otlp.transports import grpc_server, http_server
 from kvwatch.core.credentials import CredentialError
 
 __all__ = ["SOURCE", "OtlpConfigError", "OtlpSource", "OtlpSourceConfig", "Tally"]
@@ -41,6 +40,9 @@ class OtlpSource:
     def start(self) -> None:
         """Serving once it returns; raises OSError when the gRPC address cannot be bound (gRPC does not say
         why), OtlpConfigError when the HTTP one cannot."""
+        # gRPC starts its own threads and descriptors when imported: only a serve with an OTLP source pays.
+        from kvwatch.collectors.gatewaylogs.sources.otlp.transports import grpc_server, http_server
+
         server, port = grpc_server(self._receiver)
         if not port:
             raise OSError(f"gRPC cannot bind {self._receiver.config.listen}")

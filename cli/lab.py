@@ -19,7 +19,7 @@ from kvwatch.lab.engine import ANSWER_STYLES, ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
-from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_ROUTING, STRATEGIES
+from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_ROUTING, STRATEGIES
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
@@ -284,6 +284,13 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         "(its round_robin listener: RANDOM); with --gateway sagemaker (default LEAST_OUTSTANDING_REQUESTS)",
     )
     up.add_argument(
+        "--sagemaker-concurrency-threshold",
+        type=int,
+        help="the requests in flight on the instance PREFIX_AWARE chose past which it sends one elsewhere "
+        f"(SageMaker's ConcurrencyThreshold, 1-1024); with --gateway sagemaker (default "
+        f"{DEFAULT_CONCURRENCY_THRESHOLD})",
+    )
+    up.add_argument(
         "--replicas",
         type=int,
         help=f"number of replicas (default {DEFAULT_REPLICAS['sim']}, or {DEFAULT_REPLICAS['vllm']} "
@@ -420,6 +427,10 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
     if args.sagemaker_routing and args.gateway != "sagemaker":
         return _fail(f"--sagemaker-routing is for --gateway sagemaker, not {args.gateway}")
+    if args.sagemaker_concurrency_threshold is not None and (
+        args.gateway != "sagemaker" or not 1 <= args.sagemaker_concurrency_threshold <= 1024
+    ):
+        return _fail("--sagemaker-concurrency-threshold is from 1 to 1024, for --gateway sagemaker")
     if args.gateway == "sagemaker" and args.users:
         return _fail(
             "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0"
@@ -469,6 +480,8 @@ def _run_up(args: argparse.Namespace) -> int:
                 gateway_log_source=args.gateway_log_source,
                 envoy_lb=args.envoy_lb or "ring-hash",
                 sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
+                sagemaker_concurrency_threshold=args.sagemaker_concurrency_threshold
+                or DEFAULT_CONCURRENCY_THRESHOLD,
             )
     except stack.LabError as error:
         return _fail(str(error))

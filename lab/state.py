@@ -95,6 +95,8 @@ class LabState:
     gateway_log_otlp: str = ""
     # How the sagemaker gateway's affinity listener routes requests without a session (its routing.py).
     sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
+    # In-flight requests on its instance past which PREFIX_AWARE overflows (SageMaker's ConcurrencyThreshold).
+    sagemaker_concurrency_threshold: int = 8
     model: str = "lab-model"  # the model name every replica serves
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0

@@ -1,7 +1,8 @@
 """The doctor's SageMaker checks against `kvwatch lab up --gateway sagemaker` through the real AWS SDK
 (botocore): sessions never opened, a custom session header the front strips, a clock off by minutes (the
 front checks the signing time as AWS does), and PREFIX_AWARE overflowing under load. The affinity
-listener routes by PREFIX_AWARE (the lab's ConcurrencyThreshold, 8), the round_robin listener by RANDOM.
+listener routes by PREFIX_AWARE at a ConcurrencyThreshold of 2, so that the doctor's sessions at once
+overflow however the machine schedules them; the round_robin listener routes by RANDOM.
 Simulated replicas, no probes: the doctor's requests are the only load on the front."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 from kvwatch.doctor.sagemaker import LOAD_SESSIONS, diagnose_sagemaker
 from kvwatch.lab.gateways.sagemaker import ENDPOINT, LAB_REGION
 
+CONCURRENCY_THRESHOLD = 2
+
 
 @pytest.fixture(autouse=True)
 def aws_credentials(monkeypatch, tmp_path):
@@ -29,7 +32,8 @@ def aws_credentials(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def lab(start_lab) -> Lab:
     return start_lab(
-        "--gateway", "sagemaker", "--replicas", "3", "--sagemaker-routing", "PREFIX_AWARE", "--no-probes"
+        "--gateway", "sagemaker", "--replicas", "3", "--sagemaker-routing", "PREFIX_AWARE",
+        "--sagemaker-concurrency-threshold", str(CONCURRENCY_THRESHOLD), "--no-probes",
     )  # fmt: skip
 
 

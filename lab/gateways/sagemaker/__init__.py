@@ -18,7 +18,7 @@ import httpx
 
 from kvwatch.core.connections import request_sync
 from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
-from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_PREFIX_LENGTH
+from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_PREFIX_LENGTH
 from kvwatch.lab.process import LabError, Process, is_ours
 from kvwatch.lab.state import LabState, ReplicaSpec
 
@@ -50,7 +50,7 @@ def _config(state: LabState, stamp: str, held: Mapping[str, float] | None) -> di
         "faults": [f for f in state.faults if f in FRONT_FAULTS],
         "log_directory": str(state.directory / "logs"),
         "prefix_length": DEFAULT_PREFIX_LENGTH,
-        "concurrency_threshold": DEFAULT_CONCURRENCY_THRESHOLD,
+        "concurrency_threshold": state.sagemaker_concurrency_threshold,
         "container_timeout_s": CONTAINER_TIMEOUT_S,
         "held": dict(held or {}),
     }

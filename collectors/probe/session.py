@@ -203,6 +203,9 @@ class HttpExchange:
         self.client, self.settings = client, settings
         # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
         self.session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
+        # The system prompt as the application sends it: an OpenAI route is judged by the replica its rounds
+        # name where the gateway names one, and its A/B counts the system prompt's reuse across sessions.
+        self.opening = ""
 
     async def round(
         self, number: int, messages: list[dict], previous: RoundResult | None

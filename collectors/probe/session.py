@@ -136,6 +136,9 @@ class ProbeSettings:
     timeout_seconds: float = 60.0  # per round, over the whole stream
     kind: str = "openai"  # how the rounds reach the route: one of collectors.probe.targets.KINDS
     sagemaker: SageMakerEndpoint | None = None  # the endpoint of a sagemaker target; base_url is its URL
+    # sagemaker: each conversation opens with a marker of its own (conversation.session_marker), so that
+    # its reuse is its own history; False sends the system prompt all conversations share, as is.
+    marked_sessions: bool = True
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

@@ -200,7 +200,7 @@ class SageMakerExchange:
         self.runtime, self.settings = runtime, settings
         self.session_id: str | None = None
         # Judged by reuse (no round names its instance): its cached tokens must be its own history alone.
-        self.opening = session_marker()
+        self.opening = session_marker() if settings.marked_sessions else ""
         self.expires_at: float | None = None  # unix seconds, from the open's Expires
         self.opened = 0
         # A session header other than SessionId's: the conversation's id goes in it, as an application

@@ -303,6 +303,13 @@ def test_every_round_starts_with_a_marker_of_its_own_session_before_the_shared_s
     assert sent[0][0] != sent[1][0], sent
 
 
+def test_unmarked_sessions_send_the_shared_system_prompt_as_is():
+    """As an application's conversations (the doctor's load check: PREFIX_AWARE hashes them alike)."""
+    scripted = Scripted(opened("s-1"), *(streamed(round_events(300 * n, 0)) for n in (1, 2)), closed("s-1"))
+    assert converse(scripted, Conversation("Be brief.", ("one", "two")), marked_sessions=False).ok
+    assert system_prompts(scripted) == ["Be brief.", "Be brief."]
+
+
 def test_the_marker_comes_before_a_system_prompt_rendered_anew_each_round():
     scripted = Scripted(opened("s-1"), *(streamed(round_events(300 * n, 0)) for n in (1, 2)), closed("s-1"))
     renders = iter(("At 10:00. ", "At 10:01. "))

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from sagemaker_client import assert_sticky_by_reuse, fault, probe_json, rounds_of, use_lab_credentials
 
-from conftest import VLLM_LAB_START_TIMEOUT_S, Lab, http_get, start_lab_in, wait_for
+from conftest import Lab, http_get, start_vllm_sagemaker_lab, wait_for
 
 BLOCK = 128  # the lab's vLLM KV block
 WORKLOAD = ("--system-tokens", "300", "--turn-tokens", "100", "--max-tokens", "16")
@@ -28,11 +28,7 @@ def aws_credentials(monkeypatch, tmp_path):
 def two_instances(tmp_path_factory) -> Iterator[Lab]:
     """Two real vLLM instances with stateful sessions behind the front, no serve probing: the only
     traffic is the test's."""
-    lab = start_lab_in(
-        tmp_path_factory.mktemp("vllm-sagemaker-two") / "state",
-        "--engine", "vllm", "--gateway", "sagemaker", "--replicas", "2", "--no-probes", "--no-dashboard",
-        "--fast", timeout=VLLM_LAB_START_TIMEOUT_S,
-    )  # fmt: skip
+    lab = start_vllm_sagemaker_lab(tmp_path_factory.mktemp("vllm-sagemaker-two") / "state", replicas=2)
     yield lab
     lab.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
@@ -53,7 +54,9 @@ def diagnose_sagemaker(settings: ProbeSettings) -> Diagnosis:
     under_load: list[SessionResult] = []
     if _whole_reuse(one_by_one):
         load = synthetic(LOAD_ROUNDS, SYSTEM_TOKENS, TURN_TOKENS, seed=1, sessions=LOAD_SESSIONS)
-        under_load = probe_once(settings, load, concurrency=LOAD_SESSIONS)
+        # As an application's conversations: one system prompt, so that PREFIX_AWARE hashes them alike.
+        shared = replace(settings, marked_sessions=False)
+        under_load = probe_once(shared, load, concurrency=LOAD_SESSIONS)
     return diagnosis_of(one_by_one, settings, under_load)
 
 

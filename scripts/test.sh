@@ -10,6 +10,7 @@ set -u
 python=$1
 vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_lab.py
     tests/integration/test_sagemaker_contract.py tests/integration/test_sagemaker_vllm.py
+    tests/integration/test_sagemaker_vllm_reuse.py
     tests/integration/test_vllm_first_byte.py"
 after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
     tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py

@@ -670,13 +670,18 @@ def vllm_lab(tmp_path_factory) -> Iterator[Lab]:
 def vllm_sagemaker_lab(tmp_path_factory) -> Iterator[Lab]:
     """One real vLLM server with SageMaker stateful sessions behind the lab's SageMaker front, for the
     real-engine SageMaker tests: started once, stopped at the end of the session."""
-    lab = start_lab_in(
-        tmp_path_factory.mktemp("vllm-sagemaker-lab") / "state",
-        "--engine", "vllm", "--gateway", "sagemaker", "--replicas", "1", "--no-probes", "--no-dashboard",
-        "--fast", timeout=VLLM_LAB_START_TIMEOUT_S,
-    )  # fmt: skip
+    lab = start_vllm_sagemaker_lab(tmp_path_factory.mktemp("vllm-sagemaker-lab") / "state", replicas=1)
     yield lab
     lab.stop()
+
+
+def start_vllm_sagemaker_lab(state_dir: Path, replicas: int) -> Lab:
+    """Real vLLM servers with SageMaker stateful sessions behind the lab's SageMaker front, no serve
+    probing: the only traffic is the test's."""
+    return start_lab_in(
+        state_dir, "--engine", "vllm", "--gateway", "sagemaker", "--replicas", str(replicas), "--no-probes",
+        "--no-dashboard", "--fast", timeout=VLLM_LAB_START_TIMEOUT_S,
+    )  # fmt: skip
 
 
 @pytest.fixture

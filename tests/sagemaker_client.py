@@ -117,13 +117,16 @@ def fault(lab: Lab, *args: str) -> str:
 
 
 def assert_sticky_by_reuse(report: dict, block: int) -> None:
-    """Every session sticky, judged by reuse: each warm round cached all its ideal tokens, block-aligned."""
+    """Every session sticky, judged by reuse: each warm round cached all its ideal tokens, block-aligned,
+    and each first round none: the session's marker keeps every other session's cached system prompt
+    from serving it (sessions run one after the other, so the earlier one's blocks are still cached)."""
     assert report["block_size"]["tokens"] == block, report["block_size"]
     for session in report["sessions"]:
         assert session["ok"] and session["closed"], session
         assert (session["sticky"], session["evidence"], session["session_losses"]) == (True, "reuse", [])
         first, *warm = session["rounds"]
         assert first["ideal_cached_tokens"] == 0 and first["ttft_seconds"] > 0
+        assert first["cached_tokens"] == 0, first
         for r in warm:
             assert r["ttft_seconds"] > 0 and r["session_id_sent"] == session["session_id"], r
             assert r["ideal_cached_tokens"] > 0 and r["ideal_cached_tokens"] % block == 0, r

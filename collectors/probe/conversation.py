@@ -6,13 +6,18 @@ conversation stops there."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.collectors.probe.workload import Conversation
+from kvwatch.collectors.probe.workload import Conversation, text
+
+# How many lab tokens a session marker has after its "Session": words of the workload's vocabulary and a
+# full stop, each one token in the lab's tokenizers; 100^5 choices.
+MARKER_TOKENS = 6
 
 
 class Settings(Protocol):
@@ -27,6 +32,8 @@ class Exchange(Protocol):
     session id, as a chat client would hold it, each round's request, and its end."""
 
     session_id: str | None
+    # What the conversation's prompt starts with, before its system prompt: "" or a session_marker().
+    opening: str
 
     async def round(
         self, number: int, messages: list[dict], previous: RoundResult | None
@@ -64,7 +71,8 @@ async def run_conversation(
     `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
     stores it, so that no finished round depends on the process living to the session's end).
     """
-    messages = [{"role": "system", "content": conversation.system_prompt}]
+    opening = exchange.opening
+    messages = [{"role": "system", "content": opening + conversation.system_prompt}]
     rounds: list[RoundResult] = []
     started_at, interrupted, ended = time.time(), False, SessionClose()
 
@@ -86,7 +94,8 @@ async def run_conversation(
             await asyncio.sleep(think_seconds)
         messages.append({"role": "user", "content": turn})
         if render_system_prompt is not None:
-            messages[0] = {"role": "system", "content": render_system_prompt(conversation.system_prompt)}
+            rendered = render_system_prompt(conversation.system_prompt)
+            messages[0] = {"role": "system", "content": opening + rendered}
         if on_request is not None:
             on_request([dict(m) for m in messages])
         previous = rounds[-1] if rounds else None
@@ -104,6 +113,16 @@ async def run_conversation(
     if not interrupted:  # a stop does not wait for a close: the route lets the session expire
         ended = await exchange.close()
     return so_far()
+
+
+def session_marker() -> str:
+    """A short opening no other conversation shares ("Session cache quota route token window. "), for a
+    route judged by reuse: before the system prompt all sessions share, it keeps every other session's
+    cached prefix from serving this one, so that a warm round's cached tokens are its own history and
+    nothing else. Without it, a round landing on the wrong replica still finds the shared system prompt
+    there, and a lost pin hides behind that reuse. The same length in every conversation, so that an
+    A/B's prompts still match in size."""
+    return f"Session {text(MARKER_TOKENS, random.SystemRandom())} "
 
 
 async def _unless_stopped(

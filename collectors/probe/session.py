@@ -136,6 +136,9 @@ class ProbeSettings:
     timeout_seconds: float = 60.0  # per round, over the whole stream
     kind: str = "openai"  # how the rounds reach the route: one of collectors.probe.targets.KINDS
     sagemaker: SageMakerEndpoint | None = None  # the endpoint of a sagemaker target; base_url is its URL
+    # sagemaker: each conversation opens with a marker of its own (conversation.session_marker), so that
+    # its reuse is its own history; False sends the system prompt all conversations share, as is.
+    marked_sessions: bool = True
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -203,6 +206,9 @@ class HttpExchange:
         self.client, self.settings = client, settings
         # Client mode: the application names the conversation. Server mode: the gateway does, in round 1.
         self.session_id = str(uuid.uuid4()) if settings.session_mode == "client" else None
+        # The system prompt as the application sends it: an OpenAI route is judged by the replica its rounds
+        # name where the gateway names one, and its A/B counts the system prompt's reuse across sessions.
+        self.opening = ""
 
     async def round(
         self, number: int, messages: list[dict], previous: RoundResult | None

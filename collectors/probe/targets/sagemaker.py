@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from urllib.parse import urlsplit
 
-from kvwatch.collectors.probe.conversation import SessionClose
+from kvwatch.collectors.probe.conversation import SessionClose, session_marker
 from kvwatch.collectors.probe.records import RoundResult
 from kvwatch.collectors.probe.session import (
     MAX_BODY_BYTES,
@@ -199,6 +199,8 @@ class SageMakerExchange:
     def __init__(self, runtime: Runtime, settings: ProbeSettings) -> None:
         self.runtime, self.settings = runtime, settings
         self.session_id: str | None = None
+        # Judged by reuse (no round names its instance): its cached tokens must be its own history alone.
+        self.opening = session_marker() if settings.marked_sessions else ""
         self.expires_at: float | None = None  # unix seconds, from the open's Expires
         self.opened = 0
         # A session header other than SessionId's: the conversation's id goes in it, as an application

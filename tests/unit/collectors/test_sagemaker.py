@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -273,6 +274,62 @@ def test_warm_rounds_that_stop_reusing_make_the_session_not_sticky_by_reuse():
     assert (session.sticky, session.evidence) == (False, "reuse")
     assert (session.warm_rounds, session.warm_rounds_reused) == (2, 1)  # 256 of 512: half is reuse
     assert (session.warm_cached_tokens, session.warm_ideal_cached_tokens) == (256, 256 + 512)
+
+
+def system_prompts(scripted: Scripted) -> list[str]:
+    """The system prompt each round sent, as botocore serialized it."""
+    sent = [
+        json.loads(body) for name, _, body in scripted.requests if name == "InvokeEndpointWithResponseStream"
+    ]
+    return [body["messages"][0]["content"] for body in sent]
+
+
+@pytest.mark.parametrize("session_mode", ["client", "none"])
+def test_every_round_starts_with_a_marker_of_its_own_session_before_the_shared_system_prompt(session_mode):
+    """Judged by reuse, a session's cached tokens must be its own history: a marker no other session
+    shares comes first, so that no other session's cached system prompt can serve its rounds."""
+    sent = []
+    for session_id in ("s-1", "s-2"):
+        rounds = [streamed(round_events(300 * n, 0)) for n in (1, 2, 3)]
+        opening = [opened(session_id)] if session_mode == "client" else []
+        scripted = Scripted(*opening, *rounds, closed(session_id))
+        assert converse(scripted, session_mode=session_mode).ok
+        sent.append(system_prompts(scripted))
+    for prompts in sent:
+        assert len(set(prompts)) == 1, prompts  # one marker for every round of a session
+        marker, system = prompts[0].split(". ", 1)
+        assert system == CONVERSATION.system_prompt, prompts
+        assert re.fullmatch(r"Session( [a-z]+){5}", marker), marker
+    assert sent[0][0] != sent[1][0], sent
+
+
+def test_unmarked_sessions_send_the_shared_system_prompt_as_is():
+    """As an application's conversations (the doctor's load check: PREFIX_AWARE hashes them alike)."""
+    scripted = Scripted(opened("s-1"), *(streamed(round_events(300 * n, 0)) for n in (1, 2)), closed("s-1"))
+    assert converse(scripted, Conversation("Be brief.", ("one", "two")), marked_sessions=False).ok
+    assert system_prompts(scripted) == ["Be brief.", "Be brief."]
+
+
+def test_the_marker_comes_before_a_system_prompt_rendered_anew_each_round():
+    scripted = Scripted(opened("s-1"), *(streamed(round_events(300 * n, 0)) for n in (1, 2)), closed("s-1"))
+    renders = iter(("At 10:00. ", "At 10:01. "))
+    exchange = SageMakerExchange(Runtime(scripted.client, threads=2), settings())
+
+    async def run():
+        try:
+            render = lambda system: next(renders) + system  # noqa: E731
+            conversation = Conversation("Be brief.", ("one", "two"))
+            return await run_conversation(
+                exchange, exchange.settings, conversation, render_system_prompt=render
+            )
+        finally:
+            await exchange.runtime.aclose()
+
+    assert asyncio.run(run()).ok
+    assert system_prompts(scripted) == [
+        exchange.opening + "At 10:00. Be brief.",
+        exchange.opening + "At 10:01. Be brief.",
+    ]
 
 
 def test_a_replica_named_in_the_custom_attributes_is_the_rounds_backend():

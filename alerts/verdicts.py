@@ -20,6 +20,7 @@ from kvwatch.prometheus.queries import (
     ROUTE,
     STICKY_RATIO,
     WARM_COLD_RATIO,
+    WARM_REUSE_RATIO,
     WATCHED_LISTENERS,
     WATCHED_ROUTES,
 )
@@ -63,6 +64,7 @@ def _alert(name: str, **labels: str) -> Alert:
 
 
 ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, WATCHED_ROUTES)
+ROUTE_REUSE = Verdict(_alert("KVWatchSessionReuseLost"), WARM_REUSE_RATIO, ROUTE, WATCHED_ROUTES)
 ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
 LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)
 CLUSTER_HIT_RATIO_DROP = Verdict(
@@ -77,6 +79,7 @@ ROUTER_PREDICTION_MISS = Verdict(
 )
 VERDICTS = (
     ROUTE_STICKY,
+    ROUTE_REUSE,
     ROUTE_WARM_ROUNDS,
     LISTENER_SPREAD,
     CLUSTER_HIT_RATIO_DROP,

@@ -265,6 +265,8 @@ def events(over: data.Span, unread: str = "Not marked on the charts") -> pd.Data
             )
         )
     frame = pd.concat([f[["time", "kind", "text"]] for f in found if not f.empty] or [NO_EVENTS])
+    # Alertmanager times alerts to the nanosecond; the charts draw microseconds and warn at the rest.
+    frame["time"] = pd.to_datetime(frame["time"], utc=True).dt.floor("us")
     start, end = (pd.Timestamp(t, unit="s", tz="UTC") for t in over[:2])
     # Alertmanager repeats a firing alert to the webhook: one mark for each start and end.
     return frame[frame["time"].between(start, end)].drop_duplicates(["time", "text"], ignore_index=True)

@@ -19,6 +19,7 @@ from kvwatch.alerts.verdicts import (
     INSTANCE_HIT_RATIO_DROP,
     LISTENER_SPREAD,
     LOAD_IMBALANCE,
+    ROUTE_REUSE,
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
@@ -62,6 +63,8 @@ from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 VERDICT_PANELS = (
     ("Session affinity (probes)", "Whether probe sessions through each sticky route stay on one replica",
      ROUTE_STICKY, "{{target}}"),
+    ("Session reuse (probes)", "Whether warm rounds through each sticky route whose rounds name no replica "
+     "(SageMaker) still reuse their history: reuse is that route's stickiness", ROUTE_REUSE, "{{target}}"),
     ("Real sessions (gateway logs)", "Whether real sessions through each sticky gateway listener stay on "
      "one replica", LISTENER_SPREAD, "{{log}} / {{listener}}"),
     ("Warm rounds (probes)", "Whether warm rounds through each sticky route are faster than round 1",

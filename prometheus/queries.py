@@ -323,6 +323,7 @@ def instance_name(by: Grouping) -> str:
 
 WATCHED_ROUTES, WATCHED_LISTENERS = watched_routes(WHOLE), watched_listeners(WHOLE)
 STICKY_RATIO, WARM_COLD_RATIO = sticky_ratio(WHOLE), warm_cold_ratio(WHOLE)
+WARM_REUSE_RATIO = warm_reuse_ratio(WHOLE)
 GATEWAY_SPREAD = gateway_spread(WHOLE)
 REPLICA_IDS = replica_ids(WHOLE)
 

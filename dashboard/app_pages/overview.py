@@ -32,56 +32,63 @@ class Shown:
     label: str
     query: str
     unit: ui.Unit
-    help: str
     rise: str  # what a rise of it means: ui.GOOD, ui.BAD or ui.NEUTRAL
-    verdict: verdicts.Verdict | None = None
-    ok: str = ""  # in green, where the alert finds nothing wrong
-    unjudged: str = NOT_STICKY  # in grey, where no alert judges it
+    verdict: verdicts.Verdict | None
+    says: str  # with a verdict, in green where it finds nothing wrong; else in grey, why none judges it
+    help: str
 
 
-CLUSTER_HIT_RATIO = Shown(
-    "Cluster hit ratio", queries.CLUSTER_HIT_RATIO, ui.RATIO,
-    "Prompt tokens served from cached KV (the prefix cache, host memory, disk or another instance) over "
-    f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %.", ui.GOOD,
-    verdicts.CLUSTER_HIT_RATIO_DROP, "Reuse holds: no drop against its own past, and above the floor.",
-)  # fmt: skip
-LOCAL_HIT_RATIO = Shown(
-    "Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, ui.RATIO,
-    "Prompt tokens found over prompt tokens looked up in the engines' own prefix caches, over "
-    f"{queries.WINDOW}.", ui.GOOD,
-    unjudged="No alert judges it: a replica with caching off drops out of it instead of counting as 0 %.",
-)  # fmt: skip
-STICKY = Shown(
-    "Sessions on one replica", queries.STICKY_RATIO, ui.RATIO,
-    f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}.", ui.GOOD,
-    verdicts.ROUTE_STICKY, "Sessions stay on their replica.",
-)  # fmt: skip
-WARM_COLD = Shown(
-    "Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR,
-    f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}.", ui.BAD,
-    verdicts.ROUTE_WARM_ROUNDS, "Warm rounds are faster than round 1: the history is reused.",
-)  # fmt: skip
-AFFINITY_EFFICIENCY = Shown(
-    "Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO,
-    "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would have "
-    f"cached, over {RATE_WINDOW}.", ui.GOOD,
-    unjudged=f"No alert judges it: a trend to read beside the stickiness, over {RATE_WINDOW}.",
-)  # fmt: skip
-SPREAD = Shown(
-    "Real sessions on several replicas", queries.GATEWAY_SPREAD, ui.RATIO,
-    "Of the real sessions that came back within the gateway log's spread window, the share served by more "
-    "than one replica with no failover to explain it, as the alert judges it.", ui.BAD,
-    verdicts.LISTENER_SPREAD, "Real sessions stay on their replica.",
-)  # fmt: skip
-MOVED_BY_FAILOVER = Shown(
-    "Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO,
-    "Of the same sessions, the share that a failed replica moved to another one: kept apart from the above.",
-    ui.NEUTRAL,
-    unjudged="No alert judges it: a failed replica moves its sessions legitimately.",
-)  # fmt: skip
-SHOWN = (
-    CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO, STICKY, WARM_COLD, AFFINITY_EFFICIENCY, SPREAD, MOVED_BY_FAILOVER
-)  # fmt: skip
+# The numbers, one row each: label, query, unit, what a rise means, the verdict that judges it, what the
+# tile says where the alert finds nothing wrong (or why no alert judges it) and its help.
+SHOWN = tuple(Shown(*row) for row in (
+    ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, ui.RATIO, ui.GOOD, verdicts.CLUSTER_HIT_RATIO_DROP,
+     "Reuse holds: no drop against its own past, and above the floor.",
+     "Prompt tokens served from cached KV (the prefix cache, host memory, disk or another instance) over "
+     f"all prompt tokens, over {queries.WINDOW}; a replica with caching off counts as 0 %."),
+    ("Local lookup ratio", queries.CLUSTER_LOCAL_HIT_RATIO, ui.RATIO, ui.GOOD, None,
+     "No alert judges it: a replica with caching off drops out of it instead of counting as 0 %.",
+     "Prompt tokens found over prompt tokens looked up in the engines' own prefix caches, over "
+     f"{queries.WINDOW}."),
+    ("Sessions on one replica", queries.STICKY_RATIO, ui.RATIO, ui.GOOD, verdicts.ROUTE_STICKY,
+     "Sessions stay on their replica.",
+     f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}."),
+    ("Warm rounds' reuse", queries.WARM_REUSE_RATIO, ui.RATIO, ui.GOOD, verdicts.ROUTE_REUSE,
+     "Warm rounds reuse their history: the sessions reach the replica that holds it.",
+     "No round names its replica on this route (SageMaker names none), so reuse judges its stickiness: "
+     "cached over ideal cached tokens of the warm rounds (what a replica holding each conversation would "
+     f"have cached), {LAST_RUN}."),
+    ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR, ui.BAD, verdicts.ROUTE_WARM_ROUNDS,
+     "Warm rounds are faster than round 1: the history is reused.",
+     f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}."),
+    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO, ui.GOOD, None,
+     f"No alert judges it: a trend to read beside the stickiness, over {RATE_WINDOW}.",
+     "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would have "
+     f"cached, over {RATE_WINDOW}."),
+    ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ui.RATIO, ui.BAD, verdicts.LISTENER_SPREAD,
+     "Real sessions stay on their replica.",
+     "Of the real sessions that came back within the gateway log's spread window, the share served by "
+     "more than one replica with no failover to explain it, as the alert judges it."),
+    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO, ui.NEUTRAL, None,
+     "No alert judges it: a failed replica moves its sessions legitimately.",
+     "Of the same sessions, the share that a failed replica moved to another one: kept apart from the "
+     "above."),
+))  # fmt: skip
+(
+    CLUSTER_HIT_RATIO,
+    LOCAL_HIT_RATIO,
+    STICKY,
+    REUSE,
+    WARM_COLD,
+    AFFINITY_EFFICIENCY,
+    SPREAD,
+    MOVED_BY_FAILOVER,
+) = SHOWN
+# A probe route's tiles, by what its stickiness is judged by: the replica each round names, or where no
+# round names one (SageMaker) the warm rounds' reuse, which KVWatchSessionReuseLost watches instead.
+ROUTE_TILES = {
+    "replica": (STICKY, WARM_COLD, AFFINITY_EFFICIENCY),
+    "reuse": (REUSE, WARM_COLD, AFFINITY_EFFICIENCY),
+}
 
 
 def subject(alert: pd.Series) -> str:
@@ -186,13 +193,18 @@ class Board:
         """The listeners of a gateway log that had sessions come back within its spread window."""
         return sorted(set(self.points(SPREAD, log=log.name).get("listener", [])))
 
+    def judged_by(self, target: Target) -> str:
+        """What the route's stickiness is judged by, as KVWatchSessionReuseLost tells: "reuse" where
+        Prometheus holds the route's warm reuse judged by reuse over the range, else "replica"."""
+        return "reuse" if not self.points(REUSE, target=target.name).empty else "replica"
+
     def tile(self, shown: Shown, judged: bool = True, **labels: str) -> None:
         """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
         if shown.verdict and judged:
             states = self.states[shown.verdict.state].value
-            verdict = ui.judge(shown.verdict, states, shown.ok, self.now(), **labels)
+            verdict = ui.judge(shown.verdict, states, shown.says, self.now(), **labels)
         else:
-            verdict = ui.Verdict("gray", shown.unjudged)
+            verdict = ui.Verdict("gray", NOT_STICKY if shown.verdict else shown.says)
         points = self.points(shown, **labels)
         ui.tile(shown.label, points, self.over.end, shown.unit, verdict, shown.help, shown.rise)
 
@@ -215,7 +227,7 @@ def cached_by_source(board: Board, cluster: str | None) -> None:
         now = local[local["time"] == pd.Timestamp(board.over.end, unit="s", tz="UTC")]["value"]
         if not now.empty:
             st.markdown(f"Local lookups found {ui.RATIO.value(float(now.iloc[0]))} of what they looked up.")
-            st.caption(f"{LOCAL_HIT_RATIO.help} {LOCAL_HIT_RATIO.unjudged}")
+            st.caption(f"{LOCAL_HIT_RATIO.help} {LOCAL_HIT_RATIO.says}")
 
 
 def cache_reuse(board: Board, cluster: str | None) -> None:
@@ -245,7 +257,7 @@ def route(board: Board, target: Target, sessions: data.Result) -> None:
     )
     if not sessions.error and (evidence := ui.stickiness_evidence(sessions.value, target.name)):
         st.caption(f"Since {ui.as_of(board.over.start)}: {evidence}")
-    for column, shown in zip(st.columns(3), (STICKY, WARM_COLD, AFFINITY_EFFICIENCY), strict=True):
+    for column, shown in zip(st.columns(3), ROUTE_TILES[board.judged_by(target)], strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
 
@@ -297,9 +309,10 @@ def changes(board: Board, config: Config) -> None:
     hit_ratio = per_cluster("cluster hit ratio", board.points(CLUSTER_HIT_RATIO), config.cluster_label)
     lines = {name: ("hit ratio", points) for name, points in hit_ratio.items()}
     lines |= {
-        f"{t.name}: sessions on one replica": ("sticky", board.points(STICKY, target=t.name))
+        f"{t.name}: {shown.label.lower()}": ("sticky", board.points(shown, target=t.name))
         for t in targets
         if t.expect_sticky
+        for shown in ROUTE_TILES[board.judged_by(t)][:1]
     }
     lines |= {
         f"{g.name} / {listener}: real sessions spread": (

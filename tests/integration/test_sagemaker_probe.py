@@ -26,6 +26,7 @@ from sagemaker_client import (
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, Lab, http_get, kvwatch, wait_for
+from kvwatch.dashboard import data
 from kvwatch.lab.engine import ReplicaSettings
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
@@ -178,7 +179,28 @@ def test_expired_sessions_are_reported_and_reopened(quiet_lab):
     assert quiet_lab.cli("heal").returncode == 0
 
 
-def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmanager(lab):
+def reuse_tile(lab: Lab, monkeypatch, verdict: str) -> str | None:
+    """lab-affinity's warm reuse on the Overview, rendered on the lab's own config, once its verdict
+    reads `verdict` (the page reads Prometheus on its refresh grid, a little behind); None before, and
+    when the render straddled two grid times. Checked against the lab Prometheus at the page's time."""
+    at_time = data.now()
+    at = page("overview", lab, monkeypatch)
+    said = [m.value for m in at.markdown]
+    shown = [m.value for m in at.metric if m.label == "Warm rounds' reuse"]
+    if data.now() != at_time or not (shown and any(text.startswith(verdict) for text in said)):
+        return None
+    assert not any("KVWatchSessionAffinityBroken" in text for text in said), said  # it cannot apply here
+    params = {"query": queries.WARM_REUSE_RATIO, "time": at_time}
+    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params=params, timeout=10).json()
+    (held,) = [
+        float(r["value"][1]) for r in answer["data"]["result"] if r["metric"]["target"] == "lab-affinity"
+    ]
+    assert shown[0] == f"{held:.0%}", (shown, held)
+    return shown[0]
+
+
+def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmanager(lab, monkeypatch):
+    """...and the Overview judges the route by that reuse with the alert's verdict, green then red."""
     exporter = f"{lab.status['exporter']}/metrics"
 
     def reuse_series() -> list[str]:
@@ -202,6 +224,8 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
         ("lab-round-robin", "reuse"),
     }, reuse
     assert not active_alerts(lab, "KVWatchSessionReuseLost")
+    healthy = ":green[Warm rounds reuse their history"
+    assert wait_for(lambda: reuse_tile(lab, monkeypatch, healthy), "a green reuse verdict") == "100%"
     fault(lab, "ignore-session-ids")
     try:
         (alert,) = wait_for(
@@ -209,6 +233,8 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
         )
         assert alert["labels"]["target"] == "lab-affinity", alert
         assert alert["labels"]["severity"] == "critical"
+        fires = ":red[KVWatchSessionReuseLost fires"
+        wait_for(lambda: reuse_tile(lab, monkeypatch, fires), "a red reuse verdict on the Overview")
     finally:
         assert lab.cli("heal").returncode == 0
 

@@ -37,7 +37,15 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, stop_lab_serve
-from kvwatch.alerts.verdicts import FIRING, OK, PENDING, ROUTE_STICKY, ROUTER_PREDICTION_MISS, VERDICTS
+from kvwatch.alerts.verdicts import (
+    FIRING,
+    OK,
+    PENDING,
+    ROUTE_REUSE,
+    ROUTE_STICKY,
+    ROUTER_PREDICTION_MISS,
+    VERDICTS,
+)
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
@@ -333,6 +341,9 @@ ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
     ROUTER_PREDICTION_MISS.state,
 }
+# The lab's rounds name their replica: no route is judged by reuse here. tests/integration/
+# test_sagemaker_probe.py proves that verdict against the lab's SageMaker front.
+REUSE_ONLY = {ROUTE_REUSE.state}
 
 
 def instant(
@@ -443,8 +454,8 @@ def lab(start_lab):
 def test_panels_show_data_and_follow_a_broken_affinity(lab):
     prometheus = lab.status["prometheus"]
     # Healthy: every panel shows data, except the firing alerts, which are empty when all is well, and
-    # the routers'.
-    unexpected = {in_clusters(expr) for expr in (queries.FIRING_ALERTS_BY_NAME, *ROUTER_ONLY)}
+    # the routers' and the reuse verdict's.
+    unexpected = {in_clusters(expr) for expr in (queries.FIRING_ALERTS_BY_NAME, *ROUTER_ONLY, *REUSE_ONLY)}
     expected = {expr: title for expr, title in every_query().items() if expr not in unexpected}
     empty = poll(
         lambda: [title for expr, title in expected.items() if not instant(prometheus, expr)], not_, 60

@@ -2,7 +2,7 @@
 # Both bootstrap first: a virtualenv with kvwatch installed, and Debian's nginx, Prometheus and
 # Alertmanager when they are missing; `make test` also installs Debian's Chromium for the dashboard's
 # browser test, kubectl (kubernetes-client) whose kustomize renders deploy/k8s, Node.js with Grafana's
-# schema for the boards' schema test, and real vLLM for the real-engine tests (`make up` does only with
+# schema for the boards' schema test, VictoriaMetrics and vmalert for the lab on VictoriaMetrics, and real vLLM for the real-engine tests (`make up` does only with
 # LAB_ARGS="--engine vllm").
 
 PYTHON ?= python3
@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwatch-installed
 SYSTEM_PACKAGES := nginx prometheus prometheus-alertmanager
-TEST_PACKAGES := chromium nodejs npm postgresql openssl rsyslog kubernetes-client
+TEST_PACKAGES := chromium nodejs npm postgresql openssl rsyslog kubernetes-client victoria-metrics
 LAB_ARGS ?=
 # Where the generated alerts and boards link the runbook (default: this project's public repository),
 # e.g. `make generate RUNBOOK_URL=https://wiki.example.net/kvwatch-runbook`; the dashboard's is

@@ -75,9 +75,11 @@ class Alert:
 
 
 def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
-    """Every alert, judging by `t`, its series aggregated by `by`."""
+    """Every alert, judging by `t`, its series aggregated by `by`; without `keep_firing_for` where `t` is
+    for a rule engine that does not know the field."""
     judged = (*_affinity_alerts(t, by), *_cache_alerts(t, by), *_probe_alerts(t, by), *_load_alerts(t, by))
-    return tuple(dataclasses.replace(alert, cluster=by.cluster) for alert in judged)
+    held = {} if t.keep_firing_for else {"keep_firing_for": None}
+    return tuple(dataclasses.replace(alert, cluster=by.cluster, **held) for alert in judged)
 
 
 def _cluster_prompt_tokens(by: Grouping) -> str:

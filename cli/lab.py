@@ -20,6 +20,7 @@ from kvwatch.lab.flavours import SIMULATED_FLAVOURS
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
 from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_ROUTING, STRATEGIES
+from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
@@ -262,6 +263,7 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
     up = command(commands, "up", _run_up, help=UP_HELP, description=UP_DESCRIPTION)
     _family_argument(up, "--engine", REPLICA_KINDS, "sim")
     _family_argument(up, "--gateway", GATEWAYS, "nginx")
+    _family_argument(up, "--metrics-store", METRICS_STORES, "prometheus")
     up.add_argument(
         "--gateway-log-source",
         choices=["file", *LOG_SOURCE_GATEWAYS],
@@ -401,7 +403,10 @@ def _print_status(info: dict) -> None:
         print(f"sagemaker endpoint   {endpoint['endpoint']} ({routed})")
     print(f"affinity gateway     {info['gateways']['affinity']}")
     print(f"round-robin gateway  {info['gateways']['round_robin']}")
-    for name in ("prometheus", "alertmanager", "exporter", "dashboard"):
+    print(f"{info['metrics_store']:<20} {info['prometheus'] or '-'}")
+    if info["rules"] != info["prometheus"]:
+        print(f"{'rules and alerts':<20} {info['rules'] or '-'}")
+    for name in ("alertmanager", "exporter", "dashboard"):
         print(f"{name:<20} {info[name] or '-'}")
     for replica in info["replicas"]:
         caching = "" if replica["prefix_caching"] else ", prefix caching off"
@@ -422,6 +427,13 @@ def _run_up(args: argparse.Namespace) -> int:
         return _fail(
             f"--gateway-log-source {args.gateway_log_source} is for --gateway {wanted_gateway}, "
             f"not {args.gateway}"
+        )
+    if METRICS_STORES[args.metrics_store].rules_apart and (
+        args.clusters > 1 or args.gateway_log_source == "syslog"
+    ):
+        return _fail(
+            f"--metrics-store {args.metrics_store} runs one cluster, with its rule engine on the port of "
+            "the syslog relay: no --clusters or --gateway-log-source syslog"
         )
     if args.envoy_lb and args.gateway != "envoy":
         return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
@@ -477,6 +489,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 dashboard=args.dashboard,
                 engine=kind.name,
                 gateway=args.gateway,
+                metrics_store=args.metrics_store,
                 gateway_log_source=args.gateway_log_source,
                 envoy_lb=args.envoy_lb or "ring-hash",
                 sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,

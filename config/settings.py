@@ -438,6 +438,19 @@ class Service:
 
 
 @dataclass(frozen=True)
+class PrometheusService(Service):
+    """The Prometheus-compatible store the dashboard and the doctor query, and where its rules and alerts
+    are answered: a store that evaluates no rules itself (VictoriaMetrics) has them at its rule engine
+    (vmalert); unset, at `url`, as Prometheus, Thanos Query and Mimir answer both."""
+
+    rules_url: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _url(self.rules_url, "rules_url")
+
+
+@dataclass(frozen=True)
 class DashboardSettings:
     """What the dashboard may do for its viewers (it writes experiment reports only under
     report_directory), and where the runbook is published: the alerts that link into it get its
@@ -459,7 +472,7 @@ class Config:
     gateway_logs: tuple[GatewayLog, ...] = ()
     exporter: ExporterSettings = ExporterSettings()
     store: StoreSettings = StoreSettings()
-    prometheus: Service = Service()
+    prometheus: PrometheusService = PrometheusService()
     alertmanager: Service = Service()
     dashboard: DashboardSettings = DashboardSettings()
     cluster_label: str = CLUSTER_LABEL  # the label that tells clusters apart

@@ -21,10 +21,14 @@ CHUNK_BYTES = 65536
 class PrometheusApi:
     """Prometheus at `url`, each answer complete within `deadline_s` or UpstreamTimeout; no retries: a
     reader that waits for backoffs is worse than one that says Prometheus is down. Every method raises
-    an UpstreamError and nothing else when Prometheus fails."""
+    an UpstreamError and nothing else when Prometheus fails.
 
-    def __init__(self, url: str, deadline_s: float) -> None:
+    `rules_url` is where the rule engine answers the rules and Alertmanagers API when the store does not
+    evaluate rules itself (vmalert beside VictoriaMetrics); by default `url`, as Prometheus does both."""
+
+    def __init__(self, url: str, deadline_s: float, rules_url: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.rules_url = (rules_url or url).rstrip("/")
         self._session = _CheckedSession(deadline_s)
         self._connect = PrometheusConnect(self.url, session=self._session, retry=Retry(total=0))
 
@@ -42,7 +46,7 @@ class PrometheusApi:
         """The alerting rules Prometheus evaluates, each with its group's `interval` and its alerts
         (/api/v1/rules?type=alert): their state, activeAt, and keepFiringSince while keep_firing_for
         holds one whose expression stopped matching."""
-        answer = self._session.get(f"{self.url}/api/v1/rules", params={"type": "alert"}).json()
+        answer = self._session.get(f"{self.rules_url}/api/v1/rules", params={"type": "alert"}).json()
         try:
             return [
                 {**rule, "interval": float(group["interval"])}
@@ -62,15 +66,16 @@ class PrometheusApi:
 
     def rule_groups(self) -> list[dict]:
         """The rule groups Prometheus evaluates, each rule with its health and last error (/api/v1/rules)."""
-        return _objects(self._data("rules", "groups"), "groups")
+        return _objects(self._data("rules", "groups", self.rules_url), "groups")
 
     def alertmanagers(self) -> list[dict]:
         """The Alertmanagers Prometheus sends its alerts to now (/api/v1/alertmanagers)."""
-        return _objects(self._data("alertmanagers", "activeAlertmanagers"), "activeAlertmanagers")
+        found = self._data("alertmanagers", "activeAlertmanagers", self.rules_url)
+        return _objects(found, "activeAlertmanagers")
 
-    def _data(self, path: str, key: str) -> object:
-        """`key` of the data of the API's answer at /api/v1/`path`."""
-        answer = self._session.get(f"{self.url}/api/v1/{path}").json()
+    def _data(self, path: str, key: str, base: str | None = None) -> object:
+        """`key` of the data of the API's answer at /api/v1/`path` of `base` (default: the store's)."""
+        answer = self._session.get(f"{base or self.url}/api/v1/{path}").json()
         try:
             return answer["data"][key]
         except (KeyError, TypeError) as error:

@@ -164,10 +164,10 @@ def range_query(query: str, over: Span) -> Result:
 def blind_spots() -> Result:
     """The links of kvwatch's pipeline that do not hold (prometheus.pipeline): what kvwatch cannot see,
     and why, as Prometheus reports it; none while it sees everything."""
-    url, config = _service_url("prometheus"), settings()
-    if url.error:
-        return url
-    found = pipeline.links(PrometheusApi(url.value, TIMEOUT_SECONDS), config.value.exporter.port)
+    api = _prometheus_api()
+    if api.error:
+        return api
+    found = pipeline.links(api.value, settings().value.exporter.port)
     return Result(tuple(link for link in found if link.status != pipeline.OK))
 
 
@@ -257,14 +257,24 @@ def _ask_prometheus(ask: Callable[[PrometheusApi], list[dict]]) -> Result:
     return _call_prometheus(lambda prometheus: _frame(ask(prometheus)))
 
 
-def _call_prometheus(ask: Callable[[PrometheusApi], pd.DataFrame]) -> Result:
-    """One call of Prometheus' API, within TIMEOUT_SECONDS in all: its frame, or its failure in one line."""
+def _prometheus_api() -> Result:
+    """The client of prometheus.url, asking prometheus.rules_url for the rules and alerts where set."""
     url = _service_url("prometheus")
     if url.error:
         return url
-    where = f"Prometheus at {url.value}"
+    config = settings()
+    rules_url = None if config.error else config.value.prometheus.rules_url
+    return Result(PrometheusApi(url.value, TIMEOUT_SECONDS, rules_url))
+
+
+def _call_prometheus(ask: Callable[[PrometheusApi], pd.DataFrame]) -> Result:
+    """One call of Prometheus' API, within TIMEOUT_SECONDS in all: its frame, or its failure in one line."""
+    api = _prometheus_api()
+    if api.error:
+        return api
+    where = f"Prometheus at {api.value.url}"
     try:
-        return Result(ask(PrometheusApi(url.value, TIMEOUT_SECONDS)))
+        return Result(ask(api.value))
     except UpstreamTimeout:
         return Result(error=f"{where} did not answer within {TIMEOUT_SECONDS} s.")
     except Unreachable as error:

@@ -87,7 +87,8 @@ def prometheus_links(config: Config, timeout_s: float) -> tuple[Link, ...]:
                 "Set prometheus.url to the Prometheus that scrapes kvwatch serve.",
             ),
         )
-    return links(PrometheusApi(config.prometheus.url, timeout_s), config.exporter.port)
+    store = config.prometheus
+    return links(PrometheusApi(store.url, timeout_s, store.rules_url), config.exporter.port)
 
 
 def alertmanager_routes(config: Config, timeout_s: float) -> Link:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from kvwatch.lab import rsyslog
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS
+from kvwatch.lab.metrics_stores import METRICS_STORES
+from kvwatch.lab.metrics_stores.prometheus import prometheus_process
 from kvwatch.lab.process import Process, binary
 from kvwatch.lab.process import kvwatch_command as _kvwatch
 from kvwatch.lab.replicas import REPLICA_KINDS
@@ -17,30 +19,6 @@ from kvwatch.lab.state import LabState, ReplicaSpec
 
 def replica_process(state: LabState, replica: ReplicaSpec) -> Process:
     return REPLICA_KINDS.lookup(state.engine).process(state, replica)
-
-
-def prometheus_process(state: LabState) -> Process:
-    """Without --web.enable-lifecycle, which would let anyone stop it (POST /-/quit): the lab reloads it
-    with SIGHUP. A cluster's of a lab of several clusters is an agent; the central one receives theirs."""
-    d, port = state.directory, state.ports.prometheus
-    argv = [
-        binary("prometheus", "/usr/bin/prometheus"),
-        f"--config.file={d}/prometheus.yml",
-        f"--web.listen-address=127.0.0.1:{port}",
-        f"--web.external-url=http://127.0.0.1:{port}",
-    ]
-    if state.cluster:
-        return Process(
-            "prometheus",
-            [*argv, "--enable-feature=agent", f"--storage.agent.path={d}/prometheus-data"],
-            f"http://127.0.0.1:{port}/-/ready",
-        )
-    argv += [f"--storage.tsdb.path={d}/prometheus-data", "--storage.tsdb.retention.time=2d"]
-    if state.clusters:
-        argv.append("--web.enable-remote-write-receiver")
-    if state.rule_time_scale != 1:  # Prometheus re-sends firing alerts every minute by default
-        argv.append(f"--rules.alert.resend-delay={max(1, round(60 * state.rule_time_scale))}s")
-    return Process("prometheus", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
 def alertmanager_process(state: LabState) -> Process:
@@ -94,12 +72,13 @@ def traffic_process(state: LabState) -> Process:
 
 def planned_processes(state: LabState) -> list[list[Process]]:
     """Every process of the lab, in groups started one after the other; a group starts side by side.
-    The gateways and Alertmanager come before Prometheus, kvwatch serve and the users, so that the first
-    probes and the first alerts find them. In a lab of several clusters the central lab runs Alertmanager
-    and Prometheus, each cluster the rest."""
+    The gateways and Alertmanager (and a store its rule engine reads) come before Prometheus, kvwatch
+    serve and the users, so that the first probes and the first alerts find them. In a lab of several
+    clusters the central lab runs Alertmanager and Prometheus, each cluster the rest."""
     if state.clusters:
         return [[alertmanager_process(state)], [prometheus_process(state)]]
-    last = [prometheus_process(state), serve_process(state)]
+    store = METRICS_STORES.lookup(state.metrics_store)
+    last = [*store.processes(state), serve_process(state)]
     if state.dashboard:
         last.append(dashboard_process(state))
     if state.users:
@@ -108,6 +87,6 @@ def planned_processes(state: LabState) -> list[list[Process]]:
     relay = [rsyslog.process(state)] if state.gateway_log_source == "syslog" else []
     return [
         [replica_process(state, replica) for replica in state.replicas],
-        [GATEWAYS.lookup(state.gateway).process(state), *relay, *alerting],
+        [GATEWAYS.lookup(state.gateway).process(state), *relay, *alerting, *store.started_first(state)],
         last,
     ]

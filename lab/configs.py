@@ -3,20 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import yaml
 
+from kvwatch.cli.generate import RULE_FILES, rule_file_texts
 from kvwatch.config.settings import GatewayLog
 from kvwatch.core.credentials import write_new_token
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.sagemaker import ENDPOINT as SAGEMAKER_ENDPOINT
 from kvwatch.lab.gateways.sagemaker import LAB_REGION
+from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import LabState
+from kvwatch.prometheus.thresholds import THRESHOLDS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,9 +45,14 @@ def scale_durations(text: str, factor: float) -> str:
 
 
 def rule_files(state: LabState) -> dict[str, str]:
-    """The rule files Prometheus loads: the repository's, with `--rule-time-scale` applied (name -> text).
+    """The rule files Prometheus loads: the repository's, with `--rule-time-scale` applied (name -> text);
+    for a rule engine without keep_firing_for, as `kvwatch generate` writes them with it off.
 
     A scale of 0.1 makes what takes minutes in production take seconds in the lab and its tests."""
+    if not METRICS_STORES.lookup(state.metrics_store).keeps_firing:
+        held = dataclasses.replace(THRESHOLDS, keep_firing_for=False)
+        texts = rule_file_texts(t=held)
+        return {Path(path).name: scale_durations(texts[path], state.rule_time_scale) for path in RULE_FILES}
     found = []
     for pattern in RULE_PATTERNS:
         if not (matched := sorted(REPO.glob(pattern))):
@@ -100,11 +109,13 @@ def render_prometheus(state: LabState) -> str:
     rest by remote_write; each cluster's Prometheus, an agent, scrapes its cluster and remote-writes
     every sample with its cluster's name as an external label."""
     config = yaml.safe_load((REPO / "prometheus" / "prometheus.lab.yml").read_text())
-    interval = "1s" if state.fast else "5s"
+    interval = state.scrape_interval
     config["global"]["scrape_interval"] = interval
     config["global"]["evaluation_interval"] = interval
     ports = state.ports
     jobs = {"prometheus": ports.prometheus, "alertmanager": ports.alertmanager, "kvwatch": ports.exporter}
+    if METRICS_STORES.lookup(state.metrics_store).rules_apart:  # it counts the alerts it sends
+        jobs["rule_engine"] = ports.rule_engine
     if state.clusters:  # the central lab runs no kvwatch serve
         del jobs["kvwatch"]
     if state.cluster:
@@ -201,5 +212,7 @@ def render_kvwatch_config(state: LabState) -> str:
     config["exporter"]["webhook_token_file"] = str(directory / WEBHOOK_TOKEN_FILE)
     config["store"]["path"] = str(directory / "kvwatch.db")
     config["prometheus"]["url"] = f"http://127.0.0.1:{state.central.prometheus}"
+    if rules_url := METRICS_STORES.lookup(state.metrics_store).rules_url(state):
+        config["prometheus"]["rules_url"] = rules_url
     config["alertmanager"]["url"] = f"http://127.0.0.1:{state.central.alertmanager}"
     return yaml.safe_dump(config, sort_keys=False)

@@ -32,6 +32,7 @@ from kvwatch.lab.configs import (
 )
 from kvwatch.lab.gateways import GATEWAYS
 from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, sagemaker_endpoint
+from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.lab.state import (
@@ -65,6 +66,8 @@ def idle() -> None:
 
 def _write_configs(state: LabState) -> None:
     (state.directory / "prometheus.yml").write_text(render_prometheus(state))
+    if write_store_configs := METRICS_STORES.lookup(state.metrics_store).write_configs:
+        write_store_configs(state)
     if not state.cluster:  # the lab's alerting: with several clusters, the central lab's
         (state.directory / "alertmanager.yml").write_text(render_alertmanager(state))
         rules = state.directory / "rules"
@@ -92,10 +95,11 @@ def _scrape_targets(config: dict) -> dict[str, list]:
 
 
 def _reload_prometheus(state: LabState) -> None:
-    """SIGHUP the lab's Prometheus (found by PID and command line) and return once it has loaded the
-    targets just written, else raise LabError naming Prometheus."""
+    """SIGHUP the lab's Prometheus (its metrics store's scraper, found by PID and command line) and
+    return once it has loaded the targets just written, else raise LabError naming it."""
     url = f"http://127.0.0.1:{state.ports.prometheus}"
-    pid = state.processes.get("prometheus")
+    scraper = METRICS_STORES.lookup(state.metrics_store).scraper
+    pid = state.processes.get(scraper)
     if pid is None or not is_ours(state, pid):
         raise LabError(
             f"Prometheus ({url}) is not running, so it does not scrape the new set of replicas (the rest "
@@ -112,7 +116,7 @@ def _reload_prometheus(state: LabState) -> None:
         if time.monotonic() > deadline:
             raise LabError(
                 f"Prometheus ({url}) did not load the new config within {PROMETHEUS_RELOAD_TIMEOUT_S:.0f} s; "
-                f"logs/prometheus.log ends:\n{log_tail(state, 'prometheus')}"
+                f"logs/{scraper}.log ends:\n{log_tail(state, scraper)}"
             )
         time.sleep(0.1)
 
@@ -193,6 +197,8 @@ def _listening_ports(state: LabState) -> dict[str, int]:
     }
     if GATEWAYS.lookup(state.gateway).metrics_path:
         named["gateway admin"] = ports.gateway_admin
+    if METRICS_STORES.lookup(state.metrics_store).rules_url(state):
+        named["rule engine"] = ports.rule_engine
     return named | {f"replica {r.id}": r.port for r in state.replicas}
 
 
@@ -300,10 +306,10 @@ def status(state: LabState) -> dict:
     def url(name: str, port: int) -> str | None:
         return f"http://127.0.0.1:{port}" if name in alive else None
 
-    ports = state.ports
+    ports, store = state.ports, METRICS_STORES.lookup(state.metrics_store)
     info = {
         "state_dir": str(state.directory),
-        "prometheus": url("prometheus", ports.prometheus),
+        "prometheus": url(store.scraper, ports.prometheus),
         "alertmanager": url("alertmanager", ports.alertmanager),
     }
     if state.clusters:
@@ -312,6 +318,8 @@ def status(state: LabState) -> dict:
             "processes": alive,
         }
     return info | {
+        "metrics_store": state.metrics_store,
+        "rules": url(store.rule_engine, ports.rule_engine) if store.rules_url(state) else info["prometheus"],
         "exporter": url("serve", ports.exporter),
         "dashboard": url("dashboard", ports.dashboard),
         "cluster": state.cluster or None,

@@ -52,6 +52,8 @@ class Ports:
     syslog_affinity = _above_base(7)
     syslog_round_robin = _above_base(8)
     syslog_relay = _above_base(9)
+    # With --metrics-store victoriametrics: vmalert's rules and alerts API (a lab without a syslog relay).
+    rule_engine = _above_base(9)
 
     def replica(self, index: int) -> int:
         return self.base + REPLICA_PORT_OFFSET + index
@@ -98,6 +100,7 @@ class LabState:
     # In-flight requests on its instance past which PREFIX_AWARE overflows (SageMaker's ConcurrencyThreshold).
     sagemaker_concurrency_threshold: int = 8
     model: str = "lab-model"  # the model name every replica serves
+    metrics_store: str = "prometheus"  # what scrapes and evaluates the rules: lab.metrics_stores
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).
     rule_time_scale: float = 1.0
     replicas: list[ReplicaSpec] = field(default_factory=list)
@@ -114,6 +117,11 @@ class LabState:
     @property
     def ports(self) -> Ports:
         return Ports(self.base_port)
+
+    @property
+    def scrape_interval(self) -> str:
+        """How often the lab's targets are scraped and its rules evaluated."""
+        return "1s" if self.fast else "5s"
 
     @property
     def central(self) -> Ports:

@@ -135,8 +135,14 @@ def rules_loaded(name: str, prometheus: PrometheusApi, targets: list[dict], port
 
 
 def alertmanager_attached(name: str, prometheus: PrometheusApi, targets: list[dict], port: int) -> Link:
-    """Prometheus sends its alerts to at least one Alertmanager."""
-    managers = [m.get("url", "?") for m in prometheus.alertmanagers()]
+    """Prometheus sends its alerts to at least one Alertmanager. A rule engine without the Alertmanagers
+    API (vmalert) is judged by the alerts it counts as sent, where the store scrapes it."""
+    try:
+        managers = [m.get("url", "?") for m in prometheus.alertmanagers()]
+    except UpstreamError as error:
+        if prometheus.rules_url == prometheus.url:
+            raise
+        return _alerts_sent(name, prometheus, error)
     if managers:
         return Link(name, OK, f"Alerts go to {_few(managers)}.")
     return Link(
@@ -144,6 +150,23 @@ def alertmanager_attached(name: str, prometheus: PrometheusApi, targets: list[di
         BROKEN,
         "Prometheus sends its alerts to no Alertmanager: a firing kvwatch alert reaches no one.",
         "Add your Alertmanager under alerting.alertmanagers in prometheus.yml and reload Prometheus.",
+    )
+
+
+def _alerts_sent(name: str, prometheus: PrometheusApi, unlisted: UpstreamError) -> Link:
+    """The Alertmanagers the rule engine at prometheus.rules_url counts alerts sent to; it lists none."""
+    engine = redact(prometheus.rules_url)
+    counted = prometheus.query(queries.RULE_ENGINE_NOTIFIERS)
+    sent = [series["metric"]["addr"] for series in counted if series["metric"].get("addr")]
+    if sent:
+        return Link(name, OK, f"The rule engine at {engine} has sent alerts to {_few(sent)}.")
+    return Link(
+        name,
+        UNKNOWN,
+        f"The rule engine at {engine} does not list its Alertmanagers ({unlisted}), and the store holds no "
+        "vmalert_alerts_sent_total of it: whether a firing kvwatch alert reaches anyone is not known.",
+        "Scrape the rule engine's /metrics (vmalert's counts the alerts it sends to each -notifier.url), "
+        "and give it your Alertmanager with -notifier.url.",
     )
 
 

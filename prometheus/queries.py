@@ -473,3 +473,5 @@ PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cac
 # a level and colons before theirs).
 ENGINES_SCRAPED = f"group by (job, instance) ({ENGINE_PRESENCE})"
 EXPORTER_SERIES = 'group by (job, instance) ({__name__=~"kvwatch_.+"})'
+# Where vmalert, which has no /api/v1/alertmanagers, sent its alerts: its own counter, where it is scraped.
+RULE_ENGINE_NOTIFIERS = "sum by (addr) (vmalert_alerts_sent_total)"

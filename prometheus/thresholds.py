@@ -52,11 +52,16 @@ class Thresholds:
     source_silent_seconds: float = 600.0  # a syslog or OTLP gateway log that received nothing this long
     load_imbalance_above: float = 2.0  # busiest instance over the mean
     load_imbalance_for: str = "15m"  # ... held this long
+    # Whether the alerts hold a cleared condition with `keep_firing_for` (Prometheus 2.42+, vmalert
+    # 1.92+): false writes them without the field, for a rule engine that refuses the whole file over it.
+    keep_firing_for: bool = True
 
     def problem(self) -> str | None:
         """The first value no rule can use, as `key: what is wrong`; None when every one is usable."""
         for field in fields(self):
             value = getattr(self, field.name)
+            if isinstance(value, bool):
+                continue  # the loader already checked that it is true or false
             if field.name == "cluster_label":
                 wrong = cluster_label_problem(value)
             elif isinstance(value, str):

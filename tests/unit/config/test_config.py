@@ -20,6 +20,7 @@ from kvwatch.config.settings import (
     DashboardSettings,
     ExporterSettings,
     GatewayLog,
+    PrometheusService,
     Service,
     SessionSettings,
     StoreSettings,
@@ -169,6 +170,10 @@ INVALID = [
     (
         "prometheus-url",
         'prometheus.url: must be an http:// or https:// URL with a host, got "prometheus:9090"',
+    ),
+    (
+        "prometheus-rules-url",
+        'prometheus.rules_url: must be an http:// or https:// URL with a host, got "vmalert:8880"',
     ),
     (
         "prometheus-url-port",
@@ -475,7 +480,7 @@ def test_full_file_overrides_every_default_and_merges_anchors():
             retry_seconds=600.0,
             flush_seconds=20.0,
         ),
-        prometheus=Service(url="http://prometheus:9090"),
+        prometheus=PrometheusService(url="http://prometheus:9090", rules_url="http://vmalert:8880"),
         alertmanager=Service(url="http://alertmanager:9093"),
         dashboard=DashboardSettings(runbook_url="https://wiki.example.net/sre/kvwatch-runbook"),
         cluster_label="region",

@@ -1,0 +1,106 @@
+"""The lab on VictoriaMetrics (`kvwatch lab up --metrics-store victoriametrics`): VictoriaMetrics scrapes,
+vmalert evaluates kvwatch's recording rules and the alerts written without keep_firing_for (Debian's
+vmalert 1.79 refuses the field), and sends to the lab's Alertmanager. Broken affinity reaches the
+webhook; the cluster hit ratio kvwatch reads through its Prometheus client (rules and alerts from
+vmalert, prometheus.rules_url) equals the replicas' ground truth; vmalert logs no rule or template error.
+
+With probes (the affinity alert judges the probe runs), --fast and the rule windows at half of
+production: a minute of traffic holds enough requests that the few at the window's edges move the
+cluster ratio by less than the tolerance."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import Lab, http_get
+from kvwatch.core.promapi import PrometheusApi
+from kvwatch.lab.configs import scale_durations
+from kvwatch.prometheus import queries
+from kvwatch.store.history import Store
+
+pytestmark = pytest.mark.integration
+
+RULE_TIME_SCALE = 0.5
+WINDOW_S = int(scale_durations(queries.WINDOW, RULE_TIME_SCALE).removesuffix("s"))
+TOLERANCE = 0.02
+WAIT_S = 90
+
+
+@pytest.fixture(scope="module")
+def lab(start_lab) -> Lab:
+    lab = start_lab("--metrics-store", "victoriametrics", "--replicas", "4", "--users", "6", "--think", "0.2",
+                     "--time-scale", "0.1", "--rule-time-scale", str(RULE_TIME_SCALE))  # fmt: skip
+    lab.up_at = time.time()
+    return lab
+
+
+def wait_for_alert(lab: Lab, since: float, alertname: str, status: str, **labels: str) -> dict:
+    """The first alert of that name, status and labels kvwatch's webhook received after `since`."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+            for alert in store.alerts(since=since):
+                matches = all(alert["labels"].get(k) == v for k, v in labels.items())
+                if alert["alertname"] == alertname and alert["status"] == status and matches:
+                    return alert
+        time.sleep(1)
+    raise AssertionError(f"no {status} {alertname} {labels} reached the webhook within {WAIT_S} s")
+
+
+def test_the_lab_runs_victoriametrics_and_vmalert_on_loopback(lab: Lab):
+    status = lab.status
+    assert status["metrics_store"] == "victoriametrics"
+    assert {"victoria-metrics", "vmalert"} <= status["processes"].keys() and "prometheus" not in status[
+        "processes"
+    ]
+    assert status["rules"] == f"http://127.0.0.1:{lab.base_port + 9}" != status["prometheus"]
+    assert http_get(f"{status['prometheus']}/health", timeout=5).text.strip() == "OK"
+    rules = (lab.state_dir / "rules" / "kvwatch.rules.yml").read_text()
+    assert "KVWatchSessionAffinityBroken" in rules and "keep_firing_for" not in rules
+
+
+def test_the_cluster_hit_ratio_read_through_kvwatch_equals_the_ground_truth(lab: Lab):
+    api = PrometheusApi(lab.status["prometheus"], 10, lab.status["rules"])
+    deadline = time.monotonic() + WINDOW_S + 45
+    evaluated = []  # the window must lie wholly inside the traffic, and the recorded ratio be there
+    while time.monotonic() < deadline and not evaluated:
+        time.sleep(1)
+        if time.time() - lab.up_at > WINDOW_S + 5:
+            evaluated = api.query(f"timestamp({queries.CLUSTER_HIT_RATIO})")
+    assert evaluated, f"no {queries.CLUSTER_HIT_RATIO} recorded in VictoriaMetrics"
+    at = float(evaluated[0]["value"][1])
+    (shown,) = api.query(queries.CLUSTER_HIT_RATIO, at=at)
+    time.sleep(3)  # what was counted up to a scrape after it has finished, and so been recorded
+    counted = [
+        record
+        for replica in lab.status["replicas"]
+        for record in http_get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
+        if record.get("ttft_seconds") is not None
+        and at - WINDOW_S < record["time"] + record["ttft_seconds"] <= at  # vLLM counts at the first token
+    ]
+    expected = sum(r["cached_tokens"] for r in counted) / sum(r["prompt_tokens"] for r in counted)
+    assert 0.3 < expected < 1.0  # real reuse happened, so the comparison means something
+    assert float(shown["value"][1]) == pytest.approx(expected, abs=TOLERANCE), (len(counted), expected)
+
+
+def test_broken_affinity_reaches_alertmanager_and_the_webhook_through_vmalert(lab: Lab):
+    since = time.time()
+    result = lab.cli("fault", "break-affinity")
+    assert result.returncode == 0, result.stderr
+    alert = wait_for_alert(lab, since, "KVWatchSessionAffinityBroken", "firing", target="lab-affinity")
+    assert alert["labels"]["severity"] == "critical"
+    answer = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", timeout=10).json()
+    assert "KVWatchSessionAffinityBroken" in {a["labels"]["alertname"] for a in answer}
+    firing = PrometheusApi(lab.status["prometheus"], 10, lab.status["rules"]).alerting_rules()
+    assert any(a["state"] == "firing" for r in firing if r["name"] == "KVWatchSessionAffinityBroken"
+               for a in r.get("alerts", []))  # fmt: skip
+
+
+def test_vmalert_logs_no_rule_or_template_error(lab: Lab):
+    log = (lab.state_dir / "logs" / "vmalert.log").read_text()
+    groups = [line for line in log.splitlines() if 'group "kvwatch-' in line and "started" in line]
+    assert len(groups) == 4, log[-2000:]
+    failing = [line for line in log.splitlines() if "\terror\t" in line or "\twarn\t" in line]
+    assert failing == [], "\n".join(failing[:10])

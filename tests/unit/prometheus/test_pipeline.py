@@ -51,6 +51,11 @@ class FakePrometheus:
             def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
                 parts = urlsplit(self.path)
                 name = parts.path.removeprefix("/api/v1/")
+                if name != "query" and name not in fake.answers:  # as vmalert answers a path it lacks
+                    self.send_response(400)
+                    self.end_headers()
+                    self.wfile.write(f"unsupported path requested: {parts.path!r}".encode())
+                    return
                 if name == "query":
                     data = {"resultType": "vector", "result": fake.answers[parse_qs(parts.query)["query"][0]]}
                 else:
@@ -75,8 +80,8 @@ class FakePrometheus:
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def links(self) -> dict[str, tuple[str, str, str]]:
-        found = links(PrometheusApi(self.url, 5), EXPORTER_PORT)
+    def links(self, rules_url: str | None = None) -> dict[str, tuple[str, str, str]]:
+        found = links(PrometheusApi(self.url, 5, rules_url), EXPORTER_PORT)
         return {link.name: (link.status, link.evidence, link.fix) for link in found}
 
 
@@ -174,6 +179,35 @@ def test_no_alertmanager_is_named(prometheus):
     prometheus.answers["alertmanagers"]["activeAlertmanagers"] = []
     status, evidence, fix = prometheus.links()["Prometheus sends alerts to Alertmanager"]
     assert status == BROKEN and "no Alertmanager" in evidence and "alerting.alertmanagers" in fix
+
+
+@pytest.fixture
+def vmalert() -> Iterator[FakePrometheus]:
+    """A rule engine apart from the store: the rules API, and no /api/v1/alertmanagers."""
+    fake = FakePrometheus()
+    fake.answers = {"rules": healthy()["rules"]}
+    yield fake
+    fake.server.shutdown()
+    fake.server.server_close()
+
+
+def test_a_store_with_its_rules_at_vmalert_is_judged_by_vmalerts_rules_and_sent_alerts(prometheus, vmalert):
+    """VictoriaMetrics answers the queries and targets, vmalert the rules; vmalert lists no Alertmanager,
+    so the alerts it counts as sent (its own counter, scraped into the store) show where they go."""
+    prometheus.answers["rules"] = {"groups": []}  # the store evaluates nothing itself
+    sent = {"metric": {"addr": "http://10.0.0.7:9093/api/v2/alerts"}, "value": [0, "12"]}
+    prometheus.answers[queries.RULE_ENGINE_NOTIFIERS] = [sent]
+    found = prometheus.links(rules_url=vmalert.url)
+    assert statuses(found) == dict.fromkeys(EVERY_LINK, OK)
+    assert "4 rule groups loaded" in found["Prometheus evaluates kvwatch's rules"][1]
+    assert found["Prometheus sends alerts to Alertmanager"][1] == (
+        f"The rule engine at {vmalert.url} has sent alerts to http://10.0.0.7:9093/api/v2/alerts."
+    )
+    assert statuses(prometheus.links())["Prometheus evaluates kvwatch's rules"] == BROKEN  # not at the store
+
+    prometheus.answers[queries.RULE_ENGINE_NOTIFIERS] = []  # vmalert is not scraped
+    status, evidence, fix = prometheus.links(rules_url=vmalert.url)["Prometheus sends alerts to Alertmanager"]
+    assert status == UNKNOWN and "does not list its Alertmanagers" in evidence and "-notifier.url" in fix
 
 
 def test_a_prometheus_that_fails_breaks_the_first_link_and_judges_no_other(prometheus):

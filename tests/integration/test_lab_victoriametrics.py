@@ -10,12 +10,17 @@ cluster ratio by less than the tolerance."""
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import pytest
+import streamlit as st
 
-from conftest import Lab, http_get
+from conftest import Lab, http_get, kvwatch
 from kvwatch.core.promapi import PrometheusApi
+from kvwatch.dashboard import data
+from kvwatch.grafana import boards
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
@@ -93,6 +98,11 @@ def test_broken_affinity_reaches_alertmanager_and_the_webhook_through_vmalert(la
     assert alert["labels"]["severity"] == "critical"
     answer = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", timeout=10).json()
     assert "KVWatchSessionAffinityBroken" in {a["labels"]["alertname"] for a in answer}
+    # vmalert writes each alert's ALERTS series into VictoriaMetrics, which the boards' alert panels read
+    (series,) = PrometheusApi(lab.status["prometheus"], 10).query(
+        'ALERTS{alertname="KVWatchSessionAffinityBroken", alertstate="firing"}'
+    )
+    assert series["metric"]["target"] == "lab-affinity"
     firing = PrometheusApi(lab.status["prometheus"], 10, lab.status["rules"]).alerting_rules()
     assert any(a["state"] == "firing" for r in firing if r["name"] == "KVWatchSessionAffinityBroken"
                for a in r.get("alerts", []))  # fmt: skip
@@ -104,3 +114,48 @@ def test_vmalert_logs_no_rule_or_template_error(lab: Lab):
     assert len(groups) == 4, log[-2000:]
     failing = [line for line in log.splitlines() if "\terror\t" in line or "\twarn\t" in line]
     assert failing == [], "\n".join(failing[:10])
+
+
+def test_the_dashboard_reads_the_firing_alerts_from_vmalert(lab: Lab, monkeypatch):
+    """After the broken affinity above: the Overview's firing alerts, read by dashboard/data.py from the
+    lab's config, whose prometheus.rules_url is vmalert's."""
+    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(lab.state_dir / "kvwatch.yaml")])
+    st.cache_data.clear()
+    firing = data.firing_alerts(time.time())
+    st.cache_data.clear()
+    assert firing.error is None
+    assert "KVWatchSessionAffinityBroken" in set(firing.value["alertname"])
+    assert firing.value["stopped_at"].isna().all()  # no keep_firing_for: nothing is held
+
+
+def test_doctor_setup_finds_every_link_through_victoriametrics_and_vmalert(lab: Lab):
+    result = kvwatch("doctor", "--setup", "--config", str(lab.state_dir / "kvwatch.yaml"), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "every link holds" in result.stdout
+    assert f"The rule engine at {lab.status['rules']} has sent alerts to" in " ".join(result.stdout.split())
+
+
+def board_queries() -> list[str]:
+    """Every query of every provisioned board."""
+    found = set()
+
+    def walk(node: dict) -> None:
+        for panel in node.get("panels", []):
+            found.update(target["expr"] for target in panel.get("targets", []) if "expr" in target)
+            walk(panel)
+
+    for path, text in boards.dashboard_files().items():
+        if path.startswith("grafana/dashboards/"):
+            walk(json.loads(text))
+    return sorted(found)
+
+
+def test_every_board_query_answers_in_victoriametrics(lab: Lab):
+    """MetricsQL takes every query the boards ask, through kvwatch's Prometheus client."""
+    api, now = PrometheusApi(lab.status["prometheus"], 10), time.time()
+    answered = 0
+    for query in board_queries():
+        expr = queries.fill_variables(query, window=f"{WINDOW_S}s", time_range="5m")
+        api.query(expr)  # raises QueryRefused for what VictoriaMetrics cannot parse or run
+        answered += bool(api.query_range(expr, now - 120, now, 10))
+    assert answered > len(board_queries()) / 2  # most panels have data: the queries are not vacuous

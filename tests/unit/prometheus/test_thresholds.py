@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -95,6 +96,25 @@ def test_keep_firing_for_false_writes_alerts_a_rule_engine_without_the_field_loa
     assert (out / "prometheus" / "rules" / "kvwatch-engines.yml").read_text() == (
         REPO / "prometheus" / "rules" / "kvwatch-engines.yml"
     ).read_text()
+
+
+@pytest.mark.integration  # runs Debian's vmalert (1.79.5, `make test` installs it)
+def test_vmalert_refuses_the_default_alerts_and_loads_those_without_keep_firing_for(tmp_path):
+    vmalert = shutil.which("vmalert")
+    assert vmalert, "vmalert is missing: `make test` installs Debian's victoria-metrics package"
+    config = tmp_path / "thresholds.yaml"
+    config.write_text("keep_firing_for: false\n")
+    out = tmp_path / "out"
+    assert main(["generate", "--config", str(config), "--out", str(out)]) == 0
+
+    def dry_run(*files: Path) -> subprocess.CompletedProcess:
+        rules = [f"-rule={path}" for path in files]
+        return subprocess.run([vmalert, "-dryRun", *rules], capture_output=True, text=True, timeout=60)
+
+    refused = dry_run(REPO / "alerts" / "kvwatch.rules.yml")
+    assert refused.returncode != 0 and "unknown fields in rule: keep_firing_for" in refused.stderr
+    loaded = dry_run(*(out / relative for relative in rule_files()))
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
 
 
 def test_the_command_line_cluster_label_wins_over_the_files(tmp_path):

@@ -184,7 +184,7 @@ def _plan(directory: Path, base_port: int, replicas: int, flavours: list[str], *
 def _listening_ports(state: LabState) -> dict[str, int]:
     """The ports the lab's processes listen on, by what listens there."""
     ports = state.ports
-    named = {"prometheus": ports.prometheus}
+    named = {METRICS_STORES.lookup(state.metrics_store).scraper: ports.prometheus}
     if not state.cluster:
         named["alertmanager"] = ports.alertmanager
     if state.clusters:

@@ -42,7 +42,8 @@ def test_the_victoriametrics_lab_runs_the_store_before_vmalert_and_every_server_
     assert f"-httpListenAddr=127.0.0.1:{BASE + 9}" in engine.argv and engine.ready_url.endswith("/health")
     assert {f"-datasource.url=http://127.0.0.1:{BASE + 2}", f"-remoteWrite.url=http://127.0.0.1:{BASE + 2}",
             f"-notifier.url=http://127.0.0.1:{BASE + 3}"} <= set(engine.argv)  # fmt: skip
-    assert stack.listening_ports([state])["rule engine"] == BASE + 9
+    listening = stack.listening_ports([state])
+    assert (listening["victoria-metrics"], listening["rule engine"]) == (BASE + 2, BASE + 9)
 
 
 def test_the_default_lab_still_runs_prometheus_alone(tmp_path):

@@ -462,6 +462,20 @@ async def lab_expire_sessions(request: web.Request) -> web.Response:
     return web.json_response({"expired": table.expire_all()})
 
 
+async def lab_held(request: web.Request) -> web.Response:
+    """Ground truth at a router's decision time: how many tokens of a prompt (`{"tokens": [...]}`) this
+    replica's prefix cache would serve now; 0 with prefix caching off, as the engine then serves none."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        tokens = json.loads(await request.read())["tokens"]
+        if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+            raise ValueError("'tokens' must be a list of token ids")
+    except (ValueError, KeyError, TypeError) as error:
+        return web.json_response({"error": f"send {{'tokens': [ids]}}: {error}"}, status=400)
+    held = engine.cache.held(tokens) if engine.faults.prefix_caching else 0
+    return web.json_response({"held_tokens": held})
+
+
 async def lab_ground_truth(request: web.Request) -> web.Response:
     return web.json_response({"records": list(request.app[ENGINE_KEY].ground_truth)})
 
@@ -485,6 +499,7 @@ def make_app(engine: Engine) -> web.Application:
             web.post("/lab/reset-cache", lab_reset_cache),
             web.post("/lab/expire-sessions", lab_expire_sessions),
             web.get("/lab/ground-truth", lab_ground_truth),
+            web.post("/lab/held", lab_held),
         ]
     )
     return app

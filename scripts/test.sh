@@ -13,7 +13,8 @@ vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_
     tests/integration/test_sagemaker_vllm_reuse.py
     tests/integration/test_vllm_first_byte.py"
 after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
-    tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py
+    tests/integration/test_router_prediction.py tests/integration/test_reuse_decomposition.py
+    tests/integration/test_lab_envoy.py
     tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py
     tests/integration/test_sagemaker_probe.py tests/integration/test_lab_sagemaker.py"
 log=test-artifacts/beside.log

@@ -16,7 +16,7 @@ import streamlit as st
 from kvwatch.alerts import verdicts
 from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
-from kvwatch.dashboard import data, ui
+from kvwatch.dashboard import data, reuse, ui
 from kvwatch.prometheus import pipeline, queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
@@ -242,6 +242,7 @@ def cache_reuse(board: Board, cluster: str | None) -> None:
         board.tile(CLUSTER_HIT_RATIO)
     with sources:
         cached_by_source(board, cluster)
+    reuse.decomposition(board.over, cluster, board.now())
 
 
 def sticky_words(expected: bool) -> str:

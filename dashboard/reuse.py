@@ -1,6 +1,7 @@
 """The Overview's "Why is reuse low?" section: per router that exports the legs, and for the cluster, the
 reuse decomposition of the prompt tokens it routed (available -> routed -> delivered) and the three named
-losses, the routing and engine ones with the verdicts of the alerts that watch them."""
+losses, the routing and engine ones with the verdicts of the alerts that watch them; and per probe route,
+kvwatch's own sessions' decomposition (ideal -> delivered), which kvwatch knows without any router."""
 
 from __future__ import annotations
 
@@ -92,3 +93,28 @@ def decomposition(over: data.Span, cluster: str | None, firing: pd.DataFrame | N
             for loss, verdict in VERDICTS.items():
                 said = ui.judge(verdict, asked[loss].value, LOSS_OK[loss], firing, job=job, instance=instance)
                 st.markdown(f":{said.color}[{said.text}]")
+
+
+PROBE_HELP = (
+    "kvwatch's own probe sessions through this route, over all their rounds and a window of "
+    f"{data.MIN_RATE_WINDOW_SECONDS // 60} minutes or more: of their prompt tokens, what a replica holding "
+    "each conversation would have cached (the ideal: the previous round's prompt and answer, which kvwatch "
+    "knows) and what the engines reused; the gap was lost to routing or to the engine."
+)
+
+
+def probe_decomposition(over: data.Span, target: str) -> None:
+    """The probe sessions' own decomposition of one route, when Prometheus holds their tokens."""
+    shares = data.instant(queries.PROBE_REUSE_SHARES, over)
+    if shares.error or shares.value.empty:
+        return
+    legs = {row.leg: row.value for row in ui.matching(shares.value, target=target).itertuples(index=False)}
+    if not legs:
+        return
+    available, delivered = legs.get("available"), legs.get("delivered")
+    lost = None if available is None or delivered is None else available - delivered
+    st.markdown(
+        f"Probe sessions' reuse: prompt 100% → {_percent(available)} a pinned replica would hold → "
+        f"{_percent(delivered)} the engines reused (lost {_percent(lost)})"
+    )
+    st.caption(PROBE_HELP)

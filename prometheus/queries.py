@@ -482,6 +482,24 @@ AFFINITY_EFFICIENCY = _ratio(
     _sum_rate("kvwatch_probe_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
     _sum_rate("kvwatch_probe_ideal_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
 )
+
+
+def _probe_share(counter: str, leg: str) -> str:
+    tokens = _sum_rate(counter, PROBE_SELECTOR, ROUTE)
+    prompt = _sum_rate("kvwatch_probe_prompt_tokens_total", PROBE_SELECTOR, ROUTE)
+    return f'label_replace({_ratio(tokens, prompt)}, "leg", "{leg}", "", "")'
+
+
+# kvwatch's own probe sessions' reuse decomposition per route, over all their rounds: of their prompt
+# tokens, what a replica holding each conversation would have cached (the ideal kvwatch knows: its
+# sessions' available leg) and what the engines delivered; the gap is lost to routing or the engine.
+PROBE_REUSE_SHARES = "\n  or ".join(
+    _probe_share(counter, leg)
+    for counter, leg in (
+        ("kvwatch_probe_ideal_cached_tokens_total", "available"),
+        ("kvwatch_probe_cached_tokens_total", "delivered"),
+    )
+)
 SESSION_ID_NOT_ECHOED_SHARE = _ratio(
     _sum_rate("kvwatch_probe_session_id_echo_sessions_total", f'{PROBE_SELECTOR}, echoed="false"', ROUTE),
     _sum_rate("kvwatch_probe_session_id_echo_sessions_total", PROBE_SELECTOR, ROUTE),

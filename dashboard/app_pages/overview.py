@@ -261,6 +261,7 @@ def route(board: Board, target: Target, sessions: data.Result) -> None:
     for column, shown in zip(st.columns(3), ROUTE_TILES[board.judged_by(target)], strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
+    reuse.probe_decomposition(board.over, target.name)
 
 
 def gateway_log(board: Board, log: GatewayLog) -> None:

@@ -49,3 +49,20 @@ def test_without_a_router_that_exports_the_legs_the_overview_says_which_do(fake)
     said = texts(open_page("overview"))
     assert reuse.NO_LEGS in said
     assert "Lost:" not in said
+
+
+def test_each_probe_route_shows_its_own_sessions_ideal_and_delivered_reuse(fake):
+    fake.values[queries.PROBE_REUSE_SHARES] = pd.DataFrame(
+        {
+            "target": "lab-affinity",
+            "route_mode": "affinity",
+            "leg": ["available", "delivered"],
+            "value": [0.85, 0.8],
+        }
+    )
+    said = texts(open_page("overview"))
+    assert (
+        "Probe sessions' reuse: prompt 100% → 85% a pinned replica would hold → 80% the engines reused "
+        "(lost 5%)" in said
+    )
+    assert said.count("Probe sessions' reuse") == 1  # only the route it was measured on

@@ -24,7 +24,6 @@ import asyncio
 import itertools
 import json
 import logging
-import signal
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from kvwatch.core.tokenizer import TemplateError, render_chat, tokenize
 from kvwatch.lab.prefix_cache import PrefixCache
+from kvwatch.lab.server import until_signalled
 
 log = logging.getLogger("kvwatch.lab.router")
 
@@ -282,12 +282,8 @@ async def serve(router: Router, port: int) -> None:
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     log.info("router (%s) listening on http://127.0.0.1:%d", router.policy, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         await runner.cleanup()
 

@@ -509,6 +509,15 @@ class PortInUse(KVWatchError, RuntimeError):
     pass
 
 
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM: a lab process serves until then."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+
 async def serve(settings: ReplicaSettings, port: int) -> None:
     """Serve one replica on 127.0.0.1:port until SIGINT or SIGTERM."""
     engine = Engine(settings)
@@ -523,11 +532,8 @@ async def serve(settings: ReplicaSettings, port: int) -> None:
         reason = "the port is already in use" if error.errno == errno.EADDRINUSE else error.strerror
         raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {reason}") from error
     log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id, settings.flavour, port)
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         server.close()  # stop listening first, then finish what is in flight, as a TCPSite does
         await runner.cleanup()

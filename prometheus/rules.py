@@ -226,7 +226,11 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
             INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
             "\nor ".join(_share_of(*pair, instance) for pair in PREFIX_MATCH_DECISIONS),
         ),
-        Rule(INSTANCE_ROUTER_PREDICTIONS, predictions),
+        # A mean of per-request ratios only where the router exports no token-weighted prediction.
+        Rule(
+            INSTANCE_ROUTER_PREDICTIONS,
+            f"({predictions})\nunless on({instance}) ({_leg_rate('routed', instance)})",
+        ),
         Rule(
             INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
             f"({predicted_sums})\n  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",

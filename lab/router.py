@@ -108,14 +108,10 @@ class ReuseLegMetrics:
 
     def observe(self, decision: Decision, usage: Mapping | None) -> None:
         """One routed request: every leg at once, so that a scrape sees all of them or none."""
-        prompt, indexed = len(decision.prompt), decision.indexed
-        routed = indexed[decision.replica]
-        values = {
-            "prompt": prompt,
-            "available": max(indexed.values()),
-            "best_predicted": routed,
-            "routed": routed,
-        }
+        prompt, best = len(decision.prompt), max(decision.indexed.values())
+        # No filter narrows the candidates here: the best of those it chose from is the best of all.
+        values = {"prompt": prompt, "available": best, "best_predicted": best}
+        values["routed"] = decision.indexed[decision.replica]
         for leg, value in values.items():
             self.prefix[leg].observe(value)
         self.attempts.labels(endpoint_name=decision.replica, status="success").inc()

@@ -16,6 +16,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE,
     INSTANCE_HIT_RATIO,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_REUSE_LOSS,
     LISTENER,
     ROUTE,
     STICKY_RATIO,
@@ -77,6 +78,12 @@ LOAD_IMBALANCE = Verdict(_alert("KVWatchReplicaLoadImbalance"), CLUSTER_LOAD_IMB
 ROUTER_PREDICTION_MISS = Verdict(
     _alert("KVWatchRouterPredictionMiss"), INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, INSTANCE
 )
+ROUTING_LOSS = Verdict(
+    _alert("KVWatchReuseLostToRouting"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="routing"}}', INSTANCE
+)
+ENGINE_LOSS = Verdict(
+    _alert("KVWatchReuseLostInEngine"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="engine"}}', INSTANCE
+)
 VERDICTS = (
     ROUTE_STICKY,
     ROUTE_REUSE,
@@ -86,6 +93,8 @@ VERDICTS = (
     INSTANCE_HIT_RATIO_DROP,
     LOAD_IMBALANCE,
     ROUTER_PREDICTION_MISS,
+    ROUTING_LOSS,
+    ENGINE_LOSS,
 )
 
 

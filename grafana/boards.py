@@ -10,12 +10,11 @@ deterministic: uids hash the file name, panel ids count up in layout order.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
-from kvwatch.alerts.alerts import alerts
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
+    ENGINE_LOSS,
     INSTANCE_HIT_RATIO_DROP,
     LISTENER_SPREAD,
     LOAD_IMBALANCE,
@@ -23,7 +22,7 @@ from kvwatch.alerts.verdicts import (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
-    Verdict,
+    ROUTING_LOSS,
 )
 from kvwatch.grafana.panels import (
     DRILLDOWN,
@@ -56,8 +55,8 @@ from kvwatch.grafana.panels import (
     timeseries,
     verdict_stat,
 )
+from kvwatch.grafana.routers import judged_by, reuse_decomposition_row
 from kvwatch.prometheus import queries
-from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 VERDICT_PANELS = (
@@ -77,15 +76,11 @@ VERDICT_PANELS = (
      "cluster"),
     ("Router predictions", "Whether the engines deliver the prefix reuse each router predicts",
      ROUTER_PREDICTION_MISS, "{{job}} / {{instance}}"),
+    ("Routing loss", "Whether each router sends requests where their prefix is held", ROUTING_LOSS,
+     "{{job}} / {{instance}}"),
+    ("Engine loss", "Whether the engines reuse what each router predicted cached", ENGINE_LOSS,
+     "{{job}} / {{instance}}"),
 )  # fmt: skip
-
-
-def judged_by(verdict: Verdict, t: Thresholds) -> Verdict:
-    """The verdict with its alert as `t` sets it: the `for` its panel describes is the rule's."""
-    (alert,) = (
-        a for a in alerts(t, Grouping()) if (a.name, a.labels) == (verdict.alert.name, verdict.alert.labels)
-    )
-    return dataclasses.replace(verdict, alert=alert)
 
 
 def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
@@ -460,6 +455,7 @@ def overview(t: Thresholds = THRESHOLDS) -> JSON:
     _pinning_row(layout, t)
     _session_keys_row(layout)
     router_row(layout, t)
+    reuse_decomposition_row(layout, t)
     _load_row(layout, t)
     _engine_ttft_row(layout)
     return dashboard(

@@ -376,7 +376,10 @@ class SessionTally:
                 if len(sessions) > self.max_sessions:
                     sessions.popitem(last=False)
                     self._evicted += 1
-            number = self._upstreams.setdefault(listener, _Upstreams()).serve(upstream)
+            upstreams = self._upstreams.get(listener)
+            if upstreams is None:
+                upstreams = self._upstreams[listener] = _Upstreams()
+            number = upstreams.serve(upstream)
             if session.upstream is not None and at - session.last <= self.session_ttl_seconds:
                 self._count_return(listener, session, upstream, failover, at)
             session.served(upstream, at, failover, number)

@@ -40,6 +40,8 @@ _READ_BYTES = 64 * 1024
 # Linux's socket option that reports, with each datagram, how many the receive queue dropped so far.
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40) if sys.platform.startswith("linux") else None
 _COUNT = struct.Struct("I")
+# A plain int: `&` with socket's IntFlag member runs enum's Python code for every datagram.
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 _OCTET_COUNT_DIGITS = 7  # "16384 " and then some: more digits are no octet count
 
 _RFC3164_TIME = re.compile(rb"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d ")
@@ -265,7 +267,7 @@ class SyslogReceiver:
                 break
             if ancdata:
                 self._count_kernel_drops(ancdata)
-            if flags & socket.MSG_TRUNC:
+            if flags & _MSG_TRUNC:
                 self.tally.refuse("oversize")
             elif runs and runs[-1][0] == address[0]:
                 runs[-1][1].append(data)

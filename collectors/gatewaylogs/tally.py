@@ -303,12 +303,16 @@ class SessionTally:
             return self._format.parse(json_object(line))
         except Malformed as malformed:
             return malformed.reason
+        except OverflowError:  # an integer past a float's range where the format needs a float
+            return "bad_value"
 
     def _parsed_record(self, record: Mapping[str, object]) -> Request | str:
         try:
             return self._format.parse(record)
         except Malformed as malformed:
             return malformed.reason
+        except OverflowError:
+            return "bad_value"
 
     def _count_all(self, parsed: list[Request | str], received_at: float) -> None:
         if not parsed:

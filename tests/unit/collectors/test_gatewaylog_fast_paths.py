@@ -149,6 +149,24 @@ def nginx_line(i: int, **changes: object) -> bytes:
     return json.dumps({**entry, **changes}).encode()
 
 
+@pytest.mark.parametrize(
+    ("log_format", "entry"),
+    [
+        ("nginx", {"msec": 10**400}),
+        ("nginx", {"upstream_header_time": str(10**400)}),
+        ("envoy", {"duration": 10**400}),
+    ],
+)
+def test_a_number_past_a_floats_range_is_a_bad_value_not_an_error(log_format, entry):
+    tally = SessionTally("fast", log_format=log_format)
+    if log_format == "nginx":
+        tally.take_line(nginx_line(1, **entry), time.time())
+    else:
+        numbers = {"response_code": 200, "upstream_request_attempt_count": 1, "session_id": None}
+        tally.take_record({**ENVOY_STRINGS, **numbers, **entry}, time.time())
+    assert tally.snapshot(SourceState()).malformed["bad_value"] == 1
+
+
 def test_a_batch_of_lines_counts_as_the_same_lines_one_by_one():
     lines = [nginx_line(i) for i in range(20)]
     lines[3] = b"not json"

@@ -13,6 +13,7 @@ json.loads of the same lines (nginx's, or Envoy's JSON file log's for OTLP), in 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -183,9 +184,12 @@ def measure(count: int = LINES) -> tuple[dict[str, float], list[Row]]:
 
 
 def table(baselines: dict[str, float], rows: list[Row], count: int) -> str:
+    """The rows as Markdown, after the baselines and the machine's load average as the run ends (1, 5
+    and 15 minutes): other work on the machine inflates the receivers' CPU time too."""
+    load = ", ".join(f"{average:.1f}" for average in os.getloadavg())
     lines_out = [
         f"{count:,} lines a source; json.loads alone: {baselines['nginx']:,.0f} nginx lines/s, "
-        f"{baselines['envoy']:,.0f} Envoy lines/s per core.",
+        f"{baselines['envoy']:,.0f} Envoy lines/s per core; load average {load} at the end.",
         "",
         "| source | lines/s per core | CPU per line vs json.loads | wall seconds |",
         "|---|---|---|---|",

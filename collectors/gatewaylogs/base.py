@@ -136,7 +136,6 @@ def field_check(types: Mapping[str, type | tuple[type, ...]]) -> Callable[[Mappi
 
 
 def request(
-    *,
     time: float,
     listener: str,
     upstream: str,
@@ -147,24 +146,31 @@ def request(
     path: str | None = None,
     first_byte_seconds: float | None = None,
 ) -> Request:
-    """The request of a checked line, refused when it has no session id, an impossible status, or a time
-    that is no time (JSON's NaN or Infinity, which Python reads)."""
+    """The request of a checked line (arguments in Request's order), refused when it has no session id, an
+    impossible status, or a time that is no time (JSON's NaN or Infinity, which Python reads)."""
     if not session_id or not 100 <= status <= 599 or not math.isfinite(time):
         raise Malformed("bad_value")
     if first_byte_seconds is not None and not 0 <= first_byte_seconds < math.inf:
         raise Malformed("bad_value")
     # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
-    return Request(
-        time,
-        sys.intern(listener),
-        sys.intern(upstream),
-        failover,
-        status,
-        session_id,
-        assigned,
-        path,
-        first_byte_seconds,
+    # tuple.__new__ builds the tuple in one C call, NamedTuple's own __new__ in a Python one.
+    return _new_tuple(
+        Request,
+        (
+            time,
+            sys.intern(listener),
+            sys.intern(upstream),
+            failover,
+            status,
+            session_id,
+            assigned,
+            path,
+            first_byte_seconds,
+        ),
     )
+
+
+_new_tuple = tuple.__new__
 
 
 def path_of(target: object) -> str | None:

@@ -24,10 +24,10 @@ def read(record: Mapping[str, object]) -> Request:
     session_id = record["session_id"]
     return nginx_request(
         record,
-        listener=record["proxy_upstream_name"],
-        session_id=session_id or record["req_id"],
-        assigned=not session_id,
-        path=path_of(record.get("uri")),  # "$uri", optional
+        record["proxy_upstream_name"],
+        session_id or record["req_id"],
+        not session_id,
+        path_of(record.get("uri")),  # "$uri", optional
     )
 
 

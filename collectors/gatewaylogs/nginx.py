@@ -47,30 +47,36 @@ def header_time(record: Mapping[str, object]) -> float | None:
     return optional_number({"last": _UPSTREAM_SEPARATOR.split(times)[-1]}, "last")
 
 
-def nginx_request(record: Mapping[str, object], **session) -> Request:
+def nginx_request(
+    record: Mapping[str, object], listener: str, session_id: str, assigned: bool, path: str | None
+) -> Request:
     """The request of a line with NGINX_FIELDS: its time, status and the servers tried, with the
     `listener`, `session_id`, `assigned` and `path` the format says in its own way, and the first byte's
     time where the line has `upstream_header_time`."""
     upstream, failover = upstream_tried(record["upstream_addr"])
     return request(
-        time=record["msec"],
-        upstream=upstream,
-        failover=failover,
-        status=record["status"],
-        first_byte_seconds=header_time(record),  # "$upstream_header_time", optional
-        **session,
+        record["msec"],
+        listener,
+        upstream,
+        failover,
+        record["status"],
+        session_id,
+        assigned,
+        path,
+        header_time(record),  # "$upstream_header_time", optional
     )
 
 
 def read(record: Mapping[str, object]) -> Request:
-    if record["session_source"] not in ("client", "assigned"):
+    session_source = record["session_source"]
+    if session_source != "client" and session_source != "assigned":
         raise Malformed("bad_value")
     return nginx_request(
         record,
-        listener=record["listener"],
-        session_id=record["session_id"],
-        assigned=record["session_source"] == "assigned",
-        path=path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
+        record["listener"],
+        record["session_id"],
+        session_source == "assigned",
+        path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
     )
 
 

@@ -263,11 +263,10 @@ class SessionTally:
         self._malformed: Counter[str] = Counter()
         self._refused: Counter[str] = Counter()
         self._last_record_at = 0.0
-        self._requests: Counter[tuple[str, str]] = Counter()
+        # (listener, upstream label, status // 100, failover, assigned) -> requests: one count a request,
+        # split by a snapshot into requests, responses, failovers and requests without a session key.
+        self._kinds: Counter[tuple[str, str, int, bool, bool]] = Counter()
         self._other_requests: Counter[str] = Counter()
-        self._responses: Counter[tuple[str, str]] = Counter()
-        self._failovers: Counter[str] = Counter()
-        self._without_key: Counter[str] = Counter()
         self._assigned_ids: Counter[str] = Counter()
         self._returning: Counter[str] = Counter()
         self._moved: Counter[tuple[str, str]] = Counter()
@@ -304,12 +303,16 @@ class SessionTally:
             return self._format.parse(json_object(line))
         except Malformed as malformed:
             return malformed.reason
+        except OverflowError:  # an integer past a float's range where the format needs a float
+            return "bad_value"
 
     def _parsed_record(self, record: Mapping[str, object]) -> Request | str:
         try:
             return self._format.parse(record)
         except Malformed as malformed:
             return malformed.reason
+        except OverflowError:
+            return "bad_value"
 
     def _count_all(self, parsed: list[Request | str], received_at: float) -> None:
         if not parsed:
@@ -357,17 +360,12 @@ class SessionTally:
             self._future_times += 1
             at = received_at
         # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
-        self._requests[listener, self._upstream_label(upstream)] += 1
-        self._responses[listener, _STATUS_CLASSES[status // 100]] += 1
-        if failover:
-            self._failovers[listener] += 1
+        self._kinds[listener, self._upstream_label(upstream), status // 100, failover, assigned] += 1
         key = (listener, session_id)
         sessions = self._sessions
         session = sessions.get(key)
-        if assigned:
-            self._without_key[listener] += 1
-            if session is None:
-                self._assigned_ids[listener] += 1
+        if assigned and session is None:
+            self._assigned_ids[listener] += 1
         if upstream != NO_UPSTREAM:
             if session is not None:
                 sessions.move_to_end(key)
@@ -376,7 +374,10 @@ class SessionTally:
                 if len(sessions) > self.max_sessions:
                     sessions.popitem(last=False)
                     self._evicted += 1
-            number = self._upstreams.setdefault(listener, _Upstreams()).serve(upstream)
+            upstreams = self._upstreams.get(listener)
+            if upstreams is None:
+                upstreams = self._upstreams[listener] = _Upstreams()
+            number = upstreams.serve(upstream)
             if session.upstream is not None and at - session.last <= self.session_ttl_seconds:
                 self._count_return(listener, session, upstream, failover, at)
             session.served(upstream, at, failover, number)
@@ -410,6 +411,20 @@ class SessionTally:
                 return
             self._sessions.popitem(last=False)
 
+    def _split_kinds(self) -> tuple[Counter, Counter, Counter, Counter]:
+        """Requests by (listener, upstream), responses by (listener, status class), failovers and requests
+        without a session key by listener, each in the order first counted."""
+        requests: Counter[tuple[str, str]] = Counter()
+        responses: Counter[tuple[str, str]] = Counter()
+        failovers: Counter[str] = Counter()
+        without_key: Counter[str] = Counter()
+        for (listener, upstream, hundreds, failover, assigned), count in self._kinds.items():
+            requests[listener, upstream] += count
+            responses[listener, _STATUS_CLASSES[hundreds]] += count
+            failovers[listener] += count if failover else 0
+            without_key[listener] += count if assigned else 0
+        return requests, responses, failovers, without_key
+
     def snapshot(self, state: SourceState) -> GatewayLogSnapshot:
         """The counts as of now, with what the source says of its reading."""
         with self._lock:
@@ -427,7 +442,8 @@ class SessionTally:
             returning[listener] += session.previous >= spread_since
             if sum(seen >= spread_since for seen in session.upstreams.values()) > 1:
                 spread[listener, _BOOLS[session.failed_over >= spread_since]] += 1
-        listeners = sorted({listener for listener, _ in self._requests} | set(self._other_requests))
+        requests, responses, failovers, without_key = self._split_kinds()
+        listeners = sorted({listener for listener, _ in requests} | set(self._other_requests))
 
         def per_listener(counts: Counter[str]) -> Mapping[str, int]:
             return frozen({listener: counts[listener] for listener in listeners})
@@ -445,11 +461,11 @@ class SessionTally:
             malformed=by_reason(self._malformed, MALFORMED_REASONS),
             refused=by_reason(self._refused, REFUSED_REASONS),
             last_record_at=self._last_record_at,
-            requests=frozen(self._requests),
+            requests=frozen(requests),
             other_requests=per_listener(self._other_requests),
-            responses=frozen(self._responses),
-            failovers=per_listener(self._failovers),
-            without_session_key=per_listener(self._without_key),
+            responses=frozen(responses),
+            failovers=per_listener(failovers),
+            without_session_key=per_listener(without_key),
             assigned_session_ids=per_listener(self._assigned_ids),
             spread_sessions=frozen(
                 {(name, moved): spread[name, moved] for name in listeners for moved in _BOOLS}

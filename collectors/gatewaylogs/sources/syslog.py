@@ -40,6 +40,8 @@ _READ_BYTES = 64 * 1024
 # Linux's socket option that reports, with each datagram, how many the receive queue dropped so far.
 _SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40) if sys.platform.startswith("linux") else None
 _COUNT = struct.Struct("I")
+# A plain int: `&` with socket's IntFlag member runs enum's Python code for every datagram.
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 _OCTET_COUNT_DIGITS = 7  # "16384 " and then some: more digits are no octet count
 
 _RFC3164_TIME = re.compile(rb"[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d ")
@@ -56,13 +58,35 @@ class Refused(KVWatchError, ValueError):
         self.reason = reason
 
 
+# The headers of most messages, read by one match: RFC 5424 without structured data (a relay's), and RFC
+# 3164 (nginx's) read as _rfc3164_message reads it. Any other frame takes the step-by-step way.
+_COMMON_HEADER = re.compile(
+    rb"<(?P<priority>\d{1,3})>(?:1 (?:[^ ]* ){5}- |(?!1 )(?:"
+    + _RFC3164_TIME.pattern
+    + rb")?(?:"
+    + _RFC3164_TAG.pattern
+    + rb")?)"
+)
+
+
 def message_of(frame: bytes) -> bytes:
     """The message part of one syslog message, RFC 5424 or RFC 3164."""
+    header = _COMMON_HEADER.match(frame)
+    if header is None or int(header["priority"]) > 191:
+        return _message_of(frame)
+    return _checked_message(frame[header.end() :])
+
+
+def _message_of(frame: bytes) -> bytes:
+    """message_of step by step, which says why a frame has no message."""
     end = frame.find(b">", 2, 5)  # `<PRI>`: 1 to 3 digits, 191 at most
     if frame[:1] != b"<" or end < 0 or not frame[1:end].isdigit() or int(frame[1:end]) > 191:
         raise Refused("malformed")
     rest = frame[end + 1 :]
-    message = _rfc5424_message(rest[2:]) if rest.startswith(b"1 ") else _rfc3164_message(rest)
+    return _checked_message(_rfc5424_message(rest[2:]) if rest.startswith(b"1 ") else _rfc3164_message(rest))
+
+
+def _checked_message(message: bytes) -> bytes:
     message = message.removeprefix(_BOM).rstrip(b"\r\n\0")
     if not message:
         raise Refused("truncated")
@@ -122,16 +146,19 @@ class _Rates:
         self._latest: tuple[str, list[float]] | None = None  # the last sender, already the most recent
 
     def allow(self, sender: str, now: float) -> bool:
+        return self.admit(sender, now, 1) == 1
+
+    def admit(self, sender: str, now: float, wanted: int) -> int:
+        """How many of `wanted` lines of `sender` at `now` fit its bucket; those are taken from it."""
         if self._latest is not None and self._latest[0] == sender:  # a burst from one sender: most lines
             bucket = self._latest[1]
         else:
             bucket = self._bucket(sender, now)
         bucket[0] = min(self.per_second, bucket[0] + (now - bucket[1]) * self.per_second)
         bucket[1] = now
-        if bucket[0] < 1:
-            return False
-        bucket[0] -= 1
-        return True
+        admitted = min(wanted, int(bucket[0]))  # never below 0: at most the whole tokens are taken
+        bucket[0] -= admitted
+        return admitted
 
     def _bucket(self, sender: str, now: float) -> list[float]:
         bucket = self._buckets.get(sender)
@@ -232,19 +259,21 @@ class SyslogReceiver:
 
     def _read_datagrams(self, udp: socket.socket) -> None:
         ancillary = socket.CMSG_SPACE(_COUNT.size) if _SO_RXQ_OVFL is not None else 0
-        messages: list[bytes] = []
+        runs: list[tuple[str, list[bytes]]] = []  # (sender, its datagrams), in the order received
         for _ in range(MAX_DATAGRAMS_PER_WAKE):
             try:
-                data, ancdata, flags, sender = udp.recvmsg(MAX_MESSAGE_BYTES, ancillary)
+                data, ancdata, flags, address = udp.recvmsg(MAX_MESSAGE_BYTES, ancillary)
             except BlockingIOError:
                 break
             if ancdata:
                 self._count_kernel_drops(ancdata)
-            if flags & socket.MSG_TRUNC:
+            if flags & _MSG_TRUNC:
                 self.tally.refuse("oversize")
+            elif runs and runs[-1][0] == address[0]:
+                runs[-1][1].append(data)
             else:
-                self._collect(data, sender[0], messages)
-        self._take(messages)
+                runs.append((address[0], [data]))
+        self._take(runs)
 
     def _count_kernel_drops(self, ancdata: list) -> None:
         for level, kind, data in ancdata:
@@ -284,12 +313,12 @@ class SyslogReceiver:
             sock.close()
             return
         connection.buffer += data
-        messages: list[bytes] = []
-        self._take_frames(connection, messages)
-        self._take(messages)
+        frames: list[bytes] = []
+        self._take_frames(connection, frames)
+        self._take([(connection.sender, frames)])
 
-    def _take_frames(self, connection: _Connection, messages: list[bytes]) -> None:
-        """Collect every whole frame's message in the buffer; what is left is the start of the next one."""
+    def _take_frames(self, connection: _Connection, frames: list[bytes]) -> None:
+        """Collect every whole frame in the buffer; what is left is the start of the next one."""
         buffer = connection.buffer
         while buffer:
             if connection.skip_bytes:
@@ -302,11 +331,11 @@ class SyslogReceiver:
                 connection.skip_line = end < 0
             elif buffer[0] in b"\r\n":
                 del buffer[:1]
-            elif not self._take_frame(connection, buffer, messages):
+            elif not self._take_frame(connection, buffer, frames):
                 return
 
-    def _take_frame(self, connection: _Connection, buffer: bytearray, messages: list[bytes]) -> bool:
-        """Collect the message of the frame at the start of the buffer; False when it is not whole yet."""
+    def _take_frame(self, connection: _Connection, buffer: bytearray, frames: list[bytes]) -> bool:
+        """Collect the frame at the start of the buffer; False when it is not whole yet."""
         if buffer[:1].isdigit():  # octet counting: "LENGTH SP MESSAGE"
             space = buffer.find(b" ", 0, _OCTET_COUNT_DIGITS)
             if space < 0:
@@ -342,23 +371,24 @@ class SyslogReceiver:
             if len(frame) > MAX_MESSAGE_BYTES:
                 self.tally.refuse("oversize")
                 return True
-        self._collect(frame, connection.sender, messages)
+        frames.append(frame)
         return True
 
     # --- both -------------------------------------------------------------------------------------
 
-    def _collect(self, frame: bytes, sender: str, messages: list[bytes]) -> None:
-        """Add the frame's message to `messages`, or count why it has none."""
-        if not self._rates.allow(sender, time.monotonic()):
-            self.tally.refuse("over_rate")
-            return
-        try:
-            messages.append(message_of(frame))
-        except Refused as refused:
-            self.tally.refuse(refused.reason)
-
-    def _take(self, messages: list[bytes]) -> None:
-        """The messages of one wake's datagrams, or of one TCP read, counted together."""
+    def _take(self, runs: list[tuple[str, list[bytes]]]) -> None:
+        """The frames of one wake's datagrams, or of one TCP read, by sender: each sender held to its rate,
+        each frame's message read or why it has none counted, the messages counted together."""
+        now, messages = time.monotonic(), []
+        for sender, frames in runs:
+            admitted = self._rates.admit(sender, now, len(frames))
+            if admitted < len(frames):
+                self.tally.refuse("over_rate", len(frames) - admitted)
+            for frame in frames[:admitted]:
+                try:
+                    messages.append(message_of(frame))
+                except Refused as refused:
+                    self.tally.refuse(refused.reason)
         if messages:
             self.tally.take_lines(messages, self.tally.clock())
 

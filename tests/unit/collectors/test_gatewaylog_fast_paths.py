@@ -1,7 +1,7 @@
 """The gateway-log hot path's quick ways read every line, record and frame as the plain ways do: orjson
 as json, the exact-type field check as check_fields, the one-server upstream as the split, a batch of
 lines as the same lines one by one, OTLP attributes as plain_value, a burst from one sender as the token
-buckets say."""
+buckets say, a syslog header read in one match as read step by step."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 from kvwatch.collectors.gatewaylogs import envoy, nginx
 from kvwatch.collectors.gatewaylogs.base import Malformed, check_fields, field_check, json_object
 from kvwatch.collectors.gatewaylogs.sources.otlp.records import AccessLogRecords, MissingFields
-from kvwatch.collectors.gatewaylogs.sources.syslog import _Rates
+from kvwatch.collectors.gatewaylogs.sources.syslog import Refused, _message_of, _Rates, message_of
 from kvwatch.collectors.gatewaylogs.tally import SessionTally, SourceState
 
 
@@ -149,6 +149,24 @@ def nginx_line(i: int, **changes: object) -> bytes:
     return json.dumps({**entry, **changes}).encode()
 
 
+@pytest.mark.parametrize(
+    ("log_format", "entry"),
+    [
+        ("nginx", {"msec": 10**400}),
+        ("nginx", {"upstream_header_time": str(10**400)}),
+        ("envoy", {"duration": 10**400}),
+    ],
+)
+def test_a_number_past_a_floats_range_is_a_bad_value_not_an_error(log_format, entry):
+    tally = SessionTally("fast", log_format=log_format)
+    if log_format == "nginx":
+        tally.take_line(nginx_line(1, **entry), time.time())
+    else:
+        numbers = {"response_code": 200, "upstream_request_attempt_count": 1, "session_id": None}
+        tally.take_record({**ENVOY_STRINGS, **numbers, **entry}, time.time())
+    assert tally.snapshot(SourceState()).malformed["bad_value"] == 1
+
+
 def test_a_batch_of_lines_counts_as_the_same_lines_one_by_one():
     lines = [nginx_line(i) for i in range(20)]
     lines[3] = b"not json"
@@ -210,3 +228,49 @@ def test_a_burst_from_one_sender_uses_its_own_bucket_after_another_sender_came_b
     assert not rates.allow("a", now)  # still a's empty bucket, not b's
     assert rates.allow("b", now)
     assert rates.allow("a", now + 0.5)  # refilled at its rate
+
+
+def test_a_burst_admitted_at_once_takes_what_one_by_one_would():
+    one_by_one, at_once = _Rates(per_second=3), _Rates(per_second=3)
+    now = 100.0
+    assert sum(one_by_one.allow("a", now) for _ in range(5)) == at_once.admit("a", now, 5) == 3
+    assert at_once.admit("a", now, 2) == 0
+    assert at_once.admit("b", now, 2) == 2  # another sender's bucket
+    assert at_once.admit("a", now + 0.5, 5) == 1  # 1.5 tokens refilled: one whole
+    assert one_by_one.allow("a", now + 0.5) and not one_by_one.allow("a", now + 0.5)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'<190>Dec  5 05:30:00 gw-1 nginx: {"a":1}',
+        b'<190>Dec  5 05:30:00 nginx[12]: {"a":1}\r\n',
+        b'<190>Dec  5 05:30:00 {"a":1}',  # no tag: the rest is the message
+        b'<190>nginx: {"a":1}',
+        b'<190>{"a":1}',
+        b"<190>Dec  5 05:30:00 gw-1 nginx: ",
+        b'<0>gw-1 nginx: \xef\xbb\xbf{"a":1}\0',
+        b'<191>1 2026-12-05T05:30:00Z gw-1 nginx - - - {"a":1}',
+        b'<192>1 2026-12-05T05:30:00Z gw-1 nginx - - - {"a":1}',  # no priority
+        b"<190>1 2026-12-05T05:30:00Z gw-1 nginx - - -",
+        b"<190>1 2026-12-05T05:30:00Z gw-1 nginx - - - ",
+        b"<190>1 2026-12-05T05:30:00Z gw-1 nginx - - ",
+        b'<190>1 2026-12-05T05:30:00Z  gw-1 nginx - - - {"a":1}',  # an empty field
+        b'<190>1 2026-12-05T05:30:00Z gw-1 nginx - - [x a="]"] {"a":1}',
+        b'<190>1 2026-12-05T05:30:00Z gw-1 nginx - - -x {"a":1}',
+        b'<190>1 gw-1: {"a":1}',  # "1 " is RFC 5424's, never a 3164 tag
+        b'<1900>nginx: {"a":1}',
+        b'<>nginx: {"a":1}',
+        b'<19a>nginx: {"a":1}',
+        b'{"a":1}',
+        b"",
+    ],
+)
+def test_a_syslog_header_read_in_one_match_reads_as_step_by_step(frame):
+    readings = []  # each way's message, or the reason it refused the frame
+    for read in (message_of, _message_of):
+        try:
+            readings.append(read(frame))
+        except Refused as refused:
+            readings.append(refused.reason)
+    assert readings[0] == readings[1]

@@ -23,6 +23,7 @@ from kvwatch.core.errors import KVWatchError
 FieldTypes = Mapping[str, type | tuple[type, ...]]
 # What Envoy renders for a command operator without a value (its DefaultUnspecifiedValueString).
 UNSPECIFIED = "-"
+_TEXT_OR_NULL = (str, type(None))
 # An AnyValue nests kvlists and arrays; a sender's nesting deeper than this is no access log.
 MAX_DEPTH = 8
 
@@ -101,13 +102,19 @@ class AccessLogRecords:
     def __init__(self, fields: FieldTypes, optional: FieldTypes = envoy.OPTIONAL_FIELDS) -> None:
         self.fields = fields
         self._wanted = {**optional, **fields}
+        # A text field that may be null needs no call: "-" is its null. The others' converters are called.
+        self._text_or_null = tuple(name for name, allowed in self._wanted.items() if allowed == _TEXT_OR_NULL)
         converters = {name: _converter(allowed) for name, allowed in self._wanted.items()}
-        self._typed = [(name, typed) for name, typed in converters.items() if typed is not None]
+        self._typed = [
+            (name, typed)
+            for name, typed in converters.items()
+            if typed is not None and name not in self._text_or_null
+        ]
 
     def __call__(self, log_record: LogRecord) -> dict[str, object]:
         """The wanted fields of one LogRecord: the attributes', else the body's; raises MissingFields."""
-        found = dict(_body_fields(log_record.body)) if log_record.HasField("body") else {}
         wanted = self._wanted
+        found = self._body_fields(log_record) if log_record.HasField("body") else {}
         for pair in log_record.attributes:
             key = pair.key
             if key in wanted:
@@ -120,11 +127,16 @@ class AccessLogRecords:
                     found[key] = plain_value(value)
         if not self.fields.keys() <= found.keys():
             raise MissingFields(sorted(self.fields.keys() - found.keys()))
-        record = {name: found[name] for name in wanted if name in found}
+        for name in self._text_or_null:
+            if found.get(name) == UNSPECIFIED:
+                found[name] = None
         for name, typed in self._typed:
-            if name in record:
-                record[name] = typed(record[name])
-        return record
+            if name in found:
+                found[name] = typed(found[name])
+        return found
+
+    def _body_fields(self, log_record: LogRecord) -> dict[str, object]:
+        return {name: value for name, value in _body_fields(log_record.body).items() if name in self._wanted}
 
 
 def log_records(request: ExportLogsServiceRequest) -> Iterator[LogRecord]:

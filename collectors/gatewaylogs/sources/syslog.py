@@ -145,9 +145,6 @@ class _Rates:
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # sender -> [tokens, last refill]
         self._latest: tuple[str, list[float]] | None = None  # the last sender, already the most recent
 
-    def allow(self, sender: str, now: float) -> bool:
-        return self.admit(sender, now, 1) == 1
-
     def admit(self, sender: str, now: float, wanted: int) -> int:
         """How many of `wanted` lines of `sender` at `now` fit its bucket; those are taken from it."""
         if self._latest is not None and self._latest[0] == sender:  # a burst from one sender: most lines

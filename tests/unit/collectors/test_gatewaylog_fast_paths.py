@@ -223,21 +223,25 @@ def test_otlp_body_fields_fill_in_for_missing_attributes_and_a_missing_field_is_
 def test_a_burst_from_one_sender_uses_its_own_bucket_after_another_sender_came_between():
     rates = _Rates(per_second=2)
     now = 100.0
-    assert [rates.allow("a", now), rates.allow("a", now), rates.allow("a", now)] == [True, True, False]
-    assert rates.allow("b", now)
-    assert not rates.allow("a", now)  # still a's empty bucket, not b's
-    assert rates.allow("b", now)
-    assert rates.allow("a", now + 0.5)  # refilled at its rate
+
+    def allow(sender: str, now: float) -> bool:
+        return rates.admit(sender, now, 1) == 1
+
+    assert [allow("a", now), allow("a", now), allow("a", now)] == [True, True, False]
+    assert allow("b", now)
+    assert not allow("a", now)  # still a's empty bucket, not b's
+    assert allow("b", now)
+    assert allow("a", now + 0.5)  # refilled at its rate
 
 
 def test_a_burst_admitted_at_once_takes_what_one_by_one_would():
     one_by_one, at_once = _Rates(per_second=3), _Rates(per_second=3)
     now = 100.0
-    assert sum(one_by_one.allow("a", now) for _ in range(5)) == at_once.admit("a", now, 5) == 3
+    assert sum(one_by_one.admit("a", now, 1) for _ in range(5)) == at_once.admit("a", now, 5) == 3
     assert at_once.admit("a", now, 2) == 0
     assert at_once.admit("b", now, 2) == 2  # another sender's bucket
     assert at_once.admit("a", now + 0.5, 5) == 1  # 1.5 tokens refilled: one whole
-    assert one_by_one.allow("a", now + 0.5) and not one_by_one.allow("a", now + 0.5)
+    assert one_by_one.admit("a", now + 0.5, 1) == 1 and one_by_one.admit("a", now + 0.5, 1) == 0
 
 
 @pytest.mark.parametrize(

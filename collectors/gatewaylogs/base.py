@@ -135,36 +135,16 @@ def field_check(types: Mapping[str, type | tuple[type, ...]]) -> Callable[[Mappi
     return check
 
 
-def request(
-    *,
-    time: float,
-    listener: str,
-    upstream: str,
-    failover: bool,
-    status: int,
-    session_id: str,
-    assigned: bool,
-    path: str | None = None,
-    first_byte_seconds: float | None = None,
-) -> Request:
+def checked(request: Request) -> Request:
     """The request of a checked line, refused when it has no session id, an impossible status, or a time
     that is no time (JSON's NaN or Infinity, which Python reads)."""
-    if not session_id or not 100 <= status <= 599 or not math.isfinite(time):
+    time, status, first_byte_seconds = request.time, request.status, request.first_byte_seconds
+    if not request.session_id or not 100 <= status <= 599 or not math.isfinite(time):
         raise Malformed("bad_value")
     if first_byte_seconds is not None and not 0 <= first_byte_seconds < math.inf:
         raise Malformed("bad_value")
     # Listener and upstream names repeat on every line: interned, all tracked sessions share one copy.
-    return Request(
-        time,
-        sys.intern(listener),
-        sys.intern(upstream),
-        failover,
-        status,
-        session_id,
-        assigned,
-        path,
-        first_byte_seconds,
-    )
+    return request._replace(listener=sys.intern(request.listener), upstream=sys.intern(request.upstream))
 
 
 def path_of(target: object) -> str | None:

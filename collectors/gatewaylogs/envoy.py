@@ -20,9 +20,9 @@ from kvwatch.collectors.gatewaylogs.base import (
     LogFormat,
     Malformed,
     Request,
+    checked,
     optional_number,
     path_of,
-    request,
 )
 
 _OPTIONAL_TEXT = (str, type(None))
@@ -56,16 +56,18 @@ def read(record: Mapping[str, object]) -> Request:
     session_id, request_id = record["session_id"], record["request_id"]
     status = record["response_code"]
     first_body_byte_us = optional_number(record, "first_body_byte_us")
-    return request(
-        time=started.timestamp() + duration_ms / 1000,
-        listener=record["listener"],
-        upstream=record["upstream_host"] or NO_UPSTREAM,
-        failover=attempts > 1 or not FAILOVER_FLAGS.isdisjoint(record["response_flags"].split(",")),
-        status=_CLIENT_CLOSED if status == _NO_RESPONSE else status,
-        session_id=session_id or request_id or "",
-        assigned=not session_id or session_id == request_id,
-        path=path_of(record.get("path")),  # "%REQ(:PATH)%", optional
-        first_byte_seconds=None if first_body_byte_us is None else first_body_byte_us / 1e6,
+    return checked(
+        Request(
+            time=started.timestamp() + duration_ms / 1000,
+            listener=record["listener"],
+            upstream=record["upstream_host"] or NO_UPSTREAM,
+            failover=attempts > 1 or not FAILOVER_FLAGS.isdisjoint(record["response_flags"].split(",")),
+            status=_CLIENT_CLOSED if status == _NO_RESPONSE else status,
+            session_id=session_id or request_id or "",
+            assigned=not session_id or session_id == request_id,
+            path=path_of(record.get("path")),  # "%REQ(:PATH)%", optional
+            first_byte_seconds=None if first_body_byte_us is None else first_body_byte_us / 1e6,
+        )
     )
 
 

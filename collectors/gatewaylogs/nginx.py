@@ -15,9 +15,9 @@ from kvwatch.collectors.gatewaylogs.base import (
     LogFormat,
     Malformed,
     Request,
+    checked,
     optional_number,
     path_of,
-    request,
 )
 
 # What nginx logs alike as kvwatch's log_format and as ingress-nginx's: `nginx_request` reads them.
@@ -52,13 +52,15 @@ def nginx_request(record: Mapping[str, object], **session) -> Request:
     `listener`, `session_id`, `assigned` and `path` the format says in its own way, and the first byte's
     time where the line has `upstream_header_time`."""
     upstream, failover = upstream_tried(record["upstream_addr"])
-    return request(
-        time=record["msec"],
-        upstream=upstream,
-        failover=failover,
-        status=record["status"],
-        first_byte_seconds=header_time(record),  # "$upstream_header_time", optional
-        **session,
+    return checked(
+        Request(
+            time=record["msec"],
+            upstream=upstream,
+            failover=failover,
+            status=record["status"],
+            first_byte_seconds=header_time(record),  # "$upstream_header_time", optional
+            **session,
+        )
     )
 
 

@@ -49,6 +49,7 @@ from kvwatch.grafana.panels import (
     request_share_by_instance,
     rounds_barchart,
     router_share_timeseries,
+    router_shares_timeseries,
     stat,
     state_timeline,
     target,
@@ -88,7 +89,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
     miss, held = ROUTER_PREDICTION_MISS.alert.name, judged_by(ROUTER_PREDICTION_MISS, t).alert.for_
     layout.row("Router: predicted vs delivered")
     layout.add(
-        timeseries(
+        router_shares_timeseries(
             "Predicted by the router, delivered by the engines",
             "What each router predicted it would find cached when it chose a replica (the mean of its "
             "per-request predicted hit ratios), beside what the engines delivered: each instance's and "
@@ -109,9 +110,6 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
                 target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
                 target(queries.CLUSTER_HIT_RATIO, "delivered by all instances"),
             ],
-            unit="percentunit",
-            max_value=1,
-            no_value=NO_ROUTER_DATA,
             alert=miss,
         ),
         10,

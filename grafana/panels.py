@@ -131,6 +131,13 @@ def probe_route_timeseries(title: str, description: str, expr: str, **options: A
     return probe_timeseries(title, description, [target(expr, ROUTE_LEGEND)], drilldown="target", **options)
 
 
+def router_shares_timeseries(title: str, description: str, targets: list[JSON], **options: Any) -> JSON:
+    """Shares of prompt tokens on a router panel, from 0 to 100 %: it says so where no router exports any."""
+    return timeseries(
+        title, description, targets, unit="percentunit", max_value=1, no_value=NO_ROUTER_DATA, **options
+    )
+
+
 def router_share_timeseries(title: str, description: str, expr: str, **options: Any) -> JSON:
     """A share each router counts, one line per router by its scrape job and instance."""
     return timeseries(title, description, [target(expr, ROUTER_LEGEND)], unit="percentunit", **options)

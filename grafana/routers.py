@@ -7,7 +7,7 @@ import dataclasses
 
 from kvwatch.alerts.alerts import alerts
 from kvwatch.alerts.verdicts import ENGINE_LOSS, ROUTING_LOSS, Verdict
-from kvwatch.grafana.panels import FIXED_WINDOW, NO_ROUTER_DATA, Layout, target, timeseries
+from kvwatch.grafana.panels import FIXED_WINDOW, Layout, router_shares_timeseries, target
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
@@ -26,7 +26,7 @@ def reuse_decomposition_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
     routing, engine = judged_by(ROUTING_LOSS, t).alert, judged_by(ENGINE_LOSS, t).alert
     layout.row("Reuse decomposition: why reuse is low")
     layout.add(
-        timeseries(
+        router_shares_timeseries(
             "Available, routed, delivered",
             "Of the prompt tokens each router routed, token-weighted: available, what the best replica "
             "held when it chose; routed, what the chosen replica held, as the router predicted; "
@@ -42,14 +42,11 @@ def reuse_decomposition_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
                 target(queries.INSTANCE_ROUTER_REUSE_SHARE, "{{leg}}: {{job}} / {{instance}}"),
                 target(queries.CLUSTER_ROUTER_REUSE_SHARE, "{{leg}}: all routers"),
             ],
-            unit="percentunit",
-            max_value=1,
-            no_value=NO_ROUTER_DATA,
         ),
         12,
     )
     layout.add(
-        timeseries(
+        router_shares_timeseries(
             "Where reuse is lost",
             "The steps down between the legs, as shares of the router's prompt tokens: workload (nothing "
             "held anywhere: a prompt that changes at its start every turn, sessions that never return), "
@@ -60,9 +57,6 @@ def reuse_decomposition_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "second.\n\nGood: only the workload's loss, and that steady. Bad: a routing or engine loss "
             "rising." + FIXED_WINDOW,
             [target(queries.INSTANCE_ROUTER_REUSE_LOSS, "{{loss}}: {{job}} / {{instance}}")],
-            unit="percentunit",
-            max_value=1,
-            no_value=NO_ROUTER_DATA,
             alert=routing.name,
         ),
         12,

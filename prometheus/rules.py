@@ -29,17 +29,31 @@ from kvwatch.prometheus.queries import (
     INSTANCE_REQUEST_SHARE,
     INSTANCE_REQUESTS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
+    INSTANCE_ROUTER_KV_EVENT_GAPS,
+    INSTANCE_ROUTER_KV_EVENT_LAG,
+    INSTANCE_ROUTER_KV_EVENT_RESYNCS,
     INSTANCE_ROUTER_PIN_KEPT,
     INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     INSTANCE_ROUTER_PREDICTIONS,
     INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+    INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    INSTANCE_ROUTER_SESSION_BINDINGS,
+    INSTANCE_ROUTER_SESSION_INVALIDATIONS,
     INSTANCE_TTFT,
+    KV_EVENT_DEGRADED_RANKS,
+    KV_EVENT_GAPS,
+    KV_EVENT_LAG,
+    KV_EVENT_RESYNCS,
     LMCACHE,
     LOCAL,
     MOVED_WINDOW,
     PREFIX_MATCH_DECISIONS,
     QUANTILES,
     ROUTER_PREDICTED_HIT_RATIOS,
+    SESSION_BIND_REJECTIONS,
+    SESSION_BINDINGS,
+    SESSION_INVALIDATIONS,
     SMG_BRANCHES,
     TTFT_BUCKETS,
     WINDOW,
@@ -228,6 +242,24 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
             f"{CLUSTER_HIT_RATIO}\n  / on({by.keeping()}) group_right()"
             f" ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
         ),
+        *router_state_rules(by),
+    )
+
+
+def router_state_rules(by: Grouping) -> tuple[Rule, ...]:
+    """Routers' session tables and KV-event index health, per instance (router_state in collectors)."""
+    instance = by.instance
+    return (
+        Rule(INSTANCE_ROUTER_SESSION_BINDINGS, f"sum by ({instance}) ({SESSION_BINDINGS})"),
+        Rule(INSTANCE_ROUTER_SESSION_BIND_REJECTIONS, first_of(SESSION_BIND_REJECTIONS, by=instance)),
+        Rule(
+            INSTANCE_ROUTER_SESSION_INVALIDATIONS,
+            first_of(SESSION_INVALIDATIONS, by=by.keeping("job, instance, reason")),
+        ),
+        Rule(INSTANCE_ROUTER_KV_EVENT_LAG, f"max by ({instance}) ({KV_EVENT_LAG})"),
+        Rule(INSTANCE_ROUTER_KV_EVENT_GAPS, first_of(KV_EVENT_GAPS, by=instance)),
+        Rule(INSTANCE_ROUTER_KV_EVENT_RESYNCS, first_of(KV_EVENT_RESYNCS, by=instance)),
+        Rule(INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS, f"sum by ({instance}) ({KV_EVENT_DEGRADED_RANKS})"),
     )
 
 

@@ -5,13 +5,15 @@ Per endpoint it counts scheduling attempts (`scheduler_attempts_total{endpoint_n
 `inference_extension_scheduler_attempts_total{pod_name}`); its prefix indexer predicts, per lookup,
 the share of the prompt's prefix it believes cached (`prefix_indexer_hit_ratio`, a histogram whose
 mean is the prediction); and from the engines' usage it records each request's input and cached
-tokens, the reuse its clients were delivered. Series appear on their first event, so their absence
+tokens, the reuse its clients were delivered; its session binding tracker, its session table
+(router_state). Series appear on their first event, so their absence
 is not reported as missing.
 """
 
 from __future__ import annotations
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.router_state import read_session_table
 
 PREFIXES = ("llm_d_epp_", "inference_objective_", "inference_pool_", "inference_extension_")
 ATTEMPTS = "llm_d_epp_scheduler_attempts_total"
@@ -44,6 +46,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         predicted_ratio_sum=reader.total(*(f"{name}_sum" for name in HIT_RATIO), optional=True),
         predictions=reader.total(*(f"{name}_count" for name in HIT_RATIO), optional=True),
         per_worker={endpoint: n for endpoint, n in attempts.items() if endpoint},  # failures name none
+        session_table=read_session_table(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

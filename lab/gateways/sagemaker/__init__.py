@@ -53,6 +53,9 @@ def _config(state: LabState, stamp: str, held: Mapping[str, float] | None) -> di
         "concurrency_threshold": state.sagemaker_concurrency_threshold,
         "container_timeout_s": CONTAINER_TIMEOUT_S,
         "held": dict(held or {}),
+        "session_ttl_s": state.session_ttl_s,
+        "max_sessions": state.session_table_size,
+        "admin_port": ports.gateway_admin,
     }
 
 
@@ -138,4 +141,5 @@ GATEWAY = Gateway(
     process=process,
     write_configs=write_configs,
     apply=apply,
+    metrics_path="/metrics",  # the front's session table, on the admin port
 )

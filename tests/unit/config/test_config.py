@@ -797,3 +797,27 @@ def test_readme_documents_every_key():
     section = readme_configuration_section()
     keys = [*leaf_keys(Config), *leaf_keys(Target, "targets[]."), *leaf_keys(GatewayLog, "gateway_logs[].")]
     assert [key for key in keys if f"`{key}`" not in section] == []
+
+
+@pytest.mark.parametrize(
+    "lifecycle, message",
+    [
+        (
+            "{idle_after_round: 6}",
+            "targets[0].lifecycle.idle_seconds: must be positive when idle_after_round is set",
+        ),
+        (
+            "{idle_after_round: 6, idle_seconds: 30}",
+            "targets[0].lifecycle: idle_after_round must be below rounds",
+        ),
+    ],
+)
+def test_a_lifecycle_that_cannot_run_is_refused_naming_the_key(tmp_path, lifecycle, message):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(
+        "targets:\n  - name: chat\n    base_url: http://127.0.0.1:8000\n    model: m\n    rounds: 6\n"
+        f"    lifecycle: {lifecycle}\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert message in str(error.value)

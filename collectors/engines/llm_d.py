@@ -13,7 +13,7 @@ is not reported as missing.
 from __future__ import annotations
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
-from kvwatch.collectors.engines.router_state import read_session_table
+from kvwatch.collectors.engines.router_state import read_index_health, read_session_table
 
 PREFIXES = ("llm_d_epp_", "inference_objective_", "inference_pool_", "inference_extension_")
 ATTEMPTS = "llm_d_epp_scheduler_attempts_total"
@@ -47,6 +47,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         predictions=reader.total(*(f"{name}_count" for name in HIT_RATIO), optional=True),
         per_worker={endpoint: n for endpoint, n in attempts.items() if endpoint},  # failures name none
         session_table=read_session_table(reader),
+        index_health=read_index_health(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

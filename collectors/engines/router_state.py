@@ -11,6 +11,8 @@ KV-event index health: SMG's (`smg_kv_event_lag_seconds`, how far its index trai
 `smg_kv_event_gaps_total`, batches the events skipped; `smg_kv_event_resyncs_total`, rebuilds from a
 snapshot; `smg_kv_event_degraded_ranks`, ranks whose events it cannot trust). An index that stalls
 predicts reuse the engines no longer hold. Counters appear on their first event: absence is no problem.
+Every router flavour reads both families, whichever names its exposition carries (the lab's SageMaker
+front exports both).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ worker-health gauge names every worker from the start.
 from __future__ import annotations
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
-from kvwatch.collectors.engines.router_state import read_index_health
+from kvwatch.collectors.engines.router_state import read_index_health, read_session_table
 
 MATCH_RATIO = "smg_cache_aware_match_ratio"
 
@@ -44,6 +44,7 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         predictions=reader.total(f"{MATCH_RATIO}_count", optional=True),
         sticky_outcomes=reader.by_label("smg_manual_policy_branch_total", "branch", optional=True),
         routing_key_sources=reader.by_label("smg_routing_key_source_total", "source", optional=True),
+        session_table=read_session_table(reader),
         index_health=read_index_health(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),

@@ -114,3 +114,36 @@ def test_a_full_table_refuses_a_new_session_and_prometheus_records_it(lab, sagem
         for session_id in opened:
             close_session(client, session_id)
     assert table(lab)[1] == {}
+
+
+def firing(lab: Lab, name: str) -> list[dict]:
+    alerts = http_get(f"{lab.status['prometheus']}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    return [a for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+
+def test_a_stalled_kv_event_index_fires_its_alert_and_the_heal_resyncs_it(lab, sagemaker_runtime):
+    """The front's index (lag 0 while it follows) stalls: its lag grows past 5 s, each request it routes
+    is a gap, and KVWatchRouterIndexStalled fires through the lab's real Prometheus; healed, it resyncs."""
+    admin = admin_url(lab)
+
+    def health():
+        exposition = Exposition(http_get(f"{admin}/metrics", timeout=5).text)
+        return detect_flavour(exposition).read(exposition, 0.0).index_health
+
+    assert (health().lag_seconds, health().degraded_ranks) == (0, 0)
+    result = lab.cli("fault", "stall-index")
+    assert result.returncode == 0, result.stderr
+    try:
+        client = sagemaker_runtime(lab.affinity)
+        session_id, _ = open_session(client)
+        close_session(client, session_id)
+        stalled = health()
+        assert (stalled.gaps, stalled.degraded_ranks) == (2, 2) and stalled.lag_seconds > 0  # 2 instances
+        alert = wait_for(
+            lambda: firing(lab, "KVWatchRouterIndexStalled"), "KVWatchRouterIndexStalled fired", 90
+        )
+        assert {a["labels"]["job"] for a in alert} == {"sagemaker"}
+    finally:
+        assert lab.cli("heal").returncode == 0
+    healed = health()
+    assert (healed.lag_seconds, healed.degraded_ranks, healed.resyncs) == (0, 0, 1)

@@ -18,6 +18,7 @@ import httpx
 
 from kvwatch.core.connections import request_sync
 from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
+from kvwatch.lab.gateways.sagemaker.index import STALL_INDEX
 from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_PREFIX_LENGTH
 from kvwatch.lab.process import LabError, Process, is_ours
 from kvwatch.lab.state import LabState, ReplicaSpec
@@ -29,7 +30,7 @@ VARIANT = "AllTraffic"
 LAB_REGION = "us-east-1"  # any region name: the front answers for every one, and the SigV4 is not verified
 # kvwatch serve's AWS credentials in the lab: the front requires a signature but checks none of it.
 LAB_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIDKVWATCHLAB", "AWS_SECRET_ACCESS_KEY": "kvwatch-lab-not-a-secret"}
-FRONT_FAULTS = (IGNORE_SESSIONS,)
+FRONT_FAULTS = (IGNORE_SESSIONS, STALL_INDEX)
 LOAD_PATH = "/-/lab-load"  # the front's requests in flight per instance
 RELOAD_TIMEOUT_S = 10.0
 # Real vLLM on a CPU core takes seconds for a cold prefill; SageMaker allows a container 60 s.

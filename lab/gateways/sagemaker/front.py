@@ -33,6 +33,7 @@ from kvwatch.core.errors import Unreachable  # a container not answering: refuse
 from kvwatch.lab import sessions
 from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, LOAD_PATH, errors
 from kvwatch.lab.gateways.sagemaker.eventstream import encode_exception, payload_part
+from kvwatch.lab.gateways.sagemaker.index import IndexHealth
 from kvwatch.lab.gateways.sagemaker.requests import check_signature, forwarded_headers, validated_session
 from kvwatch.lab.gateways.sagemaker.routing import STRATEGIES, Instance, Load
 from kvwatch.lab.gateways.sagemaker.table import SessionTable
@@ -85,6 +86,8 @@ class Front:
         self.config_path = config_path
         self.config = FrontConfig.load(config_path)
         self.table = SessionTable(self.config.session_ttl_s, self.config.max_sessions)
+        self.index = IndexHealth()
+        self.index.follow(self.config.faults)
         self.load = Load()
         self.client: aiohttp.ClientSession | None = None
         self.reloaded = asyncio.Event()  # set, then replaced, at each reload: what held requests await
@@ -96,6 +99,7 @@ class Front:
             log.error("kept the old config: %s cannot be used: %r", self.config_path, error)
             return
         self.table.ttl_s, self.table.capacity = self.config.session_ttl_s, self.config.max_sessions
+        self.index.follow(self.config.faults)
         log.info("config %s loaded", self.config.generation)
         self.reloaded.set()
         self.reloaded = asyncio.Event()
@@ -223,6 +227,7 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
             front.table.drop(call.session_id, "error")  # the container no longer knows it
         raise errors.model_error(upstream.status, text, front.config.endpoint, call.region)
     front.learn(call.instance, upstream.headers)
+    front.index.routed()
     return upstream
 
 
@@ -320,8 +325,9 @@ async def pins(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """The session table's series (table.SessionTable), for the lab's Prometheus."""
-    text = request.app[FRONT_KEY].table.exposition()
+    """The session table's and the index's series (table, index), for the lab's Prometheus."""
+    front = request.app[FRONT_KEY]
+    text = front.table.exposition() + front.index.exposition(i.id for i in front.config.instances)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

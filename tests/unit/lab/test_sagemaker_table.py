@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvwatch.collectors.engines import ENGINE_FLAVOURS, Exposition
+from kvwatch.lab.gateways.sagemaker.index import STALL_INDEX, IndexHealth
 from kvwatch.lab.gateways.sagemaker.table import SessionTable
 
 
@@ -45,3 +46,20 @@ def test_a_full_table_refuses_and_counts_each_refusal_and_a_close_or_pod_loss_fr
     figures = read(table)
     assert figures.bind_rejections == 2
     assert figures.invalidations == {"idle": 0, "close": 1, "pod_delete": 1, "error": 0}
+
+
+def test_the_fronts_index_lags_and_gaps_only_while_stalled_and_resyncs_at_the_heal():
+    clock = Clock()
+    index = IndexHealth(clock=clock)
+    index.routed()
+    index.follow(["ignore-session-ids"])
+    assert index.gaps == 0 and index.stalled_since is None
+    index.follow([STALL_INDEX])
+    clock.now = 7
+    index.routed()
+    exposition = Exposition(index.exposition(["r1", "r2"]))
+    health = ENGINE_FLAVOURS["sglang-router"].read(exposition, 0.0).index_health
+    assert (health.lag_seconds, health.gaps, health.degraded_ranks, health.resyncs) == (7, 1, 2, 0)
+    index.follow([])
+    health = ENGINE_FLAVOURS["sglang-router"].read(Exposition(index.exposition(["r1"])), 0.0).index_health
+    assert (health.lag_seconds, health.gaps, health.degraded_ranks, health.resyncs) == (0, 1, 0, 1)

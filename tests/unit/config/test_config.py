@@ -38,8 +38,8 @@ TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
-    "backend, echoed, evidence, expect_sticky, failover, instance, job, kind, label, le, listener, log, "
-    "outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
+    "backend, echoed, evidence, expect_sticky, failover, gone, instance, job, kind, label, le, listener, "
+    "log, outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
@@ -266,8 +266,9 @@ INVALID = [
     (
         "unknown-key-target",
         'targets[0].modle: unknown key; did you mean "model"? known: api_key_env, api_key_file, backend, '
-        "base_url, block_size, expect_sticky, interval_seconds, kind, model, name, rounds, route_mode, "
-        "router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, workload",
+        "base_url, block_size, expect_sticky, interval_seconds, kind, lifecycle, model, name, rounds, "
+        "route_mode, router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, "
+        "workload",
     ),
     (
         "unknown-key-exporter",
@@ -397,6 +398,7 @@ def test_minimal_file_takes_every_default():
         "block_size": None,  # learned from the engines
         "kind": "openai",  # an OpenAI-compatible route over HTTP
         "sagemaker": None,  # only for kind sagemaker
+        "lifecycle": {"idle_after_round": None, "idle_seconds": 0.0, "check_close": False},  # no idle
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"

@@ -17,10 +17,17 @@ from kvwatch.prometheus.queries import (
     INSTANCE_HIT_RATIO,
     INSTANCE_PROMPT_TOKENS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
+    INSTANCE_ROUTER_KV_EVENT_GAPS,
+    INSTANCE_ROUTER_KV_EVENT_LAG,
     INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     INSTANCE_ROUTER_PREDICTIONS,
     INSTANCE_ROUTER_REUSE_LOSS,
     INSTANCE_ROUTER_REUSE_TOKENS,
+    INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    INSTANCE_ROUTER_SESSION_BINDINGS,
+    INSTANCE_ROUTER_SESSION_INVALIDATIONS,
+    SESSION_LIFECYCLE_REASONS,
     Grouping,
     first_of,
     gateway_moved,
@@ -85,6 +92,7 @@ def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         *_probe_alerts(t, by),
         *_load_alerts(t, by),
         *_reuse_alerts(t, by),
+        *_router_state_alerts(t, by),
     )
     held = {} if t.keep_firing_for else {"keep_firing_for": None}
     return tuple(dataclasses.replace(alert, cluster=by.cluster, **held) for alert in judged)
@@ -411,6 +419,49 @@ def _reuse_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "too early, or the router's index has drifted from the engines' caches.",
             for_=t.reuse_loss_for,
             labels={"loss": "engine"},
+        ),
+    )
+
+
+def _router_state_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Routers' session tables (full, or losing sessions early) and their KV-event index (stalled)."""
+    instance = by.instance
+    early = f'{INSTANCE_ROUTER_SESSION_INVALIDATIONS}{{reason!~"{SESSION_LIFECYCLE_REASONS}"}}'
+    early_per_minute = f"60 * sum by ({instance}) ({early})"
+    return (
+        Alert(
+            "KVWatchRouterSessionTableFull",
+            f"{INSTANCE_ROUTER_SESSION_BIND_REJECTIONS} > 0",
+            "warning",
+            "A router's session table refuses new sessions.",
+            "{{ $labels.instance }} ({{ $labels.job }}) refuses {{ $value | humanize }} new sessions per "
+            "second: its session table is full, so new conversations go unpinned (llm-d) or get 503 "
+            "(Dynamo, 65,536 sessions). Shorten the session TTL, close sessions that end, or add routers.",
+            for_=t.session_table_full_for,
+        ),
+        Alert(
+            "KVWatchRouterSessionInvalidationSurge",
+            f"{early_per_minute}\n  / on({instance}) ({INSTANCE_ROUTER_SESSION_BINDINGS} > 0)\n"
+            f"  > {t.session_invalidated_share_above}\n"
+            f"and on({instance}) {early_per_minute} > {t.min_session_invalidations_per_minute}",
+            "warning",
+            "A router drops session bindings before they end.",
+            "{{ $labels.instance }} ({{ $labels.job }}) drops {{ $value | humanizePercentage }} of its bound "
+            "sessions per minute for pod deletions or errors, not idleness or a close: those sessions "
+            "start again cold on another replica. Look for restarting or failing pods.",
+            for_=t.session_invalidations_for,
+        ),
+        Alert(
+            "KVWatchRouterIndexStalled",
+            f"{INSTANCE_ROUTER_KV_EVENT_LAG} > {t.kv_event_lag_above:g}\n"
+            f"or {INSTANCE_ROUTER_KV_EVENT_GAPS} > 0\n"
+            f"or {INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS} > 0",
+            "warning",
+            "A router's KV-cache index trails the engines' events.",
+            "{{ $labels.instance }} ({{ $labels.job }}) has a KV-event index that lags the engines' events "
+            f"by over {t.kv_event_lag_above:g} s, misses events (gaps) or has degraded ranks: it predicts "
+            "reuse from blocks the engines no longer hold. Check the event subscriptions and resyncs.",
+            for_=t.index_stalled_for,
         ),
     )
 

@@ -286,6 +286,20 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         "(its round_robin listener: RANDOM); with --gateway sagemaker (default LEAST_OUTSTANDING_REQUESTS)",
     )
     up.add_argument(
+        "--session-ttl",
+        type=float,
+        metavar="S",
+        help="with --gateway sagemaker: idle seconds a session lives in the front's session table and the "
+        "containers (SAGEMAKER_SESSIONS_EXPIRATION); default theirs (1,200 s), unbounded in the front",
+    )
+    up.add_argument(
+        "--session-table-size",
+        type=int,
+        metavar="N",
+        help="with --gateway sagemaker: sessions the front's table holds at most; a new one beyond is "
+        "refused with 503 (default unbounded)",
+    )
+    up.add_argument(
         "--sagemaker-concurrency-threshold",
         type=int,
         help="the requests in flight on the instance PREFIX_AWARE chose past which it sends one elsewhere "
@@ -443,6 +457,12 @@ def _run_up(args: argparse.Namespace) -> int:
         args.gateway != "sagemaker" or not 1 <= args.sagemaker_concurrency_threshold <= 1024
     ):
         return _fail("--sagemaker-concurrency-threshold is from 1 to 1024, for --gateway sagemaker")
+    if (args.session_ttl is not None or args.session_table_size is not None) and args.gateway != "sagemaker":
+        return _fail(
+            f"--session-ttl and --session-table-size are for --gateway sagemaker, not {args.gateway}"
+        )
+    if (args.session_ttl is not None and args.session_ttl <= 0) or (args.session_table_size or 1) < 1:
+        return _fail("--session-ttl must be positive, --session-table-size at least 1")
     if args.gateway == "sagemaker" and args.users:
         return _fail(
             "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0"
@@ -495,6 +515,8 @@ def _run_up(args: argparse.Namespace) -> int:
                 sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
                 sagemaker_concurrency_threshold=args.sagemaker_concurrency_threshold
                 or DEFAULT_CONCURRENCY_THRESHOLD,
+                session_ttl_s=args.session_ttl,
+                session_table_size=args.session_table_size,
             )
     except stack.LabError as error:
         return _fail(str(error))

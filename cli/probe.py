@@ -66,9 +66,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="take the conversations from a ShareGPT-style JSON file (those of 4 or more user turns) "
         "instead of synthetic ones",
     )
+    _add_lifecycle_arguments(parser)
     options.add_block_size_arguments(parser)
     parser.add_argument(
         "--json", action="store_true", help='print {"block_size": {...}, "sessions": [...]} as JSON'
+    )
+
+
+def _add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
+    """A session's whole life: idle past the route's session TTL mid-session, check a close."""
+    parser.add_argument(
+        "--idle-after-round",
+        type=int,
+        metavar="N",
+        help="idle after round N for --idle-seconds (past the route's session TTL) and report what follows: "
+        "the expiry, the cold round after it and the re-pin",
+    )
+    parser.add_argument("--idle-seconds", type=float, default=0.0, metavar="S", help="seconds to idle")
+    parser.add_argument(
+        "--check-close",
+        action="store_true",
+        help="after closing a session (SageMaker's CLOSE), check that it is gone",
     )
 
 
@@ -139,5 +157,8 @@ def _read_args(
         timeout_seconds=args.timeout,
         kind="sagemaker" if endpoint else "openai",
         sagemaker=endpoint,
+        idle_after_round=args.idle_after_round,
+        idle_seconds=args.idle_seconds,
+        check_close=args.check_close,
     )
     return settings, conversations, options.block_size_sources(args, metrics_base_urls(settings))

@@ -168,6 +168,21 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Lifecycle:
+    """A session's whole life (collectors.probe.lifecycle): idle `idle_seconds` after round
+    `idle_after_round`, past the route's session TTL; check that a closed session is gone."""
+
+    idle_after_round: int | None = _bounded(None, 1, 49)
+    idle_seconds: float = _bounded(0.0, 0, DAY)
+    check_close: bool = False
+
+    def __post_init__(self):
+        _check_ranges(self)
+        idles = self.idle_after_round is None or self.idle_seconds > 0
+        check(idles, "idle_seconds", "must be positive when idle_after_round is set")
+
+
+@dataclass(frozen=True)
 class Target:
     """One route to probe: its kind and where it is, the model, and how to run its sessions."""
 
@@ -192,6 +207,7 @@ class Target:
     block_size: int | None = None  # the engine's KV block in tokens; None: learn it (collectors.blocksize)
     kind: str = "openai"  # how rounds reach the route, one of collectors.probe.targets.KINDS
     sagemaker: SageMakerEndpoint | None = None  # a sagemaker target's endpoint (docs/probing.md)
+    lifecycle: Lifecycle = Lifecycle()
 
     def __post_init__(self):
         _name(self.name, "name")
@@ -224,6 +240,12 @@ class Target:
                 "a run's prompts, sessions_per_run x (workload.system_tokens + rounds x "
                 f"workload.turn_tokens), are {tokens} tokens, more than {MAX_RUN_TOKENS}; lower one of them",
             )
+        idle_after = self.lifecycle.idle_after_round
+        check(
+            idle_after is None or idle_after < self.rounds,
+            "lifecycle",
+            "idle_after_round must be below rounds",
+        )
         if self.block_size is not None and (wrong := blocksize.problem(self.block_size)):
             raise Invalid("block_size", wrong)
 

@@ -20,6 +20,7 @@ CAUSES = (
     "bad_response",
     "session_id_not_propagated",
     "hash_key_not_session",
+    "dynamo_session_affinity_off",  # X-Dynamo-Session-ID sent, the frontend without its affinity TTL flag
     "prefix_cache_disabled",
     "dynamic_prompt_prefix",
     "cluster_not_found",

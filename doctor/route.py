@@ -23,6 +23,7 @@ from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.connections import request
 from kvwatch.core.redaction import redact
 from kvwatch.doctor import affinity
+from kvwatch.doctor.affinity import dynamo
 from kvwatch.doctor.findings import Check
 
 # The error kinds of a round that reached no HTTP server; each is the cause the doctor names.
@@ -262,6 +263,9 @@ async def session_propagation(route: Route) -> Check:
         )
         fix = f"echo it so that clients can check: {await _fixes(route, 'echo')}"
         return Check(name, "warn", evidence, fix)
+    if missing and _behind_dynamo(route):
+        evidence = f"not judged: Dynamo returns no {header}; the hash key check judges where sessions landed"
+        return Check(name, "skipped", evidence + errors)
     if missing and not any(s.sticky is False for s in route.sessions):
         evidence = (
             f"not judged: {header} is not echoed, and no backend header or cached tokens say where the "
@@ -285,6 +289,8 @@ async def hash_key(route: Route) -> Check:
     moved = sum(s.sticky is False for s in sessions)
     if moved:
         evidence = f"{moved} of {len(sessions)} sessions changed backend within {ROUNDS} rounds: {paths}"
+        if dynamo_sessions := _dynamo_affinity_off(route, evidence):
+            return dynamo_sessions
         fix = f"hash on the session id: {await _fixes(route, 'hash_on')}"
         return Check(name, "fail", evidence, fix, "hash_key_not_session")
     if any(s.sticky is None for s in sessions):
@@ -294,6 +300,25 @@ async def hash_key(route: Route) -> Check:
         )
         return Check(name, "skipped", evidence, "name the header that names the replica: --backend-header H")
     return Check(name, "pass", f"each of {len(sessions)} sessions stayed on one backend: {paths}")
+
+
+def _behind_dynamo(route: Route) -> bool:
+    """The route sends Dynamo's session header, or is named as Dynamo (`--gateway`, `router`)."""
+    named = "dynamo" in (route.gateway, route.probe.router)
+    return named or dynamo.sends_session_header(route.probe.session_header)
+
+
+def _dynamo_affinity_off(route: Route, evidence: str) -> Check | None:
+    """Sessions that moved although they carried Dynamo's session header: its frontend keeps them only
+    with an affinity TTL, and treats the header as trace identity without one."""
+    header = route.probe.session_header
+    if not _behind_dynamo(route):
+        return None
+    evidence = (
+        f"{evidence}; they carried {header}, which Dynamo's frontend honours only when it runs "
+        f"{dynamo.TTL_FLAG}: session affinity is off"
+    )
+    return Check("hash key", "fail", evidence, dynamo.hash_on(header), "dynamo_session_affinity_off")
 
 
 ROUTE_CHECKS: tuple[tuple[str, Callable[[Route], Awaitable[Check]]], ...] = (

@@ -31,7 +31,7 @@ from kvwatch.lab.configs import (
     write_webhook_token,
 )
 from kvwatch.lab.gateways import GATEWAYS
-from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, sagemaker_endpoint
+from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, STALL_INDEX, sagemaker_endpoint
 from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.process import LabError, is_ours, log_tail
 from kvwatch.lab.replicas import REPLICA_KINDS
@@ -51,7 +51,11 @@ PROMETHEUS_STATUS_TIMEOUT_S = 5.0
 LOCK_TIMEOUT_S = 600.0
 GATEWAY_FAULTS = ("break-affinity", "drop-session-header", "hash-request-id")
 REPLICA_FAULTS = ("disable-prefix-cache", "kill-replica", "restart-replica")
-SAGEMAKER_FAULTS = (IGNORE_SESSIONS, *sagemaker_faults.CONTAINER_FAULTS)  # behind --gateway sagemaker only
+SAGEMAKER_FAULTS = (
+    IGNORE_SESSIONS,
+    STALL_INDEX,
+    *sagemaker_faults.CONTAINER_FAULTS,
+)  # behind --gateway sagemaker only
 FAULTS = (*GATEWAY_FAULTS, *REPLICA_FAULTS, "dynamic-prefix", "scale-out", *SAGEMAKER_FAULTS)
 
 
@@ -460,6 +464,10 @@ def fault(state: LabState, name: str, replica_id: str | None = None) -> str:
         done = f"prefix caching off on {replica.name}"
         if not REPLICA_KINDS.lookup(state.engine).live_prefix_caching:
             done += " (restarted with --no-enable-prefix-caching; its counters start from zero)"
+    elif name == STALL_INDEX:
+        state.faults = [f for f in state.faults if f != name] + [name]
+        began = _reconfigure(state)
+        done = "the SageMaker front's KV-event index stalled: its lag grows, each request a gap"
     elif name == "dynamic-prefix":
         state.faults.append(name)
         began = time.time()  # the users read their control file, written now, before each conversation

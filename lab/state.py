@@ -99,6 +99,10 @@ class LabState:
     sagemaker_routing: str = "LEAST_OUTSTANDING_REQUESTS"
     # In-flight requests on its instance past which PREFIX_AWARE overflows (SageMaker's ConcurrencyThreshold).
     sagemaker_concurrency_threshold: int = 8
+    # The sagemaker gateway's session table: idle seconds a session lives (the front's pin and the
+    # containers' SAGEMAKER_SESSIONS_EXPIRATION; None: their defaults) and the sessions it holds at most.
+    session_ttl_s: float | None = None
+    session_table_size: int | None = None
     model: str = "lab-model"  # the model name every replica serves
     metrics_store: str = "prometheus"  # what scrapes and evaluates the rules: lab.metrics_stores
     # Rule windows, `for` and Alertmanager timers at this fraction of production (alert tests use 0.1).

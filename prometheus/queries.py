@@ -305,6 +305,28 @@ INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS = (
 )
 
 
+# Routers' session tables (llm-d's session binding tracker; Dynamo's affinity table exports no series, a
+# full one answers 503): sessions bound now, new sessions refused per second, bindings dropped per second
+# by reason (idle past the TTL and close are the table working; pod_delete and error lose sessions early).
+SESSION_BINDINGS = "llm_d_epp_session_control_bindings"
+SESSION_BIND_REJECTIONS = "llm_d_epp_session_control_bind_rejections_total"
+SESSION_INVALIDATIONS = "llm_d_epp_session_control_invalidations_total"
+SESSION_LIFECYCLE_REASONS = "idle|close"
+INSTANCE_ROUTER_SESSION_BINDINGS = "instance:kvwatch_router_session_bindings:sum"
+INSTANCE_ROUTER_SESSION_BIND_REJECTIONS = f"instance:kvwatch_router_session_bind_rejections:rate{WINDOW}"
+INSTANCE_ROUTER_SESSION_INVALIDATIONS = f"instance_reason:kvwatch_router_session_invalidations:rate{WINDOW}"
+# A router's KV-event index (SMG): how far it trails the engines' events (its worst worker), the event
+# gaps and resyncs per second, the ranks it cannot trust. Lagging or gapping, it predicts stale reuse.
+KV_EVENT_LAG = "smg_kv_event_lag_seconds"
+KV_EVENT_GAPS = "smg_kv_event_gaps_total"
+KV_EVENT_RESYNCS = "smg_kv_event_resyncs_total"
+KV_EVENT_DEGRADED_RANKS = "smg_kv_event_degraded_ranks"
+INSTANCE_ROUTER_KV_EVENT_LAG = "instance:kvwatch_router_kv_event_lag_seconds:max"
+INSTANCE_ROUTER_KV_EVENT_GAPS = f"instance:kvwatch_router_kv_event_gaps:rate{WINDOW}"
+INSTANCE_ROUTER_KV_EVENT_RESYNCS = f"instance:kvwatch_router_kv_event_resyncs:rate{WINDOW}"
+INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS = "instance:kvwatch_router_kv_event_degraded_ranks:sum"
+
+
 def watched_routes(by: Grouping) -> str:
     """Routes whose sessions must stay on one replica (the config's expect_sticky, exported by kvwatch
     serve): the affinity alerts watch only these."""

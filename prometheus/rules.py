@@ -31,6 +31,10 @@ from kvwatch.prometheus.queries import (
     INSTANCE_REQUEST_SHARE,
     INSTANCE_REQUESTS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
+    INSTANCE_ROUTER_KV_EVENT_GAPS,
+    INSTANCE_ROUTER_KV_EVENT_LAG,
+    INSTANCE_ROUTER_KV_EVENT_RESYNCS,
     INSTANCE_ROUTER_PIN_KEPT,
     INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     INSTANCE_ROUTER_PREDICTIONS,
@@ -38,7 +42,14 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_REUSE_LOSS,
     INSTANCE_ROUTER_REUSE_SHARE,
     INSTANCE_ROUTER_REUSE_TOKENS,
+    INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    INSTANCE_ROUTER_SESSION_BINDINGS,
+    INSTANCE_ROUTER_SESSION_INVALIDATIONS,
     INSTANCE_TTFT,
+    KV_EVENT_DEGRADED_RANKS,
+    KV_EVENT_GAPS,
+    KV_EVENT_LAG,
+    KV_EVENT_RESYNCS,
     LMCACHE,
     LOCAL,
     MOVED_WINDOW,
@@ -48,6 +59,9 @@ from kvwatch.prometheus.queries import (
     REUSE_LEGS,
     REUSE_LOSSES,
     ROUTER_PREDICTED_HIT_RATIOS,
+    SESSION_BIND_REJECTIONS,
+    SESSION_BINDINGS,
+    SESSION_INVALIDATIONS,
     SMG_BRANCHES,
     TTFT_BUCKETS,
     WINDOW,
@@ -241,6 +255,7 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
             f" ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
         ),
         *reuse_rules(by),
+        *router_state_rules(by),
     )
 
 
@@ -284,6 +299,23 @@ def reuse_rules(by: Grouping) -> tuple[Rule, ...]:
         ),
         *_losses(INSTANCE_ROUTER_REUSE_SHARE, INSTANCE_ROUTER_REUSE_LOSS, instance),
         *_losses(CLUSTER_ROUTER_REUSE_SHARE, CLUSTER_ROUTER_REUSE_LOSS, cluster),
+    )
+
+
+def router_state_rules(by: Grouping) -> tuple[Rule, ...]:
+    """Routers' session tables and KV-event index health, per instance (router_state in collectors)."""
+    instance = by.instance
+    return (
+        Rule(INSTANCE_ROUTER_SESSION_BINDINGS, f"sum by ({instance}) ({SESSION_BINDINGS})"),
+        Rule(INSTANCE_ROUTER_SESSION_BIND_REJECTIONS, first_of(SESSION_BIND_REJECTIONS, by=instance)),
+        Rule(
+            INSTANCE_ROUTER_SESSION_INVALIDATIONS,
+            first_of(SESSION_INVALIDATIONS, by=by.keeping("job, instance, reason")),
+        ),
+        Rule(INSTANCE_ROUTER_KV_EVENT_LAG, f"max by ({instance}) ({KV_EVENT_LAG})"),
+        Rule(INSTANCE_ROUTER_KV_EVENT_GAPS, first_of(KV_EVENT_GAPS, by=instance)),
+        Rule(INSTANCE_ROUTER_KV_EVENT_RESYNCS, first_of(KV_EVENT_RESYNCS, by=instance)),
+        Rule(INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS, f"sum by ({instance}) ({KV_EVENT_DEGRADED_RANKS})"),
     )
 
 

@@ -52,6 +52,12 @@ class Thresholds:
     engine_loss_above: float = 0.2  # share of a router's prompt tokens it predicted cached, not reused
     min_router_prompt_tokens_per_second: float = 50.0  # traffic guard of the reuse-loss alerts
     reuse_loss_for: str = "5m"  # ... held this long
+    session_table_full_for: str = "2m"  # a router's session table refusing new sessions this long
+    session_invalidated_share_above: float = 0.1  # bound sessions dropped per minute by pod loss or errors
+    min_session_invalidations_per_minute: float = 1.0  # traffic guard of the invalidation-surge alert
+    session_invalidations_for: str = "5m"  # ... held this long
+    kv_event_lag_above: float = 5.0  # seconds a router's KV-event index trails the engines' events
+    index_stalled_for: str = "2m"  # ... or gaps / degraded ranks, held this long
     probe_stale_intervals: float = 3.0
     source_silent_seconds: float = 600.0  # a syslog or OTLP gateway log that received nothing this long
     load_imbalance_above: float = 2.0  # busiest instance over the mean

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvwatch.collectors.probe.lifecycle import IDLE_OUTCOMES, life_of
 from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
 from kvwatch.collectors.probe.records import ERROR_KINDS, EVIDENCE, SESSION_LOSS_KINDS, SessionResult
 from kvwatch.config.settings import STICKY_ROUTE_MODES
@@ -119,6 +120,8 @@ class ProbeResults:
             ("errors", ERROR_KINDS),
             ("evidence", EVIDENCE),
             ("losses", SESSION_LOSS_KINDS),
+            ("idle", IDLE_OUTCOMES),
+            ("close_checks", ("true", "false")),
         ):
             for value in values:
                 self._totals[key, (*route, value)] += 0
@@ -135,6 +138,7 @@ class ProbeResults:
         for _, kind in session.session_losses:
             totals["losses", (*route, kind)] += 1
         totals["switches", route] += session.backend_switches or 0
+        self._count_life(route, session)
         if session.session_id_echoed is not None:
             totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
         for r in session.rounds:
@@ -150,6 +154,16 @@ class ProbeResults:
                 totals["backend", (*route, self._backends[route](r.backend))] += 1
             if r.ttft_seconds is not None:
                 self._ttft[labels].observe(r.ttft_seconds)
+
+    def _count_life(self, route: Route, session: SessionResult) -> None:
+        """An idled session's life after its idle, and a checked close (collectors.probe.lifecycle)."""
+        if (life := life_of(session)) is not None:
+            facts = {"idled": True, "expired": life.expiry is not None, "cold": life.cold}
+            facts |= {"new_replica": life.new_replica, "repinned": life.repinned}
+            for outcome, happened in facts.items():
+                self._totals["idle", (*route, outcome)] += bool(happened)
+        if session.close_gone is not None:
+            self._totals["close_checks", (*route, str(session.close_gone).lower())] += 1
 
     def snapshot(self) -> tuple[dict[Route, float], dict[Route, LastRun], Counter, dict]:
         with self._lock:

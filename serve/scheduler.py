@@ -59,6 +59,9 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         timeout_seconds=target.timeout_seconds,
         kind=target.kind,
         sagemaker=target.sagemaker,
+        idle_after_round=target.lifecycle.idle_after_round,
+        idle_seconds=target.lifecycle.idle_seconds,
+        check_close=target.lifecycle.check_close,
     )
 
 

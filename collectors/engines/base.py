@@ -7,10 +7,14 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:  # router_state reads with this module's Reader
+    from kvwatch.collectors.engines.router_state import IndexHealth, SessionTable
 
 # A histogram summed over its label sets: (upper bound, cumulative count) pairs, sorted, +Inf last.
 Buckets = tuple[tuple[float, float], ...]
@@ -122,6 +126,8 @@ class Snapshot:
     reused_tokens: float | None = None
     sticky_outcomes: Mapping[str, float] = field(default_factory=dict)  # e.g. SMG's manual-policy branches
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)  # where the routing key came from
+    session_table: SessionTable | None = None  # routers' session tables (router_state)
+    index_health: IndexHealth | None = None  # routers' KV-event index health (router_state)
     missing: tuple[str, ...] = ()
     invalid: Mapping[str, str] = field(default_factory=dict)
 
@@ -159,6 +165,13 @@ class Reader:
         """
         values = self._values(names, optional, duplicated_by)
         return None if values is None else sum(values)
+
+    def maximum(self, name: str, optional: bool = False) -> float | None:
+        """The largest value of a gauge over its label sets (the worst rank's lag, say); None when absent
+        or declared without samples."""
+        found = self._pick((name,), optional)
+        values = [sample.value for sample in self.exposition.samples[found]] if found else []
+        return max(values) if values else None
 
     def fraction(
         self, *names: str, duplicated_by: tuple[str, ...] = (), no_data: float | None = None

@@ -7,13 +7,15 @@ the share of the prompt's prefix it believes cached (`prefix_indexer_hit_ratio`,
 mean is the prediction); and from the engines' usage it records each request's input and cached
 tokens, the reuse its clients were delivered. Its prefix plugin also records, per request, the prompt
 tokens, the most any candidate endpoint held and what the chosen one held (the reuse decomposition's
-available and routed legs, token-weighted). Series appear on their first event, so their absence
+available and routed legs, token-weighted); its session binding tracker, its session table
+(router_state). Series appear on their first event, so their absence
 is not reported as missing.
 """
 
 from __future__ import annotations
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.router_state import read_index_health, read_session_table
 
 PREFIXES = ("llm_d_epp_", "inference_objective_", "inference_pool_", "inference_extension_")
 ATTEMPTS = "llm_d_epp_scheduler_attempts_total"
@@ -52,6 +54,8 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         available_tokens=reader.total(f"{PREFIX}best_available_cached_tokens_sum", optional=True),
         routed_tokens=reader.total(f"{PREFIX}predicted_cached_tokens_sum", optional=True),
         per_worker={endpoint: n for endpoint, n in attempts.items() if endpoint},  # failures name none
+        session_table=read_session_table(reader),
+        index_health=read_index_health(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

@@ -7,6 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvwatch.collectors.engines.base import Buckets, Snapshot
+from kvwatch.collectors.engines.router_state import (
+    IndexHealth,
+    SessionTable,
+    windowed_index_health,
+    windowed_session_table,
+)
 
 # hit_ratio_source of the token-weighted ratios of counter increases: cached prompt tokens over prompt
 # tokens (what the engine delivered, 0 % with caching off), or, without token counters, prefix-cache
@@ -63,6 +69,10 @@ class Normalised:
     delivered_share: float | None = None
     sticky_outcomes: Mapping[str, float] = field(default_factory=dict)
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)
+    session_table: SessionTable | None = None  # a router's session table: bindings now, counters' increases
+    index_health: IndexHealth | None = (
+        None  # a router's KV-event index: lag now, gaps' and resyncs' increases
+    )
     counter_reset: bool = False
 
 
@@ -125,6 +135,10 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         delivered_share=delivered if routed_prompt is not None else None,
         sticky_outcomes=change.counters("sticky_outcomes", now.sticky_outcomes),
         routing_key_sources=change.counters("routing_key_sources", now.routing_key_sources),
+        session_table=windowed_session_table(
+            now.session_table, before and before.session_table, change.increase
+        ),
+        index_health=windowed_index_health(now.index_health, before and before.index_health, change.increase),
         counter_reset=change.reset,
     )
 
@@ -185,6 +199,10 @@ class _Change:
         return tuple(
             (bound, self._increase(count, was)) for (bound, count), (_, was) in zip(now, old, strict=True)
         )
+
+    def increase(self, now: float | None, old: float | None) -> float | None:
+        """One counter's value (lifetime) or increase (window); None when unknown."""
+        return self._increase(now, old)
 
     def _increase(self, now: float | None, old: float | None) -> float | None:
         if now is None or old is None:  # lifetime, or a series that appeared within the window

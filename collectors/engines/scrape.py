@@ -232,6 +232,22 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
         rows.append(("sticky outcomes", _pairs(record.sticky_outcomes)))
     if record.routing_key_sources:
         rows.append(("routing key from", _pairs(record.routing_key_sources)))
+    return rows + _router_state_rows(record)
+
+
+def _router_state_rows(record: Normalised) -> list[tuple[str, str]]:
+    """A router's session table and KV-event index health, when it exports them."""
+    rows = []
+    if (table := record.session_table) is not None:
+        rows.append(("session bindings", _count(table.bindings)))
+        rows.append(("sessions refused", _count(table.bind_rejections) + "  (table full)"))
+        if table.invalidations:
+            rows.append(("bindings dropped", _pairs(table.invalidations)))
+    if (index := record.index_health) is not None:
+        lag = "n/a" if index.lag_seconds is None else f"{index.lag_seconds:g} s"
+        rows.append(("KV-event index lag", f"{lag}  (its worst worker)"))
+        rows.append(("KV-event gaps", f"{_count(index.gaps)}, resyncs {_count(index.resyncs)}"))
+        rows.append(("degraded ranks", _count(index.degraded_ranks)))
     return rows
 
 

@@ -9,7 +9,8 @@ served it; `occupied_miss`, `vacant`, `cap_respill`: it moved or was placed anew
 routing key came from (`smg_routing_key_source_total{source}`); its cache_aware policy counts its
 branches (`tree_match`: sent where its radix tree matched the prompt; `spill` and fallbacks: sent by
 load or health) and the share of each prompt its tree matched (`smg_cache_aware_match_ratio`, a
-histogram whose mean is the prediction): guesses from the router's tree, not engine hits.
+histogram whose mean is the prediction): guesses from the router's tree, not engine hits. With KV
+events subscribed (gRPC workers), the health of its KV-event index (router_state).
 Counters appear only after their first event, so their absence is not reported as missing; the
 worker-health gauge names every worker from the start.
 """
@@ -17,6 +18,7 @@ worker-health gauge names every worker from the start.
 from __future__ import annotations
 
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
+from kvwatch.collectors.engines.router_state import read_index_health, read_session_table
 
 MATCH_RATIO = "smg_cache_aware_match_ratio"
 
@@ -42,6 +44,8 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         predictions=reader.total(f"{MATCH_RATIO}_count", optional=True),
         sticky_outcomes=reader.by_label("smg_manual_policy_branch_total", "branch", optional=True),
         routing_key_sources=reader.by_label("smg_routing_key_source_total", "source", optional=True),
+        session_table=read_session_table(reader),
+        index_health=read_index_health(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

@@ -25,6 +25,8 @@ class Settings(Protocol):
 
     target: str
     route_mode: str
+    idle_after_round: int | None  # idle `idle_seconds` after this round (past the route's session TTL)
+    idle_seconds: float
 
 
 class Exchange(Protocol):
@@ -47,10 +49,12 @@ class Exchange(Protocol):
 @dataclass(frozen=True)
 class SessionClose:
     """What a conversation's end did on the route: `closed` None when there was nothing to close, and
-    the session losses (round, kind) met on the way, each followed by a new session."""
+    the session losses (round, kind) met on the way, each followed by a new session; `gone`, when the
+    close was checked, whether the closed session was gone afterwards."""
 
     closed: bool | None = None
     losses: tuple[tuple[int, str], ...] = ()
+    gone: bool | None = None
 
 
 async def run_conversation(
@@ -75,6 +79,7 @@ async def run_conversation(
     messages = [{"role": "system", "content": opening + conversation.system_prompt}]
     rounds: list[RoundResult] = []
     started_at, interrupted, ended = time.time(), False, SessionClose()
+    idle = (settings.idle_after_round, settings.idle_seconds) if settings.idle_after_round else None
 
     def so_far() -> SessionResult:
         return SessionResult(
@@ -87,10 +92,16 @@ async def run_conversation(
             interrupted=interrupted,
             closed=ended.closed,
             session_losses=ended.losses,
+            idle=idle if idle and len(rounds) > idle[0] else None,
+            close_gone=ended.gone,
         )
 
     for number, turn in enumerate(conversation.user_turns, start=1):
-        if number > 1 and think_seconds > 0:
+        if idle and number == idle[0] + 1:
+            if await _idle(idle[1], stop):
+                interrupted = True
+                break
+        elif number > 1 and think_seconds > 0:
             await asyncio.sleep(think_seconds)
         messages.append({"role": "user", "content": turn})
         if render_system_prompt is not None:
@@ -123,6 +134,18 @@ def session_marker() -> str:
     there, and a lost pin hides behind that reuse. The same length in every conversation, so that an
     A/B's prompts still match in size."""
     return f"Session {text(MARKER_TOKENS, random.SystemRandom())} "
+
+
+async def _idle(seconds: float, stop: asyncio.Event | None) -> bool:
+    """Wait `seconds` (past the route's session TTL); True when `stop` was set first."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return False
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 async def _unless_stopped(

@@ -37,6 +37,19 @@ COUNTERS = {
         "by a new session.",
         ["kind"],
     ),
+    "idle": (
+        "kvwatch_probe_idle_sessions",
+        "Probe sessions idled past the route's session TTL, by what followed (idled: all of them; expired: "
+        "the route said the session was gone; cold: the next round paid a full prefill; new_replica: on "
+        "another replica; repinned: the rounds after stayed with it).",
+        ["outcome"],
+    ),
+    "close_checks": (
+        "kvwatch_probe_close_checks",
+        "Closed probe sessions checked afterwards, by whether the session was gone (false: the close left "
+        "it alive).",
+        ["gone"],
+    ),
     "switches": ("kvwatch_probe_backend_switches", "Backend changes between consecutive rounds.", []),
     "echo": (
         "kvwatch_probe_session_id_echo_sessions",

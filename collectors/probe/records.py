@@ -85,6 +85,10 @@ class SessionResult:
     # (round, kind) each time the route's session was gone before a round (SESSION_LOSS_KINDS) and a new
     # one was opened for it: that round could not reuse what the lost session held.
     session_losses: tuple[tuple[int, str], ...] = ()
+    # (after round, seconds) when the session idled past the route's TTL mid-conversation (lifecycle)
+    idle: tuple[int, float] | None = None
+    # After its close, was the session gone (a second close refused as unknown)? None: not checked
+    close_gone: bool | None = None
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 
 from kvwatch.collectors.probe.blocksize import BlockSize
+from kvwatch.collectors.probe.lifecycle import life_of
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings, api_url
 from kvwatch.core.redaction import redact
@@ -64,6 +65,10 @@ def session_json(session: SessionResult) -> dict:
         "evidence": session.evidence,
         "closed": session.closed,
         "session_losses": [{"round": n, "kind": kind} for n, kind in session.session_losses],
+        "life": None
+        if (life := life_of(session)) is None
+        else {**asdict(life), "as_expected": life.as_expected},
+        "close_gone": session.close_gone,
         "backends": list(session.backends),
         "backend_switches": session.backend_switches,
         "session_id_echoed": session.session_id_echoed,
@@ -153,7 +158,36 @@ def _session_lines(sessions: list[SessionResult]) -> list[str]:
         lines.append(f"Sessions lost and opened anew before a round: {counted} (those rounds count as cold).")
     if closable:
         lines.append(f"Sessions closed at the end: {sum(closable)} of {len(closable)}.")
+    lines += _life_lines(sessions)
     return [""] + lines if lines else []
+
+
+def _life_lines(sessions: list[SessionResult]) -> list[str]:
+    """Each idled session's life after the idle, and the closes checked (collectors.probe.lifecycle)."""
+    lines = []
+    for number, session in enumerate(sessions, start=1):
+        if (life := life_of(session)) is None:
+            continue
+        woken = life.idled_after_round + 1
+        expiry = f"the route said {life.expiry}" if life.expiry else "the route said nothing"
+        cold = {
+            True: "cold (a full prefill)",
+            False: "WARM (the session outlived the idle)",
+            None: "unjudged",
+        }
+        moved = {True: " on another replica", False: " on the same replica", None: ""}[life.new_replica]
+        pinned = {True: "re-pinned", False: "NOT re-pinned", None: "no rounds after"}[life.repinned]
+        verdict = {True: "as expected", False: "NOT as expected", None: "not judged"}[life.as_expected]
+        lines.append(
+            f"Session {number} idled {life.idle_seconds:g} s after round {life.idled_after_round}: {expiry}; "
+            f"round {woken} {cold[life.cold]}{moved}; then {pinned}: {verdict}."
+        )
+    checked = [s.close_gone for s in sessions if s.close_gone is not None]
+    if checked:
+        alive = checked.count(False)
+        left = f"; {alive} left ALIVE by their close" if alive else ""
+        lines.append(f"Closed sessions gone afterwards: {sum(checked)} of {len(checked)}{left}.")
+    return lines
 
 
 def _total(values: Iterable[int | None]) -> str:

@@ -139,6 +139,12 @@ class ProbeSettings:
     # sagemaker: each conversation opens with a marker of its own (conversation.session_marker), so that
     # its reuse is its own history; False sends the system prompt all conversations share, as is.
     marked_sessions: bool = True
+    # The session's whole life (collectors.probe.lifecycle): idle `idle_seconds` after round
+    # `idle_after_round`, past the route's session TTL; and, where the route has a close, check that the
+    # closed session is gone.
+    idle_after_round: int | None = None
+    idle_seconds: float = 0.0
+    check_close: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -162,6 +168,8 @@ class ProbeSettings:
         for name in ("max_tokens", "block_size", "timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.idle_after_round is not None and (self.idle_after_round < 1 or self.idle_seconds <= 0):
+            raise ValueError("idle_after_round must be 1 or more, with a positive idle_seconds")
         # Checked here, not left to the HTTP client, whose error message would quote the key.
         for name in ("api_key", "session_header"):
             value = getattr(self, name)

@@ -1,6 +1,6 @@
 """Session affinity as each gateway or router configures it, one module per system (`nginx`, `envoy`
-for Envoy and Istio, `smg`, `vllm_router`) behind one interface (`Affinity`): the doctor's fixes name
-the setting of the system in front of the replicas, or of every system when it cannot tell which.
+for Envoy and Istio, `smg`, `vllm_router`, `dynamo`) behind one interface (`Affinity`): the doctor's
+fixes name the setting of the system in front of the replicas, or of every system when it cannot tell.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvwatch.core.registry import Registry
-from kvwatch.doctor.affinity import envoy, nginx, smg, vllm_router
+from kvwatch.doctor.affinity import dynamo, envoy, nginx, smg, vllm_router
 from kvwatch.doctor.affinity.base import Affinity
 
-SYSTEMS = Registry("gateway", (module.AFFINITY for module in (nginx, envoy, smg, vllm_router)))
+SYSTEMS = Registry("gateway", (module.AFFINITY for module in (nginx, envoy, smg, vllm_router, dynamo)))
 
 __all__ = ["SYSTEMS", "Affinity", "recognised"]
 

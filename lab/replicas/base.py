@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwatch.lab.process import Process
-from kvwatch.lab.sessions import ENABLE_VARIABLE
+from kvwatch.lab.sessions import ENABLE_VARIABLE, EXPIRATION_VARIABLE
 from kvwatch.lab.state import LabState, ReplicaSpec
 
 # The lab fault that restarts every replica without SAGEMAKER_ENABLE_STATEFUL_SESSIONS.
@@ -40,9 +40,11 @@ def container_environment(state: LabState, replica: ReplicaSpec) -> dict[str, st
     (unless the lab's `disable-sessions` fault is), kept in a directory of its own in the lab's."""
     if state.gateway != "sagemaker" or DISABLE_SESSIONS in state.faults:
         return {}
+    expiration = {} if state.session_ttl_s is None else {EXPIRATION_VARIABLE: f"{state.session_ttl_s:g}"}
     return {
         ENABLE_VARIABLE: "true",
         "SAGEMAKER_SESSIONS_PATH": str(sessions_directory(state, replica)),
+        **expiration,
     }
 
 

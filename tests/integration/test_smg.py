@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import Replica, kvwatch
+from conftest import Replica, http_get, kvwatch
+from kvwatch.collectors.engines import Exposition, detect_flavour
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +64,17 @@ def test_round_robin_moves_sessions_between_the_workers_smg_names(start_smg, rep
         assert session["ok"] and session["sticky"] is False, session
         assert set(session["backends"]) <= workers and len(session["backends"]) == 4
     assert {backend for s in sessions for backend in s["backends"]} == workers
+
+
+def test_the_real_smg_in_front_of_http_workers_exports_no_kv_event_index(start_smg, replicas):
+    """SMG 1.13 exports `smg_kv_event_*` only once it subscribes to its workers' KV events (gRPC workers):
+    in front of HTTP workers, after cache-aware traffic, its exposition has none of them, and kvwatch
+    reads no index health from it rather than a lag of 0. (The series themselves: a hand-written
+    exposition, tests/testdata/routers/smg-1.13-kv-events.prom.)"""
+    router = start_smg("cache_aware", replicas)
+    probe(router.url, seed=3)
+    text = http_get(router.metrics_url, timeout=10).text
+    exposition = Exposition(text)
+    assert exposition.count_prefixed("smg_") > 0 and exposition.count_prefixed("smg_kv_event_") == 0
+    snapshot = detect_flavour(exposition).read(exposition, 0.0)
+    assert (snapshot.flavour, snapshot.index_health, snapshot.session_table) == ("sglang-router", None, None)

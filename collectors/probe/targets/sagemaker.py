@@ -231,10 +231,12 @@ class SageMakerExchange:
         return await self.runtime.call(self._stream_round, number, messages, None, self.session_id, False)
 
     async def close(self) -> SessionClose:
-        closed = None
+        closed, gone = None, None
         if self.session_id is not None:
             closed = await self.runtime.call(self._close)
-        return SessionClose(closed, tuple(self._losses))
+            if closed and self.settings.check_close:
+                gone = await self.runtime.call(self._gone)
+        return SessionClose(closed, tuple(self._losses), gone)
 
     def _params(self, body: bytes, session_id: str | None) -> dict:
         endpoint = self.settings.sagemaker
@@ -280,6 +282,17 @@ class SageMakerExchange:
         except Exception:  # noqa: BLE001 - an unclosed session expires by itself; the result says so
             return False
         return response.get("ClosedSessionId") == self.session_id
+
+    def _gone(self) -> bool | None:
+        """Is the closed session gone? A second CLOSE must be refused as unknown; one that closes it
+        again means the first left it alive. None when the answer says neither."""
+        try:
+            response = self.runtime.client.invoke_endpoint(**self._params(CLOSE_BODY, self.session_id))
+            response["Body"].read(MAX_BODY_BYTES)
+        except Exception as error:  # noqa: BLE001 - only a refusal naming the session says it is gone
+            # The container refuses an unknown session's CLOSE with 424 ("session not found"), not 400.
+            return True if _SESSION_GONE.search(_error_text(error)) else None
+        return False if response.get("ClosedSessionId") == self.session_id else None
 
     def _stream_round(
         self,

@@ -18,6 +18,7 @@ import httpx
 
 from kvwatch.core.connections import request_sync
 from kvwatch.lab.gateways.base import Gateway, await_serving, generation, listener_generations
+from kvwatch.lab.gateways.sagemaker.index import STALL_INDEX
 from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_PREFIX_LENGTH
 from kvwatch.lab.process import LabError, Process, is_ours
 from kvwatch.lab.state import LabState, ReplicaSpec
@@ -29,7 +30,7 @@ VARIANT = "AllTraffic"
 LAB_REGION = "us-east-1"  # any region name: the front answers for every one, and the SigV4 is not verified
 # kvwatch serve's AWS credentials in the lab: the front requires a signature but checks none of it.
 LAB_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "AKIDKVWATCHLAB", "AWS_SECRET_ACCESS_KEY": "kvwatch-lab-not-a-secret"}
-FRONT_FAULTS = (IGNORE_SESSIONS,)
+FRONT_FAULTS = (IGNORE_SESSIONS, STALL_INDEX)
 LOAD_PATH = "/-/lab-load"  # the front's requests in flight per instance
 RELOAD_TIMEOUT_S = 10.0
 # Real vLLM on a CPU core takes seconds for a cold prefill; SageMaker allows a container 60 s.
@@ -53,6 +54,9 @@ def _config(state: LabState, stamp: str, held: Mapping[str, float] | None) -> di
         "concurrency_threshold": state.sagemaker_concurrency_threshold,
         "container_timeout_s": CONTAINER_TIMEOUT_S,
         "held": dict(held or {}),
+        "session_ttl_s": state.session_ttl_s,
+        "max_sessions": state.session_table_size,
+        "admin_port": ports.gateway_admin,
     }
 
 
@@ -138,4 +142,5 @@ GATEWAY = Gateway(
     process=process,
     write_configs=write_configs,
     apply=apply,
+    metrics_path="/metrics",  # the front's session table, on the admin port
 )

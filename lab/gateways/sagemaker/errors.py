@@ -89,6 +89,13 @@ def unknown_operation() -> AwsError:
     return AwsError(404, "UnknownOperationException", "Unknown operation")
 
 
+def session_expired(session_id: str) -> AwsError:
+    """The lab's answer for a session its table dropped, idle past the session TTL."""
+    return validation(
+        f"Session {session_id} has expired: it was idle past the session TTL. Start a new session."
+    )
+
+
 def session_gone(session_id: str) -> AwsError:
     """The lab's answer (SageMaker's is not documented) when the instance holding a session is gone."""
     return validation(

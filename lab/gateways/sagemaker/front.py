@@ -33,13 +33,16 @@ from kvwatch.core.errors import Unreachable  # a container not answering: refuse
 from kvwatch.lab import sessions
 from kvwatch.lab.gateways.sagemaker import IGNORE_SESSIONS, LOAD_PATH, errors
 from kvwatch.lab.gateways.sagemaker.eventstream import encode_exception, payload_part
+from kvwatch.lab.gateways.sagemaker.index import IndexHealth
 from kvwatch.lab.gateways.sagemaker.requests import check_signature, forwarded_headers, validated_session
 from kvwatch.lab.gateways.sagemaker.routing import STRATEGIES, Instance, Load
+from kvwatch.lab.gateways.sagemaker.table import SessionTable
 
 log = logging.getLogger("kvwatch.lab.sagemaker")
 
 GENERATION_PATH = "/-/lab-config"
 SESSIONS_PATH = "/-/lab-sessions"
+METRICS_PATH = "/metrics"  # the session table's series (the admin listener's, scraped by the lab)
 VARIANT_HEADER = "x-Amzn-Invoked-Production-Variant"
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 PREFIX_AWARE_ID = "X-Amzn-SageMaker-Prefix-Aware-Id"
@@ -62,6 +65,9 @@ class FrontConfig:
     container_timeout_s: float
     # instance id -> seconds its new requests may wait (while the lab restarts it), at most
     held: dict[str, float] = field(default_factory=dict)
+    session_ttl_s: float | None = None  # idle seconds a session stays pinned (table.SessionTable)
+    max_sessions: int | None = None  # sessions pinned at most; a new one beyond is refused
+    admin_port: int | None = None  # where the session table's metrics are served
 
     @classmethod
     def load(cls, path: Path) -> FrontConfig:
@@ -79,7 +85,9 @@ class Front:
     def __init__(self, config_path: Path):
         self.config_path = config_path
         self.config = FrontConfig.load(config_path)
-        self.pins: dict[str, str] = {}  # session id -> instance id
+        self.table = SessionTable(self.config.session_ttl_s, self.config.max_sessions)
+        self.index = IndexHealth()
+        self.index.follow(self.config.faults)
         self.load = Load()
         self.client: aiohttp.ClientSession | None = None
         self.reloaded = asyncio.Event()  # set, then replaced, at each reload: what held requests await
@@ -90,6 +98,8 @@ class Front:
         except (OSError, ValueError, TypeError, KeyError) as error:
             log.error("kept the old config: %s cannot be used: %r", self.config_path, error)
             return
+        self.table.ttl_s, self.table.capacity = self.config.session_ttl_s, self.config.max_sessions
+        self.index.follow(self.config.faults)
         log.info("config %s loaded", self.config.generation)
         self.reloaded.set()
         self.reloaded = asyncio.Event()
@@ -122,9 +132,9 @@ class Front:
         if IGNORE_SESSIONS in self.config.faults:
             return
         if opened := answer_headers.get(sessions.NEW_SESSION_HEADER):
-            self.pins[opened.split(";", 1)[0].strip()] = instance.id
+            self.table.bind(opened.split(";", 1)[0].strip(), instance.id)
         if closed := answer_headers.get(sessions.CLOSED_SESSION_HEADER):
-            self.pins.pop(closed.strip(), None)
+            self.table.drop(closed.strip(), "close")
 
 
 @dataclass
@@ -185,7 +195,9 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
     """The container's answer head: the pinned instance's for a session, else the first instance of the
     strategy's choice that answers. Raises AwsError (the container's error answer: ModelError)."""
     front = call.front
-    pinned = front.pins.get(call.session_id) if call.session_id else None
+    pinned = front.table.instance_of(call.session_id) if call.session_id else None
+    if pinned is None and call.session_id in front.table.idled:
+        raise errors.session_expired(call.session_id)
     if pinned is not None:
         call.tried = (pinned,)
         try:
@@ -194,9 +206,11 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
                 raise Unreachable(f"instance {pinned} is no longer in the endpoint")
             upstream = await _post(front, call.instance, body, headers)
         except Unreachable:
-            front.pins.pop(call.session_id, None)
+            front.table.drop(call.session_id, "pod_delete")
             raise errors.session_gone(call.session_id) from None
     else:
+        if call.session_id == sessions.NEW_SESSION and not front.table.admits():
+            raise errors.service_unavailable()
         while True:  # choose() raises ServiceUnavailable once every instance was tried
             call.instance = front.choose(call.listener, body, call.request.headers, set(call.tried))
             call.tried += (call.instance.id,)
@@ -209,8 +223,11 @@ async def _send(call: Call, body: bytes, headers: dict[str, str]) -> aiohttp.Cli
         text = (await upstream.read()).decode(errors="replace")
         upstream.release()
         front.load.outstanding[call.instance.id] -= 1
+        if pinned is not None and "session not found" in text:
+            front.table.drop(call.session_id, "error")  # the container no longer knows it
         raise errors.model_error(upstream.status, text, front.config.endpoint, call.region)
     front.learn(call.instance, upstream.headers)
+    front.index.routed()
     return upstream
 
 
@@ -304,7 +321,14 @@ async def generation(request: web.Request) -> web.Response:
 
 async def pins(request: web.Request) -> web.Response:
     """The lab's view of which instance holds each session (loopback only, as the front listens)."""
-    return web.json_response(request.app[FRONT_KEY].pins)
+    return web.json_response(request.app[FRONT_KEY].table.pins())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """The session table's and the index's series (table, index), for the lab's Prometheus."""
+    front = request.app[FRONT_KEY]
+    text = front.table.exposition() + front.index.exposition(i.id for i in front.config.instances)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 async def load(request: web.Request) -> web.Response:
@@ -328,17 +352,30 @@ def make_app(front: Front, listener: str) -> web.Application:
     return app
 
 
+def make_admin_app(front: Front) -> web.Application:
+    """The admin listener: the session table's metrics and pins, no runtime API."""
+    app = web.Application()
+    app[FRONT_KEY] = front
+    app.add_routes([web.get(METRICS_PATH, metrics), web.get(SESSIONS_PATH, pins)])
+    return app
+
+
 async def serve(config_path: Path) -> None:
     """Serve every listener of the config until SIGINT or SIGTERM; SIGHUP re-reads the config."""
     front = Front(config_path)
     front.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     runners = []
-    for name, listener in front.config.listeners.items():
-        runner = web.AppRunner(make_app(front, name), access_log=None)
+    apps = {
+        name: (make_app(front, name), listener["port"]) for name, listener in front.config.listeners.items()
+    }
+    if front.config.admin_port is not None:
+        apps["admin"] = (make_admin_app(front), front.config.admin_port)
+    for name, (app, port) in apps.items():
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", listener["port"]).start()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
-        log.info("listener %s on 127.0.0.1:%d (%s)", name, listener["port"], listener["routing"])
+        log.info("listener %s on 127.0.0.1:%d", name, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

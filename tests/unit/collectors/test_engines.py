@@ -681,3 +681,33 @@ def test_router_requests_per_worker_match_the_replicas_ground_truth(start_replic
     assert record.per_worker == received
     assert sorted(received.values()) == [2, 2, 3]  # round robin: 7 requests over 3 workers
     assert record.policy_decisions == {"round_robin": requests}
+
+
+def test_llm_d_epp_session_table_bindings_invalidations_by_reason_and_rejections():
+    record = normalise(router("llm-d-epp-0.10-sessions.prom"))
+    assert record.flavour == "llm-d-epp"
+    table = record.session_table
+    assert (table.bindings, table.bind_rejections) == (40, 3)
+    assert table.invalidations == {"idle": 12, "close": 6, "pod_delete": 5, "error": 2}
+
+
+def test_a_windowed_session_table_keeps_bindings_and_counts_increases():
+    before = router("llm-d-epp-0.10-sessions.prom")
+    later = (ROUTERS / "llm-d-epp-0.10-sessions.prom").read_text()
+    later = later.replace('{reason="error"} 2', '{reason="error"} 9').replace("bindings 40", "bindings 31")
+    table = normalise(read(later, scraped_at=30.0), before).session_table
+    assert (table.bindings, table.bind_rejections) == (31, 0)
+    assert table.invalidations == {"idle": 0, "close": 0, "pod_delete": 0, "error": 7}
+
+
+def test_routers_without_a_session_table_or_an_index_report_none():
+    for name in ("llm-d-epp-0.10.prom", "smg-1.13.prom", "dynamo-frontend.prom"):
+        record = normalise(router(name))
+        assert (record.session_table, record.index_health) == (None, None), name
+
+
+def test_smg_kv_event_index_health_is_its_worst_lag_with_gaps_resyncs_and_degraded_ranks():
+    record = normalise(router("smg-1.13-kv-events.prom"))
+    health = record.index_health
+    assert record.flavour == "sglang-router"
+    assert (health.lag_seconds, health.gaps, health.resyncs, health.degraded_ranks) == (2.5, 3, 1, 1)

@@ -24,6 +24,7 @@ from loopback import QuietHandler, loopback_http
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.probe.conversation import run_conversation
+from kvwatch.collectors.probe.lifecycle import life_of
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.collectors.probe.report import HINTS, format_report, session_json
 from kvwatch.collectors.probe.session import ProbeSettings, with_block_size
@@ -676,6 +677,69 @@ def test_the_report_names_the_endpoint_the_evidence_and_the_sessions_lost_and_cl
         "reuse",
         True,
         [{"round": 2, "kind": "expired"}],
+    )
+
+
+def test_an_idle_past_the_ttl_reports_the_expiry_the_cold_round_and_the_re_pin(monkeypatch):
+    """Idled after round 1: the endpoint refuses the expired session, round 2 runs in a new one and pays
+    a full prefill, round 3 reuses round 2's history: the article's expectation holds."""
+    slept = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr("kvwatch.collectors.probe.conversation.asyncio.sleep", sleep)
+    scripted = Scripted(*expiring_after_round_1(round_events(600, 0), round_events(900, 512)))
+    session = converse(scripted, block_size=128, idle_after_round=1, idle_seconds=7)
+    life = life_of(session)
+    assert slept == [7] and session.idle == (1, 7)
+    assert (life.expiry, life.cold, life.new_replica, life.repinned, life.as_expected) == (
+        "expired",
+        True,
+        None,
+        True,
+        True,
+    )
+    report = format_report(settings(), [session], BlockSize(128, "--block-size"))
+    assert report.splitlines()[-1] == (
+        "Session 1 idled 7 s after round 1: the route said expired; round 2 cold (a full prefill); "
+        "then re-pinned: as expected."
+    )
+    assert session_json(session)["life"]["as_expected"] is True
+
+
+def test_a_session_that_outlives_its_idle_is_warm_and_not_as_the_article_expects():
+    rounds = [round_events(300, 0), round_events(600, 256), round_events(900, 512)]
+    scripted = Scripted(opened("s-1"), *(streamed(r) for r in rounds), closed("s-1"))
+    life = life_of(converse(scripted, block_size=128, idle_after_round=1, idle_seconds=0.01))
+    assert (life.expiry, life.cold, life.repinned, life.as_expected) == (None, False, True, False)
+
+
+def not_found_on_close():
+    return refused(
+        424,
+        "ModelError",
+        "Received client error (424) from primary",
+        OriginalStatusCode=424,
+        OriginalMessage='{"detail": "Failed to close session: session not found: s-1"}',
+    )
+
+
+@pytest.mark.parametrize(
+    "second_close, gone",
+    [(not_found_on_close(), True), (closed("s-1"), False)],
+    ids=["gone", "left-alive"],
+)
+def test_a_checked_close_says_whether_the_session_is_gone(second_close, gone):
+    scripted = Scripted(opened("s-1"), streamed(round_events(300, 0)), closed("s-1"), second_close)
+    session = converse(scripted, Conversation("s", ("one",)), check_close=True)
+    assert (session.closed, session.close_gone) == (True, gone)
+    assert [sent for _, sent in scripted.session_ids()][-2:] == ["s-1", "s-1"]
+    line = format_report(settings(), [session], BlockSize(128, "--block-size")).splitlines()[-1]
+    assert line == (
+        "Closed sessions gone afterwards: 1 of 1."
+        if gone
+        else "Closed sessions gone afterwards: 0 of 1; 1 left ALIVE by their close."
     )
 
 

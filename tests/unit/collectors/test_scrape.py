@@ -48,8 +48,13 @@ JSON_KEYS = [
     "policy_decisions",
     "router_cache_predictions",
     "predicted_hit_ratio",
+    "available_share",
+    "routed_share",
+    "delivered_share",
     "sticky_outcomes",
     "routing_key_sources",
+    "session_table",
+    "index_health",
     "counter_reset",
     "error",
 ]
@@ -194,6 +199,22 @@ def test_a_router_that_exports_the_legs_prints_its_reuse_decomposition():
     assert legs == (0.8, 0.6, 0.4)
     text = kvwatch("scrape", path, timeout=30).stdout
     assert "reuse of the prompt  80.0% -> 60.0% -> 40.0%  (available -> routed -> delivered)" in text
+
+
+def test_a_routers_session_table_and_kv_event_index_are_printed_and_in_the_json():
+    sessions = str(TESTDATA / "routers" / "llm-d-epp-0.10-sessions.prom")
+    index = str(TESTDATA / "routers" / "smg-1.13-kv-events.prom")
+    result = kvwatch("scrape", sessions, index, "--json", timeout=30)
+    assert result.returncode == 0, result.stderr
+    table, health = (
+        record[key]
+        for record, key in zip(json.loads(result.stdout), ("session_table", "index_health"), strict=True)
+    )
+    assert (table["bindings"], table["bind_rejections"], table["invalidations"]["pod_delete"]) == (40, 3, 5)
+    assert (health["lag_seconds"], health["gaps"], health["degraded_ranks"]) == (2.5, 3, 1)
+    text = kvwatch("scrape", sessions, index, timeout=30).stdout
+    assert "bindings dropped     close 6, error 2, idle 12, pod_delete 5" in text
+    assert "KV-event index lag   2.5 s  (its worst worker)" in text
 
 
 def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):

@@ -39,8 +39,8 @@ TESTDATA = REPO / "tests" / "testdata" / "config"
 EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
-    "backend, echoed, evidence, expect_sticky, failover, instance, job, kind, label, le, listener, log, "
-    "outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
+    "backend, echoed, evidence, expect_sticky, failover, gone, instance, job, kind, label, le, listener, "
+    "log, outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
@@ -271,8 +271,9 @@ INVALID = [
     (
         "unknown-key-target",
         'targets[0].modle: unknown key; did you mean "model"? known: api_key_env, api_key_file, backend, '
-        "base_url, block_size, expect_sticky, interval_seconds, kind, model, name, rounds, route_mode, "
-        "router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, workload",
+        "base_url, block_size, expect_sticky, interval_seconds, kind, lifecycle, model, name, rounds, "
+        "route_mode, router, sagemaker, schedule, session, sessions_per_run, timeout_seconds, timezone, "
+        "workload",
     ),
     (
         "unknown-key-exporter",
@@ -402,6 +403,7 @@ def test_minimal_file_takes_every_default():
         "block_size": None,  # learned from the engines
         "kind": "openai",  # an OpenAI-compatible route over HTTP
         "sagemaker": None,  # only for kind sagemaker
+        "lifecycle": {"idle_after_round": None, "idle_seconds": 0.0, "check_close": False},  # no idle
     }
     assert config.gateway_logs == ()
     assert config.exporter.listen == "127.0.0.1:9464"
@@ -802,3 +804,27 @@ def test_readme_documents_every_key():
     section = readme_configuration_section()
     keys = [*leaf_keys(Config), *leaf_keys(Target, "targets[]."), *leaf_keys(GatewayLog, "gateway_logs[].")]
     assert [key for key in keys if f"`{key}`" not in section] == []
+
+
+@pytest.mark.parametrize(
+    "lifecycle, message",
+    [
+        (
+            "{idle_after_round: 6}",
+            "targets[0].lifecycle.idle_seconds: must be positive when idle_after_round is set",
+        ),
+        (
+            "{idle_after_round: 6, idle_seconds: 30}",
+            "targets[0].lifecycle: idle_after_round must be below rounds",
+        ),
+    ],
+)
+def test_a_lifecycle_that_cannot_run_is_refused_naming_the_key(tmp_path, lifecycle, message):
+    path = tmp_path / "kvwatch.yaml"
+    path.write_text(
+        "targets:\n  - name: chat\n    base_url: http://127.0.0.1:8000\n    model: m\n    rounds: 6\n"
+        f"    lifecycle: {lifecycle}\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert message in str(error.value)

@@ -46,6 +46,8 @@ SMG_KEY = "`--routing-key-headers x-session-id` (default x-smg-routing-key)"
             "hash_on",
             "vllm-router: `--policy consistent_hash` (or `sticky_least_loaded`), keyed by X-Session-ID",
         ),
+        ("dynamo", "forward", "Dynamo: it keeps sessions by X-Dynamo-Session-ID (or a coding agent's own"),
+        ("dynamo", "hash_on", "Dynamo: start the frontend with `--router-session-affinity-ttl-secs N`"),
     ],
 )
 def test_each_fix_names_the_setting_of_its_own_system(system, setting, expected):
@@ -87,5 +89,5 @@ def test_a_responses_headers_name_the_system_that_answered_when_only_one_left_it
 
 
 def test_the_registry_holds_one_system_per_module():
-    assert list(SYSTEMS) == ["nginx", "envoy", "smg", "vllm-router"]
+    assert list(SYSTEMS) == ["nginx", "envoy", "smg", "vllm-router", "dynamo"]
     assert all(isinstance(system, affinity.Affinity) for system in SYSTEMS.values())

@@ -341,6 +341,23 @@ def test_the_hash_key_fix_names_the_setting_of_the_system_in_front(marks, gatewa
     assert not any(text in found.fix for text in unnamed), found.fix
 
 
+@pytest.mark.parametrize("spread", [True, False], ids=["affinity-off", "affinity-on"])
+def test_dynamos_session_header_without_its_affinity_ttl_is_named_with_the_flag(spread):
+    """Dynamo echoes no session header; sessions carrying X-Dynamo-Session-ID that still change worker
+    mean its frontend runs without --router-session-affinity-ttl-secs. Kept on one worker: no finding."""
+    settings = {"session_header": "X-Dynamo-Session-ID", "timeout_seconds": 5}
+    diagnosis = against(route({}, session_id=lambda sent: None, spread=spread), **settings)
+    propagation, found = check(diagnosis, "session id propagation"), check(diagnosis, "hash key")
+    if not spread:  # sticky without an echo: the id probably arrives
+        assert (propagation.status, found.status) == ("warn", "pass"), found
+        assert "dynamo_session_affinity_off" not in diagnosis.causes
+        return
+    assert propagation.status == "skipped" and "Dynamo returns no X-Dynamo-Session-ID" in propagation.evidence
+    assert (found.status, diagnosis.causes) == ("fail", ["dynamo_session_affinity_off"]), found
+    assert "3 of 3 sessions changed backend" in found.evidence and "session affinity is off" in found.evidence
+    assert found.fix.startswith("start the frontend with `--router-session-affinity-ttl-secs N`")
+
+
 def test_a_replaced_session_id_is_fixed_where_envoy_drops_headers():
     diagnosis = against(route({"Server": "envoy"}, session_id=lambda sent: "made-by-the-gateway"))
     found = check(diagnosis, "session id propagation")

@@ -377,6 +377,33 @@ def test_without_a_cluster_the_series_carry_no_cluster_label(tmp_path):
     assert samples and [s for s in samples if "cluster" in s.labels] == []
 
 
+def test_an_idled_session_exports_what_followed_its_idle_and_a_checked_close(exporter):
+    """Idled after round 1: round 2 on another replica cached nothing (cold), round 3 stayed there."""
+    results, registry = exporter
+    rounds = (
+        round_result(1),
+        round_result(2, backend="r2", cached_tokens=0),
+        round_result(3, backend="r2"),
+    )
+    idled = SessionResult(
+        "lab-affinity",
+        "affinity",
+        "s-1",
+        1000.0,
+        1010.0,
+        rounds,
+        closed=True,
+        idle=(1, 30.0),
+        close_gone=False,
+    )
+    results.add_run(("lab-affinity", "affinity"), [idled, session(*rounds)], 1000, 1010)
+    outcomes = {"idled": 1, "expired": 0, "cold": 1, "new_replica": 1, "repinned": 1}
+    for outcome, count in outcomes.items():
+        assert value(registry, "kvwatch_probe_idle_sessions_total", outcome=outcome) == count, outcome
+    assert value(registry, "kvwatch_probe_close_checks_total", gone="false") == 1
+    assert value(registry, "kvwatch_probe_close_checks_total", gone="true") == 0
+
+
 def test_sessions_judged_by_reuse_export_their_evidence_warm_reuse_and_session_losses(exporter):
     """A SageMaker route names no replica: its sessions are judged by reuse, its last run's warm reuse is
     exported with that evidence, and sessions found gone are counted by kind."""

@@ -258,6 +258,29 @@ INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS = (
 )
 
 
+# kvwatch's own share: its probes are traffic the engines count too. Every probe request's tokens as the
+# engine counted them (its usage, failed rounds included, kvwatch_probe_engine_*_tokens_total), per route
+# and over the cluster's engines; and the engines' delivered ratio without them, real traffic's alone. The
+# engines' counters carry no route, so real traffic's ratio is per cluster (a route with engines of its
+# own gets a cluster of its own).
+PROBE_ENGINE_PROMPT_TOKENS = "kvwatch_probe_engine_prompt_tokens_total"
+PROBE_ENGINE_CACHED_TOKENS = "kvwatch_probe_engine_cached_tokens_total"
+ROUTE_PROBE_PROMPT_TOKENS = f"route:kvwatch_probe_engine_prompt_tokens:rate{WINDOW}"
+ROUTE_PROBE_CACHED_TOKENS = f"route:kvwatch_probe_engine_cached_tokens:rate{WINDOW}"
+ROUTE_PROBE_SHARE = f"route:kvwatch_probe_prompt_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_PROBE_SHARE = f"cluster:kvwatch_probe_prompt_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_REAL_HIT_RATIO = (
+    f"cluster:kvwatch_real_cached_prompt_tokens_per_real_prompt_tokens:ratio_rate{WINDOW}"
+)
+
+
+def cluster_engine_tokens(by: Grouping) -> tuple[str, str]:
+    """The cluster's prompt and cached prompt token rates as its delivered ratio sums them (instances
+    with both)."""
+    cluster, hits, total = by.keeping(), DELIVERED.instance_hits, DELIVERED.instance_total
+    return f"sum by ({cluster}) ({total} and {hits})", f"sum by ({cluster}) ({hits})"
+
+
 def watched_routes(by: Grouping) -> str:
     """Routes whose sessions must stay on one replica (the config's expect_sticky, exported by kvwatch
     serve): the affinity alerts watch only these."""

@@ -17,6 +17,8 @@ from kvwatch.prometheus.queries import (
     CACHED_BY_SOURCE,
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
+    CLUSTER_PROBE_SHARE,
+    CLUSTER_REAL_HIT_RATIO,
     DELIVERED,
     ENGINE_CACHE_SERIES,
     ENGINE_TTFT,
@@ -38,13 +40,19 @@ from kvwatch.prometheus.queries import (
     LOCAL,
     MOVED_WINDOW,
     PREFIX_MATCH_DECISIONS,
+    PROBE_ENGINE_CACHED_TOKENS,
+    PROBE_ENGINE_PROMPT_TOKENS,
     QUANTILES,
+    ROUTE_PROBE_CACHED_TOKENS,
+    ROUTE_PROBE_PROMPT_TOKENS,
+    ROUTE_PROBE_SHARE,
     ROUTER_PREDICTED_HIT_RATIOS,
     SMG_BRANCHES,
     TTFT_BUCKETS,
     WINDOW,
     Grouping,
     TokenRatio,
+    cluster_engine_tokens,
     first_of,
 )
 
@@ -232,8 +240,35 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
 
 
 ROUTER_RULES = router_rules(Grouping())
+
+
+def probe_share_rules(by: Grouping) -> tuple[Rule, ...]:
+    """kvwatch's probes' share of the engines' prompt tokens, per route and per cluster, and the delivered
+    ratio of everything else (real traffic): the engines' cached and prompt tokens less the probes'."""
+    cluster, route = by.keeping(), by.route
+    engine_prompt, engine_cached = cluster_engine_tokens(by)
+    probe_prompt, probe_cached = (
+        f"sum by ({cluster}) ({series})" for series in (ROUTE_PROBE_PROMPT_TOKENS, ROUTE_PROBE_CACHED_TOKENS)
+    )
+    return (
+        Rule(ROUTE_PROBE_PROMPT_TOKENS, f"sum by ({route}) (rate({PROBE_ENGINE_PROMPT_TOKENS}[{WINDOW}]))"),
+        Rule(ROUTE_PROBE_CACHED_TOKENS, f"sum by ({route}) (rate({PROBE_ENGINE_CACHED_TOKENS}[{WINDOW}]))"),
+        Rule(
+            ROUTE_PROBE_SHARE,
+            f"{ROUTE_PROBE_PROMPT_TOKENS}\n  / on({cluster}) group_left() ({engine_prompt} > 0)",
+        ),
+        Rule(CLUSTER_PROBE_SHARE, f"{probe_prompt}\n  / on({cluster}) ({engine_prompt} > 0)"),
+        Rule(
+            CLUSTER_REAL_HIT_RATIO,
+            f"clamp_min({engine_cached}\n  - on({cluster}) {probe_cached}, 0)\n"
+            f"  / on({cluster}) (clamp_min({engine_prompt}\n  - on({cluster}) {probe_prompt}, 0) > 0)",
+        ),
+    )
+
+
+PROBE_SHARE_RULES = probe_share_rules(Grouping())
 # The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
-WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES)
+WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES, *PROBE_SHARE_RULES)
 
 
 # Each rule group kvwatch generates, and the file that holds it: what the generator writes and what the
@@ -242,6 +277,7 @@ RULE_GROUPS = {
     "kvwatch-engines": "prometheus/rules/kvwatch-engines.yml",
     "kvwatch-gateway": "prometheus/rules/kvwatch-gateway.yml",
     "kvwatch-routers": "prometheus/rules/kvwatch-routers.yml",
+    "kvwatch-probe-share": "prometheus/rules/kvwatch-probe-share.yml",
     "kvwatch-alerts": "alerts/kvwatch.rules.yml",
 }
 

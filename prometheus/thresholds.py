@@ -49,6 +49,8 @@ class Thresholds:
     min_router_predictions_per_second: float = 0.1  # traffic guard of the prediction alert
     prediction_miss_for: str = "5m"  # ... held this long
     probe_stale_intervals: float = 3.0
+    probe_share_above: float = 0.5  # kvwatch's probes' share of the cluster's prompt tokens
+    probe_share_for: str = "10m"  # ... held this long
     source_silent_seconds: float = 600.0  # a syslog or OTLP gateway log that received nothing this long
     load_imbalance_above: float = 2.0  # busiest instance over the mean
     load_imbalance_for: str = "15m"  # ... held this long

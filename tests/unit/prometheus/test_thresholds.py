@@ -85,7 +85,7 @@ KNOWN = (
     "load_imbalance_above, "
     "load_imbalance_for, min_prompt_tokens_per_second, min_returning_requests_per_minute, "
     "min_returning_sessions, min_router_predictions_per_second, moved_for, moved_share_above, "
-    "prediction_miss_for, probe_stale_intervals, router_predicted_above, "
+    "prediction_miss_for, probe_share_above, probe_share_for, probe_stale_intervals, router_predicted_above, "
     "source_silent_seconds, spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, "
     "warm_reuse_below, "
     "warm_round_for"

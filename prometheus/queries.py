@@ -469,6 +469,8 @@ REQUESTS_WITHOUT_SESSION_KEY_SHARE = _ratio(
 # Real users' median time to first byte by round per gateway listener, from the access log: the
 # per-round chart for real traffic (the first token where the gateway times the answer's body, Envoy).
 GATEWAY_FIRST_BYTE_BY_ROUND = "max by (log, listener, round) (kvwatch_gateway_first_byte_median_seconds)"
+# Each route's probes' share of its cluster's prompt tokens (kvwatch's own share).
+PROBE_SHARE_BY_ROUTE = f"{ROUTE_PROBE_SHARE}{{{PROBE_SELECTOR}}}"
 PROBE_ERRORS_BY_KIND = _sum_rate("kvwatch_probe_errors_total", PROBE_SELECTOR, "kind")
 PROBE_ROUNDS_BY_BACKEND = _sum_rate("kvwatch_probe_backend_rounds_total", PROBE_SELECTOR, "backend")
 PROBE_LAST_RUN_AGE = (

@@ -15,7 +15,8 @@ vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_
 after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
     tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py
     tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py
-    tests/integration/test_sagemaker_probe.py tests/integration/test_lab_sagemaker.py"
+    tests/integration/test_sagemaker_probe.py tests/integration/test_lab_sagemaker.py
+    tests/integration/test_probe_share_lab.py"
 log=test-artifacts/beside.log
 last_core=$(($(nproc) - 1))
 pin=""

@@ -58,6 +58,8 @@ class Normalised:
     predicted_hit_ratio: float | None = None
     sticky_outcomes: Mapping[str, float] = field(default_factory=dict)
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)
+    router_fallbacks: Mapping[str, float] = field(default_factory=dict)
+    cache_tiers: Mapping[str, float] = field(default_factory=dict)
     counter_reset: bool = False
 
 
@@ -112,6 +114,8 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         predicted_hit_ratio=predicted,
         sticky_outcomes=change.counters("sticky_outcomes", now.sticky_outcomes),
         routing_key_sources=change.counters("routing_key_sources", now.routing_key_sources),
+        router_fallbacks=change.counters("router_fallbacks", now.router_fallbacks),
+        cache_tiers=change.counters("cache_tiers", now.cache_tiers),
         counter_reset=change.reset,
     )
 

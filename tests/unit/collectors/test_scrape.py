@@ -50,6 +50,8 @@ JSON_KEYS = [
     "predicted_hit_ratio",
     "sticky_outcomes",
     "routing_key_sources",
+    "router_fallbacks",
+    "cache_tiers",
     "counter_reset",
     "error",
 ]

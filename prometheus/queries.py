@@ -142,9 +142,17 @@ LMCACHE = TokenRatio(
     ratio="lmcache_hit_tokens_per_requested_tokens",
     hit="lmcache_hit_tokens",
     total="lmcache_requested_tokens",
-    hit_counters=("lmcache:num_hit_tokens_total",),
-    total_counters=("lmcache:num_requested_tokens_total",),
+    # In-process (`lmcache:`), else the multi-process server's own names (OpenTelemetry, `lmcache_mp_`).
+    hit_counters=("lmcache:num_hit_tokens_total", "lmcache_mp_lookup_hit_tokens_total"),
+    total_counters=("lmcache:num_requested_tokens_total", "lmcache_mp_lookup_requested_tokens_total"),
 )
+# LMCache's multi-process server's hits by tier (its PR #4962): L1 in CPU memory, L2 on disk or a remote
+# store. Divide by LMCACHE's requested tokens for each tier's share of what was asked of it.
+LMCACHE_HITS_BY_TIER = (
+    ("lmcache_mp_lookup_hit_l1_tokens_total", "l1"),
+    ("lmcache_mp_lookup_hit_l2_tokens_total", "l2"),
+)
+INSTANCE_LMCACHE_HITS_BY_TIER = f"instance_source:kvwatch_lmcache_hit_tokens:rate{WINDOW}"
 
 # Cached prompt tokens by where their KV came from, as each engine names it: vLLM >= 0.33 device, host,
 # p2p, disk, external_unspecified; vLLM 0.16 - 0.31 local_cache_hit, external_kv_transfer; SGLang
@@ -488,6 +496,11 @@ REAL_SESSIONS_SPREAD = GATEWAY_SPREAD_SHARE  # by log, listener and failover
 CLUSTER_CACHED_SHARE_BY_SOURCE = (
     f"sum by (source) ({INSTANCE_CACHED_BY_SOURCE})\n"
     f"  / on() group_left() (sum({INSTANCE_PROMPT_TOKENS}) > 0)"
+)
+# Each LMCache tier's share of the tokens asked of LMCache, over the cluster.
+CLUSTER_LMCACHE_HIT_SHARE_BY_TIER = (
+    f"sum by (source) ({INSTANCE_LMCACHE_HITS_BY_TIER})\n"
+    f"  / on() group_left() (sum({LMCACHE.instance_total}) > 0)"
 )
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"
 

@@ -28,6 +28,7 @@ from kvwatch.prometheus.queries import (
     GATEWAY_SPREAD_SHARE,
     INSTANCE_CACHE_SERIES,
     INSTANCE_CACHED_BY_SOURCE,
+    INSTANCE_LMCACHE_HITS_BY_TIER,
     INSTANCE_REQUEST_SHARE,
     INSTANCE_REQUESTS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
@@ -37,6 +38,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
     INSTANCE_TTFT,
     LMCACHE,
+    LMCACHE_HITS_BY_TIER,
     LOCAL,
     MOVED_WINDOW,
     PREFIX_MATCH_DECISIONS,
@@ -135,12 +137,21 @@ def _cached_by_source(instance: str) -> str:
     return f"\n  or on({instance}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
 
 
+def _lmcache_tiers(instance: str) -> str:
+    """Each instance's LMCache hit-token rate per tier, as `source`."""
+    return "\n  or ".join(
+        f'sum by ({instance}, source) (label_replace(rate({counter}[{WINDOW}]), "source", "{tier}", "", ""))'
+        for counter, tier in LMCACHE_HITS_BY_TIER
+    )
+
+
 def recording_rules(by: Grouping) -> tuple[Rule, ...]:
     instance, cluster, requests = by.instance, by.keeping(), INSTANCE_REQUESTS
     return (
         *token_ratio_rules(DELIVERED, by),
         *token_ratio_rules(LOCAL, by),
         *token_ratio_rules(LMCACHE, by),
+        Rule(INSTANCE_LMCACHE_HITS_BY_TIER, _lmcache_tiers(instance)),
         Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source(instance)),
         *(
             Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(instance)})", {"quantile": q})

@@ -244,6 +244,20 @@ def cached_by_source(board: Board, cluster: str | None) -> None:
         if not now.empty:
             st.markdown(f"Local lookups found {ui.RATIO.value(float(now.iloc[0]))} of what they looked up.")
             st.caption(f"{LOCAL_HIT_RATIO.help} {LOCAL_HIT_RATIO.says}")
+        lmcache_tiers(board, cluster)
+
+
+def lmcache_tiers(board: Board, cluster: str | None) -> None:
+    """What LMCache's multi-process server found of the tokens asked of it, per tier, where it says."""
+    tiers = data.instant(queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER, board.over, cluster)
+    if tiers.error or tiers.value.empty:
+        return
+    found = ", ".join(
+        f"{ui.RATIO.value(row.value)} in {row.source.upper()}"
+        for row in tiers.value.sort_values("source").itertuples()
+    )
+    st.markdown(f"LMCache found {found} of the tokens asked of it.")
+    st.caption(f"L1: its CPU memory; L2: disk or a remote store; over {queries.WINDOW}.")
 
 
 def cache_reuse(board: Board, cluster: str | None) -> None:

@@ -1,5 +1,6 @@
 """The Overview's kvwatch's own share: the probes' share of the prompt tokens and real traffic's hit ratio,
-beside the cluster's, with KVWatchProbesDominate's verdict (data layer replaced, as test_dashboard's)."""
+beside the cluster's, with KVWatchProbesDominate's verdict; and LMCache's tiers beside the split by source
+(data layer replaced, as test_dashboard's)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,10 @@ def test_without_probe_tokens_counted_neither_tile_is_shown(fake):  # noqa: F811
     shown = metrics(open_page("overview"))
     assert "Cluster hit ratio" in shown
     assert "Real traffic's hit ratio" not in shown and "Probes' share of prompt tokens" not in shown
+
+
+def test_lmcache_tiers_are_said_beside_the_split_by_source(fake):  # noqa: F811
+    assert "LMCache found" not in texts(open_page("overview"))  # no LMCache multi-process server
+    tiers = pd.DataFrame({"source": ["l2", "l1"], "value": [0.125, 0.625]})
+    fake.values[queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER] = tiers
+    assert "LMCache found 62% in L1, 12% in L2 of the tokens asked of it." in texts(open_page("overview"))

@@ -164,6 +164,8 @@ class ProbeResults:
             totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
         for r in session.rounds:
             labels = (*route, str(r.round))
+            if r.pin_outcome is not None:
+                totals["pins", (*route, r.pin_outcome)] += 1
             if not r.ok:
                 totals["errors", (*route, r.error_kind)] += 1
                 continue

@@ -52,6 +52,7 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         route_mode=target.route_mode,
         session_mode=target.session.mode,
         session_header=target.session.header,
+        session_key=target.session.key,
         backend_headers=target.backend.headers,
         backend_json_paths=target.backend.json_paths,
         router=target.router,

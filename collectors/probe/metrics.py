@@ -33,6 +33,12 @@ COUNTERS = {
         "cached tokens in it. Their tokens are in the engines' counters, not in kvwatch's.",
         ["missing"],
     ),
+    "pins": (
+        "kvwatch_probe_pin_outcome_rounds",
+        "Probe rounds by the outcome of the session's pin that the router reported (olla's "
+        "X-Olla-Sticky-Session: hit, miss, repin), beside kvwatch's own stickiness verdict.",
+        ["outcome"],
+    ),
     "ideal": (
         "kvwatch_probe_ideal_cached_tokens",
         "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "

@@ -51,6 +51,7 @@ from kvwatch.grafana.panels import (
     request_share_by_instance,
     rounds_barchart,
     router_share_timeseries,
+    share_timeseries,
     stat,
     state_timeline,
     target,
@@ -256,7 +257,7 @@ def own_share_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
     """kvwatch's own probes' share of the engines' prompt tokens, and the hit ratio without them."""
     layout.row("kvwatch's own share")
     layout.add(
-        timeseries(
+        share_timeseries(
             "Real traffic's hit ratio and the probes' share",
             "kvwatch's probes are traffic the engines count too: every probe request's prompt and cached "
             "tokens as the engine counted them (its usage, failed rounds included). Their share of the "
@@ -271,8 +272,6 @@ def own_share_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
                 target(queries.CLUSTER_PROBE_SHARE, "probes' share of prompt tokens"),
                 target(queries.PROBE_SHARE_BY_ROUTE, "probes' share through {{target}}"),
             ],
-            unit="percentunit",
-            max_value=1,
             no_value=NO_PROBE_DATA,
             alert=PROBES_DOMINATE.alert.name,
         ),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import replace
 
 import pytest
 from aiohttp import web
 from loopback import chat_answer, serving
 from prometheus_client import CollectorRegistry
+from test_store import session
 
 from kvwatch.cli import options
 from kvwatch.collectors import sessionkeys
@@ -19,6 +21,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import load_config
+from kvwatch.doctor.route import Route, hash_key
 from kvwatch.onboarding.survey import Request
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
 from kvwatch.serve.scheduler import probe_settings
@@ -126,3 +129,15 @@ def test_the_commands_take_a_session_key_and_refuse_an_unknown_one(capsys):
 def test_kvwatch_init_takes_a_routers_header_from_its_session_key():
     assert Request("http://127.0.0.1:9", gateway="smg").session_header == "X-SMG-Routing-Key"
     assert Request("http://127.0.0.1:9", gateway="nginx").session_header == "X-Session-Id"
+
+
+def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_rounds_landed():
+    probe = ProbeSettings("http://127.0.0.1:9", "m")
+    plain = session()  # three rounds on r1, nothing reported
+    pinned = replace(plain, rounds=tuple(
+        replace(r, pin_outcome=o) for r, o in zip(plain.rounds, ("miss", "hit", "hit"), strict=True)
+    ))  # fmt: skip
+    said = asyncio.run(hash_key(Route(None, None, probe, None, sessions=[pinned, plain])))
+    assert said.status == "pass"
+    assert said.evidence.endswith("r1 x3; r1 x3 (the router reported its pins: hit 2, miss 1)")
+    assert "reported" not in asyncio.run(hash_key(Route(None, None, probe, None, sessions=[plain]))).evidence

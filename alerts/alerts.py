@@ -20,6 +20,8 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
     INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     INSTANCE_ROUTER_PREDICTIONS,
+    INSTANCE_ROUTER_REUSE_LOSS,
+    INSTANCE_ROUTER_REUSE_TOKENS,
     Grouping,
     first_of,
     gateway_moved,
@@ -83,6 +85,7 @@ def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         *_probe_alerts(t, by),
         *_probe_share_alerts(t, by),
         *_load_alerts(t, by),
+        *_reuse_alerts(t, by),
     )
     return tuple(dataclasses.replace(alert, cluster=by.cluster) for alert in judged)
 
@@ -386,6 +389,44 @@ def _load_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "none",
             "The kvwatch alerting pipeline is alive.",
             "Always firing: if it stops arriving, Prometheus, Alertmanager or the route to you is broken.",
+        ),
+    )
+
+
+def _reuse_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Where a router's reuse is lost: to its choice of replica, or between its prediction and the engine.
+    A workload with nothing to reuse is no fault of the cluster's: its loss is shown, not alerted on."""
+    instance = by.instance
+
+    def lost(loss: str, above: float) -> str:
+        return (
+            f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="{loss}"}} > {above}\n'
+            f'and on({instance}) {INSTANCE_ROUTER_REUSE_TOKENS}{{leg="prompt"}}'
+            f" > {t.min_router_prompt_tokens_per_second:g}"
+        )
+
+    return (
+        Alert(
+            "KVWatchReuseLostToRouting",
+            lost("routing", t.routing_loss_above),
+            "warning",
+            "A router sends requests away from the replica that holds their prefix.",
+            "{{ $labels.instance }} ({{ $labels.job }}) chose replicas holding "
+            "{{ $value | humanizePercentage }} of the prompt tokens less than the best replica held at "
+            "decision time: sessions are spread, or load outweighs cache in its scoring.",
+            for_=t.reuse_loss_for,
+            labels={"loss": "routing"},
+        ),
+        Alert(
+            "KVWatchReuseLostInEngine",
+            lost("engine", t.engine_loss_above),
+            "warning",
+            "Engines do not reuse the prefixes their router predicted cached.",
+            "{{ $labels.instance }} ({{ $labels.job }}) predicted cached {{ $value | humanizePercentage }} "
+            "of the prompt tokens more than the engines reused: prefix caching is off, the cache evicts "
+            "too early, or the router's index has drifted from the engines' caches.",
+            for_=t.reuse_loss_for,
+            labels={"loss": "engine"},
         ),
     )
 

@@ -17,6 +17,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE,
     INSTANCE_HIT_RATIO,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_REUSE_LOSS,
     LISTENER,
     ROUTE,
     STICKY_RATIO,
@@ -79,6 +80,12 @@ ROUTER_PREDICTION_MISS = Verdict(
     _alert("KVWatchRouterPredictionMiss"), INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, INSTANCE
 )
 PROBES_DOMINATE = Verdict(_alert("KVWatchProbesDominate"), CLUSTER_PROBE_SHARE, "")
+ROUTING_LOSS = Verdict(
+    _alert("KVWatchReuseLostToRouting"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="routing"}}', INSTANCE
+)
+ENGINE_LOSS = Verdict(
+    _alert("KVWatchReuseLostInEngine"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="engine"}}', INSTANCE
+)
 VERDICTS = (
     ROUTE_STICKY,
     ROUTE_REUSE,
@@ -89,6 +96,8 @@ VERDICTS = (
     LOAD_IMBALANCE,
     ROUTER_PREDICTION_MISS,
     PROBES_DOMINATE,
+    ROUTING_LOSS,
+    ENGINE_LOSS,
 )
 
 

@@ -10,12 +10,11 @@ deterministic: uids hash the file name, panel ids count up in layout order.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
-from kvwatch.alerts.alerts import alerts
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
+    ENGINE_LOSS,
     INSTANCE_HIT_RATIO_DROP,
     LISTENER_SPREAD,
     LOAD_IMBALANCE,
@@ -24,7 +23,7 @@ from kvwatch.alerts.verdicts import (
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     ROUTER_PREDICTION_MISS,
-    Verdict,
+    ROUTING_LOSS,
 )
 from kvwatch.grafana.panels import (
     DRILLDOWN,
@@ -58,8 +57,8 @@ from kvwatch.grafana.panels import (
     timeseries,
     verdict_stat,
 )
+from kvwatch.grafana.routers import judged_by, reuse_decomposition_row
 from kvwatch.prometheus import queries
-from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 VERDICT_PANELS = (
@@ -79,17 +78,13 @@ VERDICT_PANELS = (
      "cluster"),
     ("Router predictions", "Whether the engines deliver the prefix reuse each router predicts",
      ROUTER_PREDICTION_MISS, "{{job}} / {{instance}}"),
+    ("Routing loss", "Whether each router sends requests where their prefix is held", ROUTING_LOSS,
+     "{{job}} / {{instance}}"),
+    ("Engine loss", "Whether the engines reuse what each router predicted cached", ENGINE_LOSS,
+     "{{job}} / {{instance}}"),
     ("Probes' share", "Whether kvwatch's own probes are most of the cluster's prompt tokens",
      PROBES_DOMINATE, "cluster"),
 )  # fmt: skip
-
-
-def judged_by(verdict: Verdict, t: Thresholds) -> Verdict:
-    """The verdict with its alert as `t` sets it: the `for` its panel describes is the rule's."""
-    (alert,) = (
-        a for a in alerts(t, Grouping()) if (a.name, a.labels) == (verdict.alert.name, verdict.alert.labels)
-    )
-    return dataclasses.replace(verdict, alert=alert)
 
 
 def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
@@ -491,6 +486,7 @@ def overview(t: Thresholds = THRESHOLDS) -> JSON:
     _pinning_row(layout, t)
     _session_keys_row(layout)
     router_row(layout, t)
+    reuse_decomposition_row(layout, t)
     _load_row(layout, t)
     _engine_ttft_row(layout)
     return dashboard(

@@ -296,6 +296,11 @@ def state_timeline(title: str, description: str, targets: list[JSON], **options:
 # Panels on both boards.
 
 
+def with_cluster(by_instance: str, cluster: str) -> list[JSON]:
+    """A ratio's series per instance, and the cluster's beside them for reference."""
+    return [target(by_instance, "{{instance}}"), target(cluster, "cluster")]
+
+
 def hit_ratio_by_instance() -> JSON:
     return instance_share_timeseries(
         "Hit ratio per instance (cached / prompt tokens)",
@@ -306,7 +311,7 @@ def hit_ratio_by_instance() -> JSON:
         "Good: instances close to each other and steady. Bad: all falling together (sessions no longer "
         "reach the replica holding their history, or a timestamp leads the prompt), or one instance far "
         "below the rest (prefix caching off there, or just restarted)." + FIXED_WINDOW,
-        [target(queries.HIT_RATIO_BY_INSTANCE, "{{instance}}"), target(queries.CLUSTER_HIT_RATIO, "cluster")],
+        with_cluster(queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO),
         alert="KVWatchPrefixCacheHitRateDrop",
     )
 
@@ -319,10 +324,7 @@ def local_hit_ratio_by_instance() -> JSON:
         "ratio instead of counting as 0 %; KV from host, disk or another instance is not in it.\n\n"
         "Good: close to the hit ratio. Bad: far above it (reuse comes from elsewhere, or a replica "
         "with caching off dropped out), or falling with it." + FIXED_WINDOW,
-        [
-            target(queries.LOCAL_HIT_RATIO_BY_INSTANCE, "{{instance}}"),
-            target(queries.CLUSTER_LOCAL_HIT_RATIO, "cluster"),
-        ],
+        with_cluster(queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO),
     )
 
 

@@ -52,14 +52,23 @@ class PrefixCache:
 
     def match(self, prompt: Sequence[int]) -> int:
         """Number of prompt tokens served from the cache; touches the matched blocks."""
+        matched = self._matched(prompt)
+        self._touch(matched)
+        return len(matched) * self.block_size
+
+    def held(self, prompt: Sequence[int]) -> int:
+        """Number of prompt tokens the cache would serve now, without touching anything: what a router
+        with a perfect view of this replica would predict."""
+        return len(self._matched(prompt)) * self.block_size
+
+    def _matched(self, prompt: Sequence[int]) -> list[bytes]:
         max_hit_blocks = max(len(prompt) - 1, 0) // self.block_size
         matched: list[bytes] = []
         for block_hash in block_hashes(prompt[: max_hit_blocks * self.block_size], self.block_size):
             if block_hash not in self._blocks:
                 break
             matched.append(block_hash)
-        self._touch(matched)
-        return len(matched) * self.block_size
+        return matched
 
     def insert(self, tokens: Sequence[int]) -> None:
         """Cache every full block of `tokens`, evicting the least recently used beyond capacity."""

@@ -462,6 +462,20 @@ async def lab_expire_sessions(request: web.Request) -> web.Response:
     return web.json_response({"expired": table.expire_all()})
 
 
+async def lab_held(request: web.Request) -> web.Response:
+    """Ground truth at a router's decision time: how many tokens of a prompt (`{"tokens": [...]}`) this
+    replica's prefix cache would serve now; 0 with prefix caching off, as the engine then serves none."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        tokens = json.loads(await request.read())["tokens"]
+        if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
+            raise ValueError("'tokens' must be a list of token ids")
+    except (ValueError, KeyError, TypeError) as error:
+        return web.json_response({"error": f"send {{'tokens': [ids]}}: {error}"}, status=400)
+    held = engine.cache.held(tokens) if engine.faults.prefix_caching else 0
+    return web.json_response({"held_tokens": held})
+
+
 async def lab_ground_truth(request: web.Request) -> web.Response:
     return web.json_response({"records": list(request.app[ENGINE_KEY].ground_truth)})
 
@@ -485,6 +499,7 @@ def make_app(engine: Engine) -> web.Application:
             web.post("/lab/reset-cache", lab_reset_cache),
             web.post("/lab/expire-sessions", lab_expire_sessions),
             web.get("/lab/ground-truth", lab_ground_truth),
+            web.post("/lab/held", lab_held),
         ]
     )
     return app
@@ -492,6 +507,15 @@ def make_app(engine: Engine) -> web.Application:
 
 class PortInUse(KVWatchError, RuntimeError):
     pass
+
+
+async def until_signalled() -> None:
+    """Return on SIGINT or SIGTERM: a lab process serves until then."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
 
 
 async def serve(settings: ReplicaSettings, port: int) -> None:
@@ -508,11 +532,8 @@ async def serve(settings: ReplicaSettings, port: int) -> None:
         reason = "the port is already in use" if error.errno == errno.EADDRINUSE else error.strerror
         raise PortInUse(f"cannot listen on 127.0.0.1:{port}: {reason}") from error
     log.info("replica %s (%s) listening on http://127.0.0.1:%d", settings.replica_id, settings.flavour, port)
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         server.close()  # stop listening first, then finish what is in flight, as a TCPSite does
         await runner.cleanup()

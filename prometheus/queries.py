@@ -234,6 +234,53 @@ INSTANCE_ROUTER_DELIVERED_PER_PREDICTED = (
 )
 
 
+@dataclass(frozen=True)
+class ReuseLegs:
+    """One router flavour's token-weighted legs of the reuse decomposition, as counters (or sums of
+    histograms of token counts) of the tokens each leg covers."""
+
+    prompt: str  # prompt tokens the router routed
+    available: str  # the most any candidate replica held of each prompt when the router chose
+    routed: str  # what the chosen replica held, as the router predicted
+    delivered: str  # what the engines reused (cached tokens of the answers' usage) ...
+    delivered_of: str  # ... out of these prompt tokens: the ratio is applied to `prompt`
+
+
+# The reuse decomposition: of the prompt tokens a router routed, the share the best replica held when it
+# chose (available), the share the chosen replica held as the router predicted (routed), and the share the
+# engines reused (delivered). Each step down is a named loss: workload (nothing held anywhere), routing
+# (the router chose a replica holding less than the best), engine / index (the router predicted reuse the
+# engine did not deliver: caching off, evicted, a stale index). Token-weighted only: the routers' means of
+# per-request ratios stay with KVWatchRouterPredictionMiss, whose series says it is a mean.
+REUSE_LEGS = (
+    ReuseLegs(  # llm-d's EPP: prefix-plugin histograms (llm-d-router PR #2897) and the engines' usage
+        prompt="llm_d_epp_prefix_prompt_tokens_sum",
+        available="llm_d_epp_prefix_best_available_cached_tokens_sum",
+        routed="llm_d_epp_prefix_predicted_cached_tokens_sum",
+        delivered="llm_d_epp_request_cached_tokens_sum",
+        delivered_of="llm_d_epp_request_input_tokens_sum",
+    ),
+    ReuseLegs(  # Dynamo's KV router: its cache-reuse funnel F0, F2, F3, F4 (dynamo PR #14103)
+        prompt="dynamo_component_router_input_sequence_tokens_sum",
+        available="dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total",
+        routed="dynamo_component_router_kv_selected_cached_prefix_tokens_total",
+        delivered="dynamo_component_router_kv_worker_reused_tokens_total",
+        delivered_of="dynamo_component_router_input_sequence_tokens_sum",
+    ),
+)
+REUSE_LEG_NAMES = ("available", "routed", "delivered")  # the shares of the prompt, in order
+REUSE_LOSSES = {  # each loss: the leg above it minus the leg below it (the prompt above "available")
+    "workload": (None, "available"),
+    "routing": ("available", "routed"),
+    "engine": ("routed", "delivered"),
+}
+INSTANCE_ROUTER_REUSE_TOKENS = f"instance:kvwatch_router_reuse_tokens:rate{WINDOW}"  # by leg, with prompt
+INSTANCE_ROUTER_REUSE_SHARE = f"instance:kvwatch_router_reuse_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_ROUTER_REUSE_SHARE = f"cluster:kvwatch_router_reuse_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+INSTANCE_ROUTER_REUSE_LOSS = f"instance:kvwatch_router_lost_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_ROUTER_REUSE_LOSS = f"cluster:kvwatch_router_lost_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+
+
 # SMG's manual (routing-key) policy: of the requests whose key was already pinned to a worker, the share
 # that reached it (`occupied_hit`) rather than respilling to another (`occupied_miss`: the pinned worker
 # was gone or overloaded). The router's own stickiness, next to the probe's.
@@ -465,6 +512,24 @@ PROBE_BACKEND_SWITCHES_PER_SESSION = _ratio(
 AFFINITY_EFFICIENCY = _ratio(
     _sum_rate("kvwatch_probe_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
     _sum_rate("kvwatch_probe_ideal_cached_tokens_total", f'{PROBE_SELECTOR}, round!="1"', ROUTE),
+)
+
+
+def _probe_share(counter: str, leg: str) -> str:
+    tokens = _sum_rate(counter, PROBE_SELECTOR, ROUTE)
+    prompt = _sum_rate("kvwatch_probe_prompt_tokens_total", PROBE_SELECTOR, ROUTE)
+    return f'label_replace({_ratio(tokens, prompt)}, "leg", "{leg}", "", "")'
+
+
+# kvwatch's own probe sessions' reuse decomposition per route, over all their rounds: of their prompt
+# tokens, what a replica holding each conversation would have cached (the ideal kvwatch knows: its
+# sessions' available leg) and what the engines delivered; the gap is lost to routing or the engine.
+PROBE_REUSE_SHARES = "\n  or ".join(
+    _probe_share(counter, leg)
+    for counter, leg in (
+        ("kvwatch_probe_ideal_cached_tokens_total", "available"),
+        ("kvwatch_probe_cached_tokens_total", "delivered"),
+    )
 )
 SESSION_ID_NOT_ECHOED_SHARE = _ratio(
     _sum_rate("kvwatch_probe_session_id_echo_sessions_total", f'{PROBE_SELECTOR}, echoed="false"', ROUTE),

@@ -19,6 +19,8 @@ from kvwatch.prometheus.queries import (
     CLUSTER_LOAD_IMBALANCE,
     CLUSTER_PROBE_SHARE,
     CLUSTER_REAL_HIT_RATIO,
+    CLUSTER_ROUTER_REUSE_LOSS,
+    CLUSTER_ROUTER_REUSE_SHARE,
     DELIVERED,
     ENGINE_CACHE_SERIES,
     ENGINE_TTFT,
@@ -36,6 +38,9 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
     INSTANCE_ROUTER_PREDICTIONS,
     INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
+    INSTANCE_ROUTER_REUSE_LOSS,
+    INSTANCE_ROUTER_REUSE_SHARE,
+    INSTANCE_ROUTER_REUSE_TOKENS,
     INSTANCE_TTFT,
     LMCACHE,
     LMCACHE_HITS_BY_TIER,
@@ -45,6 +50,9 @@ from kvwatch.prometheus.queries import (
     PROBE_ENGINE_CACHED_TOKENS,
     PROBE_ENGINE_PROMPT_TOKENS,
     QUANTILES,
+    REUSE_LEG_NAMES,
+    REUSE_LEGS,
+    REUSE_LOSSES,
     ROUTE_PROBE_CACHED_TOKENS,
     ROUTE_PROBE_PROMPT_TOKENS,
     ROUTE_PROBE_SHARE,
@@ -237,7 +245,11 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
             INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
             "\nor ".join(_share_of(*pair, instance) for pair in PREFIX_MATCH_DECISIONS),
         ),
-        Rule(INSTANCE_ROUTER_PREDICTIONS, predictions),
+        # A mean of per-request ratios only where the router exports no token-weighted prediction.
+        Rule(
+            INSTANCE_ROUTER_PREDICTIONS,
+            f"({predictions})\nunless on({instance}) ({_leg_rate('routed', instance)})",
+        ),
         Rule(
             INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
             f"({predicted_sums})\n  / ({INSTANCE_ROUTER_PREDICTIONS} > 0)",
@@ -247,6 +259,50 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
             f"{CLUSTER_HIT_RATIO}\n  / on({by.keeping()}) group_right()"
             f" ({INSTANCE_ROUTER_PREDICTED_HIT_RATIO} > 0)",
         ),
+        *reuse_rules(by),
+    )
+
+
+def _leg_rate(leg: str, instance: str) -> str:
+    return first_of(*(getattr(legs, leg) for legs in REUSE_LEGS), by=instance)
+
+
+def _losses(share: str, record: str, by: str) -> tuple[Rule, ...]:
+    """Each named loss of a decomposition's shares: the leg above it minus the one below it."""
+
+    def leg(name: str | None) -> str:
+        return "1" if name is None else f'sum by ({by}) ({share}{{leg="{name}"}})'
+
+    return tuple(
+        Rule(record, f"{leg(above)} - {leg(below)}", {"loss": loss})
+        for loss, (above, below) in REUSE_LOSSES.items()
+    )
+
+
+def reuse_rules(by: Grouping) -> tuple[Rule, ...]:
+    """The reuse decomposition of routers that export its legs: each leg's token rate (the delivered one
+    as the engines' reused share of the router's prompt tokens), its share of the prompt per router and
+    per cluster, and the losses between the legs."""
+    instance, cluster, tokens = by.instance, by.keeping(), INSTANCE_ROUTER_REUSE_TOKENS
+    delivered_share = f"({_leg_rate('delivered', instance)})\n  / ({_leg_rate('delivered_of', instance)} > 0)"
+    prompt = f'{tokens}{{leg="prompt"}}'
+    legs = (
+        Rule(tokens, _leg_rate("prompt", instance), {"leg": "prompt"}),
+        Rule(tokens, _leg_rate("available", instance), {"leg": "available"}),
+        Rule(tokens, _leg_rate("routed", instance), {"leg": "routed"}),
+        Rule(tokens, f"({delivered_share})\n  * on({instance}) {prompt}", {"leg": "delivered"}),
+    )
+    shares = f'{tokens}{{leg=~"{"|".join(REUSE_LEG_NAMES)}"}}'
+    return (
+        *legs,
+        Rule(INSTANCE_ROUTER_REUSE_SHARE, f"{shares}\n  / on({instance}) group_left() ({prompt} > 0)"),
+        Rule(
+            CLUSTER_ROUTER_REUSE_SHARE,
+            f"sum by ({by.keeping('leg')}) ({shares})\n"
+            f"  / on({cluster}) group_left() (sum by ({cluster}) ({prompt}) > 0)",
+        ),
+        *_losses(INSTANCE_ROUTER_REUSE_SHARE, INSTANCE_ROUTER_REUSE_LOSS, instance),
+        *_losses(CLUSTER_ROUTER_REUSE_SHARE, CLUSTER_ROUTER_REUSE_LOSS, cluster),
     )
 
 

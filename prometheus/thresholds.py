@@ -48,6 +48,10 @@ class Thresholds:
     delivered_per_predicted_below: float = 0.5  # ... of which the engines deliver less than this share
     min_router_predictions_per_second: float = 0.1  # traffic guard of the prediction alert
     prediction_miss_for: str = "5m"  # ... held this long
+    routing_loss_above: float = 0.2  # share of a router's prompt tokens held elsewhere than sent
+    engine_loss_above: float = 0.2  # share of a router's prompt tokens it predicted cached, not reused
+    min_router_prompt_tokens_per_second: float = 50.0  # traffic guard of the reuse-loss alerts
+    reuse_loss_for: str = "5m"  # ... held this long
     probe_stale_intervals: float = 3.0
     probe_share_above: float = 0.5  # kvwatch's probes' share of the cluster's prompt tokens
     probe_share_for: str = "10m"  # ... held this long

@@ -1,9 +1,9 @@
 #!/bin/sh
 # The whole suite, as `make test` and CI run it, in two lanes side by side. The real-vLLM tests mostly
 # wait for engines to start, restart and be scraped: they run in a pytest of their own pinned to the last
-# core (their engines with it), then the alert and rule tests, which mostly wait for Prometheus, and the
-# Envoy, multi-cluster and SageMaker labs', on every core; the rest runs beside them. On a single core the lanes
-# run one after the other. Fails if any part failed.
+# core (their engines with it). The rest runs beside them in several pytest-xdist workers, one test module
+# at a time per worker (a module's lab is its own): most of it waits for labs, Prometheus and alerts
+# rather than computing. On a single core the lanes run one after the other. Fails if any part failed.
 #   usage: sh scripts/test.sh PYTHON
 set -u
 
@@ -12,49 +12,40 @@ vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_
     tests/integration/test_sagemaker_contract.py tests/integration/test_sagemaker_vllm.py
     tests/integration/test_sagemaker_vllm_reuse.py
     tests/integration/test_vllm_first_byte.py"
-after_vllm="tests/integration/test_alerts_lab.py tests/integration/test_rules_lab.py
-    tests/integration/test_router_prediction.py tests/integration/test_lab_envoy.py
-    tests/integration/test_lab_envoy_maglev.py tests/integration/test_lab_clusters.py
-    tests/integration/test_sagemaker_probe.py tests/integration/test_lab_sagemaker.py
-    tests/integration/test_probe_share_lab.py"
-log=test-artifacts/beside.log
+log=test-artifacts/vllm.log
 last_core=$(($(nproc) - 1))
-pin=""
+workers=$((last_core + 1 > 3 ? last_core + 1 : 3))
 
 run_pytest() {
     "$python" -m pytest -q -p no:cacheprovider "$@"
 }
 # shellcheck disable=SC2086
-beside() {
+vllm() {
     $pin "$python" -m pytest -q -p no:cacheprovider --durations=10 --basetemp="${TMPDIR:-/tmp}/kvwatch-vllm-tests" $vllm_tests
-    vllm=$?
-    run_pytest --durations=10 --basetemp="${TMPDIR:-/tmp}/kvwatch-alert-tests" $after_vllm
-    alerts=$?
-    [ "$vllm" -eq 0 ] && [ "$alerts" -eq 0 ]
 }
 rest() {
     # shellcheck disable=SC2046
-    run_pytest --durations=15 $(printf -- '--ignore=%s ' $vllm_tests $after_vllm)
+    run_pytest --durations=25 -n "$workers" --dist loadfile $(printf -- '--ignore=%s ' $vllm_tests)
 }
 
 if [ "$last_core" -ge 1 ]; then
     mkdir -p test-artifacts
-    echo "The real-vLLM tests (on core $last_core), then the alert tests, run beside the rest;" \
-        "their report follows the rest's."
+    echo "The real-vLLM tests run on core $last_core beside the rest; their report follows the rest's."
     pin="taskset -c $last_core"
-    beside >"$log" 2>&1 &
-    beside_pid=$!
+    vllm >"$log" 2>&1 &
+    vllm_pid=$!
     rest
     rest_status=$?
-    wait "$beside_pid"
-    beside_status=$?
+    wait "$vllm_pid"
+    vllm_status=$?
     echo
-    echo "=== the real-vLLM and alert tests ($log) ==="
+    echo "=== the real-vLLM tests ($log) ==="
     cat "$log"
 else
+    pin=""
     rest
     rest_status=$?
-    beside
-    beside_status=$?
+    vllm
+    vllm_status=$?
 fi
-[ "$rest_status" -eq 0 ] && [ "$beside_status" -eq 0 ]
+[ "$rest_status" -eq 0 ] && [ "$vllm_status" -eq 0 ]

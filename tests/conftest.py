@@ -100,8 +100,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
-    """Wait until `url` answers 200, failing early with the process's log if it died."""
+def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    """Wait until `url` answers 200, failing early with the process's log if it died. The deadline is
+    generous: a process starts in a second or two, but several minutes of a busy machine's suite slow it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

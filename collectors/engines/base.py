@@ -112,6 +112,14 @@ class Snapshot:
     # of those ratios and their count, so a window's mean prediction is a ratio of increases.
     predicted_ratio_sum: float | None = None
     predictions: float | None = None
+    # Routers that export the reuse decomposition's legs, token counts: the prompt tokens they routed, the
+    # most any candidate replica held of them, what the chosen replica held (as predicted), and, where the
+    # router counts it beside them, what the engines reused (else the delivered ratio is cached_tokens
+    # over prompt_tokens of the requests it forwarded).
+    routed_prompt_tokens: float | None = None
+    available_tokens: float | None = None
+    routed_tokens: float | None = None
+    reused_tokens: float | None = None
     sticky_outcomes: Mapping[str, float] = field(default_factory=dict)  # e.g. SMG's manual-policy branches
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)  # where the routing key came from
     # Decisions a cache-aware router took without its prefix index, by why (AIBrix: load_imbalance,

@@ -2,7 +2,8 @@
 
 The frontend records each request's input and cached tokens (histograms: their sums give the reuse
 the engines delivered) and its TTFT; in KV mode the router records the hit rate it predicted when it
-chose a worker (`dynamo_component_router_kv_hit_rate`, a histogram whose mean is the prediction).
+chose a worker (`dynamo_component_router_kv_hit_rate`, a histogram whose mean is the prediction) and,
+from dynamo PR #14103, its cache-reuse funnel in tokens (the reuse decomposition's legs).
 Requests per worker are counted only on each worker (`dynamo_component_requests_total`), not here.
 Series appear on their first request, so their absence is not reported as missing.
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 from kvwatch.collectors.engines.base import Exposition, Flavour, Reader, Snapshot
 
 PREDICTED = "dynamo_component_router_kv_hit_rate"
+# The KV router's cache-reuse funnel (dynamo PR #14103): prompt tokens per routing attempt (F0), cached
+# prefix tokens on the best eligible worker (F2) and on the selected one (F3), worker-reused tokens (F4).
+ROUTER = "dynamo_component_router_"
 
 
 def detect(exposition: Exposition) -> int:
@@ -30,6 +34,10 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         requests_running=reader.total("dynamo_frontend_inflight_requests", optional=True),
         predicted_ratio_sum=reader.total(f"{PREDICTED}_sum", optional=True),
         predictions=reader.total(f"{PREDICTED}_count", optional=True),
+        routed_prompt_tokens=reader.total(f"{ROUTER}input_sequence_tokens_sum", optional=True),
+        available_tokens=reader.total(f"{ROUTER}kv_best_eligible_cached_prefix_tokens_total", optional=True),
+        routed_tokens=reader.total(f"{ROUTER}kv_selected_cached_prefix_tokens_total", optional=True),
+        reused_tokens=reader.total(f"{ROUTER}kv_worker_reused_tokens_total", optional=True),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )

@@ -56,6 +56,11 @@ class Normalised:
     policy_decisions: Mapping[str, float] = field(default_factory=dict)
     router_cache_predictions: Mapping[str, float] = field(default_factory=dict)
     predicted_hit_ratio: float | None = None
+    # The reuse decomposition's shares of the router's prompt tokens (token-weighted): the most any replica
+    # held (available), what the chosen one held (routed), what the engines reused (delivered).
+    available_share: float | None = None
+    routed_share: float | None = None
+    delivered_share: float | None = None
     sticky_outcomes: Mapping[str, float] = field(default_factory=dict)
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)
     router_fallbacks: Mapping[str, float] = field(default_factory=dict)
@@ -87,6 +92,11 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         change.counter("predicted_ratio_sum", now.predicted_ratio_sum),
         change.counter("predictions", now.predictions),
     )
+    routed_prompt = change.counter("routed_prompt_tokens", now.routed_prompt_tokens)
+    reused = change.counter("reused_tokens", now.reused_tokens)
+    delivered = ratio if source == TOKENS else None
+    if now.reused_tokens is not None:
+        delivered = _ratio(reused, routed_prompt)
     ttft = change.histogram(now.ttft_buckets)
     p50, p90, p99 = (histogram_quantile(q, ttft) for q in (0.5, 0.9, 0.99))
     return Normalised(
@@ -112,6 +122,9 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         policy_decisions=change.counters("policy_decisions", now.policy_decisions),
         router_cache_predictions=change.counters("router_cache_predictions", now.router_cache_predictions),
         predicted_hit_ratio=predicted,
+        available_share=_ratio(change.counter("available_tokens", now.available_tokens), routed_prompt),
+        routed_share=_ratio(change.counter("routed_tokens", now.routed_tokens), routed_prompt),
+        delivered_share=delivered if routed_prompt is not None else None,
         sticky_outcomes=change.counters("sticky_outcomes", now.sticky_outcomes),
         routing_key_sources=change.counters("routing_key_sources", now.routing_key_sources),
         router_fallbacks=change.counters("router_fallbacks", now.router_fallbacks),

@@ -232,6 +232,10 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
         rows.append(("router cache guesses", _pairs(record.router_cache_predictions) + "  (not engine hits)"))
     if record.predicted_hit_ratio is not None:
         rows.append(("predicted hit ratio", f"{record.predicted_hit_ratio:.1%}  (the router's guess)"))
+    if record.routed_share is not None:
+        legs = (record.available_share, record.routed_share, record.delivered_share)
+        shown = " -> ".join("n/a" if share is None else f"{share:.1%}" for share in legs)
+        rows.append(("reuse of the prompt", f"{shown}  (available -> routed -> delivered)"))
     if record.hit_ratio is not None:
         rows.append(("delivered hit ratio", f"{record.hit_ratio:.1%}  (cached / prompt tokens it forwarded)"))
     if record.sticky_outcomes:

@@ -16,7 +16,7 @@ import streamlit as st
 from kvwatch.alerts import verdicts
 from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
-from kvwatch.dashboard import data, ui
+from kvwatch.dashboard import data, reuse, ui
 from kvwatch.prometheus import pipeline, queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
@@ -274,6 +274,7 @@ def cache_reuse(board: Board, cluster: str | None) -> None:
         cached_by_source(board, cluster)
     with own:
         own_share(board)
+    reuse.decomposition(board.over, cluster, board.now())
 
 
 def own_share(board: Board) -> None:
@@ -301,6 +302,7 @@ def route(board: Board, target: Target, sessions: data.Result) -> None:
     for column, shown in zip(st.columns(3), ROUTE_TILES[board.judged_by(target)], strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
+    reuse.probe_decomposition(board.over, target.name)
 
 
 def gateway_log(board: Board, log: GatewayLog) -> None:

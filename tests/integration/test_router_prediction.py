@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -79,6 +80,33 @@ def test_replayed_counters_grow_at_their_recorded_rate():
     assert replayed(text, 10) == expected
 
 
+@contextmanager
+def rules_prometheus(
+    tmp_path: Path, scrape_configs: list[dict], scale: float = RULE_TIME_SCALE
+) -> Iterator[str]:
+    """A real Prometheus scraping `scrape_configs` every second and running kvwatch's generated rules and
+    alerts, time-scaled by `scale`: its URL, until the block ends."""
+    state = LabState(tmp_path, free_base_port(), rule_time_scale=scale)
+    (tmp_path / "rules").mkdir()
+    for name, text in rule_files(state).items():
+        (tmp_path / "rules" / name).write_text(text)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(tmp_path / "rules" / "*.yml")],
+        "scrape_configs": scrape_configs,
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    process = prometheus_process(state)
+    log = tmp_path / "prometheus.log"
+    with log.open("w") as out:
+        prometheus = subprocess.Popen(process.argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(process.ready_url, prometheus, log)
+        yield process.ready_url.removesuffix("/-/ready")
+    finally:
+        stop(prometheus)
+
+
 def firing(prometheus: str, alertname: str) -> list[dict]:
     answer = http_get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
     return [a for a in answer if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
@@ -117,34 +145,19 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
     replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
     replica.set_faults(prefix_caching=False).raise_for_status()
 
-    state = LabState(tmp_path, free_base_port(), rule_time_scale=RULE_TIME_SCALE)
-    (tmp_path / "rules").mkdir()
-    for name, text in rule_files(state).items():
-        (tmp_path / "rules" / name).write_text(text)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(tmp_path / "rules" / "*.yml")],
-        "scrape_configs": [
-            {"job_name": "router", "static_configs": [{"targets": [router_replay]}]},
-            *(
-                {
-                    "job_name": job,
-                    "metrics_path": f"/{job}/metrics",
-                    "static_configs": [{"targets": [router_replay]}],
-                }
-                for job in ("smg", "smg-cache-aware")
-            ),
-            {"job_name": "replicas", "static_configs": [{"targets": [f"127.0.0.1:{replica.port}"]}]},
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    process = prometheus_process(state)
-    log = tmp_path / "prometheus.log"
-    with log.open("w") as out:
-        prometheus = subprocess.Popen(process.argv, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(process.ready_url, prometheus, log)
-        url = process.ready_url.removesuffix("/-/ready")
+    scrape_configs = [
+        {"job_name": "router", "static_configs": [{"targets": [router_replay]}]},
+        *(
+            {
+                "job_name": job,
+                "metrics_path": f"/{job}/metrics",
+                "static_configs": [{"targets": [router_replay]}],
+            }
+            for job in ("smg", "smg-cache-aware")
+        ),
+        {"job_name": "replicas", "static_configs": [{"targets": [f"127.0.0.1:{replica.port}"]}]},
+    ]
+    with rules_prometheus(tmp_path, scrape_configs) as url:
         body = {
             "model": "lab-model",
             "messages": [{"role": "user", "content": "What did we cover so far? " * 20}],
@@ -175,5 +188,3 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         assert set(expected) == router_panel_queries()
         for expr, by_job in expected.items():
             assert panel_values(url, expr) == pytest.approx(by_job), expr
-    finally:
-        stop(prometheus)

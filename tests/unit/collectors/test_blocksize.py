@@ -259,35 +259,6 @@ def test_prometheus_comes_before_metrics_and_an_explicit_metrics_url_before_the_
     assert resolve(sources_for([sglang.url])) == DEFAULT  # its /metrics has no cache_config_info
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["probe", "--base-url", "http://127.0.0.1:1", "--model", MODEL],
-        ["experiment", "--a", "http://127.0.0.1:1", "--b", "http://127.0.0.1:2", "--out", "{tmp}"],
-        ["doctor", "--base-url", "http://127.0.0.1:1", "--model", MODEL],
-    ],
-    ids=["probe", "experiment", "doctor"],
-)
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
-        (["--block-size", "2097152"], "--block-size must be <= 1048576 (1 << 20), got 2097152"),
-        (["--metrics-url", "127.0.0.1:8000/metrics"], "--metrics-url must start with http:// or https://"),
-        (["--prometheus", "prometheus:9090"], "--prometheus must start with http:// or https://"),
-        (
-            ["--prometheus", "http://kvw:pw@h:99999"],
-            "--prometheus http://kvw:[redacted]@h:99999 is not a valid URL: port 99999 is not 1 to 65535",
-        ),
-    ],
-    ids=["zero", "too-large", "metrics-url", "prometheus", "port"],
-)
-def test_every_command_rejects_a_bad_block_size_option_with_exit_2(command, flags, message, tmp_path, capsys):
-    args = [arg.format(tmp=tmp_path) for arg in command]
-    assert main([*args, *flags]) == 2
-    assert capsys.readouterr().err == f"kvwatch {command[0]}: {message}\n"
-
-
 # `kvwatch serve`: learned each run, or taken from the config.
 
 

@@ -121,6 +121,8 @@ def assert_quantiles_in_true_buckets(record, snapshot: Snapshot, ttfts: list[flo
         (ROUTERS / "smg-1.13.prom", "sglang-router"),
         (ROUTERS / "llm-d-epp-0.10.prom", "llm-d-epp"),
         (ROUTERS / "dynamo-frontend.prom", "dynamo"),
+        (ROUTERS / "llm-d-epp-prefix-tokens.prom", "llm-d-epp"),
+        (ROUTERS / "dynamo-router-funnel.prom", "dynamo"),
         (ROUTERS / "aibrix-gateway-0.7.prom", "aibrix-gateway"),
     ],
     ids=lambda value: value.name if isinstance(value, Path) else value,
@@ -468,6 +470,36 @@ def test_dynamo_frontend_delivered_ratio_ttft_and_the_kv_routers_prediction():
     # 8 requests: 3 within 0.1 s, 6 within 0.5 s; the median (rank 4) is 1 of the 3 in (0.1, 0.5].
     assert record.ttft_p50_seconds == pytest.approx(0.1 + 0.4 / 3)
     assert (record.requests_running, record.per_worker) == (2, {})  # only workers count their requests
+
+
+def test_llm_d_epp_token_weighted_reuse_legs():
+    """Of 10,000 prompt tokens the best candidate held 8,000 and the chosen endpoint 6,000; the engines
+    reused 4,000 of the 10,000 its requests carried. A window sees only what changed in it."""
+    record = normalise(router("llm-d-epp-prefix-tokens.prom"))
+    assert record.flavour == "llm-d-epp"
+    shares = (record.available_share, record.routed_share, record.delivered_share)
+    assert shares == (0.8, 0.6, 0.4)
+    text = (ROUTERS / "llm-d-epp-prefix-tokens.prom").read_text()
+    tripled = re.sub(
+        r"^(\S+_(?:sum|count|total)\S*) (\S+)$", lambda m: f"{m[1]} {float(m[2]) * 3}", text, flags=re.M
+    )
+    before, later = read(text), read(tripled, scraped_at=1)
+    windowed = normalise(later, before)
+    assert (windowed.available_share, windowed.routed_share, windowed.delivered_share) == (0.8, 0.6, 0.4)
+
+
+def test_dynamo_kv_router_reuse_funnel():
+    """F0 20,000 prompt tokens, F2 16,000 on the best eligible worker, F3 12,000 on the selected one, F4
+    4,000 reused by the workers; the mean-of-ratio prediction stays beside it."""
+    record = normalise(router("dynamo-router-funnel.prom"))
+    assert (record.available_share, record.routed_share, record.delivered_share) == (0.8, 0.6, 0.2)
+    assert record.predicted_hit_ratio == 0.75
+
+
+def test_routers_without_the_legs_have_no_decomposition():
+    for name in ("llm-d-epp-0.10.prom", "dynamo-frontend.prom", "smg-1.13-cache-aware.prom"):
+        record = normalise(router(name))
+        assert (record.available_share, record.routed_share, record.delivered_share) == (None,) * 3, name
 
 
 def test_a_dynamo_worker_is_its_engine_not_the_router():

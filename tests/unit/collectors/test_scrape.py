@@ -185,6 +185,19 @@ def test_a_routers_prediction_is_printed_next_to_what_its_requests_were_delivere
     assert "vllm-0        6  (60%)" in text
 
 
+def test_a_router_that_exports_the_legs_prints_its_reuse_decomposition():
+    """The hand-written llm-d EPP exposition with its prefix plugin's token histograms: of 10,000 prompt
+    tokens the best endpoint held 8,000, the chosen one 6,000, the engines reused 4,000."""
+    path = str(TESTDATA / "routers" / "llm-d-epp-prefix-tokens.prom")
+    result = kvwatch("scrape", path, "--json", timeout=30)
+    assert result.returncode == 0, result.stderr
+    (record,) = json.loads(result.stdout)
+    legs = (record["available_share"], record["routed_share"], record["delivered_share"])
+    assert legs == (0.8, 0.6, 0.4)
+    text = kvwatch("scrape", path, timeout=30).stdout
+    assert "reuse of the prompt  80.0% -> 60.0% -> 40.0%  (available -> routed -> delivered)" in text
+
+
 def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):
     result = kvwatch("scrape", "--json", "--interval", "0.3", f"{server}/metrics", timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -277,26 +277,6 @@ def test_an_api_key_on_the_command_line_is_refused_unrepeated(capsys):
 
 
 @pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--prometheus", "127.0.0.1:9090"], "--prometheus must start with http:// or https://"),
-        (["--requests-sample", "/nonexistent.jsonl"], "--requests-sample /nonexistent.jsonl: no such file"),
-        (["--api-key-env", "KVW_UNSET_VARIABLE"], "environment variable KVW_UNSET_VARIABLE is not set"),
-        (["--timeout", "0"], "timeout_seconds must be positive"),
-        (["--cluster", "a"], "--cluster names a cluster in --prometheus: give --prometheus too"),
-        (["--prometheus", "http://127.0.0.1:9", "--cluster", ""], "the cluster needs a name"),
-        (
-            ["--prometheus", "http://127.0.0.1:9", "--cluster", "a", "--cluster-label", "a-b"],
-            "the cluster label",
-        ),
-    ],
-)
-def test_bad_arguments_exit_2_before_any_request(flags, message, capsys):
-    assert main(["doctor", "--base-url", "http://127.0.0.1:1", "--model", MODEL, *flags]) == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
     ("args", "message"),
     [
         ([], "required: --base-url or --sagemaker-endpoint (or --setup --config FILE)"),

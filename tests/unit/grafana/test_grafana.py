@@ -38,12 +38,14 @@ from test_gatewaylog import answered, chat
 
 from conftest import REPO, TLS, http_get, stop_lab_serve
 from kvwatch.alerts.verdicts import (
+    ENGINE_LOSS,
     FIRING,
     OK,
     PENDING,
     ROUTE_REUSE,
     ROUTE_STICKY,
     ROUTER_PREDICTION_MISS,
+    ROUTING_LOSS,
     VERDICTS,
 )
 from kvwatch.collectors.probe.records import ERROR_KINDS
@@ -340,6 +342,12 @@ ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_PIN_KEPT,
     queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
     ROUTER_PREDICTION_MISS.state,
+    # the reuse decomposition's: the lab's router is started by tests/integration/test_reuse_decomposition.py
+    queries.INSTANCE_ROUTER_REUSE_SHARE,
+    queries.CLUSTER_ROUTER_REUSE_SHARE,
+    queries.INSTANCE_ROUTER_REUSE_LOSS,
+    ROUTING_LOSS.state,
+    ENGINE_LOSS.state,
 }
 # The lab's rounds name their replica: no route is judged by reuse here. tests/integration/
 # test_sagemaker_probe.py proves that verdict against the lab's SageMaker front.

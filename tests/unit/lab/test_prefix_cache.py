@@ -77,3 +77,13 @@ def test_usage_and_clear():
     assert cache.usage == 0.5
     cache.clear()
     assert cache.usage == 0 and cache.match(tokens(80)) == 0
+
+
+def test_held_counts_what_match_would_serve_without_touching_the_lru_order():
+    cache = PrefixCache(capacity_blocks=2, block_size=16)
+    old, new = tokens(33), tokens(33, 1000)
+    cache.insert(old[:16])
+    cache.insert(new[:16])
+    assert cache.held(new) == 16 and cache.held(old) == 16 and cache.held(tokens(33, 5000)) == 0
+    cache.insert(tokens(16, 9000))  # evicts the least recently used: `old`, as `held` did not touch it
+    assert cache.held(old) == 0 and cache.held(new) == 16

@@ -80,12 +80,15 @@ def test_the_command_line_cluster_label_wins_over_the_files(tmp_path):
 
 
 KNOWN = (
-    "cluster_label, delivered_per_predicted_below, echo_ratio_below, hit_ratio_drop_factor, "
+    "cluster_label, delivered_per_predicted_below, echo_ratio_below, engine_loss_above, "
+    "hit_ratio_drop_factor, "
     "hit_ratio_drop_for, hit_ratio_floor, keyless_rise_factor, keyless_share_above, keyless_share_window, "
     "load_imbalance_above, "
     "load_imbalance_for, min_prompt_tokens_per_second, min_returning_requests_per_minute, "
-    "min_returning_sessions, min_router_predictions_per_second, moved_for, moved_share_above, "
-    "prediction_miss_for, probe_share_above, probe_share_for, probe_stale_intervals, router_predicted_above, "
+    "min_returning_sessions, min_router_predictions_per_second, min_router_prompt_tokens_per_second, "
+    "moved_for, moved_share_above, "
+    "prediction_miss_for, probe_share_above, probe_share_for, probe_stale_intervals, reuse_loss_for, "
+    "router_predicted_above, routing_loss_above, "
     "source_silent_seconds, spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, "
     "warm_reuse_below, "
     "warm_round_for"

@@ -49,13 +49,26 @@ def value(registry, name: str, **labels) -> float | None:
     return registry.get_sample_value(name, {**ROUTE, **labels})
 
 
+def session_counts(registry) -> dict[str, float | None]:
+    """The route's sessions by outcome and by stickiness, and the backend switches within them."""
+    sessions, stickiness = "kvwatch_probe_sessions_total", "kvwatch_probe_stickiness_sessions_total"
+    return {
+        "success": value(registry, sessions, outcome="success"),
+        "failure": value(registry, sessions, outcome="failure"),
+        "sticky": value(registry, stickiness, sticky="true"),
+        "not_sticky": value(registry, stickiness, sticky="false"),
+        "unknown": value(registry, stickiness, sticky="unknown"),
+        "switches": value(registry, "kvwatch_probe_backend_switches_total"),
+    }
+
+
 def test_a_sticky_session_is_counted_round_by_round(exporter):
     results, registry = exporter
     rounds = (round_result(n, ideal_cached_tokens=1200 * (n - 1)) for n in (1, 2, 3))  # ideal != cached
     results.add_run(("lab-affinity", "affinity"), [session(*rounds)], 1000, 1010)
-    assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
-    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="true") == 1
-    assert value(registry, "kvwatch_probe_backend_switches_total") == 0
+    assert session_counts(registry) == dict(
+        success=1, failure=0, sticky=1, not_sticky=0, unknown=0, switches=0
+    )
     assert value(registry, "kvwatch_probe_session_id_echo_sessions_total", echoed="true") == 1
     assert value(registry, "kvwatch_probe_cached_tokens_total", round="3") == 2368
     assert value(registry, "kvwatch_probe_ideal_cached_tokens_total", round="3") == 2400
@@ -89,10 +102,9 @@ def test_switches_errors_and_totals_accumulate_across_runs(exporter):
     failing = session(round_result(1), round_result(2, status=500, error_kind="timeout", ttft_seconds=None))
     results.add_run(("lab-affinity", "affinity"), [switching], 1000, 1010)
     results.add_run(("lab-affinity", "affinity"), [failing], 1020, 1030)
-    assert value(registry, "kvwatch_probe_sessions_total", outcome="success") == 1
-    assert value(registry, "kvwatch_probe_sessions_total", outcome="failure") == 1
-    assert value(registry, "kvwatch_probe_backend_switches_total") == 2
-    assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="false") == 1
+    assert session_counts(registry) == dict(
+        success=1, failure=1, sticky=0, not_sticky=1, unknown=1, switches=2
+    )
     assert value(registry, "kvwatch_probe_errors_total", kind="timeout") == 1
     assert value(registry, "kvwatch_probe_rounds_total", round="1") == 2
     # The last-run gauges describe only the latest run.

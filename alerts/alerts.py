@@ -11,6 +11,7 @@ from kvwatch.core.naming import RUNBOOK_URL
 from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
+    CLUSTER_PROBE_SHARE,
     ENGINE_PRESENCE,
     GATEWAY_RETURNING_REQUESTS,
     INSTANCE_CACHE_SERIES,
@@ -90,6 +91,7 @@ def alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         *_affinity_alerts(t, by),
         *_cache_alerts(t, by),
         *_probe_alerts(t, by),
+        *_probe_share_alerts(t, by),
         *_load_alerts(t, by),
         *_reuse_alerts(t, by),
         *_router_state_alerts(t, by),
@@ -328,6 +330,22 @@ def _probe_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
             "A scrape target is down.",
             f"{{{{ $labels.job }}}} / {name} has not answered Prometheus's scrapes.",
             for_="1m",
+        ),
+    )
+
+
+def _probe_share_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
+    """Whether the cluster's figures describe kvwatch's own probes rather than its users."""
+    return (
+        Alert(
+            "KVWatchProbesDominate",
+            f"{CLUSTER_PROBE_SHARE} > {t.probe_share_above}",
+            "warning",
+            "Most of the cluster's prompt tokens are kvwatch's own probes.",
+            "kvwatch's probes are {{ $value | humanizePercentage }} of the prompt tokens the engines "
+            "count: the cluster's hit ratio describes the probes, not the users. Read the real traffic's "
+            "hit ratio, or probe less often or with shorter sessions.",
+            for_=t.probe_share_for,
         ),
     )
 

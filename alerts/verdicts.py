@@ -12,6 +12,7 @@ from kvwatch.alerts.alerts import ALERTS, Alert
 from kvwatch.prometheus.queries import (
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
+    CLUSTER_PROBE_SHARE,
     GATEWAY_SPREAD,
     INSTANCE,
     INSTANCE_HIT_RATIO,
@@ -78,6 +79,7 @@ LOAD_IMBALANCE = Verdict(_alert("KVWatchReplicaLoadImbalance"), CLUSTER_LOAD_IMB
 ROUTER_PREDICTION_MISS = Verdict(
     _alert("KVWatchRouterPredictionMiss"), INSTANCE_ROUTER_DELIVERED_PER_PREDICTED, INSTANCE
 )
+PROBES_DOMINATE = Verdict(_alert("KVWatchProbesDominate"), CLUSTER_PROBE_SHARE, "")
 ROUTING_LOSS = Verdict(
     _alert("KVWatchReuseLostToRouting"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="routing"}}', INSTANCE
 )
@@ -93,6 +95,7 @@ VERDICTS = (
     INSTANCE_HIT_RATIO_DROP,
     LOAD_IMBALANCE,
     ROUTER_PREDICTION_MISS,
+    PROBES_DOMINATE,
     ROUTING_LOSS,
     ENGINE_LOSS,
 )

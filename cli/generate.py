@@ -30,6 +30,7 @@ from kvwatch.prometheus.rules import (
     RULE_GROUPS,
     RuleEntry,
     gateway_rules,
+    probe_share_rules,
     prometheus_rule,
     recording_rules,
     router_rules,
@@ -52,6 +53,7 @@ def rule_files(
         "kvwatch-engines": recording_rules(by),
         "kvwatch-gateway": gateway_rules(by),
         "kvwatch-routers": router_rules(by),
+        "kvwatch-probe-share": probe_share_rules(by),
         "kvwatch-alerts": alerts(t, by),
     }
     return {RULE_GROUPS[group]: (group, entries) for group, entries in rules.items()}

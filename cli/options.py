@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvwatch.collectors import identity
+from kvwatch.collectors import identity, sessionkeys
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets.sagemaker import EndpointProblem, SageMakerEndpoint
@@ -127,6 +127,7 @@ def route_settings(args: argparse.Namespace, **fields) -> ProbeSettings:
     model, API key, timeouts...) as the command gives them."""
     return ProbeSettings(
         session_header=args.session_header,
+        session_key=args.session_key,
         backend_headers=tuple(args.backend_headers or identity.DEFAULT_HEADERS),
         router=args.router,
         **fields,
@@ -141,6 +142,13 @@ def add_session_arguments(parser: argparse.ArgumentParser, session_header_help: 
         metavar="H",
         help=f"{session_header_help} (default X-Session-Id; on SageMaker, SessionId's "
         "X-Amzn-SageMaker-Session-Id: any other header is sent as a custom one, which SageMaker strips)",
+    )
+    parser.add_argument(
+        "--session-key",
+        choices=sorted(sessionkeys.SESSION_KEYS),
+        help="the router's or client's session convention: its header carries the session id "
+        "(dynamo: X-Dynamo-Session-ID, litellm: x-litellm-session-id, smg: X-SMG-Routing-Key, ...); "
+        "--session-header names one of your own instead",
     )
     parser.add_argument(
         "--router",

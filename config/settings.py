@@ -17,7 +17,7 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvwatch.collectors import gatewaylogs, identity
+from kvwatch.collectors import gatewaylogs, identity, sessionkeys
 from kvwatch.collectors.gatewaylogs.sources import SOURCES
 from kvwatch.collectors.gatewaylogs.tally import INFERENCE_PATHS
 from kvwatch.collectors.labels import label_names
@@ -131,11 +131,17 @@ class SessionSettings:
     """How a probe session carries its id, which the gateway hashes on."""
 
     mode: Literal["client", "server", "none"] = "client"  # make a UUID / adopt the gateway's / send none
-    # e.g. x-smg-routing-key for SMG's manual policy; None: the kind's own (X-Session-Id; on sagemaker,
-    # SessionId's X-Amzn-SageMaker-Session-Id)
+    # The router's or client's convention, one of collectors.sessionkeys.SESSION_KEYS (dynamo, litellm,
+    # smg, olla...): its header carries the id. None: the kind's own (X-Session-Id; on sagemaker,
+    # SessionId's X-Amzn-SageMaker-Session-Id).
+    key: str | None = None
+    # A header of the user's own instead of the key's, e.g. x-my-session.
     header: str | None = None
 
     def __post_init__(self):
+        keys = sessionkeys.SESSION_KEYS
+        check(self.key is None or self.key in keys, "key", unknown("session key", self.key, keys))
+        check(self.key is None or self.header is None, "", "set key or header, not both")
         if self.header is not None:
             _header(self.header, "header")
 

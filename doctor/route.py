@@ -7,6 +7,7 @@ error kinds and redaction."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -282,10 +283,18 @@ async def session_propagation(route: Route) -> Check:
     return Check(name, "pass", f"{header} came back unchanged on all {len(answered)} rounds{errors}")
 
 
+def _pins_reported(sessions: list[SessionResult]) -> str:
+    """What the router itself said of the sessions' pins (collectors.sessionkeys: olla's hit, miss,
+    repin), to read beside where the rounds landed; "" where no response said."""
+    pins = Counter(r.pin_outcome for s in sessions for r in s.rounds if r.pin_outcome)
+    counted = ", ".join(f"{outcome} {n}" for outcome, n in sorted(pins.items()))
+    return f" (the router reported its pins: {counted})" if pins else ""
+
+
 async def hash_key(route: Route) -> Check:
     """The id arrives, so rounds of one session landing on different backends mean the key is another."""
     name, sessions = "hash key", route.sessions
-    paths = "; ".join(map(_path, sessions))
+    paths = "; ".join(map(_path, sessions)) + _pins_reported(sessions)
     moved = sum(s.sticky is False for s in sessions)
     if moved:
         evidence = f"{moved} of {len(sessions)} sessions changed backend within {ROUNDS} rounds: {paths}"

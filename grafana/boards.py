@@ -18,6 +18,7 @@ from kvwatch.alerts.verdicts import (
     INSTANCE_HIT_RATIO_DROP,
     LISTENER_SPREAD,
     LOAD_IMBALANCE,
+    PROBES_DOMINATE,
     ROUTE_REUSE,
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
@@ -50,6 +51,7 @@ from kvwatch.grafana.panels import (
     rounds_barchart,
     router_share_timeseries,
     router_shares_timeseries,
+    share_timeseries,
     stat,
     state_timeline,
     target,
@@ -81,6 +83,8 @@ VERDICT_PANELS = (
      "{{job}} / {{instance}}"),
     ("Engine loss", "Whether the engines reuse what each router predicted cached", ENGINE_LOSS,
      "{{job}} / {{instance}}"),
+    ("Probes' share", "Whether kvwatch's own probes are most of the cluster's prompt tokens",
+     PROBES_DOMINATE, "cluster"),
 )  # fmt: skip
 
 
@@ -239,6 +243,32 @@ def _reuse_row(layout: Layout) -> None:
             no_value=NO_GATEWAY_DATA,
         ),
         24,
+    )
+
+
+def own_share_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
+    """kvwatch's own probes' share of the engines' prompt tokens, and the hit ratio without them."""
+    layout.row("kvwatch's own share")
+    layout.add(
+        share_timeseries(
+            "Real traffic's hit ratio and the probes' share",
+            "kvwatch's probes are traffic the engines count too: every probe request's prompt and cached "
+            "tokens as the engine counted them (its usage, failed rounds included). Their share of the "
+            "cluster's prompt tokens, per route and in all, and the cluster's delivered hit ratio with "
+            "them left out (real traffic's), beside the cluster's own.\n\n"
+            f"Good: the probes' share low, and the two hit ratios close. Bad: a share above "
+            f"{t.probe_share_above:.0%} ({PROBES_DOMINATE.alert.name}): the cluster's ratio describes the "
+            "probes, and real traffic's may be far from it." + FIXED_WINDOW,
+            [
+                target(queries.CLUSTER_HIT_RATIO, "hit ratio, everything"),
+                target(queries.CLUSTER_REAL_HIT_RATIO, "hit ratio, real traffic (probes left out)"),
+                target(queries.CLUSTER_PROBE_SHARE, "probes' share of prompt tokens"),
+                target(queries.PROBE_SHARE_BY_ROUTE, "probes' share through {{target}}"),
+            ],
+            no_value=NO_PROBE_DATA,
+            alert=PROBES_DOMINATE.alert.name,
+        ),
+        GRID_WIDTH,
     )
 
 
@@ -450,6 +480,7 @@ def overview(t: Thresholds = THRESHOLDS) -> JSON:
     layout = Layout()
     _verdict_row(layout, t)
     _reuse_row(layout)
+    own_share_row(layout, t)
     _pinning_row(layout, t)
     _session_keys_row(layout)
     router_row(layout, t)

@@ -119,6 +119,11 @@ def timeseries(
     return panel
 
 
+def share_timeseries(title: str, description: str, targets: list[JSON], **options: Any) -> JSON:
+    """Shares and ratios, from 0 to 100 %."""
+    return timeseries(title, description, targets, unit="percentunit", max_value=1, **options)
+
+
 def probe_timeseries(title: str, description: str, targets: list[JSON], **options: Any) -> JSON:
     """A signal of the probe's runs, at the probe's pace: nothing to draw before a run in the window."""
     return timeseries(

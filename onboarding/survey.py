@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvwatch.collectors import identity
+from kvwatch.collectors import identity, sessionkeys
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.models import list_models, listing_failed
 from kvwatch.collectors.probe.report import HINTS
@@ -26,9 +26,8 @@ from kvwatch.prometheus.queries import ENGINE_PRESENCE_SERIES, ENGINE_TARGETS, R
 TIMEOUT_S = 15.0
 # A short real conversation: enough rounds to see the id come back and the replica stay or move.
 ROUNDS = ("Say hello.", "Say it again.", "Once more.")
-# The session header each router routes on where it is not the usual X-Session-Id, and how it routes.
-SESSION_HEADERS = {"smg": "X-SMG-Routing-Key"}
-DEFAULT_SESSION_HEADER = "X-Session-Id"
+# How a router routes where it is not by the usual session affinity; the header it routes on is its
+# session key's (collectors.sessionkeys), kvwatch's X-Session-Id for a gateway that has none.
 ROUTE_MODES = {"smg": "manual"}  # SMG's manual policy pins a routing key to a worker
 DEFAULT_ROUTE_MODE = "affinity"
 
@@ -50,7 +49,7 @@ class Request:
 
     @property
     def session_header(self) -> str:
-        return SESSION_HEADERS.get(self.gateway or "", DEFAULT_SESSION_HEADER)
+        return sessionkeys.SESSION_KEYS.get(self.gateway or "", sessionkeys.DEFAULT).header
 
     @property
     def route_mode(self) -> str:

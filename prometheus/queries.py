@@ -142,9 +142,17 @@ LMCACHE = TokenRatio(
     ratio="lmcache_hit_tokens_per_requested_tokens",
     hit="lmcache_hit_tokens",
     total="lmcache_requested_tokens",
-    hit_counters=("lmcache:num_hit_tokens_total",),
-    total_counters=("lmcache:num_requested_tokens_total",),
+    # In-process (`lmcache:`), else the multi-process server's own names (OpenTelemetry, `lmcache_mp_`).
+    hit_counters=("lmcache:num_hit_tokens_total", "lmcache_mp_lookup_hit_tokens_total"),
+    total_counters=("lmcache:num_requested_tokens_total", "lmcache_mp_lookup_requested_tokens_total"),
 )
+# LMCache's multi-process server's hits by tier (its PR #4962): L1 in CPU memory, L2 on disk or a remote
+# store. Divide by LMCACHE's requested tokens for each tier's share of what was asked of it.
+LMCACHE_HITS_BY_TIER = (
+    ("lmcache_mp_lookup_hit_l1_tokens_total", "l1"),
+    ("lmcache_mp_lookup_hit_l2_tokens_total", "l2"),
+)
+INSTANCE_LMCACHE_HITS_BY_TIER = f"instance_source:kvwatch_lmcache_hit_tokens:rate{WINDOW}"
 
 # Cached prompt tokens by where their KV came from, as each engine names it: vLLM >= 0.33 device, host,
 # p2p, disk, external_unspecified; vLLM 0.16 - 0.31 local_cache_hit, external_kv_transfer; SGLang
@@ -325,6 +333,27 @@ INSTANCE_ROUTER_KV_EVENT_LAG = "instance:kvwatch_router_kv_event_lag_seconds:max
 INSTANCE_ROUTER_KV_EVENT_GAPS = f"instance:kvwatch_router_kv_event_gaps:rate{WINDOW}"
 INSTANCE_ROUTER_KV_EVENT_RESYNCS = f"instance:kvwatch_router_kv_event_resyncs:rate{WINDOW}"
 INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS = "instance:kvwatch_router_kv_event_degraded_ranks:sum"
+# kvwatch's own share: its probes are traffic the engines count too. Every probe request's tokens as the
+# engine counted them (its usage, failed rounds included, kvwatch_probe_engine_*_tokens_total), per route
+# and over the cluster's engines; and the engines' delivered ratio without them, real traffic's alone. The
+# engines' counters carry no route, so real traffic's ratio is per cluster (a route with engines of its
+# own gets a cluster of its own).
+PROBE_ENGINE_PROMPT_TOKENS = "kvwatch_probe_engine_prompt_tokens_total"
+PROBE_ENGINE_CACHED_TOKENS = "kvwatch_probe_engine_cached_tokens_total"
+ROUTE_PROBE_PROMPT_TOKENS = f"route:kvwatch_probe_engine_prompt_tokens:rate{WINDOW}"
+ROUTE_PROBE_CACHED_TOKENS = f"route:kvwatch_probe_engine_cached_tokens:rate{WINDOW}"
+ROUTE_PROBE_SHARE = f"route:kvwatch_probe_prompt_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_PROBE_SHARE = f"cluster:kvwatch_probe_prompt_tokens_per_prompt_tokens:ratio_rate{WINDOW}"
+CLUSTER_REAL_HIT_RATIO = (
+    f"cluster:kvwatch_real_cached_prompt_tokens_per_real_prompt_tokens:ratio_rate{WINDOW}"
+)
+
+
+def cluster_engine_tokens(by: Grouping) -> tuple[str, str]:
+    """The cluster's prompt and cached prompt token rates as its delivered ratio sums them (instances
+    with both)."""
+    cluster, hits, total = by.keeping(), DELIVERED.instance_hits, DELIVERED.instance_total
+    return f"sum by ({cluster}) ({total} and {hits})", f"sum by ({cluster}) ({hits})"
 
 
 def watched_routes(by: Grouping) -> str:
@@ -533,6 +562,8 @@ REQUESTS_WITHOUT_SESSION_KEY_SHARE = _ratio(
 # Real users' median time to first byte by round per gateway listener, from the access log: the
 # per-round chart for real traffic (the first token where the gateway times the answer's body, Envoy).
 GATEWAY_FIRST_BYTE_BY_ROUND = "max by (log, listener, round) (kvwatch_gateway_first_byte_median_seconds)"
+# Each route's probes' share of its cluster's prompt tokens (kvwatch's own share).
+PROBE_SHARE_BY_ROUTE = f"{ROUTE_PROBE_SHARE}{{{PROBE_SELECTOR}}}"
 PROBE_ERRORS_BY_KIND = _sum_rate("kvwatch_probe_errors_total", PROBE_SELECTOR, "kind")
 PROBE_ROUNDS_BY_BACKEND = _sum_rate("kvwatch_probe_backend_rounds_total", PROBE_SELECTOR, "backend")
 PROBE_LAST_RUN_AGE = (
@@ -550,6 +581,11 @@ REAL_SESSIONS_SPREAD = GATEWAY_SPREAD_SHARE  # by log, listener and failover
 CLUSTER_CACHED_SHARE_BY_SOURCE = (
     f"sum by (source) ({INSTANCE_CACHED_BY_SOURCE})\n"
     f"  / on() group_left() (sum({INSTANCE_PROMPT_TOKENS}) > 0)"
+)
+# Each LMCache tier's share of the tokens asked of LMCache, over the cluster.
+CLUSTER_LMCACHE_HIT_SHARE_BY_TIER = (
+    f"sum by (source) ({INSTANCE_LMCACHE_HITS_BY_TIER})\n"
+    f"  / on() group_left() (sum({LMCACHE.instance_total}) > 0)"
 )
 PREFIX_CACHING_CONFIG = "max by (job, instance, enable_prefix_caching) (vllm:cache_config_info)"
 

@@ -17,6 +17,8 @@ from kvwatch.prometheus.queries import (
     CACHED_BY_SOURCE,
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
+    CLUSTER_PROBE_SHARE,
+    CLUSTER_REAL_HIT_RATIO,
     CLUSTER_ROUTER_REUSE_LOSS,
     CLUSTER_ROUTER_REUSE_SHARE,
     DELIVERED,
@@ -28,6 +30,7 @@ from kvwatch.prometheus.queries import (
     GATEWAY_SPREAD_SHARE,
     INSTANCE_CACHE_SERIES,
     INSTANCE_CACHED_BY_SOURCE,
+    INSTANCE_LMCACHE_HITS_BY_TIER,
     INSTANCE_REQUEST_SHARE,
     INSTANCE_REQUESTS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
@@ -51,13 +54,19 @@ from kvwatch.prometheus.queries import (
     KV_EVENT_LAG,
     KV_EVENT_RESYNCS,
     LMCACHE,
+    LMCACHE_HITS_BY_TIER,
     LOCAL,
     MOVED_WINDOW,
     PREFIX_MATCH_DECISIONS,
+    PROBE_ENGINE_CACHED_TOKENS,
+    PROBE_ENGINE_PROMPT_TOKENS,
     QUANTILES,
     REUSE_LEG_NAMES,
     REUSE_LEGS,
     REUSE_LOSSES,
+    ROUTE_PROBE_CACHED_TOKENS,
+    ROUTE_PROBE_PROMPT_TOKENS,
+    ROUTE_PROBE_SHARE,
     ROUTER_PREDICTED_HIT_RATIOS,
     SESSION_BIND_REJECTIONS,
     SESSION_BINDINGS,
@@ -67,6 +76,7 @@ from kvwatch.prometheus.queries import (
     WINDOW,
     Grouping,
     TokenRatio,
+    cluster_engine_tokens,
     first_of,
 )
 
@@ -149,12 +159,21 @@ def _cached_by_source(instance: str) -> str:
     return f"\n  or on({instance}) ".join(by_source(*split) for split in CACHED_BY_SOURCE)
 
 
+def _lmcache_tiers(instance: str) -> str:
+    """Each instance's LMCache hit-token rate per tier, as `source`."""
+    return "\n  or ".join(
+        f'sum by ({instance}, source) (label_replace(rate({counter}[{WINDOW}]), "source", "{tier}", "", ""))'
+        for counter, tier in LMCACHE_HITS_BY_TIER
+    )
+
+
 def recording_rules(by: Grouping) -> tuple[Rule, ...]:
     instance, cluster, requests = by.instance, by.keeping(), INSTANCE_REQUESTS
     return (
         *token_ratio_rules(DELIVERED, by),
         *token_ratio_rules(LOCAL, by),
         *token_ratio_rules(LMCACHE, by),
+        Rule(INSTANCE_LMCACHE_HITS_BY_TIER, _lmcache_tiers(instance)),
         Rule(INSTANCE_CACHED_BY_SOURCE, _cached_by_source(instance)),
         *(
             Rule(INSTANCE_TTFT, f"histogram_quantile({q}, {_ttft_buckets(instance)})", {"quantile": q})
@@ -320,8 +339,35 @@ def router_state_rules(by: Grouping) -> tuple[Rule, ...]:
 
 
 ROUTER_RULES = router_rules(Grouping())
+
+
+def probe_share_rules(by: Grouping) -> tuple[Rule, ...]:
+    """kvwatch's probes' share of the engines' prompt tokens, per route and per cluster, and the delivered
+    ratio of everything else (real traffic): the engines' cached and prompt tokens less the probes'."""
+    cluster, route = by.keeping(), by.route
+    engine_prompt, engine_cached = cluster_engine_tokens(by)
+    probe_prompt, probe_cached = (
+        f"sum by ({cluster}) ({series})" for series in (ROUTE_PROBE_PROMPT_TOKENS, ROUTE_PROBE_CACHED_TOKENS)
+    )
+    return (
+        Rule(ROUTE_PROBE_PROMPT_TOKENS, f"sum by ({route}) (rate({PROBE_ENGINE_PROMPT_TOKENS}[{WINDOW}]))"),
+        Rule(ROUTE_PROBE_CACHED_TOKENS, f"sum by ({route}) (rate({PROBE_ENGINE_CACHED_TOKENS}[{WINDOW}]))"),
+        Rule(
+            ROUTE_PROBE_SHARE,
+            f"{ROUTE_PROBE_PROMPT_TOKENS}\n  / on({cluster}) group_left() ({engine_prompt} > 0)",
+        ),
+        Rule(CLUSTER_PROBE_SHARE, f"{probe_prompt}\n  / on({cluster}) ({engine_prompt} > 0)"),
+        Rule(
+            CLUSTER_REAL_HIT_RATIO,
+            f"clamp_min({engine_cached}\n  - on({cluster}) {probe_cached}, 0)\n"
+            f"  / on({cluster}) (clamp_min({engine_prompt}\n  - on({cluster}) {probe_prompt}, 0) > 0)",
+        ),
+    )
+
+
+PROBE_SHARE_RULES = probe_share_rules(Grouping())
 # The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
-WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES)
+WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES, *PROBE_SHARE_RULES)
 
 
 # Each rule group kvwatch generates, and the file that holds it: what the generator writes and what the
@@ -330,6 +376,7 @@ RULE_GROUPS = {
     "kvwatch-engines": "prometheus/rules/kvwatch-engines.yml",
     "kvwatch-gateway": "prometheus/rules/kvwatch-gateway.yml",
     "kvwatch-routers": "prometheus/rules/kvwatch-routers.yml",
+    "kvwatch-probe-share": "prometheus/rules/kvwatch-probe-share.yml",
     "kvwatch-alerts": "alerts/kvwatch.rules.yml",
 }
 

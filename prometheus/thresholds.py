@@ -59,6 +59,8 @@ class Thresholds:
     kv_event_lag_above: float = 5.0  # seconds a router's KV-event index trails the engines' events
     index_stalled_for: str = "2m"  # ... or gaps / degraded ranks, held this long
     probe_stale_intervals: float = 3.0
+    probe_share_above: float = 0.5  # kvwatch's probes' share of the cluster's prompt tokens
+    probe_share_for: str = "10m"  # ... held this long
     source_silent_seconds: float = 600.0  # a syslog or OTLP gateway log that received nothing this long
     load_imbalance_above: float = 2.0  # busiest instance over the mean
     load_imbalance_for: str = "15m"  # ... held this long

@@ -22,7 +22,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvwatch.collectors.probe.lifecycle import IDLE_OUTCOMES, life_of
 from kvwatch.collectors.probe.metrics import COUNTERS, ROUTE_LABELS
-from kvwatch.collectors.probe.records import ERROR_KINDS, EVIDENCE, SESSION_LOSS_KINDS, SessionResult
+from kvwatch.collectors.probe.records import (
+    ERROR_KINDS,
+    EVIDENCE,
+    SESSION_LOSS_KINDS,
+    RoundResult,
+    SessionResult,
+)
 from kvwatch.config.settings import STICKY_ROUTE_MODES
 from kvwatch.core.labels import BoundedLabel
 from kvwatch.core.stats import median
@@ -32,6 +38,8 @@ log = logging.getLogger("kvwatch.exporter")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 Route = tuple[str, str]  # (target, route_mode)
+# What a round answered with a 200 may leave out of its usage, so that kvwatch cannot count its tokens.
+UNMETERED = ("usage", "cached_tokens")
 
 
 class LabelledRegistry(CollectorRegistry):
@@ -110,6 +118,20 @@ class ProbeResults:
             for session in sessions:
                 self._count_session(route, session)
 
+    def add_round(self, route: Route, result: RoundResult) -> None:
+        """Count one round's tokens as the engine counted them, as soon as the round ends (failed or not):
+        the engines count them at that moment too, so a rate of kvwatch's probe tokens lines up with the
+        engines' rate and the difference is the real traffic's (add_run counts the rest at the run's end)."""
+        with self._lock:
+            self._start_at_zero(route)
+            totals = self._totals
+            if result.prompt_tokens is not None:
+                totals["engine_prompt", route] += result.prompt_tokens
+                totals["engine_cached", route] += result.cached_tokens or 0
+            if result.status == 200 and (result.prompt_tokens is None or result.cached_tokens is None):
+                missing = "usage" if result.prompt_tokens is None else "cached_tokens"
+                totals["unmetered", (*route, missing)] += 1
+
     def _start_at_zero(self, route: Route) -> None:
         """Create a route's outcome counters at 0 (adding 0 to those that exist)."""
         self._routes.setdefault(route, time.time())
@@ -125,7 +147,10 @@ class ProbeResults:
         ):
             for value in values:
                 self._totals[key, (*route, value)] += 0
-        self._totals["switches", route] += 0
+        for key in ("switches", "engine_prompt", "engine_cached"):
+            self._totals[key, route] += 0
+        for missing in UNMETERED:
+            self._totals["unmetered", (*route, missing)] += 0
         if route not in self._backends:  # its folded counts start at 0 too
             self._backends[route] = BoundedLabel()
 
@@ -143,6 +168,8 @@ class ProbeResults:
             totals["echo", (*route, str(session.session_id_echoed).lower())] += 1
         for r in session.rounds:
             labels = (*route, str(r.round))
+            if r.pin_outcome is not None:
+                totals["pins", (*route, r.pin_outcome)] += 1
             if not r.ok:
                 totals["errors", (*route, r.error_kind)] += 1
                 continue

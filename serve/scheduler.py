@@ -52,6 +52,7 @@ def probe_settings(target: Target, api_key: str | None) -> ProbeSettings:
         route_mode=target.route_mode,
         session_mode=target.session.mode,
         session_header=target.session.header,
+        session_key=target.session.key,
         backend_headers=target.backend.headers,
         backend_json_paths=target.backend.json_paths,
         router=target.router,
@@ -171,6 +172,7 @@ class Service:
         """
         started = time.time()
         settings = self.probes[target.name]
+        route = (target.name, target.route_mode)
 
         async def one(conversation: workload.Conversation) -> tuple[str, SessionResult]:
             uid = uuid.uuid4().hex
@@ -180,7 +182,12 @@ class Service:
 
             async with self._gate:
                 return uid, await run_target_session(
-                    self._clients, settings, conversation, stop=self._stop, on_round=store_in_flight
+                    self._clients,
+                    settings,
+                    conversation,
+                    stop=self._stop,
+                    on_round=store_in_flight,
+                    on_result=functools.partial(self.results.add_round, route),
                 )
 
         try:
@@ -196,7 +203,7 @@ class Service:
         uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
         block = await self._block_size(target, sessions)
         sessions = with_block_size(sessions, block.tokens)
-        self.results.add_run((target.name, target.route_mode), sessions, started, time.time())
+        self.results.add_run(route, sessions, started, time.time())
         for uid, session in zip(uids, sessions, strict=True):
             self.writer.submit(self.store.add_session, session, uid)
         log.info("%s: %s; %s", target.name, run_summary(sessions, time.time() - started), block.describe())

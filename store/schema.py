@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvwatch.collectors.probe.records import REUSED_SHARE
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # The warm rounds of the session `sessions.id` that SessionResult judges reuse by, in SQL.
 _WARM = (
     "FROM rounds r WHERE r.session = sessions.id AND r.round > 1 AND r.error_kind IS NULL "
@@ -70,6 +70,7 @@ SCHEMA = (
         session_id_sent TEXT,
         session_id_returned TEXT,
         first_content_seconds DOUBLE PRECISION,
+        pin_outcome TEXT,
         PRIMARY KEY (session, round)
     ) {without_rowid}""",
     # Alertmanager repeats a group's alerts in every notification: one row per alert per state
@@ -109,4 +110,5 @@ MIGRATIONS = {
         "ALTER TABLE sessions ADD COLUMN warm_ideal_cached_tokens INTEGER",
         _EVIDENCE_OF_STORED_SESSIONS,
     ),
+    7: ("ALTER TABLE rounds ADD COLUMN pin_outcome TEXT",),  # what a router said of the session's pin
 }

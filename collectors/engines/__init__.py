@@ -1,7 +1,8 @@
 """Engine and router metrics flavours behind one interface, and the record they normalise to.
 
 Each module reads one dialect of /metrics (engines: `vllm`, `vllm_legacy`, `sglang`; routers:
-`smg` (SMG, once sglang-router), `vllm_router`, `llm_d` (EPP), `dynamo`, `aibrix`) into a `Snapshot` of
+`smg` (SMG, once sglang-router), `vllm_router`, `llm_d` (EPP), `dynamo`, `aibrix`; KV caches: `lmcache`,
+LMCache's multi-process server) into a `Snapshot` of
 cumulative values; `normalise` turns one snapshot into lifetime figures or two into windowed ones.
 `ENGINE_FLAVOURS.lookup` finds one by name; `detect_flavour` picks the flavour whose series an exposition has.
 """
@@ -12,6 +13,7 @@ from kvwatch.collectors.engines import (
     aibrix,
     dynamo,
     llm_d,
+    lmcache,
     sglang,
     smg,
     vllm,
@@ -25,7 +27,10 @@ from kvwatch.core.registry import Registry
 
 ENGINE_FLAVOURS = Registry(
     "engine flavour",
-    (module.FLAVOUR for module in (vllm, vllm_legacy, sglang, smg, vllm_router, llm_d, dynamo, aibrix)),
+    (
+        module.FLAVOUR
+        for module in (vllm, vllm_legacy, sglang, smg, vllm_router, llm_d, dynamo, aibrix, lmcache)
+    ),
 )
 
 __all__ = [

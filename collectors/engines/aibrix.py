@@ -2,8 +2,10 @@
 
 `aibrix_prefix_cache_routing_decisions_total{match_percent_bucket}` counts routing decisions by how
 much of the prompt the router's own prefix index matched on the chosen pod ("0": none), a prediction
-in characters, not engine tokens; `..._selection_total{selection}` says how it chose. No series counts
-requests per pod (the `target-pod` response header names it per request).
+in characters, not engine tokens; `..._selection_total{selection}` says how it chose. Newer gateways
+(vllm-project/aibrix#2334) count the decisions taken without the index: `..._load_imbalance_total` (the
+pods' running requests too far apart: the least loaded pod, prefix or not) and `..._errors_total{reason}`.
+No series counts requests per pod (the `target-pod` response header names it per request).
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
             f"{PREFIX}decisions_total", "match_percent_bucket", optional=True
         ),
         policy_decisions=reader.by_label(f"{PREFIX}selection_total", "selection", optional=True),
+        router_fallbacks=_fallbacks(reader),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )
+
+
+def _fallbacks(reader: Reader) -> dict[str, float]:
+    """The decisions taken without the prefix index: after a load imbalance, or an error by its reason."""
+    errors = reader.by_label(f"{PREFIX}errors_total", "reason", optional=True)
+    fallbacks = {f"error:{reason}": count for reason, count in errors.items()}
+    imbalance = reader.total(f"{PREFIX}load_imbalance_total", optional=True)
+    return fallbacks | ({"load_imbalance": imbalance} if imbalance is not None else {})
 
 
 FLAVOUR = Flavour(name="aibrix-gateway", kind="router", detect=detect, read=read)

@@ -128,6 +128,11 @@ class Snapshot:
     routing_key_sources: Mapping[str, float] = field(default_factory=dict)  # where the routing key came from
     session_table: SessionTable | None = None  # routers' session tables (router_state)
     index_health: IndexHealth | None = None  # routers' KV-event index health (router_state)
+    # Decisions a cache-aware router took without its prefix index, by why (AIBrix: load_imbalance,
+    # error:<reason>): sent by load, whatever the pods held.
+    router_fallbacks: Mapping[str, float] = field(default_factory=dict)
+    # A KV cache store's lookup hits by tier (LMCache's multi-process server: l1, l2).
+    cache_tiers: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     invalid: Mapping[str, str] = field(default_factory=dict)
 
@@ -137,7 +142,7 @@ class Flavour:
     """One metrics dialect: how to recognise it in an exposition and how to read it."""
 
     name: str
-    kind: str  # "engine" or "router"
+    kind: str  # "engine", "router" or "cache" (a KV cache store the engines ask, such as LMCache's)
     detect: Callable[[Exposition], int]  # 0: not this flavour; higher: more of its series present
     read: Callable[[Exposition, float], Snapshot]  # (exposition, scraped_at)
 

@@ -73,6 +73,8 @@ class Normalised:
     index_health: IndexHealth | None = (
         None  # a router's KV-event index: lag now, gaps' and resyncs' increases
     )
+    router_fallbacks: Mapping[str, float] = field(default_factory=dict)
+    cache_tiers: Mapping[str, float] = field(default_factory=dict)
     counter_reset: bool = False
 
 
@@ -139,6 +141,8 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
             now.session_table, before and before.session_table, change.increase
         ),
         index_health=windowed_index_health(now.index_health, before and before.index_health, change.increase),
+        router_fallbacks=change.counters("router_fallbacks", now.router_fallbacks),
+        cache_tiers=change.counters("cache_tiers", now.cache_tiers),
         counter_reset=change.reset,
     )
 

@@ -171,11 +171,8 @@ def format_result(result: Result) -> str:
         scope = "lifetime: cumulative since the process started"
     else:
         scope = f"window of {record.window_seconds:.1f} s"
-    rows = (
-        _engine_rows(record)
-        if ENGINE_FLAVOURS.lookup(record.flavour).kind == "engine"
-        else _router_rows(record)
-    )
+    kind = ENGINE_FLAVOURS.lookup(record.flavour).kind
+    rows = {"engine": _engine_rows, "cache": _cache_rows}.get(kind, _router_rows)(record)
     if record.counter_reset:
         rows.append(("counter reset", "a counter went down: the source restarted within the window"))
     if record.missing:
@@ -205,6 +202,19 @@ def _engine_rows(record: Normalised) -> list[tuple[str, str]]:
     ]
 
 
+def _cache_rows(record: Normalised) -> list[tuple[str, str]]:
+    """A KV cache store's lookups: what it found of the tokens asked of it, and in which tier."""
+    found = record.local_hit_ratio
+    rows = [
+        ("lookup hit ratio", "unknown: no lookups " + _scope(record) if found is None else f"{found:.1%}"),
+        ("tokens", f"{_count(record.local_lookups)} asked, {_count(record.local_hits)} found"),
+    ]
+    if record.cache_tiers and record.local_lookups:
+        tiers = {tier: count / record.local_lookups for tier, count in record.cache_tiers.items()}
+        rows.append(("found by tier", ", ".join(f"{tier} {share:.1%}" for tier, share in tiers.items())))
+    return rows
+
+
 def _router_rows(record: Normalised) -> list[tuple[str, str]]:
     total = sum(record.per_worker.values())
     width = max(map(len, record.per_worker), default=0)
@@ -232,6 +242,8 @@ def _router_rows(record: Normalised) -> list[tuple[str, str]]:
         rows.append(("sticky outcomes", _pairs(record.sticky_outcomes)))
     if record.routing_key_sources:
         rows.append(("routing key from", _pairs(record.routing_key_sources)))
+    if record.router_fallbacks:
+        rows.append(("without its index", _pairs(record.router_fallbacks) + "  (sent by load)"))
     return rows + _router_state_rows(record)
 
 

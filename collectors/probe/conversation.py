@@ -66,6 +66,7 @@ async def run_conversation(
     on_request: Callable[[list[dict]], None] | None = None,
     stop: asyncio.Event | None = None,
     on_round: Callable[[SessionResult], None] | None = None,
+    on_result: Callable[[RoundResult], None] | None = None,
 ) -> SessionResult:
     """One conversation through the route, round after round, until its turns run out or a round fails.
 
@@ -74,6 +75,8 @@ async def run_conversation(
     abandons the round in flight: the session ends with its finished rounds, marked interrupted.
     `on_round`, when given, gets the session so far after each round that lets it go on (`kvwatch serve`
     stores it, so that no finished round depends on the process living to the session's end).
+    `on_result`, when given, gets every round's result as it ends, a failed one too (`kvwatch serve`
+    counts the tokens the engine counted for it at that moment).
     """
     opening = exchange.opening
     messages = [{"role": "system", "content": opening + conversation.system_prompt}]
@@ -116,6 +119,8 @@ async def run_conversation(
             break
         result, answer = answered
         rounds.append(result)
+        if on_result is not None:
+            on_result(result)
         if not result.ok:
             break
         messages.append({"role": "assistant", "content": answer})

@@ -14,6 +14,31 @@ COUNTERS = {
         "Prompt tokens the engine reported as cached (usage.prompt_tokens_details.cached_tokens).",
         ["round"],
     ),
+    # Every probe request the engines answered with a usage, failed rounds included: the engines counted
+    # exactly these tokens for kvwatch's own traffic (prometheus/queries.py PROBE_SHARE, REAL_HIT_RATIO).
+    "engine_prompt": (
+        "kvwatch_probe_engine_prompt_tokens",
+        "Prompt tokens the engines counted for probe requests (usage.prompt_tokens), failed rounds included.",
+        [],
+    ),
+    "engine_cached": (
+        "kvwatch_probe_engine_cached_tokens",
+        "Cached prompt tokens the engines counted for probe requests "
+        "(usage.prompt_tokens_details.cached_tokens), failed rounds included.",
+        [],
+    ),
+    "unmetered": (
+        "kvwatch_probe_unmetered_rounds",
+        "Probe rounds the route answered without saying what the engine counted: no usage at all, or no "
+        "cached tokens in it. Their tokens are in the engines' counters, not in kvwatch's.",
+        ["missing"],
+    ),
+    "pins": (
+        "kvwatch_probe_pin_outcome_rounds",
+        "Probe rounds by the outcome of the session's pin that the router reported (olla's "
+        "X-Olla-Sticky-Session: hit, miss, repin), beside kvwatch's own stickiness verdict.",
+        ["outcome"],
+    ),
     "ideal": (
         "kvwatch_probe_ideal_cached_tokens",
         "Prompt tokens a perfectly pinned replica would have cached: the previous round's prompt and "

@@ -62,6 +62,9 @@ class RoundResult:
     # To the first answer text (delta.content): later than the TTFT when a model reasons or calls a tool
     # first; None when the answer had no text.
     first_content_seconds: float | None = None
+    # What became of the session's pin, as a router reported it in the response (sessionkeys.PIN_OUTCOMES:
+    # olla's hit, miss, repin); None when the response does not say.
+    pin_outcome: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from kvwatch.collectors import identity
+from kvwatch.collectors import identity, sessionkeys
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.conversation import SessionClose, run_conversation
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
@@ -126,6 +126,9 @@ class ProbeSettings:
     # On sagemaker any other header than SageMaker's carries the session as the application would send
     # it, a custom header SageMaker strips (what the doctor names), instead of a SessionId.
     session_header: str | None = None
+    # A router's or client's convention (collectors.sessionkeys.SESSION_KEYS) whose header carries the id
+    # unless session_header names one; None: the kind's own.
+    session_key: str | None = None
     backend_headers: tuple[str, ...] = identity.DEFAULT_HEADERS
     backend_json_paths: tuple[str, ...] = identity.DEFAULT_JSON_PATHS
     router: str | None = None  # one of identity.ROUTERS: a router that names the replica only when asked
@@ -161,6 +164,10 @@ class ProbeSettings:
         from kvwatch.collectors.probe.targets import KINDS  # its kinds import this module
 
         kind = KINDS.lookup(self.kind)  # ValueError naming the kinds
+        if self.session_key is not None:
+            key = sessionkeys.SESSION_KEYS.lookup(self.session_key)  # ValueError naming the keys
+            if self.session_header is None:
+                object.__setattr__(self, "session_header", key.header)
         if self.session_header is None:
             object.__setattr__(self, "session_header", kind.session_header)
         if (self.kind == "sagemaker") != (self.sagemaker is not None):
@@ -280,7 +287,10 @@ async def _round(
         reply.fail(kind, detail)
     backend = identity.from_headers(settings.backend_headers, reply.headers) or reply.json_backend
     returned = reply.headers.get(settings.session_header)
-    return round_result(settings, number, started_at, reply, previous, session_id, backend, returned)
+    result, answer = round_result(
+        settings, number, started_at, reply, previous, session_id, backend, returned
+    )
+    return replace(result, pin_outcome=sessionkeys.pin_outcome(reply.headers)), answer
 
 
 def chat_body(settings: ProbeSettings, messages: list[dict]) -> bytes:

@@ -83,6 +83,20 @@ SHOWN = tuple(Shown(*row) for row in (
     SPREAD,
     MOVED_BY_FAILOVER,
 ) = SHOWN
+# kvwatch's own share of the prompt tokens, and the hit ratio of everything else, beside the cluster's.
+OWN_SHARE = tuple(Shown(*row) for row in (
+    ("Real traffic's hit ratio", queries.CLUSTER_REAL_HIT_RATIO, ui.RATIO, ui.GOOD, None,
+     "No alert judges it: the cluster's hit ratio with kvwatch's probes left out.",
+     "Prompt tokens served from cached KV over all prompt tokens, of everything but kvwatch's own probes: "
+     "the engines' counts less what the engines counted for the probes (their usage), over "
+     f"{queries.WINDOW}."),
+    ("Probes' share of prompt tokens", queries.CLUSTER_PROBE_SHARE, ui.RATIO, ui.BAD,
+     verdicts.PROBES_DOMINATE,
+     "The probes are a minority of the prompt tokens: the cluster's hit ratio describes its users.",
+     "Prompt tokens the engines counted for kvwatch's probe requests over all the prompt tokens they "
+     f"counted, over {queries.WINDOW}."),
+))  # fmt: skip
+REAL_HIT_RATIO, PROBE_SHARE = OWN_SHARE
 # A probe route's tiles, by what its stickiness is judged by: the replica each round names, or where no
 # round names one (SageMaker) the warm rounds' reuse, which KVWatchSessionReuseLost watches instead.
 ROUTE_TILES = {
@@ -170,7 +184,9 @@ class Board:
     """One refresh of the Overview: every number's points over the span, every verdict's states at its end
     and the alerts firing now, in `cluster` (else the picked one)."""
 
-    def __init__(self, over: data.Span, shown: tuple[Shown, ...] = SHOWN, cluster: str | None = None):
+    def __init__(
+        self, over: data.Span, shown: tuple[Shown, ...] = (*SHOWN, *OWN_SHARE), cluster: str | None = None
+    ):
         self.over = over
         self.results = {s.query: data.series(s.query, over, cluster) for s in shown}
         self.states = {
@@ -228,21 +244,46 @@ def cached_by_source(board: Board, cluster: str | None) -> None:
         if not now.empty:
             st.markdown(f"Local lookups found {ui.RATIO.value(float(now.iloc[0]))} of what they looked up.")
             st.caption(f"{LOCAL_HIT_RATIO.help} {LOCAL_HIT_RATIO.says}")
+        lmcache_tiers(board, cluster)
+
+
+def lmcache_tiers(board: Board, cluster: str | None) -> None:
+    """What LMCache's multi-process server found of the tokens asked of it, per tier, where it says."""
+    tiers = data.instant(queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER, board.over, cluster)
+    if tiers.error or tiers.value.empty:
+        return
+    found = ", ".join(
+        f"{ui.RATIO.value(row.value)} in {row.source.upper()}"
+        for row in tiers.value.sort_values("source").itertuples()
+    )
+    st.markdown(f"LMCache found {found} of the tokens asked of it.")
+    st.caption(f"L1: its CPU memory; L2: disk or a remote store; over {queries.WINDOW}.")
 
 
 def cache_reuse(board: Board, cluster: str | None) -> None:
     """The delivered hit ratio and where the cached KV came from, of `cluster` alone when given."""
     if cluster is not None:
-        board = Board(board.over, (CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO), cluster)
+        board = Board(board.over, (CLUSTER_HIT_RATIO, LOCAL_HIT_RATIO, *OWN_SHARE), cluster)
         if board.failed():
             return
         st.subheader(f"Cluster {cluster}")
-    hit_ratio, sources, _ = st.columns(3)
+    hit_ratio, sources, own = st.columns(3)
     with hit_ratio:
         board.tile(CLUSTER_HIT_RATIO)
     with sources:
         cached_by_source(board, cluster)
+    with own:
+        own_share(board)
     reuse.decomposition(board.over, cluster, board.now())
+
+
+def own_share(board: Board) -> None:
+    """Real traffic's hit ratio and the probes' share of the prompt tokens, where kvwatch's probes are
+    counted: the cluster's ratio above is partly theirs."""
+    if board.points(PROBE_SHARE).empty:
+        return
+    board.tile(REAL_HIT_RATIO)
+    board.tile(PROBE_SHARE)
 
 
 def sticky_words(expected: bool) -> str:

@@ -101,11 +101,22 @@ def detail(rounds: pd.DataFrame) -> pd.DataFrame:
             "cached tokens": rounds["cached_tokens"].astype("Int64"),
             "ideal cached tokens": rounds["ideal_cached_tokens"].astype("Int64"),
             "backend": rounds["backend"],
+            "router's pin": rounds["pin_outcome"],
             "status": rounds["status"].astype("Int64"),
             "error": rounds["error_kind"],
             "error detail": rounds["error_detail"],
         }
     )
+
+
+def pins_said(rounds: pd.DataFrame) -> str | None:
+    """What the router itself said of the sessions' pins, beside kvwatch's verdict above; None where no
+    round's response reported one (only routers such as olla do)."""
+    outcomes = rounds["pin_outcome"].dropna().value_counts() if "pin_outcome" in rounds else pd.Series()
+    if outcomes.empty:
+        return None
+    counted = ", ".join(f"{outcome} {count}" for outcome, count in sorted(outcomes.items()))
+    return f"The router reported its pin in {plural(int(outcomes.sum()), 'round')}: {counted}."
 
 
 def named_rounds(
@@ -142,6 +153,8 @@ def recent(target: str, seconds: int) -> None:
         + f"{switches}; {int((~sessions['ok']).sum())} failed."
     )
     st.caption(ui.stickiness_evidence(sessions, target))
+    if said := pins_said(rounds):
+        st.caption(said)
     st.subheader("Backend per round")
     st.plotly_chart(timeline(shown, rounds), key="sessions_timeline")
 

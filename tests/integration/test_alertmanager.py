@@ -247,6 +247,7 @@ def test_fast_rules_scale_windows_and_durations_only():
         "kvwatch-engines.yml",
         "kvwatch-gateway.yml",
         "kvwatch-routers.yml",
+        "kvwatch-probe-share.yml",
         "kvwatch.rules.yml",
     }
     assert "[12s]" in fast["kvwatch-engines.yml"] and "[2m]" not in fast["kvwatch-engines.yml"]

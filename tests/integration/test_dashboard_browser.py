@@ -22,6 +22,7 @@ from kvwatch.alerts.verdicts import (
     LISTENER_SPREAD,
     LOAD_IMBALANCE,
     PENDING,
+    PROBES_DOMINATE,
     ROUTE_STICKY,
     ROUTE_WARM_ROUNDS,
     Verdict,
@@ -213,6 +214,8 @@ OVERVIEW_TILES = [
     ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ROUND_ROBIN_LOG, None),
     ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**ROUND_ROBIN_LOG, "failover": "true"}, None),
     ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, CLUSTER_HIT_RATIO_DROP),
+    ("Real traffic's hit ratio", queries.CLUSTER_REAL_HIT_RATIO, {}, None),
+    ("Probes' share of prompt tokens", queries.CLUSTER_PROBE_SHARE, {}, PROBES_DOMINATE),
 ]
 
 
@@ -286,7 +289,10 @@ def test_overview_shows_what_prometheus_holds(lab, page):
             )
     assert shown.tiles[0] == Tile("Sessions on one replica", "100%", "Sessions stay on their replica.")
     assert "Local lookups found" in shown.text  # beside the hit ratio, not a second tile like it
-    assert "No kvwatch alert is firing." in shown.text
+    # The lab probes every 5 s: its probes are about 60 % of the prompt tokens, so KVWatchProbesDominate
+    # may rightly fire; nothing else does in a healthy lab.
+    probes_dominate = "Firing now: KVWatchProbesDominate (warning) on the cluster. See the Alerts page"
+    assert "No kvwatch alert is firing." in shown.text or probes_dominate in shown.text
 
 
 def last_run(lab, target: str, at: float) -> list[SessionResult]:

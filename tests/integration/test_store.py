@@ -245,6 +245,25 @@ def test_a_session_judged_by_reuse_keeps_its_warm_rounds_cached_and_ideal_tokens
     ]
 
 
+DROP_PIN_OUTCOME = "ALTER TABLE rounds DROP COLUMN pin_outcome"  # schema 7's
+
+
+def test_a_store_of_schema_6_keeps_its_rounds_and_records_the_routers_pin_outcome(location):
+    """Schema 7 keeps the pin outcome a router reported per round: the rounds stored before it read None."""
+    with open_store(location) as store:
+        old = store.add_session(session())
+    version = "UPDATE kvwatch_schema SET version = 6" if is_postgres(location) else "PRAGMA user_version = 6"
+    write(location, DROP_PIN_OUTCOME, version)
+    with pytest.raises(StoreError, match="has schema 6, from an older kvwatch: `kvwatch serve` upgrades it"):
+        open_store(location, readonly=True)
+    pinned = session("olla", 2000.0, round_result(1, pin_outcome="miss"), round_result(2, pin_outcome="hit"))
+    with open_store(location) as store:
+        assert store.session(old) == session()
+        assert store.session(store.add_session(pinned)) == pinned
+        assert [r["pin_outcome"] for r in store.rounds("olla")] == ["miss", "hit"]
+        assert {r["pin_outcome"] for r in store.rounds("lab-affinity")} == {None}
+
+
 def test_a_store_of_schema_5_learns_each_stored_sessions_evidence_from_its_rounds(location):
     """Schema 6 keeps what each session's stickiness was judged by and its warm rounds' reuse: a store
     written before it gets them for the sessions it holds, as the records judge them (in SQLite and
@@ -257,7 +276,8 @@ def test_a_store_of_schema_5_learns_each_stored_sessions_evidence_from_its_round
         for one in stored:
             store.add_session(one)
     version = "UPDATE kvwatch_schema SET version = 5" if is_postgres(location) else "PRAGMA user_version = 5"
-    write(location, *(f"ALTER TABLE sessions DROP COLUMN {column}" for column in EVIDENCE), version)
+    dropped = (*(f"ALTER TABLE sessions DROP COLUMN {column}" for column in EVIDENCE), DROP_PIN_OUTCOME)
+    write(location, *dropped, version)
     with pytest.raises(StoreError, match="has schema 5, from an older kvwatch: `kvwatch serve` upgrades it"):
         open_store(location, readonly=True)
 
@@ -416,6 +436,7 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
         old = store.add_session(session())
     db = sqlite3.connect(path)  # what kvwatch with schema 1 left behind
     db.execute("ALTER TABLE rounds DROP COLUMN first_content_seconds")
+    db.execute(DROP_PIN_OUTCOME)
     db.execute("ALTER TABLE sessions DROP COLUMN interrupted")
     db.execute("DROP INDEX sessions_by_uid")
     db.execute("ALTER TABLE sessions DROP COLUMN uid")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from kvwatch.collectors import sessionkeys
 from kvwatch.collectors.probe.session import HttpExchange, ProbeSettings
 from kvwatch.collectors.probe.streaming import StreamClient
 
@@ -11,7 +12,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 class OpenAIKind:
     name = "openai"
     serves_metrics = True
-    session_header = "X-Session-Id"  # the session id's header unless a target names another
+    session_header = sessionkeys.DEFAULT.header  # the session id's header unless a target names another
 
     def client_key(self, settings: ProbeSettings) -> Hashable:
         return None  # one pool of kept-alive connections per origin serves every route

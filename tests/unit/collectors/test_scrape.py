@@ -55,6 +55,8 @@ JSON_KEYS = [
     "routing_key_sources",
     "session_table",
     "index_health",
+    "router_fallbacks",
+    "cache_tiers",
     "counter_reset",
     "error",
 ]

@@ -40,7 +40,8 @@ EXAMPLES = REPO / "examples"
 # Every label a cluster label would overwrite: kvwatch's own (collectors.exporter) and Prometheus'.
 TAKEN_LABELS = (
     "backend, echoed, evidence, expect_sticky, failover, gone, instance, job, kind, label, le, listener, "
-    "log, outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, upstream"
+    "log, missing, outcome, quantile, reason, round, route_mode, source, status_class, sticky, target, "
+    "upstream"
 )
 KEY = "sk-live-0123456789abcdef"  # what a pasted key looks like; it must never be echoed
 
@@ -267,7 +268,10 @@ INVALID = [
         "use an IANA name such as UTC or Europe/Paris",
     ),
     ("top-level-list", "the top level must be a mapping of keys, got a list"),
-    ("unknown-key", 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, mode'),
+    (
+        "unknown-key",
+        'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, key, mode',
+    ),
     (
         "unknown-key-target",
         'targets[0].modle: unknown key; did you mean "model"? known: api_key_env, api_key_file, backend, '
@@ -375,7 +379,7 @@ def test_minimal_file_takes_every_default():
         "expect_sticky": True,  # affinity routes pin sessions
         "api_key_env": None,
         "api_key_file": None,
-        "session": {"mode": "client", "header": None},  # the kind's own: X-Session-Id on openai
+        "session": {"mode": "client", "key": None, "header": None},  # the kind's own: X-Session-Id on openai
         "backend": {
             "headers": (
                 "X-Upstream",
@@ -627,7 +631,7 @@ def test_config_check_file_only_accepts_a_good_file(path, summary):
 def test_config_check_prints_the_one_error():
     path = "tests/testdata/config/invalid-unknown-key.yml"
     result = kvwatch("config", "check", path)
-    problem = 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, mode'
+    problem = 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, key, mode'
     expected = f"error in {path}: {problem}\n"
     assert (result.returncode, result.stdout, result.stderr) == (1, "", expected)
 

@@ -112,7 +112,8 @@ RATE_INTERVAL = MAGIC["__rate_interval"]
 # engine filters would only hide them. Every pattern must still match a series on some board.
 NO_ENGINE_JOB_OR_INSTANCE = {
     r"cluster:.+": "a cluster-wide recording rule: summed over every engine, no job or instance left",
-    r"kvwatch_probe_.+": "kvwatch's own probe, filtered by $target: its job and instance are kvwatch serve's",
+    r"(route:)?kvwatch_probe_.+": "kvwatch's own probe, filtered by $target: its job and instance are "
+    "kvwatch serve's",
     r"(listener:)?kvwatch_gateway_.+": "read from the gateway's access log, per log and listener",
     r"instance:kvwatch_router_.+": "a router's: its job and instance are the router's, not an engine's",
     r"ALERTS": "the alerts' state, labelled by what each alert watches",

@@ -126,6 +126,7 @@ def test_the_rule_files_are_kvwatchs_own():
         "kvwatch-engines.yml",
         "kvwatch-gateway.yml",
         "kvwatch-routers.yml",
+        "kvwatch-probe-share.yml",
         "kvwatch.rules.yml",
     }
     assert files["kvwatch.rules.yml"] == (writers.PACKAGE / "alerts" / "kvwatch.rules.yml").read_text()

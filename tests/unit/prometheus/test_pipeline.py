@@ -154,7 +154,7 @@ def test_rule_groups_not_loaded_are_named_with_their_files(prometheus):
     status, evidence, fix = prometheus.links()["Prometheus evaluates kvwatch's rules"]
     assert status == BROKEN
     assert "kvwatch-engines (prometheus/rules/kvwatch-engines.yml)" in evidence
-    assert "and 1 more" in evidence  # four groups, three named
+    assert "and 2 more" in evidence  # five groups, three named
     assert "rule_files" in fix
 
 

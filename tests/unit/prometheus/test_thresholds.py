@@ -87,7 +87,6 @@ KNOWN = (
     "min_returning_sessions, min_router_predictions_per_second, moved_for, moved_share_above, "
     "prediction_miss_for, probe_stale_intervals, router_predicted_above, "
     "source_silent_seconds, spread_for, spread_share_above, sticky_ratio_below, warm_cold_ratio_above, "
-    "warm_reuse_below, "
     "warm_round_for"
 )
 

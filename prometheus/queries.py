@@ -300,11 +300,8 @@ def warm_reuse_ratio(by: Grouping) -> str:
 
 def route_warm_reuse(by: Grouping) -> str:
     """An alert description's warm reuse of the route it is about (a template query at notification
-    time), as `, their warm rounds had 74 % of ...`; nothing where Prometheus holds none. An absent label
-    is "" to the query (`or`, as in instance_name)."""
-    labels = by.route.split(", ")
-    matchers = ", ".join(f"{label}=%q" for label in labels)
-    values = " ".join(f'(or $labels.{label} "")' for label in labels)
+    time), as `, and their warm rounds had 74% of the tokens ...`; nothing where Prometheus holds none."""
+    matchers, values = _alert_labels(by.route)
     lookup = per_route("min", f'kvwatch_probe_warm_reuse_ratio{{evidence="reuse", {matchers}}}', by)
     return (
         f"{{{{ with printf `{lookup}` {values} | query }}}}, and their warm rounds had "
@@ -326,15 +323,20 @@ def replica_ids(by: Grouping) -> str:
     return f'group by ({by.keeping("instance, replica")}) (up{{replica!=""}})'
 
 
+def _alert_labels(labels: str) -> tuple[str, str]:
+    """A template query's matchers of these labels (`label=%q`, for printf) and the alert's values of
+    them to fill in. An absent label is "" to Prometheus's templates but nil to vmalert's, which `printf
+    %q` renders as `%!q(<nil>)`: `or` makes it "" in both."""
+    names = labels.split(", ")
+    matchers = ", ".join(f"{name}=%q" for name in names)
+    return matchers, " ".join(f'(or $labels.{name} "")' for name in names)
+
+
 def instance_name(by: Grouping) -> str:
     """An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
     where the replica ids know the instance's id (a template query at notification time), else its address.
-    The instance is looked up in its own cluster: "" matches a Prometheus without the label. An absent
-    label is "" to Prometheus's templates but nil to vmalert's, which `printf %q` renders as `%!q(<nil>)`:
-    `or` makes it "" in both."""
-    labels = by.keeping("instance").split(", ")
-    matchers = ", ".join(f"{label}=%q" for label in labels)
-    values = " ".join(f'(or $labels.{label} "")' for label in labels)
+    The instance is looked up in its own cluster: "" matches a Prometheus without the label."""
+    matchers, values = _alert_labels(by.keeping("instance"))
     lookup = f"{replica_ids(by)} and on({by.keeping('instance')}) up{{{matchers}}}"
     return (
         "{{ $name := $labels.instance }}"

@@ -35,9 +35,10 @@ from kvwatch.prometheus.queries import (
     gateway_spread,
     instance_name,
     per_route,
+    reused_sessions_ratio,
+    route_warm_reuse,
     sticky_ratio,
     warm_cold_ratio,
-    warm_reuse_ratio,
     watched_listeners,
     watched_routes,
 )
@@ -125,12 +126,13 @@ def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
         ),
         Alert(
             "KVWatchSessionReuseLost",
-            f"{warm_reuse_ratio(by)} < {t.warm_reuse_below}\nand {watched_routes(by)}",
+            f"{reused_sessions_ratio(by)} < {t.sticky_ratio_below}\nand {watched_routes(by)}",
             "critical",
-            "Warm probe rounds through a session route stopped reusing their history.",
-            "The last probe run's warm rounds through {{ $labels.target }} had only "
-            "{{ $value | humanizePercentage }} of the tokens a pinned session holds cached: no round names "
-            "its replica here, and the reuse says the sessions no longer reach the instance that holds them.",
+            "Probe sessions through a session route stopped reusing their history.",
+            "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "
+            "{{ $labels.target }} reused their history in every warm round"
+            f"{route_warm_reuse(by)}: no round names its replica here, and the reuse says the sessions no "
+            "longer reach the instance that holds them.",
             keep_firing_for="2m",
         ),
         Alert(

@@ -19,10 +19,10 @@ from kvwatch.prometheus.queries import (
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
     INSTANCE_ROUTER_REUSE_LOSS,
     LISTENER,
+    REUSED_SESSIONS_RATIO,
     ROUTE,
     STICKY_RATIO,
     WARM_COLD_RATIO,
-    WARM_REUSE_RATIO,
     WATCHED_LISTENERS,
     WATCHED_ROUTES,
 )
@@ -66,7 +66,7 @@ def _alert(name: str, **labels: str) -> Alert:
 
 
 ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, WATCHED_ROUTES)
-ROUTE_REUSE = Verdict(_alert("KVWatchSessionReuseLost"), WARM_REUSE_RATIO, ROUTE, WATCHED_ROUTES)
+ROUTE_REUSE = Verdict(_alert("KVWatchSessionReuseLost"), REUSED_SESSIONS_RATIO, ROUTE, WATCHED_ROUTES)
 ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
 LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)
 CLUSTER_HIT_RATIO_DROP = Verdict(

@@ -25,6 +25,7 @@ from kvwatch.alerts.verdicts import (
     ROUTER_PREDICTION_MISS,
     ROUTING_LOSS,
 )
+from kvwatch.collectors.probe.records import REUSED_SHARE
 from kvwatch.grafana.panels import (
     DRILLDOWN,
     FIXED_WINDOW,
@@ -65,8 +66,9 @@ from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 VERDICT_PANELS = (
     ("Session affinity (probes)", "Whether probe sessions through each sticky route stay on one replica",
      ROUTE_STICKY, "{{target}}"),
-    ("Session reuse (probes)", "Whether warm rounds through each sticky route whose rounds name no replica "
-     "(SageMaker) still reuse their history: reuse is that route's stickiness", ROUTE_REUSE, "{{target}}"),
+    ("Session reuse (probes)", "Whether probe sessions through each sticky route whose rounds name no "
+     "replica (SageMaker) still reuse their history, by the share of them whose warm rounds all did: reuse "
+     "is that route's stickiness", ROUTE_REUSE, "{{target}}"),
     ("Real sessions (gateway logs)", "Whether real sessions through each sticky gateway listener stay on "
      "one replica", LISTENER_SPREAD, "{{log}} / {{listener}}"),
     ("Warm rounds (probes)", "Whether warm rounds through each sticky route are faster than round 1",
@@ -353,13 +355,20 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
     )
     layout.add(
         timeseries(
-            "Warm reuse of the last probe run",
-            "Cached over ideal cached tokens of the last run's warm rounds, per route, labelled with the "
-            "evidence the route has. On a route judged by reuse this is its stickiness: "
-            f"KVWatchSessionReuseLost fires below {t.warm_reuse_below:.0%}.\n\nGood: near 100 % on a "
-            f"sticky route. Bad: below {t.warm_reuse_below:.0%} there: the sessions no longer reach the "
-            "instance that holds them.",
-            [target(queries.PROBE_WARM_REUSE, f"{ROUTE_LEGEND}: {{{{evidence}}}}")],
+            "Sticky sessions and warm reuse of the last probe run",
+            "Per route, the share of the last run's sessions judged sticky, labelled with the evidence "
+            "they were judged by, and the cached over ideal cached tokens of its warm rounds. Judged by "
+            "replica, the share is what KVWatchSessionAffinityBroken fires on; judged by reuse (a session "
+            f"is sticky when each warm round had at least {REUSED_SHARE:.0%} of the cached tokens a pinned "
+            f"session holds), what KVWatchSessionReuseLost fires on, below {t.sticky_ratio_below:.0%}. The "
+            "warm reuse is their context: a round sent to another instance still finds what that one kept "
+            "of its session, so it falls less than the share.\n\nGood: near 100 % on a sticky route. Bad: "
+            f"the share below {t.sticky_ratio_below:.0%} there: the sessions no longer reach the instance "
+            "that holds them.",
+            [
+                target(queries.PROBE_LAST_RUN_STICKY, f"{ROUTE_LEGEND}: sticky sessions by {{{{evidence}}}}"),
+                target(queries.PROBE_WARM_REUSE, f"{ROUTE_LEGEND}: warm reuse ({{{{evidence}}}})"),
+            ],
             unit="percentunit",
             no_value=NO_PROBE_DATA,
             interval=PROBE_MIN_INTERVAL,

@@ -375,7 +375,15 @@ def per_route(aggregation: str, metric: str, by: Grouping = WHOLE) -> str:
 # What the alerts judge, one series per route, listener or the cluster: the alerts compare these with
 # their thresholds, and the pages and boards show them beside the alerts' verdicts.
 def sticky_ratio(by: Grouping) -> str:
-    return per_route("min", "kvwatch_probe_sticky_ratio", by)  # the last probe run's
+    """The last probe run's share of sessions that stayed on one replica, on routes whose rounds name
+    their replica (a series without the evidence label is an older exporter's: judged so too)."""
+    return per_route("min", 'kvwatch_probe_sticky_ratio{evidence!="reuse"}', by)
+
+
+def reused_sessions_ratio(by: Grouping) -> str:
+    """The last probe run's share of sessions whose every warm round kept its reuse, on routes judged by
+    reuse alone: no round named its replica (SageMaker, which names none)."""
+    return per_route("min", 'kvwatch_probe_sticky_ratio{evidence="reuse"}', by)
 
 
 def warm_cold_ratio(by: Grouping) -> str:
@@ -384,8 +392,19 @@ def warm_cold_ratio(by: Grouping) -> str:
 
 def warm_reuse_ratio(by: Grouping) -> str:
     """The last probe run's warm-round reuse (cached over ideal tokens) on routes judged by reuse alone:
-    no round named its replica (SageMaker, which names none)."""
+    the tokens behind reused_sessions_ratio."""
     return per_route("min", 'kvwatch_probe_warm_reuse_ratio{evidence="reuse"}', by)
+
+
+def route_warm_reuse(by: Grouping) -> str:
+    """An alert description's warm reuse of the route it is about (a template query at notification
+    time), as `, and their warm rounds had 74% of the tokens ...`; nothing where Prometheus holds none."""
+    matchers, values = _alert_labels(by.route)
+    lookup = per_route("min", f'kvwatch_probe_warm_reuse_ratio{{evidence="reuse", {matchers}}}', by)
+    return (
+        f"{{{{ with printf `{lookup}` {values} | query }}}}, and their warm rounds had "
+        "{{ . | first | value | humanizePercentage }} of the tokens a pinned session holds cached{{ end }}"
+    )
 
 
 def gateway_spread(by: Grouping) -> str:
@@ -402,15 +421,20 @@ def replica_ids(by: Grouping) -> str:
     return f'group by ({by.keeping("instance, replica")}) (up{{replica!=""}})'
 
 
+def _alert_labels(labels: str) -> tuple[str, str]:
+    """A template query's matchers of these labels (`label=%q`, for printf) and the alert's values of
+    them to fill in. An absent label is "" to Prometheus's templates but nil to vmalert's, which `printf
+    %q` renders as `%!q(<nil>)`: `or` makes it "" in both."""
+    names = labels.split(", ")
+    matchers = ", ".join(f"{name}=%q" for name in names)
+    return matchers, " ".join(f'(or $labels.{name} "")' for name in names)
+
+
 def instance_name(by: Grouping) -> str:
     """An alert description's name for the instance it is about, as the pages give it: `r2 (127.0.0.1:20812)`
     where the replica ids know the instance's id (a template query at notification time), else its address.
-    The instance is looked up in its own cluster: "" matches a Prometheus without the label. An absent
-    label is "" to Prometheus's templates but nil to vmalert's, which `printf %q` renders as `%!q(<nil>)`:
-    `or` makes it "" in both."""
-    labels = by.keeping("instance").split(", ")
-    matchers = ", ".join(f"{label}=%q" for label in labels)
-    values = " ".join(f'(or $labels.{label} "")' for label in labels)
+    The instance is looked up in its own cluster: "" matches a Prometheus without the label."""
+    matchers, values = _alert_labels(by.keeping("instance"))
     lookup = f"{replica_ids(by)} and on({by.keeping('instance')}) up{{{matchers}}}"
     return (
         "{{ $name := $labels.instance }}"
@@ -421,7 +445,7 @@ def instance_name(by: Grouping) -> str:
 
 WATCHED_ROUTES, WATCHED_LISTENERS = watched_routes(WHOLE), watched_listeners(WHOLE)
 STICKY_RATIO, WARM_COLD_RATIO = sticky_ratio(WHOLE), warm_cold_ratio(WHOLE)
-WARM_REUSE_RATIO = warm_reuse_ratio(WHOLE)
+REUSED_SESSIONS_RATIO, WARM_REUSE_RATIO = reused_sessions_ratio(WHOLE), warm_reuse_ratio(WHOLE)
 GATEWAY_SPREAD = gateway_spread(WHOLE)
 REPLICA_IDS = replica_ids(WHOLE)
 
@@ -521,7 +545,10 @@ PROBE_EVIDENCE_SHARE = (
     + f"\n  / on ({ROUTE}) group_left() "
     + f"({_sum_rate('kvwatch_probe_evidence_sessions_total', PROBE_SELECTOR, ROUTE)} > 0)"
 )
-# The last run's warm reuse per route, with the evidence it stands for (KVWatchSessionReuseLost's gauge).
+# The last run's share of sticky sessions per route, with the evidence they were judged by: by replica,
+# KVWatchSessionAffinityBroken's gauge, by reuse KVWatchSessionReuseLost's; and the warm rounds' reuse
+# behind the latter.
+PROBE_LAST_RUN_STICKY = f"min by ({ROUTE}, evidence) (kvwatch_probe_sticky_ratio{{{PROBE_SELECTOR}}})"
 PROBE_WARM_REUSE = f"min by ({ROUTE}, evidence) (kvwatch_probe_warm_reuse_ratio{{{PROBE_SELECTOR}}})"
 PROBE_BACKEND_SWITCHES_PER_SESSION = _ratio(
     _sum_rate("kvwatch_probe_backend_switches_total", PROBE_SELECTOR, ROUTE),

@@ -26,9 +26,10 @@ class Thresholds:
     runs the same rules scaled by 1/10."""
 
     cluster_label: str = CLUSTER_LABEL  # every rule aggregates by it, every board filters by it
-    sticky_ratio_below: float = 0.5  # share of a probe run's sessions that stayed on one replica
+    # Share of a probe run's judged sessions that were sticky: by the replica each round names
+    # (KVWatchSessionAffinityBroken), or where none names one by every warm round's reuse (...ReuseLost).
+    sticky_ratio_below: float = 0.5
     echo_ratio_below: float = 0.5  # share of a probe run's sessions whose id the gateway echoed
-    warm_reuse_below: float = 0.5  # warm rounds' cached over ideal tokens, on a route judged by reuse
     keyless_share_above: float = 0.5  # share of gateway requests that arrived without a session key
     keyless_rise_factor: float = 2.0  # ... and at least this many times the share an hour earlier
     keyless_share_window: str = "5m"  # ... both shares rated over this window

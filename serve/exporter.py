@@ -277,7 +277,10 @@ class ProbeCollector(Collector):
         duration = gauge("kvwatch_probe_last_run_duration_seconds", "How long the last probe run took")
         success = gauge("kvwatch_probe_success", "1 if every session of the last probe run succeeded")
         sticky = gauge(
-            "kvwatch_probe_sticky_ratio", "Share of the last run's judged sessions that were sticky"
+            "kvwatch_probe_sticky_ratio",
+            "Share of the last run's judged sessions that were sticky; evidence: replica when a round named "
+            "its replica (KVWatchSessionAffinityBroken judges it), else reuse (KVWatchSessionReuseLost)",
+            ("evidence",),
         )
         echo = gauge(
             "kvwatch_probe_session_id_echo_ratio", "Share of the last run's sessions whose id came back"
@@ -299,9 +302,10 @@ class ProbeCollector(Collector):
             timestamp.add_metric(labels, run.finished_at)
             duration.add_metric(labels, run.finished_at - run.started_at)
             success.add_metric(labels, float(bool(run.sessions) and all(s.ok for s in run.sessions)))
+            evidence = _run_evidence(run.sessions)
             judged = [s.sticky for s in run.sessions if s.sticky is not None]
             if judged:
-                sticky.add_metric(labels, sum(judged) / len(judged))
+                sticky.add_metric([*labels, evidence], sum(judged) / len(judged))
             echoed = [s.session_id_echoed for s in run.sessions if s.session_id_echoed is not None]
             if echoed:
                 echo.add_metric(labels, sum(echoed) / len(echoed))
@@ -312,9 +316,14 @@ class ProbeCollector(Collector):
             if medians.get(1) and warm:
                 warm_cold.add_metric(labels, median(warm) / medians[1])
             if (reused := _warm_reuse(run.sessions)) is not None:
-                evidence = "replica" if any(s.evidence == "replica" for s in run.sessions) else "reuse"
                 reuse.add_metric([*labels, evidence], reused)
         yield from (timestamp, duration, success, sticky, echo, last_ttft, warm_cold, reuse)
+
+
+def _run_evidence(sessions: Sequence[SessionResult]) -> str:
+    """What a run's stickiness and warm reuse stand for: "replica" when a round of it named its replica,
+    else "reuse" (the run's sticky ratio then counts its sessions' verdicts by reuse)."""
+    return "replica" if any(s.evidence == "replica" for s in sessions) else "reuse"
 
 
 def _warm_reuse(sessions: Sequence[SessionResult]) -> float | None:

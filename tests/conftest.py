@@ -130,12 +130,13 @@ def poll(ask: Callable[[], object], what: str, timeout: float, log: Path | None 
     pytest.fail(f"{what}: not within {timeout} s{tail}")
 
 
-def launch(argv: list[str], log: Path, ready: str, **options) -> subprocess.Popen:
-    """`argv` started with its output in `log`, once `ready` (a URL) answers 200; stopped if it never does."""
+def launch(argv: list[str], log: Path, ready: str, timeout: float = 20.0, **options) -> subprocess.Popen:
+    """`argv` started with its output in `log`, once `ready` (a URL) answers 200 within `timeout`
+    seconds; stopped if it never does."""
     with log.open("w") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **options)
     try:
-        wait_http(ready, process, log)
+        wait_http(ready, process, log, timeout)
     except BaseException:
         stop(process)
         raise
@@ -676,12 +677,14 @@ def vllm_sagemaker_lab(tmp_path_factory) -> Iterator[Lab]:
     lab.stop()
 
 
-def start_vllm_sagemaker_lab(state_dir: Path, replicas: int) -> Lab:
+def start_vllm_sagemaker_lab(state_dir: Path, replicas: int, *options: str) -> Lab:
     """Real vLLM servers with SageMaker stateful sessions behind the lab's SageMaker front, no serve
-    probing: the only traffic is the test's."""
+    probing: the only traffic is the test's. 1 s scrapes and rule windows at a quarter of production, as
+    in vllm_lab."""
     return start_lab_in(
         state_dir, "--engine", "vllm", "--gateway", "sagemaker", "--replicas", str(replicas), "--no-probes",
-        "--no-dashboard", "--fast", timeout=VLLM_LAB_START_TIMEOUT_S,
+        "--no-dashboard", "--fast", "--rule-time-scale", str(VLLM_LAB_RULE_TIME_SCALE), *options,
+        timeout=VLLM_LAB_START_TIMEOUT_S,
     )  # fmt: skip
 
 

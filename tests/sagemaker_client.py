@@ -168,6 +168,13 @@ def probe_through_an_expiry(lab: Lab, options: list[str], expire: Callable[[subp
     return session, opened, reopened_at
 
 
+def active_alerts(lab: Lab, name: str) -> list[dict]:
+    """The alerts of that name the lab's Alertmanager holds active, neither silenced nor inhibited."""
+    params = {"active": "true", "silenced": "false", "inhibited": "false"}
+    alerts = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", params=params, timeout=5).json()
+    return [a for a in alerts if a["labels"]["alertname"] == name]
+
+
 def rounds_of(lab: Lab, session_id: str, status: int | None = None) -> list[dict]:
     """The front's access-log lines of the session's streamed rounds (of that status)."""
     return [

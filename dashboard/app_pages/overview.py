@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kvwatch.alerts import verdicts
+from kvwatch.collectors.probe.records import REUSED_SHARE
 from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, reuse, ui
@@ -52,11 +53,16 @@ SHOWN = tuple(Shown(*row) for row in (
     ("Sessions on one replica", queries.STICKY_RATIO, ui.RATIO, ui.GOOD, verdicts.ROUTE_STICKY,
      "Sessions stay on their replica.",
      f"Share of the probe sessions whose rounds all landed on one replica, {LAST_RUN}."),
-    ("Warm rounds' reuse", queries.WARM_REUSE_RATIO, ui.RATIO, ui.GOOD, verdicts.ROUTE_REUSE,
-     "Warm rounds reuse their history: the sessions reach the replica that holds it.",
+    ("Sessions reusing their history", queries.REUSED_SESSIONS_RATIO, ui.RATIO, ui.GOOD, verdicts.ROUTE_REUSE,
+     "Sessions reuse their history: they reach the replica that holds it.",
      "No round names its replica on this route (SageMaker names none), so reuse judges its stickiness: "
-     "cached over ideal cached tokens of the warm rounds (what a replica holding each conversation would "
-     f"have cached), {LAST_RUN}."),
+     f"share of the probe sessions whose every warm round had at least {REUSED_SHARE:.0%} of the cached "
+     f"tokens a replica holding the conversation would have, {LAST_RUN}."),
+    ("Warm rounds' reuse", queries.WARM_REUSE_RATIO, ui.RATIO, ui.GOOD, None,
+     "No alert judges it: the tokens behind the share of sessions beside it.",
+     "Cached over ideal cached tokens of the warm rounds (what a replica holding each conversation would "
+     f"have cached), {LAST_RUN}: a round sent to another replica still finds what that one kept of its "
+     "session, so this falls less than the share of sessions does."),
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR, ui.BAD, verdicts.ROUTE_WARM_ROUNDS,
      "Warm rounds are faster than round 1: the history is reused.",
      f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}."),
@@ -77,7 +83,8 @@ SHOWN = tuple(Shown(*row) for row in (
     CLUSTER_HIT_RATIO,
     LOCAL_HIT_RATIO,
     STICKY,
-    REUSE,
+    REUSED_SESSIONS,
+    WARM_REUSE,
     WARM_COLD,
     AFFINITY_EFFICIENCY,
     SPREAD,
@@ -98,10 +105,11 @@ OWN_SHARE = tuple(Shown(*row) for row in (
 ))  # fmt: skip
 REAL_HIT_RATIO, PROBE_SHARE = OWN_SHARE
 # A probe route's tiles, by what its stickiness is judged by: the replica each round names, or where no
-# round names one (SageMaker) the warm rounds' reuse, which KVWatchSessionReuseLost watches instead.
+# round names one (SageMaker) each session's warm rounds' reuse, which KVWatchSessionReuseLost watches
+# instead, with the warm rounds' tokens beside it. The first is the route's line on the chart.
 ROUTE_TILES = {
     "replica": (STICKY, WARM_COLD, AFFINITY_EFFICIENCY),
-    "reuse": (REUSE, WARM_COLD, AFFINITY_EFFICIENCY),
+    "reuse": (REUSED_SESSIONS, WARM_REUSE, WARM_COLD, AFFINITY_EFFICIENCY),
 }
 
 
@@ -211,8 +219,8 @@ class Board:
 
     def judged_by(self, target: Target) -> str:
         """What the route's stickiness is judged by, as KVWatchSessionReuseLost tells: "reuse" where
-        Prometheus holds the route's warm reuse judged by reuse over the range, else "replica"."""
-        return "reuse" if not self.points(REUSE, target=target.name).empty else "replica"
+        Prometheus holds the route's sessions judged by reuse over the range, else "replica"."""
+        return "reuse" if not self.points(REUSED_SESSIONS, target=target.name).empty else "replica"
 
     def tile(self, shown: Shown, judged: bool = True, **labels: str) -> None:
         """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
@@ -299,7 +307,8 @@ def route(board: Board, target: Target, sessions: data.Result) -> None:
     )
     if not sessions.error and (evidence := ui.stickiness_evidence(sessions.value, target.name)):
         st.caption(f"Since {ui.as_of(board.over.start)}: {evidence}")
-    for column, shown in zip(st.columns(3), ROUTE_TILES[board.judged_by(target)], strict=True):
+    tiles = ROUTE_TILES[board.judged_by(target)]
+    for column, shown in zip(st.columns(len(tiles)), tiles, strict=True):
         with column:
             board.tile(shown, target.expect_sticky, target=target.name)
     reuse.probe_decomposition(board.over, target.name)

@@ -16,6 +16,7 @@ from itertools import pairwise
 import pytest
 import streamlit as st
 from sagemaker_client import (
+    active_alerts,
     assert_sticky_by_reuse,
     endpoint,
     fault,
@@ -54,12 +55,6 @@ def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:
             r for r in truth if "prompt_tokens" in r and r.get("session_id") in session_ids
         ]
     return found
-
-
-def active_alerts(lab: Lab, name: str) -> list[dict]:
-    params = {"active": "true", "silenced": "false", "inhibited": "false"}
-    alerts = http_get(f"{lab.status['alertmanager']}/api/v2/alerts", params=params, timeout=5).json()
-    return [a for a in alerts if a["labels"]["alertname"] == name]
 
 
 def prometheus(lab: Lab, query: str) -> list[dict]:
@@ -179,24 +174,37 @@ def test_expired_sessions_are_reported_and_reopened(quiet_lab):
     assert quiet_lab.cli("heal").returncode == 0
 
 
-def reuse_tile(lab: Lab, monkeypatch, verdict: str) -> str | None:
-    """lab-affinity's warm reuse on the Overview, rendered on the lab's own config, once its verdict
-    reads `verdict` (the page reads Prometheus on its refresh grid, a little behind); None before, and
-    when the render straddled two grid times. Checked against the lab Prometheus at the page's time."""
+# The Overview's tiles of a route judged by reuse: the share KVWatchSessionReuseLost fires on, the warm
+# reuse beside it.
+TILES = {
+    "Sessions reusing their history": queries.REUSED_SESSIONS_RATIO,
+    "Warm rounds' reuse": queries.WARM_REUSE_RATIO,
+}
+
+
+def reuse_tiles(lab: Lab, monkeypatch, verdict: str) -> tuple[str, str] | None:
+    """lab-affinity's share of sessions that kept their reuse and its warm rounds' reuse on the Overview,
+    rendered on the lab's own config, once the share's verdict reads `verdict` (the page reads Prometheus
+    on its refresh grid, a little behind); None before, and when the render straddled two grid times.
+    Both checked against the lab Prometheus at the page's time."""
     at_time = data.now()
     at = page("overview", lab, monkeypatch)
     said = [m.value for m in at.markdown]
-    shown = [m.value for m in at.metric if m.label == "Warm rounds' reuse"]
-    if data.now() != at_time or not (shown and any(text.startswith(verdict) for text in said)):
+    shown: dict[str, str] = {}
+    for metric in at.metric:  # lab-affinity's come first, then lab-round-robin's
+        if metric.label in TILES:
+            shown.setdefault(metric.label, metric.value)
+    if data.now() != at_time or not (len(shown) == 2 and any(text.startswith(verdict) for text in said)):
         return None
     assert not any("KVWatchSessionAffinityBroken" in text for text in said), said  # it cannot apply here
-    params = {"query": queries.WARM_REUSE_RATIO, "time": at_time}
-    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params=params, timeout=10).json()
-    (held,) = [
-        float(r["value"][1]) for r in answer["data"]["result"] if r["metric"]["target"] == "lab-affinity"
-    ]
-    assert shown[0] == f"{held:.0%}", (shown, held)
-    return shown[0]
+    for label, query in TILES.items():
+        params = {"query": query, "time": at_time}
+        answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params=params, timeout=10).json()
+        (held,) = [
+            float(r["value"][1]) for r in answer["data"]["result"] if r["metric"]["target"] == "lab-affinity"
+        ]
+        assert shown[label] == f"{held:.0%}", (label, shown, held)
+    return shown["Sessions reusing their history"], shown["Warm rounds' reuse"]
 
 
 def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmanager(lab, monkeypatch):
@@ -224,8 +232,9 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
         ("lab-round-robin", "reuse"),
     }, reuse
     assert not active_alerts(lab, "KVWatchSessionReuseLost")
-    healthy = ":green[Warm rounds reuse their history"
-    assert wait_for(lambda: reuse_tile(lab, monkeypatch, healthy), "a green reuse verdict") == "100%"
+    healthy = ":green[Sessions reuse their history"
+    shown = wait_for(lambda: reuse_tiles(lab, monkeypatch, healthy), "a green reuse verdict")
+    assert shown == ("100%", "100%"), shown
     fault(lab, "ignore-session-ids")
     try:
         (alert,) = wait_for(
@@ -233,8 +242,9 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
         )
         assert alert["labels"]["target"] == "lab-affinity", alert
         assert alert["labels"]["severity"] == "critical"
+        assert not active_alerts(lab, "KVWatchSessionAffinityBroken")  # one break, one alert
         fires = ":red[KVWatchSessionReuseLost fires"
-        wait_for(lambda: reuse_tile(lab, monkeypatch, fires), "a red reuse verdict on the Overview")
+        wait_for(lambda: reuse_tiles(lab, monkeypatch, fires), "a red reuse verdict on the Overview")
     finally:
         assert lab.cli("heal").returncode == 0
 

@@ -2,20 +2,61 @@
 AWS SDK (botocore): with the front ignoring session ids, every warm round caches exactly what the instance
 the front chose holds of that session's own history (each session's marker keeps the others' cached
 prompts out), as vLLM counts it, so the reuse drops and every session is judged not sticky; healed, every
-session is sticky again. In the real-vLLM lane of `make test` (scripts/test.sh)."""
+session is sticky again. End to end, `kvwatch serve` probing the endpoint, the lab's Prometheus and
+Alertmanager: KVWatchSessionReuseLost fires on the share of sessions that lost their reuse, whatever the
+warm rounds' reuse (about three quarters here, which its description gives), and resolves once healed;
+KVWatchSessionAffinityBroken never fires.
+In the real-vLLM lane of `make test` (scripts/test.sh)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from sagemaker_client import assert_sticky_by_reuse, fault, probe_json, rounds_of, use_lab_credentials
+import yaml
+from sagemaker_client import (
+    ENDPOINT,
+    MODEL,
+    active_alerts,
+    assert_sticky_by_reuse,
+    fault,
+    probe_json,
+    rounds_of,
+    use_lab_credentials,
+)
 
-from conftest import Lab, http_get, start_vllm_sagemaker_lab, wait_for
+from conftest import (
+    VLLM_LAB_START_TIMEOUT_S,
+    Lab,
+    http_get,
+    launch,
+    start_vllm_sagemaker_lab,
+    stop,
+    stop_lab_serve,
+    wait_for,
+)
+from kvwatch.core.promapi import PrometheusApi
+from kvwatch.lab.gateways.sagemaker import LAB_REGION
+from kvwatch.prometheus import queries
+from kvwatch.prometheus.thresholds import THRESHOLDS
+from kvwatch.store.history import Store
 
 BLOCK = 128  # the lab's vLLM KV block
 WORKLOAD = ("--system-tokens", "300", "--turn-tokens", "100", "--max-tokens", "16")
+# kvwatch serve's probe of the endpoint: three sessions of four rounds each run, every 15 s (back to back
+# on a busy machine). With each round on a random instance, a session stays on one with a chance of 1 in
+# 8, so a run has two sticky sessions of three (the share at the alert's floor) with a chance of 1 in 23.
+PROBE = {"sessions_per_run": 3, "rounds": 4, "interval_seconds": 15,
+         "workload": {"system_tokens": 300, "turn_tokens": 100, "max_tokens": 16}}  # fmt: skip
+WAIT_S = 600  # a run of twelve rounds takes about a minute on a busy 2-core machine
+# Each test may be the one that starts the lab, and the alert's waits for a fire and a resolution.
+pytestmark = pytest.mark.timeout(VLLM_LAB_START_TIMEOUT_S + 2 * WAIT_S + 300)
 HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", re.MULTILINE)
 
 
@@ -27,8 +68,10 @@ def aws_credentials(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def two_instances(tmp_path_factory) -> Iterator[Lab]:
     """Two real vLLM instances with stateful sessions behind the front, no serve probing: the only
-    traffic is the test's."""
-    lab = start_vllm_sagemaker_lab(tmp_path_factory.mktemp("vllm-sagemaker-two") / "state", replicas=2)
+    traffic is the test's (or a test's own serve's)."""
+    lab = start_vllm_sagemaker_lab(
+        tmp_path_factory.mktemp("vllm-sagemaker-two") / "state", 2, "--sagemaker-routing", "RANDOM"
+    )  # requests without a session: on an instance at random, as SageMaker's default routing
     yield lab
     lab.stop()
 
@@ -83,3 +126,100 @@ def test_with_session_ids_ignored_each_round_reuses_only_what_its_instance_kept(
     report, result = probe_json(lab, "--sessions", "2", "--rounds", "3", *WORKLOAD, timeout=600)
     assert result.returncode == 0, result.stderr
     assert_sticky_by_reuse(report, block=BLOCK)
+
+
+@contextlib.contextmanager
+def serving(lab: Lab, directory: Path) -> Iterator[None]:
+    """`kvwatch serve` probing the endpoint through botocore (PROBE), in place of the lab's own (which
+    probes nothing), on the lab's exporter address: the lab's Prometheus scrapes it and Alertmanager's
+    webhook calls it, with the lab's config otherwise."""
+    config = yaml.safe_load((lab.state_dir / "kvwatch.yaml").read_text())
+    endpoint = {"endpoint_name": ENDPOINT, "region": LAB_REGION, "endpoint_url": lab.affinity}
+    model = lab.status.get("model", MODEL)
+    config["targets"] = [
+        {"name": "lab-affinity", "kind": "sagemaker", "model": model, "route_mode": "affinity",
+         "sagemaker": endpoint, **PROBE}
+    ]  # fmt: skip
+    path = directory / "kvwatch.yaml"
+    path.write_text(yaml.safe_dump(config))
+    stop_lab_serve(lab)
+    argv = [sys.executable, "-m", "kvwatch.cli.main", "serve", "--config", str(path)]
+    process = launch(argv, directory / "serve.log", f"{lab.status['exporter']}/-/healthy", timeout=120)
+    try:
+        yield
+    finally:
+        stop(process)
+
+
+def described(alert: dict) -> tuple[float, float]:
+    """The share of sessions and the warm reuse KVWatchSessionReuseLost's description gives, as ratios."""
+    found = re.match(
+        r"Only ([\d.]+)% of the last probe run's sessions through lab-affinity reused their history in "
+        r"every warm round, and their warm rounds had ([\d.]+)% of the tokens a pinned session holds "
+        r"cached: ",
+        alert["annotations"]["description"],
+    )
+    assert found, alert["annotations"]
+    return float(found[1]) / 100, float(found[2]) / 100
+
+
+def held_by_prometheus(lab: Lab, since: float) -> set[tuple[float, float]]:
+    """The (share of sessions, warm reuse) pairs the lab's Prometheus held for the route since `since`."""
+    api = PrometheusApi(lab.status["prometheus"], 10)
+    shares, reuses = (
+        {at: float(v) for one in api.query_range(expr, since, time.time(), 1) for at, v in one["values"]}
+        for expr in (queries.REUSED_SESSIONS_RATIO, queries.WARM_REUSE_RATIO)
+    )
+    return {(shares[at], reuses[at]) for at in shares.keys() & reuses.keys()}
+
+
+def assert_judged_as_routed(lab: Lab, since: float, until: float) -> int:
+    """Each session kvwatch serve stored between those times is sticky exactly when the front sent all
+    its rounds to one instance (the front's access log); how many sessions were not."""
+
+    def stored() -> list[dict]:
+        with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
+            found = store.sessions(target="lab-affinity", since=since)
+        done = [s for s in found if s["finished_at"] <= until and not (s["in_flight"] or s["interrupted"])]
+        return done if len(done) >= PROBE["sessions_per_run"] else []  # a whole run, stored after it
+
+    judged = [s for s in wait_for(stored, "a run's sessions in the store", 60) if s["warm_rounds"]]
+    assert judged
+    for session in judged:
+        served = rounds_of(lab, session["session_id"], 200)
+        assert len(served) == PROBE["rounds"], (session, served)
+        stayed = len({e["upstream_addr"] for e in served}) == 1
+        assert (session["evidence"], session["sticky"]) == ("reuse", stayed), (session, served)
+    return sum(not s["sticky"] for s in judged)
+
+
+def test_with_session_ids_ignored_the_reuse_alert_fires_alone_and_resolves_once_healed(
+    two_instances: Lab, tmp_path
+):
+    lab, since = two_instances, time.time()
+    prometheus = PrometheusApi(lab.status["prometheus"], 10)
+    fault(lab, "ignore-session-ids")
+    try:
+        with serving(lab, tmp_path):
+            (alert,) = wait_for(
+                lambda: active_alerts(lab, "KVWatchSessionReuseLost"), "ReuseLost at Alertmanager", WAIT_S
+            )
+            fired_at = time.time()
+            assert (alert["labels"]["target"], alert["labels"]["severity"]) == ("lab-affinity", "critical")
+            share, reuse = described(alert)
+            assert share < THRESHOLDS.sticky_ratio_below, alert["annotations"]
+            held = held_by_prometheus(lab, since)
+            assert any(math.isclose(share, s, abs_tol=1e-4) and math.isclose(reuse, r, abs_tol=1e-4)
+                       for s, r in held), (share, reuse, held)  # fmt: skip
+            assert lab.cli("heal").returncode == 0
+            assert assert_judged_as_routed(lab, since, fired_at) > 0
+            wait_for(lambda: not active_alerts(lab, "KVWatchSessionReuseLost"), "ReuseLost resolved", WAIT_S)
+            (now,) = prometheus.query(queries.REUSED_SESSIONS_RATIO)
+            assert float(now["value"][1]) >= THRESHOLDS.sticky_ratio_below, now  # healthy runs resolved it
+            never = 'ALERTS{alertname="KVWatchSessionAffinityBroken", target="lab-affinity"}'
+            assert prometheus.query_range(never, since, time.time(), 1) == []
+            assert active_alerts(lab, "KVWatchSessionAffinityBroken") == []
+            print(f"ReuseLost fired {fired_at - since:.0f} s after the fault with {share:.0%} of sessions "
+                  f"and {reuse:.0%} warm reuse; resolved {time.time() - fired_at:.0f} s after")  # fmt: skip
+    finally:
+        assert lab.cli("heal").returncode == 0

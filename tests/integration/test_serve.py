@@ -89,8 +89,8 @@ def test_lab_probes_are_exported_and_stored(lab):
         if (sample(found, "kvwatch_probe_sessions_total", outcome="success", **round_robin) or 0) >= 4:
             break
         time.sleep(1)
-    assert sample(found, "kvwatch_probe_sticky_ratio", **affinity) == 1
-    assert sample(found, "kvwatch_probe_sticky_ratio", **round_robin) == 0
+    assert sample(found, "kvwatch_probe_sticky_ratio", evidence="replica", **affinity) == 1
+    assert sample(found, "kvwatch_probe_sticky_ratio", evidence="replica", **round_robin) == 0
     assert sample(found, "kvwatch_probe_sessions_total", outcome="failure", **affinity) == 0
     assert sample(found, "kvwatch_probe_session_id_echo_sessions_total", echoed="true", **affinity) >= 2
     assert sample(found, "kvwatch_probe_last_run_timestamp_seconds", **affinity) > time.time() - 60

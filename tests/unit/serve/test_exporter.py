@@ -78,7 +78,7 @@ def test_a_sticky_session_is_counted_round_by_round(exporter):
     assert value(registry, "kvwatch_probe_last_ttft_seconds", round="1") == 0.412
     assert value(registry, "kvwatch_probe_last_run_timestamp_seconds") == 1010
     assert value(registry, "kvwatch_probe_success") == 1
-    assert value(registry, "kvwatch_probe_sticky_ratio") == 1
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="replica") == 1
     assert value(registry, "kvwatch_probe_interval_seconds") == 30
 
 
@@ -160,7 +160,8 @@ def test_unknown_stickiness_without_backend_or_cached_tokens(exporter):
     blind = session(round_result(1, backend=None), round_result(2, backend=None, cached_tokens=None))
     results.add_run(("lab-affinity", "affinity"), [blind], 1000, 1010)
     assert value(registry, "kvwatch_probe_stickiness_sessions_total", sticky="unknown") == 1
-    assert value(registry, "kvwatch_probe_sticky_ratio") is None
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="replica") is None
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="reuse") is None
 
 
 def test_declared_routes_export_zeros_before_their_first_run(exporter):
@@ -421,8 +422,14 @@ def test_sessions_judged_by_reuse_export_their_evidence_warm_reuse_and_session_l
     assert value(registry, "kvwatch_probe_session_losses_total", kind="not_found") == 0
     warm_ideal = lost.rounds[1].ideal_cached_tokens
     assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") == 9 / warm_ideal
+    # The session's own verdict by that reuse (under half of its ideal: not sticky), apart from the
+    # replica verdicts KVWatchSessionAffinityBroken judges.
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="reuse") == 0
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="replica") is None
     results.add_run(("lab-affinity", "affinity"), [named], 1000, 1010)
     warm = named.rounds[1:]
     reused = sum(r.cached_tokens for r in warm) / sum(r.ideal_cached_tokens for r in warm)
     assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="replica") == reused
     assert value(registry, "kvwatch_probe_warm_reuse_ratio", evidence="reuse") is None
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="replica") == 1
+    assert value(registry, "kvwatch_probe_sticky_ratio", evidence="reuse") is None

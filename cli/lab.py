@@ -22,6 +22,7 @@ from kvwatch.lab.gateways.envoy import LOAD_BALANCERS
 from kvwatch.lab.gateways.sagemaker.routing import DEFAULT_CONCURRENCY_THRESHOLD, DEFAULT_ROUTING, STRATEGIES
 from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.replicas import REPLICA_KINDS
+from kvwatch.lab.replicas.base import ReplicaKind
 from kvwatch.lab.stack import FAULTS
 from kvwatch.lab.state import (
     CLUSTER_PORT_STRIDE,
@@ -141,50 +142,10 @@ def _add_replica(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_traffic(commands: argparse._SubParsersAction) -> None:
-    from kvwatch.lab.traffic import SESSION_MODES, TrafficSettings, run_cli
+    from kvwatch.lab.traffic import add_arguments, run_cli
 
-    defaults = TrafficSettings(url="")
     traffic = command(commands, "traffic", run_cli, help=TRAFFIC_HELP, description=TRAFFIC_DESCRIPTION)
-    traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
-    for flag, dest, kind, text in (
-        ("--users", "users", int, "concurrent users"),
-        ("--rounds", "rounds", int, "rounds per conversation"),
-        ("--think", "think_seconds", float, "seconds a user thinks between rounds"),
-        ("--system-tokens", "system_tokens", int, "tokens of the shared system prompt"),
-        ("--turn-tokens", "turn_tokens", int, "tokens of each user turn"),
-        ("--max-tokens", "max_tokens", int, "max_tokens of each request"),
-        ("--seed", "seed", int, "seed of the prompts and pauses"),
-        ("--timeout", "timeout_seconds", float, "seconds before a round counts as failed"),
-    ):
-        traffic.add_argument(
-            flag,
-            type=kind,
-            dest=dest,
-            default=getattr(defaults, dest),
-            metavar="N" if kind is int else "SECONDS",
-            help=f"{text} (default %(default)s)",
-        )
-    traffic.add_argument(
-        "--session-mode",
-        choices=SESSION_MODES,
-        default=defaults.session_mode,
-        help="server: adopt the X-Session-Id the gateway returns; client: one new id per conversation; "
-        "none: send no session header (default %(default)s)",
-    )
-    traffic.add_argument(
-        "--control",
-        type=Path,
-        dest="control_path",
-        metavar="FILE",
-        help='JSON file read before each conversation, e.g. {"dynamic_prefix": true}',
-    )
-    traffic.add_argument(
-        "--requests-sample",
-        type=Path,
-        dest="requests_sample",
-        metavar="FILE",
-        help='append every request\'s {"messages": [...]} to this JSONL file',
-    )
+    add_arguments(traffic)
 
 
 def _run_replica(args: argparse.Namespace) -> int:
@@ -306,6 +267,12 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         f"(SageMaker's ConcurrencyThreshold, 1-1024); with --gateway sagemaker (default "
         f"{DEFAULT_CONCURRENCY_THRESHOLD})",
     )
+    _add_up_scale(up)
+    _state_dir_argument(up, LAB_DIRECTORY)
+
+
+def _add_up_scale(up: argparse.ArgumentParser) -> None:
+    """`lab up`'s size, pace and what runs beside the cluster."""
     up.add_argument(
         "--replicas",
         type=int,
@@ -365,7 +332,6 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
         f"{CLUSTER_PORT_STRIDE} * (i + 1) (default %(default)s)",
     )
     up.add_argument("--detach", action="store_true", help="return once the lab is up")
-    _state_dir_argument(up, LAB_DIRECTORY)
 
 
 def _add_stack_commands(commands: argparse._SubParsersAction) -> None:
@@ -430,94 +396,86 @@ def _print_status(info: dict) -> None:
     print(f"state and logs       {info['state_dir']}")
 
 
+def _parts_refusal(args: argparse.Namespace, kind: ReplicaKind, flavours: list[str]) -> str | None:
+    """Why `lab up` cannot run these parts together (engine, gateway, log source, store), or None."""
+    wanted_gateway = LOG_SOURCE_GATEWAYS.get(args.gateway_log_source, args.gateway)
+    sagemaker_only = args.session_ttl is not None or args.session_table_size is not None
+    unknown = sorted(set(flavours) - set(SIMULATED_FLAVOURS))
+    refusals = (
+        (
+            kind.flavour and args.flavours is not None,
+            f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics",
+        ),
+        (
+            args.gateway != wanted_gateway,
+            f"--gateway-log-source {args.gateway_log_source} is for --gateway {wanted_gateway}, "
+            f"not {args.gateway}",
+        ),
+        (
+            METRICS_STORES[args.metrics_store].rules_apart
+            and (args.clusters > 1 or args.gateway_log_source == "syslog"),
+            f"--metrics-store {args.metrics_store} runs one cluster, with its rule engine on the port of "
+            "the syslog relay: no --clusters or --gateway-log-source syslog",
+        ),
+        (
+            args.envoy_lb and args.gateway != "envoy",
+            f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing",
+        ),
+        (
+            args.sagemaker_routing and args.gateway != "sagemaker",
+            f"--sagemaker-routing is for --gateway sagemaker, not {args.gateway}",
+        ),
+        (
+            args.sagemaker_concurrency_threshold is not None
+            and (args.gateway != "sagemaker" or not 1 <= args.sagemaker_concurrency_threshold <= 1024),
+            "--sagemaker-concurrency-threshold is from 1 to 1024, for --gateway sagemaker",
+        ),
+        (
+            sagemaker_only and args.gateway != "sagemaker",
+            f"--session-ttl and --session-table-size are for --gateway sagemaker, not {args.gateway}",
+        ),
+        (
+            (args.session_ttl is not None and args.session_ttl <= 0) or (args.session_table_size or 1) < 1,
+            "--session-ttl must be positive, --session-table-size at least 1",
+        ),
+        (
+            args.gateway == "sagemaker" and args.users,
+            "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0",
+        ),
+        (
+            unknown or not flavours,
+            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; "
+            f"known: {', '.join(sorted(SIMULATED_FLAVOURS))}",
+        ),
+    )
+    return next((message for refused, message in refusals if refused), None)
+
+
+def _size_refusal(args: argparse.Namespace) -> str | None:
+    """Why `lab up` cannot run at this size or these time scales, or None."""
+    scales = (args.time_scale, args.rule_time_scale)
+    if args.replicas < 1 or args.users < 0 or args.think < 0 or min(scales) <= 0:
+        return "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
+    if not 1 <= args.clusters <= MAX_CLUSTERS:
+        return f"--clusters must be from 1 to {MAX_CLUSTERS}: their ports share one block of 100"
+    if args.clusters > 1 and args.replicas > MAX_CLUSTER_REPLICAS:
+        return f"--replicas must be at most {MAX_CLUSTER_REPLICAS} a cluster with --clusters"
+    return None
+
+
 def _run_up(args: argparse.Namespace) -> int:
     kind = REPLICA_KINDS[args.engine]
-    if kind.flavour and args.flavours is not None:
-        return _fail(
-            f"--flavours is for simulated replicas; --engine {kind.name} exports {kind.flavour} metrics"
-        )
-    wanted_gateway = LOG_SOURCE_GATEWAYS.get(args.gateway_log_source, args.gateway)
-    if args.gateway != wanted_gateway:
-        return _fail(
-            f"--gateway-log-source {args.gateway_log_source} is for --gateway {wanted_gateway}, "
-            f"not {args.gateway}"
-        )
-    if METRICS_STORES[args.metrics_store].rules_apart and (
-        args.clusters > 1 or args.gateway_log_source == "syslog"
-    ):
-        return _fail(
-            f"--metrics-store {args.metrics_store} runs one cluster, with its rule engine on the port of "
-            "the syslog relay: no --clusters or --gateway-log-source syslog"
-        )
-    if args.envoy_lb and args.gateway != "envoy":
-        return _fail(f"--envoy-lb is for --gateway envoy; the {args.gateway} gateway has its own balancing")
-    if args.sagemaker_routing and args.gateway != "sagemaker":
-        return _fail(f"--sagemaker-routing is for --gateway sagemaker, not {args.gateway}")
-    if args.sagemaker_concurrency_threshold is not None and (
-        args.gateway != "sagemaker" or not 1 <= args.sagemaker_concurrency_threshold <= 1024
-    ):
-        return _fail("--sagemaker-concurrency-threshold is from 1 to 1024, for --gateway sagemaker")
-    if (args.session_ttl is not None or args.session_table_size is not None) and args.gateway != "sagemaker":
-        return _fail(
-            f"--session-ttl and --session-table-size are for --gateway sagemaker, not {args.gateway}"
-        )
-    if (args.session_ttl is not None and args.session_ttl <= 0) or (args.session_table_size or 1) < 1:
-        return _fail("--session-ttl must be positive, --session-table-size at least 1")
-    if args.gateway == "sagemaker" and args.users:
-        return _fail(
-            "the background users speak OpenAI's API, which the SageMaker runtime does not: --users 0"
-        )
     flavours = [f.strip() for f in (args.flavours or "vllm").split(",") if f.strip()]
-    unknown = sorted(set(flavours) - set(SIMULATED_FLAVOURS))
-    if unknown or not flavours:
-        return _fail(
-            f"unknown flavour(s) {', '.join(unknown) or '(none given)'}; "
-            f"known: {', '.join(sorted(SIMULATED_FLAVOURS))}"
-        )
+    if refusal := _parts_refusal(args, kind, flavours):
+        return _fail(refusal)
     args.replicas = DEFAULT_REPLICAS[kind.name] if args.replicas is None else args.replicas
+    args.users = 0 if args.gateway == "sagemaker" else args.users
     args.users = DEFAULT_USERS[kind.name] if args.users is None else args.users
-    if args.gateway == "sagemaker":
-        args.users = 0
-    if (
-        args.replicas < 1
-        or args.users < 0
-        or args.time_scale <= 0
-        or args.think < 0
-        or args.rule_time_scale <= 0
-    ):
-        return _fail(
-            "--replicas must be at least 1, --users and --think at least 0, the time scales positive"
-        )
-    if not 1 <= args.clusters <= MAX_CLUSTERS:
-        return _fail(f"--clusters must be from 1 to {MAX_CLUSTERS}: their ports share one block of 100")
-    if args.clusters > 1 and args.replicas > MAX_CLUSTER_REPLICAS:
-        return _fail(f"--replicas must be at most {MAX_CLUSTER_REPLICAS} a cluster with --clusters")
+    if refusal := _size_refusal(args):
+        return _fail(refusal)
     try:
         with stack.locked(args.state_dir.resolve(), _say_waiting):
-            state = stack.up(
-                args.state_dir,
-                args.base_port,
-                args.replicas,
-                flavours,
-                args.clusters,
-                fast=args.fast,
-                time_scale=args.time_scale,
-                users=args.users,
-                think_seconds=args.think,
-                rule_time_scale=args.rule_time_scale,
-                probes=args.probes,
-                dashboard=args.dashboard,
-                engine=kind.name,
-                gateway=args.gateway,
-                metrics_store=args.metrics_store,
-                gateway_log_source=args.gateway_log_source,
-                envoy_lb=args.envoy_lb or "ring-hash",
-                sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
-                sagemaker_concurrency_threshold=args.sagemaker_concurrency_threshold
-                or DEFAULT_CONCURRENCY_THRESHOLD,
-                session_ttl_s=args.session_ttl,
-                session_table_size=args.session_table_size,
-            )
+            state = _start(args, kind.name, flavours)
     except stack.LabError as error:
         return _fail(str(error))
     except KeyboardInterrupt:
@@ -529,6 +487,37 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.detach:
         print(f"The lab runs in the background; stop it with `{kvwatch_command()} lab down`.")
         return 0
+    return _stay_up(state)
+
+
+def _start(args: argparse.Namespace, engine: str, flavours: list[str]) -> LabState:
+    return stack.up(
+        args.state_dir,
+        args.base_port,
+        args.replicas,
+        flavours,
+        args.clusters,
+        fast=args.fast,
+        time_scale=args.time_scale,
+        users=args.users,
+        think_seconds=args.think,
+        rule_time_scale=args.rule_time_scale,
+        probes=args.probes,
+        dashboard=args.dashboard,
+        engine=engine,
+        gateway=args.gateway,
+        metrics_store=args.metrics_store,
+        gateway_log_source=args.gateway_log_source,
+        envoy_lb=args.envoy_lb or "ring-hash",
+        sagemaker_routing=args.sagemaker_routing or DEFAULT_ROUTING,
+        sagemaker_concurrency_threshold=args.sagemaker_concurrency_threshold or DEFAULT_CONCURRENCY_THRESHOLD,
+        session_ttl_s=args.session_ttl,
+        session_table_size=args.session_table_size,
+    )
+
+
+def _stay_up(state: LabState) -> int:
+    """In the foreground: serve until SIGINT or SIGTERM, then stop the lab as other commands left it."""
     print("The lab is up. Press Ctrl-C to stop it.")
     stop = []
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -19,10 +19,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kvwatch.collectors.probe.session import (
-    SESSION_MODES as SESSION_MODES,  # the choices of `kvwatch lab traffic`
-)
-from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session
+from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, api_url, run_session
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, system_prompt, user_turns
 from kvwatch.lab.engine import ReplicaSettings
@@ -137,6 +134,51 @@ async def run_users(settings: TrafficSettings, stop: asyncio.Event) -> None:
         await stop.wait()
         for task in users:
             task.cancel()
+
+
+def add_arguments(traffic: argparse.ArgumentParser) -> None:
+    """`kvwatch lab traffic`'s options, beside what runs them."""
+    defaults = TrafficSettings(url="")
+    traffic.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:18000")
+    for flag, dest, kind, text in (
+        ("--users", "users", int, "concurrent users"),
+        ("--rounds", "rounds", int, "rounds per conversation"),
+        ("--think", "think_seconds", float, "seconds a user thinks between rounds"),
+        ("--system-tokens", "system_tokens", int, "tokens of the shared system prompt"),
+        ("--turn-tokens", "turn_tokens", int, "tokens of each user turn"),
+        ("--max-tokens", "max_tokens", int, "max_tokens of each request"),
+        ("--seed", "seed", int, "seed of the prompts and pauses"),
+        ("--timeout", "timeout_seconds", float, "seconds before a round counts as failed"),
+    ):
+        traffic.add_argument(
+            flag,
+            type=kind,
+            dest=dest,
+            default=getattr(defaults, dest),
+            metavar="N" if kind is int else "SECONDS",
+            help=f"{text} (default %(default)s)",
+        )
+    traffic.add_argument(
+        "--session-mode",
+        choices=SESSION_MODES,
+        default=defaults.session_mode,
+        help="server: adopt the X-Session-Id the gateway returns; client: one new id per conversation; "
+        "none: send no session header (default %(default)s)",
+    )
+    traffic.add_argument(
+        "--control",
+        type=Path,
+        dest="control_path",
+        metavar="FILE",
+        help='JSON file read before each conversation, e.g. {"dynamic_prefix": true}',
+    )
+    traffic.add_argument(
+        "--requests-sample",
+        type=Path,
+        dest="requests_sample",
+        metavar="FILE",
+        help='append every request\'s {"messages": [...]} to this JSONL file',
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:

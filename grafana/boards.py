@@ -36,7 +36,6 @@ from kvwatch.grafana.panels import (
     NO_ENGINE_DATA,
     NO_GATEWAY_DATA,
     NO_PROBE_DATA,
-    NO_ROUTER_DATA,
     OVERVIEW,
     PROBE_MIN_INTERVAL,
     ROUTE_LEGEND,
@@ -50,8 +49,6 @@ from kvwatch.grafana.panels import (
     probe_timeseries,
     request_share_by_instance,
     rounds_barchart,
-    router_share_timeseries,
-    router_shares_timeseries,
     share_timeseries,
     stat,
     state_timeline,
@@ -59,7 +56,7 @@ from kvwatch.grafana.panels import (
     timeseries,
     verdict_stat,
 )
-from kvwatch.grafana.routers import judged_by, reuse_decomposition_row
+from kvwatch.grafana.routers import judged_by, reuse_decomposition_row, router_row
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -88,91 +85,6 @@ VERDICT_PANELS = (
     ("Probes' share", "Whether kvwatch's own probes are most of the cluster's prompt tokens",
      PROBES_DOMINATE, "cluster"),
 )  # fmt: skip
-
-
-def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
-    """What the routers predicted they would reuse, against what the engines delivered."""
-    miss, held = ROUTER_PREDICTION_MISS.alert.name, judged_by(ROUTER_PREDICTION_MISS, t).alert.for_
-    layout.row("Router: predicted vs delivered")
-    layout.add(
-        router_shares_timeseries(
-            "Predicted by the router, delivered by the engines",
-            "What each router predicted it would find cached when it chose a replica (the mean of its "
-            "per-request predicted hit ratios), beside what the engines delivered: each instance's and "
-            "the cluster's prompt tokens served from cached KV. llm-d's EPP exports its prefix indexer's "
-            "prediction (llm_d_epp_prefix_indexer_hit_ratio, and the deprecated inference_extension_ "
-            "name), Dynamo's KV router dynamo_component_router_kv_hit_rate (KV mode only), SMG's "
-            "cache_aware policy smg_cache_aware_match_ratio. vllm-router, sglang-router 0.2 and AIBrix "
-            "count their decisions by outcome rather than as a share of the prompt (Prefix-matched "
-            "decisions), and SMG's manual policy its sticky decisions (Sticky decisions kept): they "
-            "draw no line here. A router is named by its scrape job and instance; the job and "
-            "instance filters apply to the engines only.\n\n"
-            "Good: the delivered lines near the router's. Bad: the router's line high while the engines' "
-            "stay low: it sends requests where its index believes their prefix cached, and the engines "
-            "compute it all again (the index drifted from the engines' caches, or caching is off on a "
-            "replica)." + FIXED_WINDOW,
-            [
-                target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
-                target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
-                target(queries.CLUSTER_HIT_RATIO, "delivered by all instances"),
-            ],
-            alert=miss,
-        ),
-        10,
-    )
-    layout.add(
-        router_share_timeseries(
-            "Delivered per predicted",
-            "The cluster's delivered hit ratio over each router's predicted one: what "
-            f"{miss} judges (it fires below {t.delivered_per_predicted_below:.0%} while the router "
-            f"predicts above {t.router_predicted_above:.0%}, for "
-            f"{held}). Only llm-d's EPP, Dynamo's KV router and SMG's "
-            "cache_aware policy predict a hit ratio to compare.\n\n"
-            "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
-            "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
-            "says hit while the engines prefill everything." + FIXED_WINDOW,
-            queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
-            no_value=NO_ROUTER_DATA,
-            alert=miss,
-        ),
-        7,
-    )
-    layout.add(
-        router_share_timeseries(
-            "Sticky decisions kept (SMG)",
-            "SMG's manual (routing-key) policy: of the requests whose routing key was already pinned to a "
-            'worker, the share that reached it (smg_manual_policy_branch_total{branch="occupied_hit"}) '
-            "rather than another (occupied_miss: the pinned worker was gone or overloaded). The router's "
-            "own stickiness, beside the probes' (Sticky probe sessions); kvwatch reads it from SMG "
-            "only.\n\n"
-            "Good: near 100 %. Bad: falling: routing keys respill to other workers, and their sessions' "
-            "history is prefilled again." + FIXED_WINDOW,
-            queries.INSTANCE_ROUTER_PIN_KEPT,
-            max_value=1,
-            no_value="No SMG router with the manual policy",
-        ),
-        7,
-    )
-    layout.add(
-        router_share_timeseries(
-            "Prefix-matched decisions",
-            "Cache-aware routers: the share of their routing decisions that went where their own index "
-            "matched a cached prefix, as each counts them: SMG's cache_aware policy "
-            '(smg_cache_aware_policy_branch_total{branch="tree_match"}, not spill or a fallback), '
-            'vllm-router (vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}, else its '
-            "cache_hits_total / cache_misses_total, as sglang-router 0.2's sgl_router_ ones), AIBrix "
-            '(aibrix_prefix_cache_routing_decisions_total{match_percent_bucket!="0"}). The router\'s '
-            "guess from its index, not an engine hit: compare it with the engines' delivered hit ratio "
-            "(Predicted by the router, delivered by the engines).\n\n"
-            "Good: steady and high on multi-turn traffic. Bad: falling while the traffic is unchanged "
-            "(the index lost its prefixes: a router restart, workers replaced), or high while the engines "
-            "deliver little (the index drifted from the engines' caches)." + FIXED_WINDOW,
-            queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
-            max_value=1,
-            no_value="No cache-aware router counting its prefix matches",
-        ),
-        GRID_WIDTH,
-    )
 
 
 def _verdict_row(layout: Layout, t: Thresholds) -> None:
@@ -336,6 +248,11 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
         ),
         6,
     )
+    _evidence_panels(layout, t)
+
+
+def _evidence_panels(layout: Layout, t: Thresholds) -> None:
+    """What each route's stickiness is judged by, and the last run's judgement with its warm reuse."""
     layout.add(
         timeseries(
             "Stickiness evidence per route",

@@ -20,7 +20,7 @@ from loopback import QuietHandler, loopback_http
 from conftest import TESTDATA, free_base_port, http_get, stop, wait_http
 from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
-from kvwatch.grafana import boards, panels
+from kvwatch.grafana import panels, routers
 from kvwatch.lab.components import prometheus_process
 from kvwatch.lab.configs import rule_files
 from kvwatch.lab.state import LabState
@@ -122,7 +122,7 @@ def value(prometheus: str, expr: str) -> float | None:
 def router_panel_queries() -> set[str]:
     """The queries of the overview's router row and of its router verdict panel."""
     layout = panels.Layout()
-    boards.router_row(layout)
+    routers.router_row(layout)
     row = {t["expr"] for panel in layout.panels for t in panel.get("targets", [])}
     return row | {ROUTER_PREDICTION_MISS.state}
 

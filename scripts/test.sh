@@ -25,7 +25,8 @@ vllm() {
 }
 rest() {
     # shellcheck disable=SC2046
-    run_pytest --durations=25 -n "$workers" --dist loadfile $(printf -- '--ignore=%s ' $vllm_tests)
+    run_pytest --durations=25 -n "$workers" --dist loadfile --basetemp="${TMPDIR:-/tmp}/kvwatch-tests" \
+        $(printf -- '--ignore=%s ' $vllm_tests)
 }
 
 if [ "$last_core" -ge 1 ]; then

@@ -5,12 +5,14 @@ prompts out), as vLLM counts it, so the reuse drops and every session is judged 
 session is sticky again. End to end, `kvwatch serve` probing the endpoint, the lab's Prometheus and
 Alertmanager: KVWatchSessionReuseLost fires on the share of sessions that lost their reuse, whatever the
 warm rounds' reuse (about three quarters here, which its description gives), and resolves once healed;
-KVWatchSessionAffinityBroken never fires.
+KVWatchSessionAffinityBroken never fires. And the article's experiment, sessions against none, on the
+same two instances.
 In the real-vLLM lane of `make test` (scripts/test.sh)."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import math
 import re
 import sys
@@ -25,6 +27,7 @@ from sagemaker_client import (
     MODEL,
     active_alerts,
     assert_sticky_by_reuse,
+    endpoint,
     fault,
     probe_json,
     rounds_of,
@@ -35,6 +38,7 @@ from conftest import (
     VLLM_LAB_START_TIMEOUT_S,
     Lab,
     http_get,
+    kvwatch,
     launch,
     start_vllm_sagemaker_lab,
     stop,
@@ -223,3 +227,34 @@ def test_with_session_ids_ignored_the_reuse_alert_fires_alone_and_resolves_once_
                   f"and {reuse:.0%} warm reuse; resolved {time.time() - fired_at:.0f} s after")  # fmt: skip
     finally:
         assert lab.cli("heal").returncode == 0
+
+
+def test_experiment_sessions_against_no_sessions_on_real_vllm_gives_the_articles_table(
+    two_instances: Lab, tmp_path
+):
+    """The article's A/B on SageMaker, on real vLLM: the same seeded conversations with SessionIds and
+    without. With sessions every warm round reuses its whole history (every session sticky by reuse);
+    without, each round lands on an instance at random and reuses only what that instance kept, so no
+    round of the sessions' arm caches less than the same round without."""
+    lab, out = two_instances, tmp_path / "experiment"
+    result = kvwatch(
+        "experiment", *endpoint(lab.affinity, lab.status.get("model", MODEL)), "--out", str(out),
+        "--sessions", "3", "--rounds", "3", *WORKLOAD, "--seed", "7", timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    with (out / "per-round.csv").open() as file:
+        rows = {(r["route"], int(r["round"])): r for r in csv.DictReader(file)}
+    assert set(rows) == {(route, n) for route in ("no_session", "session") for n in (1, 2, 3)}
+    assert all((r["sessions"], r["errors"]) == ("3", "0") for r in rows.values()), rows
+    assert all(float(r["ttft_median_seconds"]) > 0 for r in rows.values()), rows
+    for number in (1, 2, 3):  # the same seeded conversations through both
+        assert rows["session", number]["prompt_tokens"] == rows["no_session", number]["prompt_tokens"]
+    for number in (2, 3):
+        with_sessions, without = rows["session", number], rows["no_session", number]
+        assert with_sessions["cached_tokens"] == with_sessions["ideal_cached_tokens"], (number, rows)
+        assert int(with_sessions["cached_tokens"]) >= int(without["cached_tokens"]), (number, rows)
+    with (out / "routes.csv").open() as file:
+        routes = {r["route"]: r for r in csv.DictReader(file)}
+    assert float(routes["session"]["sticky_share"]) == 1.0, routes
+    report = (out / "report.md").read_text()
+    assert "seed 7" in report and "no_session" in report, report

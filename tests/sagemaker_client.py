@@ -4,11 +4,13 @@ SageMaker target on the command line against such a front."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from conftest import REPO, Lab, http_get, kvwatch, wait_for
 from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS, LAB_REGION
@@ -183,3 +185,18 @@ def rounds_of(lab: Lab, session_id: str, status: int | None = None) -> list[dict
         if e["session_id"] == session_id and e["request"].endswith("-response-stream")
         if status is None or e["status"] == status
     ]
+
+
+def experiment_tables(out: Path, sessions: int, rounds: int) -> tuple[dict, dict]:
+    """`kvwatch experiment`'s per-round rows by (route, round) and its routes by name, once both arms are
+    checked to have run every round of every session, without an error, on the same seeded prompts."""
+    with (out / "per-round.csv").open() as file:
+        rows = {(r["route"], int(r["round"])): r for r in csv.DictReader(file)}
+    numbers = range(1, rounds + 1)
+    assert set(rows) == {(route, n) for route in ("no_session", "session") for n in numbers}
+    assert all((r["sessions"], r["errors"]) == (str(sessions), "0") for r in rows.values()), rows
+    for number in numbers:  # the same seeded conversations through both
+        assert rows["session", number]["prompt_tokens"] == rows["no_session", number]["prompt_tokens"]
+    with (out / "routes.csv").open() as file:
+        routes = {r["route"]: r for r in csv.DictReader(file)}
+    return rows, routes

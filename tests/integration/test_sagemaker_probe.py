@@ -7,7 +7,6 @@ test_sagemaker_vllm.py."""
 
 from __future__ import annotations
 
-import csv
 import json
 import re
 import sys
@@ -19,6 +18,7 @@ from sagemaker_client import (
     active_alerts,
     assert_sticky_by_reuse,
     endpoint,
+    experiment_tables,
     fault,
     probe_json,
     probe_through_an_expiry,
@@ -256,17 +256,10 @@ def test_experiment_sessions_against_no_sessions_gives_the_articles_table(lab, t
         "--system-tokens", "600", "--turn-tokens", "100", "--max-tokens", "8", "--seed", "5", timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    with (out / "per-round.csv").open() as file:
-        rows = {(r["route"], int(r["round"])): r for r in csv.DictReader(file)}
-    assert set(rows) == {(route, n) for route in ("no_session", "session") for n in (1, 2, 3, 4)}
-    assert all((r["sessions"], r["errors"]) == ("6", "0") for r in rows.values()), rows
-    for number in (1, 2, 3, 4):  # the same seeded conversations through both
-        assert rows["session", number]["prompt_tokens"] == rows["no_session", number]["prompt_tokens"]
+    rows, routes = experiment_tables(out, sessions=6, rounds=4)
     for number in (2, 3, 4):
         with_sessions, without = rows["session", number], rows["no_session", number]
         assert float(with_sessions["cached_ratio"]) >= float(without["cached_ratio"]), (number, rows)
-    with (out / "routes.csv").open() as file:
-        routes = {r["route"]: r for r in csv.DictReader(file)}
     assert float(routes["session"]["sticky_share"]) == 1.0, routes
     report = (out / "report.md").read_text()
     assert "seed 5" in report and "no_session" in report, report

@@ -5,7 +5,11 @@ the engines delivered) and its TTFT; in KV mode the router records the hit rate 
 chose a worker (`dynamo_component_router_kv_hit_rate`, a histogram whose mean is the prediction) and,
 from dynamo PR #14103, its cache-reuse funnel in tokens (the reuse decomposition's legs).
 Requests per worker are counted only on each worker (`dynamo_component_requests_total`), not here.
-Series appear on their first request, so their absence is not reported as missing.
+Series appear on their first request, so their absence is not reported as missing. The router exports
+its worker-reuse counter (F4) at zero from the first routed request, also for backends that never report
+reuse to it (Dynamo 1.6.1's mocker among them, whose answers' usage carries cached tokens all the same):
+a zero F4 is read as not reported, and the delivered share falls back to the frontend's cached over
+input tokens (tests/testdata/routers/dynamo-1.6.1-frontend-kv-mocker.prom, a real capture).
 """
 
 from __future__ import annotations
@@ -37,10 +41,15 @@ def read(exposition: Exposition, scraped_at: float) -> Snapshot:
         routed_prompt_tokens=reader.total(f"{ROUTER}input_sequence_tokens_sum", optional=True),
         available_tokens=reader.total(f"{ROUTER}kv_best_eligible_cached_prefix_tokens_total", optional=True),
         routed_tokens=reader.total(f"{ROUTER}kv_selected_cached_prefix_tokens_total", optional=True),
-        reused_tokens=reader.total(f"{ROUTER}kv_worker_reused_tokens_total", optional=True),
+        reused_tokens=_reported(reader.total(f"{ROUTER}kv_worker_reused_tokens_total", optional=True)),
         missing=tuple(reader.missing),
         invalid=dict(reader.invalid),
     )
+
+
+def _reported(reused: float | None) -> float | None:
+    """F4 as the workers reported it; None while it is still the zero Dynamo exports before any report."""
+    return reused or None
 
 
 FLAVOUR = Flavour(name="dynamo", kind="router", detect=detect, read=read)

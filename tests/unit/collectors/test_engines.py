@@ -123,6 +123,7 @@ def assert_quantiles_in_true_buckets(record, snapshot: Snapshot, ttfts: list[flo
         (ROUTERS / "dynamo-frontend.prom", "dynamo"),
         (ROUTERS / "llm-d-epp-prefix-tokens.prom", "llm-d-epp"),
         (ROUTERS / "dynamo-router-funnel.prom", "dynamo"),
+        (ROUTERS / "dynamo-1.6.1-frontend-kv-mocker.prom", "dynamo"),  # a real capture, see its header
         (ROUTERS / "aibrix-gateway-0.7.prom", "aibrix-gateway"),
     ],
     ids=lambda value: value.name if isinstance(value, Path) else value,
@@ -494,6 +495,29 @@ def test_dynamo_kv_router_reuse_funnel():
     record = normalise(router("dynamo-router-funnel.prom"))
     assert (record.available_share, record.routed_share, record.delivered_share) == (0.8, 0.6, 0.2)
     assert record.predicted_hit_ratio == 0.75
+
+
+def test_a_real_dynamo_1_6_1_frontend_with_its_kv_router():
+    """A capture of Dynamo 1.6.1's frontend (KV router, two mock engines): the answers' usage summed to
+    12,378 prompt tokens, 9,088 cached (the ground truth in the file's header). Its router exports F4 at
+    zero for engines that report no reuse to it: the delivered share is the frontend's, not 0."""
+    record = normalise(router("dynamo-1.6.1-frontend-kv-mocker.prom"))
+    assert (record.flavour, record.missing, record.invalid) == ("dynamo", (), {})
+    assert (record.prompt_tokens, record.cached_tokens) == (12378, 9088)
+    assert record.hit_ratio == pytest.approx(9088 / 12378)
+    assert record.predicted_hit_ratio == pytest.approx(22.305109922756984 / 32)
+    shares = (record.available_share, record.routed_share, record.delivered_share)
+    assert shares == pytest.approx((9088 / 12378,) * 3)
+    assert (record.requests_running, record.per_worker, record.session_table) == (0, {}, None)
+
+
+def test_a_dynamo_worker_reuse_counter_that_grew_is_the_delivered_leg():
+    """Once a backend reports reuse to the router, F4 is the delivered leg, whatever the frontend saw."""
+    text = (ROUTERS / "dynamo-1.6.1-frontend-kv-mocker.prom").read_text()
+    reported = re.sub(
+        r"^(dynamo_component_router_kv_worker_reused_tokens_total\S*) 0$", r"\1 6189", text, flags=re.M
+    )
+    assert normalise(read(reported)).delivered_share == 0.5
 
 
 def test_routers_without_the_legs_have_no_decomposition():

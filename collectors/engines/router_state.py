@@ -5,7 +5,8 @@ Session tables: llm-d's session binding tracker (`llm_d_epp_session_control_bind
 now; `..._invalidations_total{reason=idle|pod_delete|close|error}`; `..._bind_rejections_total`, new
 sessions refused) and `llm_d_epp_session_state_entries`. Dynamo's affinity table (off unless the
 frontend runs `--router-session-affinity-ttl-secs`, at most 65,536 sessions, a 503 for a new one when
-full) exports no series of its own that the reference names: a full table shows as 503 answers.
+full) exports no series of its own (none in Dynamo 1.6.1 with the flag on,
+tests/testdata/routers/dynamo-1.6.1-frontend-kv-mocker.prom): a full table shows as 503 answers.
 
 KV-event index health: SMG's (`smg_kv_event_lag_seconds`, how far its index trails the engines' events;
 `smg_kv_event_gaps_total`, batches the events skipped; `smg_kv_event_resyncs_total`, rebuilds from a

@@ -274,7 +274,8 @@ def test_a_store_of_schema_6_keeps_its_rounds_and_records_the_routers_pin_outcom
 # another replica), round 3 stayed with it; closed at the end, and a second CLOSE found it gone.
 IDLED = replace(
     session("sagemaker-life", 5000.0, round_result(1, backend="r1"),
-            round_result(2, backend="r2", cached_tokens=0, ideal_cached_tokens=0), round_result(3, backend="r2")),
+            round_result(2, backend="r2", cached_tokens=0, ideal_cached_tokens=0),
+            round_result(3, backend="r2")),
     closed=True, session_losses=((2, "expired"),), idle=(1, 3.5), close_gone=True,
 )  # fmt: skip
 

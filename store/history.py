@@ -170,7 +170,8 @@ class Store:
         """
         columns = (*_SESSION_COLUMNS, *_LIFE_COLUMNS, "uid", "in_flight", "writer")
         with self._transaction(write=True) as db:
-            values = [*(getattr(result, c) for c in _SESSION_COLUMNS), *_life_values(result)]
+            life = life_columns(result) | {"session_losses": json.dumps(result.session_losses)}
+            values = [*(getattr(result, c) for c in _SESSION_COLUMNS), *life.values()]
             values += [uid, in_flight, db.writer]
             session = db.execute(
                 f"{_insert('sessions', columns)} {_replacing('uid', columns)} RETURNING id", _stored(values)
@@ -458,14 +459,15 @@ def _stored(values) -> list:
     return [int(value) if isinstance(value, bool) else value for value in values]
 
 
-def _life_values(result: SessionResult) -> tuple:
-    """The session's LIFE_COLUMNS: its close, its losses, and what followed its idle where it idled."""
-    idle = result.idle or (None, None)
-    life = life_of(result)
-    followed = (None,) * 5 if life is None else (life.expiry, life.cold, life.new_replica, life.repinned)
+def life_columns(result: SessionResult) -> dict:
+    """The session's LIFE_COLUMNS, as sessions() reads them back: its close, its losses, and its idle and
+    what followed it (None where it did not idle, or ended before the round after)."""
+    idle, life = result.idle or (None, None), life_of(result)
+    followed = (None,) * 5
     if life is not None:
-        followed += (life.as_expected,)
-    return (result.closed, result.close_gone, json.dumps(result.session_losses), *idle, *followed)
+        followed = (life.expiry, life.cold, life.new_replica, life.repinned, life.as_expected)
+    values = (result.closed, result.close_gone, result.session_losses, *idle, *followed)
+    return dict(zip(_LIFE_COLUMNS, values, strict=True))
 
 
 def _where(conditions: dict[str, object]) -> tuple[str, list]:

@@ -3,9 +3,10 @@
 `aibrix_prefix_cache_routing_decisions_total{match_percent_bucket}` counts routing decisions by how
 much of the prompt the router's own prefix index matched on the chosen pod ("0": none), a prediction
 in characters, not engine tokens; `..._selection_total{selection}` says how it chose. Newer gateways
-(vllm-project/aibrix#2334) count the decisions taken without the index: `aibrix_prefix_cache_load_imbalance_total`,
-later `aibrix_load_imbalance_total` (the pods' running requests too far apart: the choice narrowed to the
-least loaded pods) and `..._errors_total{reason}` (routing failed).
+(vllm-project/aibrix#2334) count the decisions taken without the index:
+`aibrix_prefix_cache_load_imbalance_total`, later `aibrix_load_imbalance_total` (the pods' running
+requests too far apart: the choice narrowed to the least loaded pods) and `..._errors_total{reason}`
+(routing failed).
 No series counts requests per pod (the `target-pod` response header names it per request).
 """
 

@@ -5,7 +5,13 @@ hit tiers per instance. Each string is here once; rules.py records them, the boa
 
 from __future__ import annotations
 
-from kvwatch.prometheus.queries import INSTANCE, INSTANCE_LMCACHE_HITS_BY_TIER, LMCACHE, WINDOW
+from kvwatch.prometheus.queries import (
+    ENGINE_SELECTOR,
+    INSTANCE,
+    INSTANCE_LMCACHE_HITS_BY_TIER,
+    LMCACHE,
+    WINDOW,
+)
 
 # AIBrix's prefix-cache router (vllm-project/aibrix#2334) counts each routing decision by how it chose the
 # pod: `prefix_match` (a pod its index matched), `prefix_match_skipped` (the matched pods were too loaded:
@@ -27,8 +33,9 @@ AIBRIX_LOAD_IMBALANCE = ("aibrix_prefix_cache_load_imbalance_total", "aibrix_loa
 INSTANCE_ROUTER_FALLBACKS = f"instance_reason:kvwatch_router_fallbacks_per_decisions:ratio_rate{WINDOW}"
 
 # Each LMCache tier's share of the tokens asked of that LMCache (L1: its CPU memory; L2: disk or a remote
-# store), per instance: beside the engines' split by source. LMCache's multi-process server is a target of
-# its own, so the engines' job and instance filters do not narrow it.
+# store), per instance: beside the engines' split by source. The engines' job and instance filters pick
+# LMCache's multi-process server, a target of its own, as any other.
 LMCACHE_HIT_SHARE_BY_TIER = (
-    f"{INSTANCE_LMCACHE_HITS_BY_TIER}\n  / on({INSTANCE}) group_left() ({LMCACHE.instance_total} > 0)"
+    f"{INSTANCE_LMCACHE_HITS_BY_TIER}{{{ENGINE_SELECTOR}}}\n"
+    f"  / on({INSTANCE}) group_left() ({LMCACHE.instance_total}{{{ENGINE_SELECTOR}}} > 0)"
 )

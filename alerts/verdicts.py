@@ -17,7 +17,10 @@ from kvwatch.prometheus.queries import (
     INSTANCE,
     INSTANCE_HIT_RATIO,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_KV_EVENT_LAG,
     INSTANCE_ROUTER_REUSE_LOSS,
+    INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    INSTANCE_ROUTER_SESSION_BINDINGS,
     LISTENER,
     REUSED_SESSIONS_RATIO,
     ROUTE,
@@ -86,6 +89,16 @@ ROUTING_LOSS = Verdict(
 ENGINE_LOSS = Verdict(
     _alert("KVWatchReuseLostInEngine"), f'{INSTANCE_ROUTER_REUSE_LOSS}{{loss="engine"}}', INSTANCE
 )
+# A router's session table and its KV-event index: judged where it exports the table's rejections, its
+# bindings (what the invalidation surge divides by) and the index's lag. The Cache & replicas page says
+# them per router; the boards' row of them links each alert from its panel, not in the verdicts' row.
+SESSION_TABLE_FULL = Verdict(
+    _alert("KVWatchRouterSessionTableFull"), INSTANCE_ROUTER_SESSION_BIND_REJECTIONS, INSTANCE
+)
+SESSION_INVALIDATIONS = Verdict(
+    _alert("KVWatchRouterSessionInvalidationSurge"), INSTANCE_ROUTER_SESSION_BINDINGS, INSTANCE
+)
+INDEX_STALLED = Verdict(_alert("KVWatchRouterIndexStalled"), INSTANCE_ROUTER_KV_EVENT_LAG, INSTANCE)
 VERDICTS = (
     ROUTE_STICKY,
     ROUTE_REUSE,

@@ -56,7 +56,7 @@ from kvwatch.grafana.panels import (
     timeseries,
     verdict_stat,
 )
-from kvwatch.grafana.routers import judged_by, reuse_decomposition_row, router_row
+from kvwatch.grafana.routers import judged_by, reuse_decomposition_row, router_row, router_state_row
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -411,6 +411,7 @@ def overview(t: Thresholds = THRESHOLDS) -> JSON:
     _session_keys_row(layout)
     router_row(layout, t)
     reuse_decomposition_row(layout, t)
+    router_state_row(layout, t)
     _load_row(layout, t)
     _engine_ttft_row(layout)
     return dashboard(

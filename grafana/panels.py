@@ -16,7 +16,7 @@ from kvwatch.alerts.verdicts import (
     Verdict,
 )
 from kvwatch.core.naming import RUNBOOK_URL
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import promql, queries, router_queries
 from kvwatch.prometheus.rules import WINDOWED_RULES
 
 JSON = dict[str, Any]
@@ -340,10 +340,17 @@ def cached_share_by_source() -> JSON:
         "Cached prompt tokens by source",
         "Each source's share of an instance's prompt tokens, as its engine names it (vLLM: device, host, "
         "disk, p2p, external; SGLang: device, host, storage): the hit ratio, split. Decode pods fed by KV "
-        "transfer and offloaded KV show here instead of as misses.\n\n"
+        "transfer and offloaded KV show here instead of as misses. Beside them, LMCache's multi-process "
+        "server's tiers: of the tokens asked of it, the share it found in L1 (its CPU memory) and in L2 "
+        "(disk or a remote store), lmcache_mp_lookup_hit_l1_tokens_total and ..._l2_... over "
+        "lmcache_mp_lookup_requested_tokens_total; a target of its own, which the job and instance "
+        "filters pick as any other.\n\n"
         "Good: the sources you deployed, steady. Bad: a source falling to 0 (an offload tier or the KV "
         "transfer stopped), or only the device where you expected more." + FIXED_WINDOW,
-        [target(queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}")],
+        [
+            target(queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}"),
+            target(router_queries.LMCACHE_HIT_SHARE_BY_TIER, "{{instance}} LMCache {{source}}"),
+        ],
         no_value="No engine exports where its cached tokens came from",
     )
 

@@ -1,23 +1,32 @@
-"""The overview board's router rows: predicted against delivered, and the reuse decomposition (why
-reuse is low, per router); and `judged_by`: a verdict's alert as a thresholds file sets it, so that a
-board describes the rules' own `for`."""
+"""The overview board's router rows: predicted against delivered, the reuse decomposition (why reuse is
+low, per router), and the routers' session tables and KV-event index; and `judged_by`: a verdict's alert
+as a thresholds file sets it, so that a board describes the rules' own `for`."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kvwatch.alerts.alerts import alerts
-from kvwatch.alerts.verdicts import ENGINE_LOSS, ROUTER_PREDICTION_MISS, ROUTING_LOSS, Verdict
+from kvwatch.alerts.verdicts import (
+    ENGINE_LOSS,
+    INDEX_STALLED,
+    ROUTER_PREDICTION_MISS,
+    ROUTING_LOSS,
+    SESSION_INVALIDATIONS,
+    SESSION_TABLE_FULL,
+    Verdict,
+)
 from kvwatch.grafana.panels import (
     FIXED_WINDOW,
-    GRID_WIDTH,
     NO_ROUTER_DATA,
+    ROUTER_LEGEND,
     Layout,
     router_share_timeseries,
     router_shares_timeseries,
     target,
+    timeseries,
 )
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import queries, router_queries
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -143,7 +152,9 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             '(smg_cache_aware_policy_branch_total{branch="tree_match"}, not spill or a fallback), '
             'vllm-router (vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}, else its '
             "cache_hits_total / cache_misses_total, as sglang-router 0.2's sgl_router_ ones), AIBrix "
-            '(aibrix_prefix_cache_routing_decisions_total{match_percent_bucket!="0"}). The router\'s '
+            '(aibrix_prefix_cache_routing_selection_total{selection="prefix_match"}, else, before it '
+            "counted its selections, "
+            'aibrix_prefix_cache_routing_decisions_total{match_percent_bucket!="0"}). The router\'s '
             "guess from its index, not an engine hit: compare it with the engines' delivered hit ratio "
             "(Predicted by the router, delivered by the engines).\n\n"
             "Good: steady and high on multi-turn traffic. Bad: falling while the traffic is unchanged "
@@ -153,5 +164,89 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             max_value=1,
             no_value="No cache-aware router counting its prefix matches",
         ),
-        GRID_WIDTH,
+        16,
+    )
+    layout.add(
+        timeseries(
+            "Routed without the index (AIBrix)",
+            "AIBrix's prefix-cache router: per decision it routed, the requests its load-imbalance gate "
+            "narrowed to the least loaded pods, prefix or not (aibrix_prefix_cache_load_imbalance_total, "
+            "aibrix_load_imbalance_total in later gateways), and the routings that failed, by reason "
+            "(aibrix_prefix_cache_routing_errors_total{reason}: tokenize_failed, no_target_pod, ...).\n\n"
+            "Good: near 0. Bad: the load imbalance rising (the pods' running requests too far apart: "
+            "sessions leave the pod holding their prefix), or errors (requests not routed at all)."
+            + FIXED_WINDOW,
+            [target(router_queries.INSTANCE_ROUTER_FALLBACKS, "{{reason}}: " + ROUTER_LEGEND)],
+            unit="percentunit",
+            no_value="No AIBrix router counting its load imbalances or errors",
+        ),
+        8,
+    )
+
+
+def router_state_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
+    """Routers' session tables (llm-d's session binding tracker) and KV-event index (SMG), with the
+    alerts that judge them."""
+    full, surge, stalled = (
+        judged_by(verdict, t).alert for verdict in (SESSION_TABLE_FULL, SESSION_INVALIDATIONS, INDEX_STALLED)
+    )
+    layout.row("Routers' session tables and KV-event index")
+    layout.add(
+        timeseries(
+            "Sessions bound and refused",
+            "The sessions each router's session table binds to an endpoint now "
+            "(llm_d_epp_session_control_bindings), and the new sessions it refuses per second "
+            f"(..._bind_rejections_total): {full.name} fires while it refuses any for {full.for_}. "
+            "Dynamo's affinity table exports no series (a full one answers 503).\n\n"
+            "Good: bindings following the traffic, no refusals. Bad: refusals: the table is full and new "
+            "conversations go unpinned." + FIXED_WINDOW,
+            [
+                target(queries.INSTANCE_ROUTER_SESSION_BINDINGS, "bound: " + ROUTER_LEGEND),
+                target(
+                    queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS, "refused per second: " + ROUTER_LEGEND
+                ),
+            ],
+            unit="short",
+            no_value="No router exports a session table",
+            alert=full.name,
+        ),
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Session bindings dropped, by reason",
+            "Bindings each router dropped per second, by reason (llm_d_epp_session_control_invalidations_"
+            "total{reason}): idle (past the table's TTL) and close are the table working; pod_delete and "
+            f"error lose sessions before they end, and {surge.name} fires when those are over "
+            f"{t.session_invalidated_share_above:.0%} of the bound sessions a minute for {surge.for_}.\n\n"
+            "Good: idle and close only. Bad: pod_delete or error rising: those sessions start again cold "
+            "on another replica." + FIXED_WINDOW,
+            [target(queries.INSTANCE_ROUTER_SESSION_INVALIDATIONS, "{{reason}}: " + ROUTER_LEGEND)],
+            unit="ops",
+            no_value="No router exports a session table",
+            alert=surge.name,
+        ),
+        8,
+    )
+    layout.add(
+        timeseries(
+            "KV-event index: lag, gaps, resyncs, degraded ranks",
+            "How far each router's KV-event index trails the engines' events (smg_kv_event_lag_seconds, "
+            "its worst worker, in seconds), the event gaps and resyncs per second "
+            "(smg_kv_event_gaps_total, smg_kv_event_resyncs_total) and the ranks it cannot trust "
+            f"(smg_kv_event_degraded_ranks). {stalled.name} fires on a lag over "
+            f"{t.kv_event_lag_above:g} s, any gap or degraded rank, for {stalled.for_}.\n\n"
+            "Good: lag near 0, no gaps, no degraded ranks. Bad: any of them: the router predicts reuse "
+            "from blocks the engines no longer hold (or misses blocks they do)." + FIXED_WINDOW,
+            [
+                target(queries.INSTANCE_ROUTER_KV_EVENT_LAG, "lag (s): " + ROUTER_LEGEND),
+                target(queries.INSTANCE_ROUTER_KV_EVENT_GAPS, "gaps per second: " + ROUTER_LEGEND),
+                target(queries.INSTANCE_ROUTER_KV_EVENT_RESYNCS, "resyncs per second: " + ROUTER_LEGEND),
+                target(queries.INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS, "degraded ranks: " + ROUTER_LEGEND),
+            ],
+            unit="short",
+            no_value="No router exports its KV-event index",
+            alert=stalled.name,
+        ),
+        8,
     )

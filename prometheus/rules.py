@@ -79,6 +79,13 @@ from kvwatch.prometheus.queries import (
     cluster_engine_tokens,
     first_of,
 )
+from kvwatch.prometheus.router_queries import (
+    AIBRIX_DECISIONS,
+    AIBRIX_ERRORS,
+    AIBRIX_LOAD_IMBALANCE,
+    AIBRIX_SELECTIONS,
+    INSTANCE_ROUTER_FALLBACKS,
+)
 
 
 class RuleEntry(Protocol):
@@ -257,8 +264,9 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
         ),
         Rule(
             INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
-            "\nor ".join(_share_of(*pair, instance) for pair in PREFIX_MATCH_DECISIONS),
+            "\nor ".join(_share_of(*pair, instance) for pair in (AIBRIX_SELECTIONS, *PREFIX_MATCH_DECISIONS)),
         ),
+        _fallbacks(by),
         # A mean of per-request ratios only where the router exports no token-weighted prediction.
         Rule(
             INSTANCE_ROUTER_PREDICTIONS,
@@ -275,6 +283,21 @@ def router_rules(by: Grouping) -> tuple[Rule, ...]:
         ),
         *reuse_rules(by),
         *router_state_rules(by),
+    )
+
+
+def _fallbacks(by: Grouping) -> Rule:
+    """AIBrix's routing attempts its index did not decide (a load imbalance, an error by its reason), per
+    decision it routed."""
+    instance = by.instance
+    imbalanced = (
+        f'label_replace({first_of(*AIBRIX_LOAD_IMBALANCE, by=instance)}, "reason", "load_imbalance", "", "")'
+    )
+    errors = f'label_replace(rate({AIBRIX_ERRORS}[{WINDOW}]), "reason", "error:$1", "reason", "(.+)")'
+    return Rule(
+        INSTANCE_ROUTER_FALLBACKS,
+        f"({imbalanced}\n  or sum by ({by.keeping('job, instance, reason')}) ({errors}))\n"
+        f"  / on({instance}) group_left() ({first_of(AIBRIX_DECISIONS, by=instance)} > 0)",
     )
 
 

@@ -29,11 +29,12 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvwatch.collectors.probe.lifecycle import life_of
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.core.errors import KVWatchError
 from kvwatch.store.base import BUSY_TIMEOUT_SECONDS, Database, StoreError, first_line
 from kvwatch.store.databases import open_database, transient
-from kvwatch.store.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION
+from kvwatch.store.schema import LIFE_COLUMNS, MIGRATIONS, SCHEMA, SCHEMA_VERSION
 
 log = logging.getLogger("kvwatch.store")
 
@@ -69,6 +70,7 @@ _SESSION_COLUMNS = (
     "warm_cached_tokens",
     "warm_ideal_cached_tokens",
 )
+_LIFE_COLUMNS = tuple(column for column, _ in LIFE_COLUMNS)
 _ROUND_COLUMNS = tuple(f.name for f in fields(RoundResult))
 _ROUND_TABLE_COLUMNS = ("session", *_ROUND_COLUMNS)
 ROUND_FIELDS = ("session", "target", "route_mode", *_ROUND_COLUMNS)  # what Store.rounds() can read
@@ -85,7 +87,8 @@ _ALERT_COLUMNS = (
     "ends_at",
     "fingerprint",
 )
-_BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted", "in_flight")
+_BOOLEANS = ("ok", "sticky", "session_id_echoed", "interrupted", "in_flight", "closed", "close_gone")
+_BOOLEANS += ("idle_cold", "idle_new_replica", "idle_repinned", "idle_as_expected")
 
 
 class Store:
@@ -165,9 +168,11 @@ class Store:
         last write: each write replaces the one before (rounds only ever grow, and the last write may
         realign their ideal cached tokens to the block size learned at the end of the run).
         """
-        columns = (*_SESSION_COLUMNS, "uid", "in_flight", "writer")
+        columns = (*_SESSION_COLUMNS, *_LIFE_COLUMNS, "uid", "in_flight", "writer")
         with self._transaction(write=True) as db:
-            values = [*(getattr(result, c) for c in _SESSION_COLUMNS), uid, in_flight, db.writer]
+            life = life_columns(result) | {"session_losses": json.dumps(result.session_losses)}
+            values = [*(getattr(result, c) for c in _SESSION_COLUMNS), *life.values()]
+            values += [uid, in_flight, db.writer]
             session = db.execute(
                 f"{_insert('sessions', columns)} {_replacing('uid', columns)} RETURNING id", _stored(values)
             ).fetchone()["id"]
@@ -187,7 +192,11 @@ class Store:
         still `in_flight` when its writer is gone reads as interrupted. `evidence` says what `sticky` was
         judged by (replica, reuse or none); `warm_rounds` counts the warm rounds reuse judges,
         `warm_rounds_reused` those that reused at least half their ideal, `warm_cached_tokens` and
-        `warm_ideal_cached_tokens` are their sums (None without warm rounds).
+        `warm_ideal_cached_tokens` are their sums (None without warm rounds). Its life
+        (collectors.probe.lifecycle): `closed` and `close_gone` (booleans), `session_losses` (a list of
+        (round, kind)), and after an idle `idle_after_round`, `idle_seconds`, `idle_expiry` and the booleans
+        `idle_cold`, `idle_new_replica`, `idle_repinned`, `idle_as_expected`; None where unknown (the
+        sessions stored before schema 8 say none of it).
         """
         where, params = _where({"target = ?": target, "started_at >= ?": since})
         sql = f"SELECT * FROM sessions {where} ORDER BY started_at DESC, id DESC"
@@ -235,7 +244,11 @@ class Store:
             started_at=row["started_at"],
             finished_at=row["finished_at"],
             rounds=tuple(RoundResult(**dict(r)) for r in rounds),
-            interrupted=_session_row(row, gone)["interrupted"],
+            interrupted=(stored := _session_row(row, gone))["interrupted"],
+            closed=stored["closed"],
+            session_losses=stored["session_losses"] or (),
+            idle=None if row["idle_after_round"] is None else (row["idle_after_round"], row["idle_seconds"]),
+            close_gone=stored["close_gone"],
         )
 
     # --- alerts ------------------------------------------------------------------------------------
@@ -446,6 +459,17 @@ def _stored(values) -> list:
     return [int(value) if isinstance(value, bool) else value for value in values]
 
 
+def life_columns(result: SessionResult) -> dict:
+    """The session's LIFE_COLUMNS, as sessions() reads them back: its close, its losses, and its idle and
+    what followed it (None where it did not idle, or ended before the round after)."""
+    idle, life = result.idle or (None, None), life_of(result)
+    followed = (None,) * 5
+    if life is not None:
+        followed = (life.expiry, life.cold, life.new_replica, life.repinned, life.as_expected)
+    values = (result.closed, result.close_gone, result.session_losses, *idle, *followed)
+    return dict(zip(_LIFE_COLUMNS, values, strict=True))
+
+
 def _where(conditions: dict[str, object]) -> tuple[str, list]:
     """A WHERE clause of the conditions whose value is given, e.g. {"target = ?": "chat", ...}."""
     given = {condition: value for condition, value in conditions.items() if value is not None}
@@ -458,6 +482,8 @@ def _session_row(row, writer_gone: Callable[[int | None], bool]) -> dict:
     for column in _BOOLEANS:
         if values[column] is not None:
             values[column] = bool(values[column])
+    losses = values["session_losses"]
+    values["session_losses"] = None if losses is None else tuple(map(tuple, json.loads(losses)))
     if values["in_flight"] and writer_gone(writer):
         values.update(in_flight=False, interrupted=True)
     return values

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvwatch.collectors.probe.records import REUSED_SHARE
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # The warm rounds of the session `sessions.id` that SessionResult judges reuse by, in SQL.
 _WARM = (
     "FROM rounds r WHERE r.session = sessions.id AND r.round > 1 AND r.error_kind IS NULL "
@@ -26,6 +26,22 @@ _EVIDENCE_OF_STORED_SESSIONS = f"""UPDATE sessions SET
         warm_ideal_cached_tokens = (SELECT sum(r.ideal_cached_tokens) {_WARM}),
         evidence = CASE WHEN backend_switches IS NOT NULL THEN 'replica'
             WHEN sticky IS NOT NULL THEN 'reuse' ELSE 'none' END"""
+
+# What a session's life adds to its row: how its route session ended (closed: CLOSE said so; close_gone:
+# a second CLOSE found it gone), the route sessions lost before a round (JSON [[round, kind], ...]), and
+# after an idle past the TTL, its round and seconds and what followed (lifecycle.SessionLife).
+LIFE_COLUMNS = (
+    ("closed", "INTEGER"),
+    ("close_gone", "INTEGER"),
+    ("session_losses", "TEXT"),
+    ("idle_after_round", "INTEGER"),
+    ("idle_seconds", "DOUBLE PRECISION"),
+    ("idle_expiry", "TEXT"),
+    ("idle_cold", "INTEGER"),
+    ("idle_new_replica", "INTEGER"),
+    ("idle_repinned", "INTEGER"),
+    ("idle_as_expected", "INTEGER"),
+)
 
 SCHEMA = (
     """CREATE TABLE sessions (
@@ -48,8 +64,10 @@ SCHEMA = (
         warm_rounds INTEGER,
         warm_rounds_reused INTEGER,
         warm_cached_tokens INTEGER,
-        warm_ideal_cached_tokens INTEGER
-    )""",
+        warm_ideal_cached_tokens INTEGER,
+        """
+    + ",\n        ".join(f"{column} {kind}" for column, kind in LIFE_COLUMNS)
+    + "\n    )",
     "CREATE INDEX sessions_by_time ON sessions (started_at)",
     "CREATE INDEX sessions_by_target ON sessions (target, started_at)",
     "CREATE UNIQUE INDEX sessions_by_uid ON sessions (uid)",
@@ -111,4 +129,7 @@ MIGRATIONS = {
         _EVIDENCE_OF_STORED_SESSIONS,
     ),
     7: ("ALTER TABLE rounds ADD COLUMN pin_outcome TEXT",),  # what a router said of the session's pin
+    # A session's life (collectors.probe.lifecycle): its losses, its idle and what followed, its close.
+    # Sessions stored before it said none of this: NULL, unknown.
+    8: tuple(f"ALTER TABLE sessions ADD COLUMN {column} {kind}" for column, kind in LIFE_COLUMNS),
 }

@@ -1,7 +1,8 @@
 """Cache & replicas: each replica's hit ratio over time (the share of its prompt tokens served from
 cached KV, and beside it its local prefix cache's lookups), where its cached KV came from, how requests
 are spread over the replicas (consistent hashing trades balance for reuse), their TTFT, what each
-engine is, and what the routers predicted they would reuse against what the engines delivered."""
+engine is, what the routers predicted they would reuse against what the engines delivered, and the state
+of the routers' session tables and KV-event index."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
-from kvwatch.alerts.verdicts import INSTANCE_HIT_RATIO_DROP, LOAD_IMBALANCE, ROUTER_PREDICTION_MISS
+from kvwatch.alerts.verdicts import (
+    INDEX_STALLED,
+    INSTANCE_HIT_RATIO_DROP,
+    LOAD_IMBALANCE,
+    ROUTER_PREDICTION_MISS,
+    SESSION_INVALIDATIONS,
+    SESSION_TABLE_FULL,
+)
 from kvwatch.dashboard import data, ui
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import queries, router_queries
 
 # The first cache series an instance exports names its engine (the order of collectors.queries).
 ENGINES = {
@@ -41,6 +49,26 @@ ROUTER_FIGURES = {
     "sticky decisions kept": queries.INSTANCE_ROUTER_PIN_KEPT,
     "prefix-matched decisions": queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
 }
+
+# A router's session table (llm-d's EPP) and KV-event index (SMG), each figure per router, now; and the
+# alerts that judge them, with what each says while it does not fire.
+ROUTER_STATE_FIGURES = {
+    "sessions bound": queries.INSTANCE_ROUTER_SESSION_BINDINGS,
+    "new sessions refused per second": queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    "index lag (s)": queries.INSTANCE_ROUTER_KV_EVENT_LAG,
+    "index gaps per second": queries.INSTANCE_ROUTER_KV_EVENT_GAPS,
+    "index resyncs per second": queries.INSTANCE_ROUTER_KV_EVENT_RESYNCS,
+    "degraded ranks": queries.INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
+}
+ROUTER_STATE_VERDICTS = (
+    (SESSION_TABLE_FULL, "Its session table takes every new session."),
+    (SESSION_INVALIDATIONS, "Its sessions end by idling or a close, not early."),
+    (INDEX_STALLED, "Its KV-event index follows the engines' events."),
+)
+NO_ROUTER_STATE = (
+    "No router in this Prometheus exports a session table (llm-d's EPP: llm_d_epp_session_control_*) or "
+    "its KV-event index (SMG: smg_kv_event_*)."
+)
 
 
 def instance_verdicts(over: data.Span) -> None:
@@ -169,6 +197,50 @@ def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> N
         st.markdown(f"`{job} / {instance}`: :{verdict.color}[{verdict.text}]")
 
 
+def lmcache_tiers(over: data.Span) -> None:
+    """LMCache's hits per tier, per instance, where an LMCache multi-process server says (nothing else)."""
+    tiers = data.instant(router_queries.LMCACHE_HIT_SHARE_BY_TIER, over)
+    if tiers.error or tiers.value.empty:
+        return
+    st.caption(
+        "LMCache: of the tokens asked of it, the share found in L1 (its CPU memory) and L2 (disk or a "
+        "remote store), now."
+    )
+    shares(router_queries.LMCACHE_HIT_SHARE_BY_TIER, over, "", "replicas_lmcache_tiers", color="source",
+           labels={"value": "share of tokens asked of LMCache"})  # fmt: skip
+
+
+def router_state(over: data.Span) -> None:
+    """Each router's session table and KV-event index now, with the verdicts of the alerts that judge
+    them: a full table, sessions dropped early, a stalled index."""
+    st.subheader("Routers' session tables and KV-event index")
+    st.caption(
+        "A session table pins each session to an endpoint until it idles past the TTL or closes; a full "
+        "one refuses new sessions, and bindings dropped for a pod deletion or an error start their "
+        "sessions again cold. A KV-event index that lags, misses events or has degraded ranks predicts "
+        f"reuse from blocks the engines no longer hold. Rates over {queries.WINDOW}."
+    )
+    latest = {name: data.instant(q, over) for name, q in ROUTER_STATE_FIGURES.items()}
+    dropped = data.instant(queries.INSTANCE_ROUTER_SESSION_INVALIDATIONS, over)
+    states = {verdict: data.instant(verdict.state, over) for verdict, _ in ROUTER_STATE_VERDICTS}
+    if any(ui.failed(result) for result in (*latest.values(), dropped, *states.values())):
+        return
+    exported = {name: result.value for name, result in latest.items() if not result.value.empty}
+    if not dropped.value.empty:
+        for reason, rows in dropped.value.groupby("reason"):
+            exported[f"dropped per second: {reason}"] = rows
+    if not exported:
+        ui.empty(NO_ROUTER_STATE)
+        return
+    figures = router_figures(exported)
+    st.dataframe(figures, hide_index=True, key="replicas_router_state")
+    for job, instance in figures[["job", "instance"]].itertuples(index=False):
+        for verdict, ok in ROUTER_STATE_VERDICTS:
+            if not ui.matching(states[verdict].value, job=job, instance=instance).empty:
+                said = ui.judge(verdict, states[verdict].value, ok, job=job, instance=instance)
+                st.markdown(f"`{job} / {instance}`: :{said.color}[{said.text}]")
+
+
 @st.fragment(run_every=data.REFRESH_SECONDS)
 def replicas(seconds: int) -> None:
     over = data.span(seconds)
@@ -208,6 +280,7 @@ def replicas(seconds: int) -> None:
         st.caption("Each source's share of the instance's prompt tokens, now: the hit ratio, split.")
         shares(queries.CACHED_SHARE_BY_SOURCE, over, "No engine exports where its cached tokens came from.",
                "replicas_sources", color="source", labels={"value": "share of prompt tokens"})  # fmt: skip
+        lmcache_tiers(over)
 
     share, latency = st.columns(2)
     with share:
@@ -253,6 +326,7 @@ def replicas(seconds: int) -> None:
             st.dataframe(ui.named_replicas(found, over), hide_index=True)
 
     routers(over, hit_ratios, marks)
+    router_state(over)
 
 
 st.title("Cache & replicas")

@@ -1,6 +1,7 @@
 """Sessions: the recent probe sessions of one target, what their stickiness was judged by (the replica
 each round named, or the warm rounds' reuse), the backend each round landed on (a switch is where a
-session lost its cache), and one session's rounds in detail."""
+session lost its cache), their lives (an idle past the route's TTL and what followed, their close), and
+one session's rounds in detail."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ SESSION_COLUMNS = {
     "session_id": "session id",
 }
 SWITCH_COLOR = "#d62728"
+# An idled session's life (collectors.probe.lifecycle), as the store keeps it.
+LIFE_COLUMNS = {
+    "id": "#",
+    "started_at": st.column_config.DatetimeColumn("started (UTC)", format=ui.TIME_FORMAT),
+    "idle_after_round": "idled after round",
+    "idle_seconds": st.column_config.NumberColumn("idle (s)", format="%.1f"),
+    "idle_expiry": "the route said",  # expired, not_found, closed; empty: nothing (a router forgets silently)
+    "idle_cold": "next round cold",  # cached under half of the history the session held: a full prefill
+    "idle_new_replica": "on another replica",
+    "idle_repinned": "stuck again after",
+    "idle_as_expected": "as expected",  # cold, then stuck again: the source article's expectation
+    "close_gone": "gone after its close",
+}
 
 
 def labels(sessions: pd.DataFrame) -> dict[int, str]:
@@ -119,6 +133,57 @@ def pins_said(rounds: pd.DataFrame) -> str | None:
     return f"The router reported its pin in {plural(int(outcomes.sum()), 'round')}: {counted}."
 
 
+def _count(column: pd.Series, value: object = True) -> int:
+    return int((column == value).sum())
+
+
+def life_summary(sessions: pd.DataFrame) -> list[str]:
+    """What the sessions' lives showed, a line each: route sessions lost and opened anew, the idles past
+    the TTL and what followed, and the closes (those checked: gone or left alive)."""
+    lines = []
+    losses = sessions["session_losses"].dropna().explode().dropna()
+    if len(losses):
+        kinds = losses.map(lambda loss: loss[1]).value_counts().sort_index()
+        counted = ", ".join(f"{kind} {count}" for kind, count in kinds.items())
+        lines.append(
+            f"Route sessions lost and opened anew before a round: {counted} (those rounds count as cold)."
+        )
+    idled = sessions[sessions["idle_after_round"].notna()]
+    if len(idled):
+        said, cold = _count(idled["idle_expiry"].notna()), _count(idled["idle_cold"])
+        moved, stuck = _count(idled["idle_new_replica"]), _count(idled["idle_repinned"])
+        expected, judged = _count(idled["idle_as_expected"]), int(idled["idle_as_expected"].notna().sum())
+        lines.append(
+            f"{plural(len(idled), 'session')} idled past the route's session TTL: the route said the session "
+            f"was gone in {said}, the next round was cold in {cold} and on another replica in {moved}, the "
+            f"session stuck again after it in {stuck}; as expected (cold, then stuck again) in {expected} of "
+            f"the {judged} judged."
+        )
+    closable = sessions["closed"].dropna()
+    if len(closable):
+        checked = sessions["close_gone"].dropna()
+        gone = f"; {_count(checked)} of {len(checked)} checked were gone after it" if len(checked) else ""
+        alive = _count(checked, False)
+        lines.append(
+            f"Sessions closed at the end: {_count(closable)} of {len(closable)}{gone}"
+            + (f", {alive} left ALIVE by their close." if alive else ".")
+        )
+    return lines
+
+
+def lives(sessions: pd.DataFrame) -> None:
+    """The sessions' lives, where any session idled, lost or closed its route session."""
+    lines = life_summary(sessions)
+    if not lines:
+        return
+    st.subheader("Session life")
+    for line in lines:
+        st.caption(line)
+    idled = sessions[sessions["idle_after_round"].notna()]
+    if len(idled):
+        st.dataframe(idled[list(LIFE_COLUMNS)], hide_index=True, column_config=LIFE_COLUMNS, key="lives")
+
+
 def named_rounds(
     over: data.Span, since: float, target: str, session: int | None = None
 ) -> pd.DataFrame | None:
@@ -160,6 +225,7 @@ def recent(target: str, seconds: int) -> None:
 
     st.subheader("Recent sessions")
     st.dataframe(sessions[list(SESSION_COLUMNS)], hide_index=True, column_config=SESSION_COLUMNS)
+    lives(sessions)
 
     st.subheader("One session")
     named = labels(sessions)

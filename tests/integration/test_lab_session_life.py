@@ -1,21 +1,30 @@
 """A probe session's whole life through `kvwatch lab up --gateway sagemaker` with a short session TTL and a
 small session table, driven by the real AWS SDK (botocore): idled past the TTL, the session is refused as
 expired, its next round runs in a new one (cold where it landed on another replica), the rounds after
-stick to it; closed, it is gone from the front's table. The table's series (llm-d's names) reach the
-lab's real Prometheus and its recording rules, equal to the front's ground truth."""
+stick to it; closed, it is gone from the front's table. `kvwatch serve`'s scheduled probe stores each
+session's life so. The table's series (llm-d's names) reach the lab's real Prometheus and its recording
+rules, equal to the front's ground truth."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import pytest
 from botocore.exceptions import ClientError
-from sagemaker_client import close_session, endpoint, open_session, use_lab_credentials
+from sagemaker_client import ENDPOINT, close_session, endpoint, open_session, use_lab_credentials
 
-from conftest import Lab, http_get, kvwatch, wait_for
+from conftest import Lab, free_port, http_get, kvwatch, wait_for
 from kvwatch.collectors.engines import Exposition, detect_flavour
+from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
+from kvwatch.config.settings import Config, ExporterSettings, Lifecycle, StoreSettings, Target
+from kvwatch.lab.gateways.sagemaker import LAB_REGION
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus import queries
+from kvwatch.serve import scheduler
+from kvwatch.store.history import Store
 
 TTL_S = 2.0
 IDLE_S = TTL_S + 1.5  # past the TTL, by more than a Prometheus scrape or a clock second
@@ -88,6 +97,58 @@ def test_an_idle_past_the_ttl_is_an_expiry_then_a_round_in_a_new_session_then_a_
     idle = after.invalidations["idle"] - before.invalidations.get("idle", 0)
     closes = after.invalidations["close"] - before.invalidations.get("close", 0)
     assert (idle, closes) == (SESSIONS, SESSIONS)
+
+
+def stored_lives(lab: Lab, path, monkeypatch) -> list[tuple[dict, list[dict]]]:
+    """One run of `kvwatch serve`'s probe of a SageMaker target whose sessions idle past the TTL after
+    round 1 and check their close (its phase now, not its name's): each stored session and its rounds,
+    once all have ended."""
+    monkeypatch.setattr(scheduler, "phase", lambda name, interval: (time.time() + 0.5) % interval)
+    life = Target(
+        "life", model=lab.status["model"], kind="sagemaker", rounds=3, sessions_per_run=SESSIONS,
+        sagemaker=SageMakerEndpoint(ENDPOINT, LAB_REGION, endpoint_url=lab.affinity), interval_seconds=3600,
+        lifecycle=Lifecycle(idle_after_round=1, idle_seconds=IDLE_S, check_close=True),
+    )  # fmt: skip
+    config = Config(
+        targets=(life,), exporter=ExporterSettings(f"127.0.0.1:{free_port()}"), store=StoreSettings(path)
+    )
+    service, loop, stop = scheduler.Service(config), asyncio.new_event_loop(), asyncio.Event()
+    serving = threading.Thread(target=loop.run_until_complete, args=(service.run(stop),))
+    serving.start()
+    try:
+        with Store(path, readonly=True) as reader:
+
+            def ended() -> list[dict]:
+                sessions = reader.sessions(target="life")
+                done = len(sessions) == SESSIONS and not any(s["in_flight"] for s in sessions)
+                return done and [(s, reader.rounds(session=s["id"])) for s in sessions]
+
+            return wait_for(ended, "the run's sessions stored as ended", 120, 0.5)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        serving.join(60)
+        assert not serving.is_alive(), "kvwatch serve did not stop"
+
+
+def test_serve_stores_each_sessions_life_as_the_front_and_the_replicas_lived_it(lab, tmp_path, monkeypatch):
+    stored = stored_lives(lab, tmp_path / "kvwatch.db", monkeypatch)
+    truth = served_by(lab)
+    for session, rounds in stored:
+        first, woken, last = rounds
+        (old_home,) = truth[first["session_id_sent"]]
+        (new_home,) = truth[woken["session_id_sent"]]  # the new session's, round 2 and round 3
+        assert last["session_id_sent"] == woken["session_id_sent"] != first["session_id_sent"]
+        moved = new_home != old_home
+        named = None if woken["backend"] is None else (woken["backend"] != first["backend"])
+        assert named in (None, moved), (named, old_home, new_home)  # a named replica is the true one
+        life = {column: value for column, value in session.items() if column.startswith(("idle_", "clos"))}
+        assert life == {
+            "closed": True, "close_gone": True, "idle_after_round": 1, "idle_seconds": IDLE_S,
+            "idle_expiry": "expired", "idle_cold": moved, "idle_new_replica": named, "idle_repinned": True,
+            "idle_as_expected": moved,
+        }, (life, old_home, new_home)  # fmt: skip
+        assert session["session_losses"] == ((2, "expired"),)
+    assert table(lab)[1] == {}  # every session closed: gone from the front's table
 
 
 def test_a_full_table_refuses_a_new_session_and_prometheus_records_it(lab, sagemaker_runtime):

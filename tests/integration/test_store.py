@@ -31,6 +31,7 @@ from conftest import free_port
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.store.history import SCHEMA_VERSION, AlertsAdded, Store, StoreError, StoreWriter, WriteDropped
 from kvwatch.store.postgres import LOCK_SPACE
+from kvwatch.store.schema import LIFE_COLUMNS
 
 REPO = Path(__file__).resolve().parent.parent
 DAY = 86400.0
@@ -108,6 +109,11 @@ def store(location):
         yield store
 
 
+# What a session that neither idled nor closed a route session says of its life.
+NO_LIFE = {column: None for column, _ in LIFE_COLUMNS} | {"session_losses": ()}
+DROP_LIFE = tuple(f"ALTER TABLE sessions DROP COLUMN {column}" for column, _ in LIFE_COLUMNS)  # schema 8's
+
+
 def test_session_round_trip_gives_back_the_record(store):
     failed = session(
         "lab-round-robin",
@@ -142,14 +148,14 @@ def test_session_round_trip_gives_back_the_record(store):
         "started_at": 1000.0, "finished_at": 1003.5, "ok": True, "error_kind": None, "sticky": True,
         "backend_switches": 0, "session_id_echoed": True, "interrupted": False, "uid": None,
         "in_flight": False, "evidence": "replica", "warm_rounds": 2, "warm_rounds_reused": 2,
-        "warm_cached_tokens": 1184 + 2368, "warm_ideal_cached_tokens": 1184 + 2368,
+        "warm_cached_tokens": 1184 + 2368, "warm_ideal_cached_tokens": 1184 + 2368, **NO_LIFE,
     }  # fmt: skip
     assert rows[0] == {
         "id": ids[1], "target": "lab-round-robin", "route_mode": "round_robin", "session_id": "5f0c-session",
         "started_at": 2000.0, "finished_at": 2003.5, "ok": False, "error_kind": "unauthorized",
         "sticky": False, "backend_switches": 1, "session_id_echoed": False, "interrupted": False,
         "uid": None, "in_flight": False, "evidence": "replica", "warm_rounds": 1, "warm_rounds_reused": 1,
-        "warm_cached_tokens": 1184, "warm_ideal_cached_tokens": 1184,
+        "warm_cached_tokens": 1184, "warm_ideal_cached_tokens": 1184, **NO_LIFE,
     }  # fmt: skip
 
 
@@ -253,7 +259,7 @@ def test_a_store_of_schema_6_keeps_its_rounds_and_records_the_routers_pin_outcom
     with open_store(location) as store:
         old = store.add_session(session())
     version = "UPDATE kvwatch_schema SET version = 6" if is_postgres(location) else "PRAGMA user_version = 6"
-    write(location, DROP_PIN_OUTCOME, version)
+    write(location, DROP_PIN_OUTCOME, *DROP_LIFE, version)
     with pytest.raises(StoreError, match="has schema 6, from an older kvwatch: `kvwatch serve` upgrades it"):
         open_store(location, readonly=True)
     pinned = session("olla", 2000.0, round_result(1, pin_outcome="miss"), round_result(2, pin_outcome="hit"))
@@ -262,6 +268,51 @@ def test_a_store_of_schema_6_keeps_its_rounds_and_records_the_routers_pin_outcom
         assert store.session(store.add_session(pinned)) == pinned
         assert [r["pin_outcome"] for r in store.rounds("olla")] == ["miss", "hit"]
         assert {r["pin_outcome"] for r in store.rounds("lab-affinity")} == {None}
+
+
+# A SageMaker session idled 3.5 s after round 1: round 2's session had expired (a new one opened, cold on
+# another replica), round 3 stayed with it; closed at the end, and a second CLOSE found it gone.
+IDLED = replace(
+    session("sagemaker-life", 5000.0, round_result(1, backend="r1"),
+            round_result(2, backend="r2", cached_tokens=0, ideal_cached_tokens=0),
+            round_result(3, backend="r2")),
+    closed=True, session_losses=((2, "expired"),), idle=(1, 3.5), close_gone=True,
+)  # fmt: skip
+
+
+def test_a_sessions_life_is_stored_and_read_back(store):
+    """Its losses, its idle and what followed (lifecycle.SessionLife), its close: in the session's row and
+    in the record read back."""
+    unclosed = replace(session("sagemaker-life", 6000.0), closed=False, idle=(2, 4.0))
+    ids = [store.add_session(IDLED), store.add_session(unclosed)]
+    assert [store.session(i) for i in ids] == [IDLED, unclosed]
+    stored = {row["id"]: {column: row[column] for column in NO_LIFE} for row in store.sessions()}
+    assert stored[ids[0]] == {
+        "closed": True, "close_gone": True, "session_losses": ((2, "expired"),), "idle_after_round": 1,
+        "idle_seconds": 3.5, "idle_expiry": "expired", "idle_cold": True, "idle_new_replica": True,
+        "idle_repinned": True, "idle_as_expected": True,
+    }  # fmt: skip
+    # Idled after round 2, said nothing of it, stayed warm on its replica, no round after: not judged.
+    assert stored[ids[1]] == NO_LIFE | {
+        "closed": False, "idle_after_round": 2, "idle_seconds": 4.0, "idle_cold": False,
+        "idle_new_replica": False,
+    }  # fmt: skip
+
+
+def test_a_store_of_schema_7_keeps_its_sessions_and_records_their_lives(location):
+    """Schema 8 keeps each session's life: the sessions stored before it say nothing of theirs."""
+    with open_store(location) as store:
+        old = store.add_session(session())
+    version = "UPDATE kvwatch_schema SET version = 7" if is_postgres(location) else "PRAGMA user_version = 7"
+    write(location, *DROP_LIFE, version)
+    with pytest.raises(StoreError, match="has schema 7, from an older kvwatch: `kvwatch serve` upgrades it"):
+        open_store(location, readonly=True)
+    with open_store(location) as store:
+        assert store.session(store.add_session(IDLED)) == IDLED
+        assert store.session(old) == session()
+        rows = {row["id"]: row for row in store.sessions()}
+    assert {column: rows[old][column] for column in NO_LIFE} == NO_LIFE | {"session_losses": None}
+    assert rows[old + 1]["idle_as_expected"] is True
 
 
 def test_a_store_of_schema_5_learns_each_stored_sessions_evidence_from_its_rounds(location):
@@ -277,6 +328,7 @@ def test_a_store_of_schema_5_learns_each_stored_sessions_evidence_from_its_round
             store.add_session(one)
     version = "UPDATE kvwatch_schema SET version = 5" if is_postgres(location) else "PRAGMA user_version = 5"
     dropped = (*(f"ALTER TABLE sessions DROP COLUMN {column}" for column in EVIDENCE), DROP_PIN_OUTCOME)
+    dropped += DROP_LIFE
     write(location, *dropped, version)
     with pytest.raises(StoreError, match="has schema 5, from an older kvwatch: `kvwatch serve` upgrades it"):
         open_store(location, readonly=True)
@@ -444,6 +496,8 @@ def test_a_store_of_schema_1_is_upgraded_and_keeps_its_history(tmp_path):
     db.execute("ALTER TABLE sessions DROP COLUMN writer")
     for column in EVIDENCE:
         db.execute(f"ALTER TABLE sessions DROP COLUMN {column}")
+    for statement in DROP_LIFE:
+        db.execute(statement)
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()

@@ -50,9 +50,11 @@ def test_aibrix_decisions_taken_without_its_prefix_index():
     snapshot = read(AIBRIX.read_text())
     assert snapshot.flavour == "aibrix-gateway"
     record = normalise(snapshot)
-    assert record.policy_decisions == {"prefix_match": 12, "least_request": 8}
-    assert record.router_fallbacks == {"error:tokenize": 2, "error:no_ready_pod": 1, "load_imbalance": 5}
-    assert "without its index    error:no_ready_pod 1, error:tokenize 2, load_imbalance 5" in shown(snapshot)
+    assert record.policy_decisions == {"prefix_match": 12, "least_request_fallback": 8}
+    fallbacks = {"error:tokenize_failed": 2, "error:no_target_pod": 1, "load_imbalance": 5}
+    assert record.router_fallbacks == fallbacks
+    said = "without its index    error:no_target_pod 1, error:tokenize_failed 2, load_imbalance 5"
+    assert said in shown(snapshot)
 
 
 def test_aibrix_without_the_newer_counters_has_no_fallbacks():

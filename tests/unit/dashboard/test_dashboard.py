@@ -55,7 +55,7 @@ from kvwatch.experiment.report import FILES
 from kvwatch.grafana import panels
 from kvwatch.prometheus import pipeline, promql, queries
 from kvwatch.prometheus.pipeline import Link
-from kvwatch.store.history import Store
+from kvwatch.store.history import Store, life_columns
 
 APP = REPO / "dashboard" / "app.py"
 PAGES = ("overview", "per_round", "replicas", "sessions", "alerts", "experiment", "doctor")
@@ -126,6 +126,7 @@ def sessions_frame(sessions: dict[int, SessionResult] = SESSIONS) -> pd.DataFram
         {
             "id": i,
             **{c: getattr(s, c) for c in columns},
+            **life_columns(s),
             "started_at": s.started_at,
             "finished_at": s.finished_at,
             "in_flight": False,

@@ -64,7 +64,7 @@ from kvwatch.grafana.panels import (
     runbook_link,
     uid,
 )
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import promql, queries, router_queries
 from kvwatch.prometheus.rules import GATEWAY_RULES, WINDOWED_RULES
 from kvwatch.serve.exporter import TTFT_BUCKETS
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS
@@ -191,7 +191,7 @@ def test_panels_on_recording_rules_say_their_window_is_fixed():
 def test_every_panel_query_is_a_named_dashboard_query():
     """Each as the board runs it: a time series or stat per cluster, a table or heatmap over them."""
     named = {True: set(VERDICT_STATES), False: set()}
-    for name, value in vars(queries).items():
+    for name, value in (vars(queries) | vars(router_queries)).items():
         values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
         for per_cluster in named:
             named[per_cluster] |= {
@@ -348,6 +348,18 @@ ROUTER_ONLY = {
     queries.INSTANCE_ROUTER_REUSE_LOSS,
     ROUTING_LOSS.state,
     ENGINE_LOSS.state,
+    # AIBrix's, and the session tables' and KV-event index's: the lab's session table is behind its
+    # SageMaker front (tests/integration/test_lab_session_life.py), its index is SMG's
+    router_queries.INSTANCE_ROUTER_FALLBACKS,
+    queries.INSTANCE_ROUTER_SESSION_BINDINGS,
+    queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
+    queries.INSTANCE_ROUTER_SESSION_INVALIDATIONS,
+    queries.INSTANCE_ROUTER_KV_EVENT_LAG,
+    queries.INSTANCE_ROUTER_KV_EVENT_GAPS,
+    queries.INSTANCE_ROUTER_KV_EVENT_RESYNCS,
+    queries.INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
+    # LMCache's tiers: no LMCache in this lab (tests/unit/prometheus' promtool tests compute them)
+    router_queries.LMCACHE_HIT_SHARE_BY_TIER,
 }
 # The lab's rounds name their replica: no route is judged by reuse here. tests/integration/
 # test_sagemaker_probe.py proves that verdict against the lab's SageMaker front.

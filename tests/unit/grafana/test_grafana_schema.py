@@ -115,7 +115,8 @@ NO_ENGINE_JOB_OR_INSTANCE = {
     r"(route:)?kvwatch_probe_.+": "kvwatch's own probe, filtered by $target: its job and instance are "
     "kvwatch serve's",
     r"(listener:)?kvwatch_gateway_.+": "read from the gateway's access log, per log and listener",
-    r"instance:kvwatch_router_.+": "a router's: its job and instance are the router's, not an engine's",
+    r"instance(_reason)?:kvwatch_router_.+": "a router's: its job and instance are the router's, not an "
+    "engine's",
     r"ALERTS": "the alerts' state, labelled by what each alert watches",
     r"instance:kvwatch_prompt_tokens:rate2m": "the divisor of a join on (job, instance) to a filtered "
     "numerator, which picks its series",

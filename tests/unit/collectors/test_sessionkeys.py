@@ -141,3 +141,34 @@ def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_round
     assert said.status == "pass"
     assert said.evidence.endswith("r1 x3; r1 x3 (the router reported its pins: hit 2, miss 1)")
     assert "reported" not in asyncio.run(hash_key(Route(None, None, probe, None, sessions=[plain]))).evidence
+
+
+def test_a_dynamo_session_marks_its_last_round_final_and_names_no_parent():
+    """X-Dynamo-Session-Final: true on the last round only, so that Dynamo drops the binding at once; no
+    parent header (a probe conversation is no sub-agent); no final mark in a convention without one."""
+
+    def rounds_sent(key: str, turns: int) -> list[dict[str, str]]:
+        sent: list[dict[str, str]] = []
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            sent.append({name.lower(): value for name, value in request.headers.items()})
+            return await chat_answer(request, {})
+
+        async def scenario():
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", chat)
+            async with serving(app) as url, StreamClient() as client:
+                settings = ProbeSettings(url, "m", session_key=key)
+                await run_session(client, settings, Conversation("system", tuple(map(str, range(turns)))))
+
+        asyncio.run(scenario())
+        return sent
+
+    sent = rounds_sent("dynamo", 3)
+    assert [r.get("x-dynamo-session-final") for r in sent] == [None, None, "true"]
+    assert all("x-dynamo-parent-session-id" not in r for r in sent)
+    assert len({r["x-dynamo-session-id"] for r in sent}) == 1
+    assert [r.get("x-dynamo-session-final") for r in rounds_sent("dynamo", 1)] == ["true"]
+    assert not any("final" in name for r in rounds_sent("litellm", 2) for name in r)
+    assert sessionkeys.final_header("x-dynamo-session-id") == "X-Dynamo-Session-Final"
+    assert sessionkeys.final_header("X-Session-Id") is None

@@ -115,7 +115,9 @@ def test_the_config_takes_one_key_or_a_list_and_refuses_an_unknown_one(tmp_path)
 
 def test_an_otlp_gateway_log_with_session_keys_reads_their_attributes():
     def without_key(keys: tuple[str, ...]) -> int:
-        section = GatewayLog(name="gw", format="envoy", source="otlp", listen=str(free_port()), session_keys=keys)
+        section = GatewayLog(
+            name="gw", format="envoy", source="otlp", listen=str(free_port()), session_keys=keys
+        )
         log = open_log(section)
         log.start()
         try:

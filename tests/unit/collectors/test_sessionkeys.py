@@ -21,6 +21,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import load_config
+from kvwatch.doctor import session_keys as doctor_session_keys
 from kvwatch.doctor.route import Route, hash_key
 from kvwatch.onboarding.survey import Request
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
@@ -131,7 +132,11 @@ def test_kvwatch_init_takes_a_routers_header_from_its_session_key():
     assert Request("http://127.0.0.1:9", gateway="nginx").session_header == "X-Session-Id"
 
 
-def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_rounds_landed():
+def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_rounds_landed(monkeypatch):
+    async def nothing_more(sessions, probe):  # the header the route keeps sessions by: not asked here
+        return None
+
+    monkeypatch.setattr(doctor_session_keys, "kept_by_sent", nothing_more)
     probe = ProbeSettings("http://127.0.0.1:9", "m")
     plain = session()  # three rounds on r1, nothing reported
     pinned = replace(plain, rounds=tuple(

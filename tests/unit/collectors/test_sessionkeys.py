@@ -55,15 +55,19 @@ def test_a_targets_key_names_the_header_its_session_id_travels_in(tmp_path, sess
     assert probe_settings(target, None).session_header == header
 
 
-def test_an_unknown_key_or_a_key_with_a_header_is_refused_naming_the_keys(tmp_path):
-    path = config_with(tmp_path, "{key: dynamoo}")
+def refused_as_unknown(path, where: str) -> None:
+    """The config at `path` is refused at `where` for its session key "dynamoo", as every family refuses
+    an unknown name: naming the closest and every known one."""
     with pytest.raises(ConfigError) as error:
         load_config(path)
     known = ", ".join(sorted(sessionkeys.SESSION_KEYS))
     assert str(error.value) == (
-        f'error in {path}: targets[0].session.key: unknown session key "dynamoo"; did you mean "dynamo"? '
-        f"known: {known}"
+        f'error in {path}: {where}: unknown session key "dynamoo"; did you mean "dynamo"? known: {known}'
     )
+
+
+def test_an_unknown_key_or_a_key_with_a_header_is_refused_naming_the_keys(tmp_path):
+    refused_as_unknown(config_with(tmp_path, "{key: dynamoo}"), "targets[0].session.key")
     with pytest.raises(ConfigError, match="set key or header, not both"):
         load_config(config_with(tmp_path, "{key: smg, header: x-mine}"))
     with pytest.raises(ValueError, match='unknown session key "nope"'):

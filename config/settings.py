@@ -269,6 +269,17 @@ class Target:
         object.__setattr__(self, "interval_seconds", gap)
 
 
+def _names(value: object, where: str) -> tuple[str, ...]:
+    """One name or a list of them (`session_keys: dynamo`, `session_keys: [dynamo, litellm]`)."""
+    names = [value] if isinstance(value, str) else value
+    check(
+        isinstance(names, list) and all(isinstance(name, str) for name in names),
+        where,
+        f"expected a name or a list of names, got {describe(value)}",
+    )
+    return tuple(names)
+
+
 def _listen(value: object, where: str) -> str:
     """The exporter's address as YAML gives it: host:port, or a bare port (`listen: 9464`), which YAML
     reads as a number."""
@@ -299,6 +310,9 @@ class GatewayLog:
     listen: str | None = dataclass_field(default=None, metadata={"read": _listen})
     max_records_per_second: float = _bounded(50_000.0, 0, 10_000_000, low_excluded=True)  # per sender
     inference_paths: tuple[str, ...] = INFERENCE_PATHS  # other requests are counted apart
+    # Session-key conventions (collectors.sessionkeys: dynamo, litellm...), one or a list: a line's session
+    # id is the first of their headers it carries (docs/gateway-logs.md), before the format's own field.
+    session_keys: tuple[str, ...] = dataclass_field(default=(), metadata={"read": _names})
     # source otlp: the file holding the bearer token senders must present, and TLS's certificate and key
     token_file: Path | None = None
     tls_cert_file: Path | None = None
@@ -329,6 +343,9 @@ class GatewayLog:
                 "tls_key_file",
                 "tls_cert_file and tls_key_file go together",
             )
+        keys = sessionkeys.SESSION_KEYS
+        for i, key in enumerate(self.session_keys):
+            check(key in keys, f"session_keys[{i}]", unknown("session key", key, keys))
         for i, path in enumerate(self.inference_paths):
             check(
                 path.startswith("/"),

@@ -20,6 +20,7 @@ CAUSES = (
     "bad_response",
     "session_id_not_propagated",
     "hash_key_not_session",
+    "session_header_not_the_routes",  # sessions move with the header sent, stay with another of the family
     "dynamo_session_affinity_off",  # X-Dynamo-Session-ID sent, the frontend without its affinity TTL flag
     "prefix_cache_disabled",
     "dynamic_prompt_prefix",

@@ -10,6 +10,7 @@ import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import httpx
 
@@ -23,7 +24,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.connections import request
 from kvwatch.core.redaction import redact
-from kvwatch.doctor import affinity
+from kvwatch.doctor import affinity, session_keys
 from kvwatch.doctor.affinity import dynamo
 from kvwatch.doctor.findings import Check
 
@@ -231,14 +232,21 @@ async def _answer_headers(route: Route) -> httpx.Headers:
         return httpx.Headers()
 
 
+async def _sessions(route: Route, probe: ProbeSettings) -> list[SessionResult]:
+    """SESSIONS conversations of ROUNDS rounds through the route, one after another, with `probe`'s
+    session settings; their ideal cached tokens in the engine's blocks once the block size is known."""
+    conversations = synthetic(ROUNDS, SYSTEM_TOKENS, TURN_TOKENS, random.randrange(2**32), SESSIONS)
+    sessions = [await run_session(route.streams, probe, c) for c in conversations]
+    return with_block_size(sessions, route.block.tokens) if route.block else sessions
+
+
 async def session_propagation(route: Route) -> Check:
     """Rounds carrying a fixed session id: does the gateway give back the id it was sent?
 
     It runs the sessions that the hash-key and prefix-caching checks read too.
     """
     name, header = "session id propagation", route.probe.session_header
-    conversations = synthetic(ROUNDS, SYSTEM_TOKENS, TURN_TOKENS, random.randrange(2**32), SESSIONS)
-    sessions = [await run_session(route.streams, route.probe, c) for c in conversations]
+    sessions = await _sessions(route, route.probe)
     route.block = await blocksize.learn(route.block_sources, sessions)
     route.sessions = with_block_size(sessions, route.block.tokens)
     answered = [r for s in route.sessions for r in s.rounds if r.status is not None]
@@ -292,14 +300,21 @@ def _pins_reported(sessions: list[SessionResult]) -> str:
 
 
 async def hash_key(route: Route) -> Check:
-    """The id arrives, so rounds of one session landing on different backends mean the key is another."""
+    """The id arrives, so rounds of one session landing on different backends mean the key is another:
+    maybe another header of the session-key family, which the check then tries (doctor.session_keys)."""
     name, sessions = "hash key", route.sessions
     paths = "; ".join(map(_path, sessions)) + _pins_reported(sessions)
     moved = sum(s.sticky is False for s in sessions)
+    run = partial(_sessions, route)
     if moved:
         evidence = f"{moved} of {len(sessions)} sessions changed backend within {ROUNDS} rounds: {paths}"
         if dynamo_sessions := _dynamo_affinity_off(route, evidence):
             return dynamo_sessions
+        found = await session_keys.kept_by_another(run, route.probe)
+        evidence = f"{evidence}; {found.evidence()}"
+        if found.header is not None:
+            fix = f"send the session id in {session_keys.named(found.header)}, the header the route keeps"
+            return Check(name, "fail", evidence, fix, "session_header_not_the_routes")
         fix = f"hash on the session id: {await _fixes(route, 'hash_on')}"
         return Check(name, "fail", evidence, fix, "hash_key_not_session")
     if any(s.sticky is None for s in sessions):
@@ -308,7 +323,9 @@ async def hash_key(route: Route) -> Check:
             f"not judged: no response header ({headers}) named the backend and no cached tokens were reported"
         )
         return Check(name, "skipped", evidence, "name the header that names the replica: --backend-header H")
-    return Check(name, "pass", f"each of {len(sessions)} sessions stayed on one backend: {paths}")
+    found = await session_keys.kept_by_sent(run, route.probe)
+    kept_by = f"; {found.evidence()}" if found else ""
+    return Check(name, "pass", f"each of {len(sessions)} sessions stayed on one backend: {paths}{kept_by}")
 
 
 def _behind_dynamo(route: Route) -> bool:

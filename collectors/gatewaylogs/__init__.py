@@ -2,7 +2,9 @@
 `envoy`).
 
 Each turns one decoded JSON line into the `Request` that the follower (collectors/gatewaylogs/follower.py)
-counts; a gateway log's `format` in the config picks one by name (`LOG_FORMATS.lookup`).
+counts; a gateway log's `format` in the config picks one by name (`LOG_FORMATS.lookup`), its
+`session_keys` the session-key headers whose logged values name a session before the format's own field
+(`LogFormat.keyed`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvwatch.collectors.gatewaylogs.base import (
     Malformed,
     Request,
     json_object,
+    session_fields,
 )
 from kvwatch.core.registry import Registry
 
@@ -28,4 +31,5 @@ __all__ = [
     "Malformed",
     "Request",
     "json_object",
+    "session_fields",
 ]

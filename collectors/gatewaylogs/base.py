@@ -6,12 +6,13 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import orjson
 
+from kvwatch.collectors import sessionkeys
 from kvwatch.core.errors import KVWatchError
 
 MALFORMED_REASONS = ("invalid_json", "missing_field", "wrong_type", "bad_value", "too_long")
@@ -56,7 +57,9 @@ class LogFormat:
 
     name: str
     fields: FieldTypes
-    read: Callable[[Mapping[str, object]], Request]  # given a line whose fields are checked
+    # A line's request, given its checked fields and, from `keyed`, the client's session id a session
+    # key's header carried (None: none did), which stands before the format's own session field.
+    read: Callable[..., Request]
     check: Callable[[Mapping[str, object]], None] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,34 @@ class LogFormat:
     def parse(self, record: Mapping[str, object]) -> Request:
         self.check(record)
         return self.read(record)
+
+    def keyed(self, fields: tuple[str, ...]) -> LogFormat:
+        """The format taking a line's session id from the first of `fields` (session_fields: the
+        session-key headers the gateway logs) that the line carries, the client's; a line with none of
+        them reads as before. The fields are resolved here, once: a line pays one lookup per field."""
+        if not fields:
+            return self
+        read = self.read
+
+        def read_keyed(record: Mapping[str, object]) -> Request:
+            for field in fields:
+                value = record.get(field)
+                if value is not None and value != "" and value != "-":
+                    if value.__class__ is not str:
+                        raise Malformed("wrong_type")
+                    return read(record, value)
+            return read(record, None)
+
+        return dataclasses.replace(self, read=read_keyed)
+
+
+def session_fields(keys: Iterable[str]) -> tuple[str, ...]:
+    """The fields in which a line carries the session headers of the session-key conventions `keys`
+    (collectors.sessionkeys), each once and in the keys' order: the header's name in lower case,
+    `x-dynamo-session-id`, whatever the gateway (docs/gateway-logs.md). ValueError names the known keys
+    for an unknown one."""
+    headers = (sessionkeys.SESSION_KEYS.lookup(key).header for key in keys)
+    return tuple(dict.fromkeys(header.lower() for header in headers))
 
 
 def json_object(line: bytes) -> Mapping[str, object]:

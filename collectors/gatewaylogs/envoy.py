@@ -45,7 +45,8 @@ FAILOVER_FLAGS = frozenset({"UF", "URX"})
 _NO_RESPONSE, _CLIENT_CLOSED = 0, 499
 
 
-def read(record: Mapping[str, object]) -> Request:
+def read(record: Mapping[str, object], client_id: str | None = None) -> Request:
+    """`client_id`: the id a session key's header carried (LogFormat.keyed), before `session_id`."""
     try:
         started = datetime.fromisoformat(record["start_time"])
     except ValueError:
@@ -53,7 +54,7 @@ def read(record: Mapping[str, object]) -> Request:
     attempts, duration_ms = record["upstream_request_attempt_count"], record["duration"]
     if started.tzinfo is None or attempts < 0 or not 0 <= duration_ms < math.inf:
         raise Malformed("bad_value")
-    session_id, request_id = record["session_id"], record["request_id"]
+    session_id, request_id = client_id or record["session_id"], record["request_id"]
     status = record["response_code"]
     first_body_byte_us = optional_number(record, "first_body_byte_us")
     flags = record["response_flags"]

@@ -20,8 +20,9 @@ FIELDS = {
 }
 
 
-def read(record: Mapping[str, object]) -> Request:
-    session_id = record["session_id"]
+def read(record: Mapping[str, object], client_id: str | None = None) -> Request:
+    """`client_id`: the id a session key's header carried (LogFormat.keyed), before `session_id`."""
+    session_id = client_id or record["session_id"]
     return nginx_request(
         record,
         record["proxy_upstream_name"],

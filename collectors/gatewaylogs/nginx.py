@@ -67,15 +67,16 @@ def nginx_request(
     )
 
 
-def read(record: Mapping[str, object]) -> Request:
+def read(record: Mapping[str, object], client_id: str | None = None) -> Request:
+    """`client_id`: the id a session key's header carried (LogFormat.keyed), before the map's."""
     session_source = record["session_source"]
     if session_source != "client" and session_source != "assigned":
         raise Malformed("bad_value")
     return nginx_request(
         record,
         record["listener"],
-        record["session_id"],
-        session_source == "assigned",
+        client_id or record["session_id"],
+        not client_id and session_source == "assigned",
         path_of(record.get("request")),  # "POST /v1/chat/completions": method and $uri
     )
 

@@ -246,12 +246,16 @@ class SessionTally:
         log_format: str = "nginx",
         inference_paths: tuple[str, ...] = INFERENCE_PATHS,
         clock: Callable[[], float] = time.time,
+        session_keys: tuple[str, ...] = (),
     ):
         if not _LOG_NAME.fullmatch(name):
             raise ValueError(f"gateway log name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         self.name = name
         self.source = source
-        self._format = gatewaylogs.LOG_FORMATS.lookup(log_format)
+        # With session keys (collectors.sessionkeys), a line's session id is the first of their headers
+        # it carries; their fields are resolved here, once.
+        keyed = gatewaylogs.session_fields(session_keys)
+        self._format = gatewaylogs.LOG_FORMATS.lookup(log_format).keyed(keyed)
         self.spread_window_seconds = spread_window_seconds
         self.session_ttl_seconds = session_ttl_seconds
         self.max_sessions = max_sessions

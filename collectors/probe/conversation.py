@@ -38,9 +38,10 @@ class Exchange(Protocol):
     opening: str
 
     async def round(
-        self, number: int, messages: list[dict], previous: RoundResult | None
+        self, number: int, messages: list[dict], previous: RoundResult | None, last: bool = False
     ) -> tuple[RoundResult, str]:
-        """One round: its result (never raising) and the answer text."""
+        """One round: its result (never raising) and the answer text; `last`: the conversation's last
+        turn, which a route may be told of (Dynamo's X-Dynamo-Session-Final)."""
 
     async def close(self) -> SessionClose:
         """The conversation is over: what ending it on the route did."""
@@ -113,7 +114,8 @@ async def run_conversation(
         if on_request is not None:
             on_request([dict(m) for m in messages])
         previous = rounds[-1] if rounds else None
-        answered = await _unless_stopped(stop, exchange.round(number, messages, previous))
+        last = number == len(conversation.user_turns)
+        answered = await _unless_stopped(stop, exchange.round(number, messages, previous, last))
         if answered is None:
             interrupted = True
             break

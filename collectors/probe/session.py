@@ -17,7 +17,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -224,11 +224,16 @@ class HttpExchange:
         # The system prompt as the application sends it: an OpenAI route is judged by the replica its rounds
         # name where the gateway names one, and its A/B counts the system prompt's reuse across sessions.
         self.opening = ""
+        # The convention's mark of a session's last round (Dynamo's X-Dynamo-Session-Final), if it has one.
+        self._final_header = sessionkeys.final_header(settings.session_header)
 
     async def round(
-        self, number: int, messages: list[dict], previous: RoundResult | None
+        self, number: int, messages: list[dict], previous: RoundResult | None, last: bool = False
     ) -> tuple[RoundResult, str]:
-        result, answer = await _round(self.client, self.settings, number, messages, self.session_id, previous)
+        final = {self._final_header: "true"} if last and self._final_header and self.session_id else {}
+        result, answer = await _round(
+            self.client, self.settings, number, messages, self.session_id, previous, final
+        )
         if result.ok and self.settings.session_mode == "server" and result.session_id_returned:
             self.session_id = result.session_id_returned
         return result, answer
@@ -252,9 +257,10 @@ async def _round(
     messages: list[dict],
     session_id: str | None,
     previous: RoundResult | None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> tuple[RoundResult, str]:
-    """One streamed request; its result and the answer text."""
-    headers = {"Content-Type": "application/json"}
+    """One streamed request, with `extra_headers` beside the session's; its result and the answer text."""
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
     if settings.api_key:
         headers["Authorization"] = f"Bearer {settings.api_key}"
     if session_id:

@@ -27,7 +27,15 @@ PIN_OUTCOMES = tuple(
     dict.fromkeys((*(o for key in SESSION_KEYS.values() for o in key.pin_outcomes), OTHER_OUTCOME))
 )
 
-__all__ = ["DEFAULT", "KNOWN_HEADERS", "PIN_OUTCOMES", "SESSION_KEYS", "SessionKey", "pin_outcome"]
+__all__ = [
+    "DEFAULT",
+    "KNOWN_HEADERS",
+    "PIN_OUTCOMES",
+    "SESSION_KEYS",
+    "SessionKey",
+    "final_header",
+    "pin_outcome",
+]
 
 
 def pin_outcome(response_headers: Mapping[str, str]) -> str | None:
@@ -36,3 +44,14 @@ def pin_outcome(response_headers: Mapping[str, str]) -> str | None:
         if (outcome := key.pin_outcome(response_headers)) is not None:
             return outcome
     return None
+
+
+def final_header(session_header: str | None) -> str | None:
+    """The header that marks a session's last request in the convention whose session id travels in
+    `session_header` (Dynamo's X-Dynamo-Session-Final, so that its frontend drops the binding at once
+    instead of at its TTL); None when that convention has none."""
+    lowered = (session_header or "").lower()
+    return next(
+        (k.final_header for k in SESSION_KEYS.values() if k.final_header and k.header.lower() == lowered),
+        None,
+    )

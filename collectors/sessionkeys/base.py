@@ -16,9 +16,9 @@ class SessionKey:
 
     `header` carries the session id on every round. `parent_header` and `final_header` are the
     convention's other request headers (Dynamo: a sub-agent's parent session, and the last request of a
-    session), which kvwatch recognises in requests but its probe does not send: its sessions have no
-    parent and end by expiring. `pin_header` is a response header in which the router reports the pin's
-    outcome, one of `pin_outcomes`.
+    session). The probe sends `final_header: true` on a session's last round; never `parent_header`: a
+    probe conversation is no sub-agent of another, so it has no parent to name. `pin_header` is a
+    response header in which the router reports the pin's outcome, one of `pin_outcomes`.
     """
 
     name: str

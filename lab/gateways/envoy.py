@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from kvwatch.collectors.gatewaylogs import session_fields
+from kvwatch.collectors.sessionkeys import SESSION_KEYS
 from kvwatch.core.connections import request_sync
 from kvwatch.lab.gateways.base import (
     GENERATION_PATH,
@@ -54,11 +56,15 @@ def _file_source(path: Path) -> dict:
 
 
 def _access_log(state: LabState, listener: str) -> dict:
-    """The documented access log (docs/gateway-logs.md), into the lab's file for `listener`; the lab's
-    generation polls unlogged."""
+    """The documented access log (docs/gateway-logs.md) with the session keys' headers, into the lab's
+    file for `listener`; the lab's generation polls unlogged."""
     (log,) = yaml.safe_load(ACCESS_LOG_EXAMPLE.read_text())["access_log"]
     log["typed_config"]["path"] = str(state.directory / "logs" / f"gateway-{listener}.jsonl")
-    log["typed_config"]["log_format"]["json_format"]["listener"] = listener
+    fields = log["typed_config"]["log_format"]["json_format"]
+    fields["listener"] = listener
+    # Every session-key header too, as docs/gateway-logs.md#session-keys adds them: a gateway log with
+    # session_keys reads them, one without ignores them.
+    fields.update({field: f"%REQ({field.upper()})%" for field in session_fields(SESSION_KEYS)})
     log["filter"] = _unlogged_generation_polls()
     return log
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import operator
 import statistics
 import time
+import uuid
 from collections import defaultdict
 
 import httpx
 import pytest
 
 from conftest import LAB_CLIENT, Lab, http_get
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS, session_fields
 from kvwatch.collectors.gatewaylogs.rounds import round_label
 from kvwatch.prometheus import queries
 
@@ -150,3 +152,19 @@ def test_nginx_first_byte_is_the_headers_the_replica_sends_before_the_first_toke
     # The replica's headers leave before its prefill, which takes 15 ms and more of every round.
     for round_, first_token in truth.items():
         assert shown[round_] < first_token - 0.010, (round_, shown, truth)
+
+
+def test_a_session_key_header_through_the_real_envoy_names_the_clients_session(envoy_lab):
+    """The lab's Envoy logs each session-key header as docs/gateway-logs.md adds them: a request carrying
+    only Dynamo's reads as the client's session under `session_keys: dynamo`, as the gateway's without."""
+    session = f"dynamo-{uuid.uuid4()}"
+    body = {"messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 1}
+    answer = LAB_CLIENT.post(
+        f"{envoy_lab.affinity}/v1/chat/completions", json=body, headers={"X-Dynamo-Session-ID": session}
+    )
+    assert answer.status_code == 200, answer.text
+    entries = envoy_lab.access_log("affinity", until=lambda log: any(session in e.values() for e in log))
+    (entry,) = [e for e in entries if e.get("x-dynamo-session-id") == session]
+    keyed = LOG_FORMATS["envoy"].keyed(session_fields(("litellm", "dynamo"))).parse(entry)
+    assert (keyed.session_id, keyed.assigned) == (session, False)
+    assert LOG_FORMATS["envoy"].parse(entry).assigned is True

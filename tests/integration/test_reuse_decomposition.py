@@ -27,6 +27,8 @@ import pytest
 from test_router_prediction import firing, rules_prometheus, value
 
 from conftest import REPO, Replica, free_port, http_get, stop, wait_for, wait_http
+from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.doctor.checks import diagnose
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import queries
 
@@ -235,3 +237,26 @@ def test_three_faults_show_up_as_their_own_loss_and_alert(start_replica, start_l
     assert measured["spread"]["routing"] > 0.3 and abs(measured["spread"]["engine"]) < TOLERANCE
     assert measured["engine"]["engine"] > 0.3 and lab["engine"]["delivered"] == 0
     assert quiet == [], "the workload's loss is no routing or engine fault"
+
+
+@pytest.mark.parametrize(
+    ("policy", "causes"),
+    [("spread", ["dynamo_session_affinity_off"]), ("cache-aware", [])],
+)
+def test_the_doctor_names_dynamos_affinity_off_behind_a_router_that_ignores_its_session_header(
+    start_replica, start_lab_router, policy, causes
+):
+    """The lab's router passes X-Dynamo-Session-ID on and places every request by itself, as Dynamo's
+    frontend does without --router-session-affinity-ttl-secs; its replicas name themselves in Dynamo's
+    `nvext.worker_id`. Spreading, the sessions move and the doctor names the missing flag; placing by
+    the cache, they stay and it names nothing."""
+    router = start_lab_router(policy, [start_replica("r1"), start_replica("r2")])
+    probe = ProbeSettings(router.url, "lab-model", session_key="dynamo", router="dynamo", timeout_seconds=10)
+    diagnosis = diagnose(probe)
+    hash_key = next(c for c in diagnosis.checks if c.name == "hash key")
+    assert diagnosis.causes == causes, diagnosis.checks
+    if causes:
+        assert "they carried X-Dynamo-Session-ID" in hash_key.evidence, hash_key
+        assert hash_key.fix.startswith("start the frontend with `--router-session-affinity-ttl-secs N`")
+    else:
+        assert hash_key.status == "pass", hash_key

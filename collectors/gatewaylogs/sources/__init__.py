@@ -27,6 +27,7 @@ def open_log(section) -> GatewayLogFollower | PushedLog:
         expect_sticky=section.expect_sticky,
         log_format=section.format,
         inference_paths=section.inference_paths,
+        session_keys=section.session_keys,
     )
     if source.receiver is None:
         return GatewayLogFollower(section.path, section.name, tally=tally)

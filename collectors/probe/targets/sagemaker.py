@@ -212,10 +212,11 @@ class SageMakerExchange:
         self._losses: list[tuple[int, str]] = []
 
     async def round(
-        self, number: int, messages: list[dict], previous: RoundResult | None
+        self, number: int, messages: list[dict], previous: RoundResult | None, last: bool = False
     ) -> tuple[RoundResult, str]:
         """The round, in the session (opened first when there is none); once more in a new session when
-        the endpoint no longer knows it. A round after a loss is cold: its ideal cached tokens are 0."""
+        the endpoint no longer knows it. A round after a loss is cold: its ideal cached tokens are 0.
+        `last` changes nothing: a SageMaker session ends with its own CLOSE (`close`)."""
         if self._lost is not None:
             self._losses.append((number, self._lost))
             self._lost, self.session_id, previous = None, None, None

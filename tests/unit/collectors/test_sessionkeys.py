@@ -21,6 +21,7 @@ from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import load_config
+from kvwatch.doctor import session_keys as doctor_session_keys
 from kvwatch.doctor.route import Route, hash_key
 from kvwatch.onboarding.survey import Request
 from kvwatch.serve.exporter import ProbeCollector, ProbeResults
@@ -54,15 +55,19 @@ def test_a_targets_key_names_the_header_its_session_id_travels_in(tmp_path, sess
     assert probe_settings(target, None).session_header == header
 
 
-def test_an_unknown_key_or_a_key_with_a_header_is_refused_naming_the_keys(tmp_path):
-    path = config_with(tmp_path, "{key: dynamoo}")
+def refused_as_unknown(path, where: str) -> None:
+    """The config at `path` is refused at `where` for its session key "dynamoo", as every family refuses
+    an unknown name: naming the closest and every known one."""
     with pytest.raises(ConfigError) as error:
         load_config(path)
     known = ", ".join(sorted(sessionkeys.SESSION_KEYS))
     assert str(error.value) == (
-        f'error in {path}: targets[0].session.key: unknown session key "dynamoo"; did you mean "dynamo"? '
-        f"known: {known}"
+        f'error in {path}: {where}: unknown session key "dynamoo"; did you mean "dynamo"? known: {known}'
     )
+
+
+def test_an_unknown_key_or_a_key_with_a_header_is_refused_naming_the_keys(tmp_path):
+    refused_as_unknown(config_with(tmp_path, "{key: dynamoo}"), "targets[0].session.key")
     with pytest.raises(ConfigError, match="set key or header, not both"):
         load_config(config_with(tmp_path, "{key: smg, header: x-mine}"))
     with pytest.raises(ValueError, match='unknown session key "nope"'):
@@ -131,7 +136,11 @@ def test_kvwatch_init_takes_a_routers_header_from_its_session_key():
     assert Request("http://127.0.0.1:9", gateway="nginx").session_header == "X-Session-Id"
 
 
-def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_rounds_landed():
+def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_rounds_landed(monkeypatch):
+    async def nothing_more(sessions, probe):  # the header the route keeps sessions by: not asked here
+        return None
+
+    monkeypatch.setattr(doctor_session_keys, "kept_by_sent", nothing_more)
     probe = ProbeSettings("http://127.0.0.1:9", "m")
     plain = session()  # three rounds on r1, nothing reported
     pinned = replace(plain, rounds=tuple(
@@ -141,3 +150,34 @@ def test_the_doctor_says_what_the_router_reported_of_its_pins_beside_where_round
     assert said.status == "pass"
     assert said.evidence.endswith("r1 x3; r1 x3 (the router reported its pins: hit 2, miss 1)")
     assert "reported" not in asyncio.run(hash_key(Route(None, None, probe, None, sessions=[plain]))).evidence
+
+
+def test_a_dynamo_session_marks_its_last_round_final_and_names_no_parent():
+    """X-Dynamo-Session-Final: true on the last round only, so that Dynamo drops the binding at once; no
+    parent header (a probe conversation is no sub-agent); no final mark in a convention without one."""
+
+    def rounds_sent(key: str, turns: int) -> list[dict[str, str]]:
+        sent: list[dict[str, str]] = []
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            sent.append({name.lower(): value for name, value in request.headers.items()})
+            return await chat_answer(request, {})
+
+        async def scenario():
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", chat)
+            async with serving(app) as url, StreamClient() as client:
+                settings = ProbeSettings(url, "m", session_key=key)
+                await run_session(client, settings, Conversation("system", tuple(map(str, range(turns)))))
+
+        asyncio.run(scenario())
+        return sent
+
+    sent = rounds_sent("dynamo", 3)
+    assert [r.get("x-dynamo-session-final") for r in sent] == [None, None, "true"]
+    assert all("x-dynamo-parent-session-id" not in r for r in sent)
+    assert len({r["x-dynamo-session-id"] for r in sent}) == 1
+    assert [r.get("x-dynamo-session-final") for r in rounds_sent("dynamo", 1)] == ["true"]
+    assert not any("final" in name for r in rounds_sent("litellm", 2) for name in r)
+    assert sessionkeys.final_header("x-dynamo-session-id") == "X-Dynamo-Session-Final"
+    assert sessionkeys.final_header("X-Session-Id") is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from kvwatch.collectors.gatewaylogs import envoy
+from kvwatch.collectors.gatewaylogs.base import session_fields
 from kvwatch.collectors.gatewaylogs.sources.base import Source, SourceUnavailable
 from kvwatch.collectors.gatewaylogs.sources.otlp.receiver import (
     OtlpConfigError,
@@ -27,10 +28,18 @@ __all__ = ["SOURCE", "OtlpConfigError", "OtlpSource", "OtlpSourceConfig", "Tally
 
 class OtlpSource:
     """Receives OTLP logs for one gateway log. `fields` are the format's fields and their types (Envoy's
-    by default), the keys of every record handed to `tally.take_records`."""
+    by default), the keys of every record handed to `tally.take_records`; `optional` those a record may
+    have (Envoy's optional fields by default)."""
 
-    def __init__(self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes = envoy.FIELDS) -> None:
-        self._receiver = Receiver(config, tally, fields)  # reads the token file: a bad one fails here
+    def __init__(
+        self,
+        config: OtlpSourceConfig,
+        tally: Tally,
+        fields: FieldTypes = envoy.FIELDS,
+        optional: FieldTypes = envoy.OPTIONAL_FIELDS,
+    ) -> None:
+        # Reads the token file: a bad one fails here.
+        self._receiver = Receiver(config, tally, fields, optional)
         self._grpc = None
         self._http = None
         self._http_thread: threading.Thread | None = None
@@ -82,8 +91,10 @@ def _receiver(section, tally: Tally) -> OtlpSource:
         tls_key_file=section.tls_key_file,
         max_records_per_second=section.max_records_per_second,
     )
+    # The session keys' headers (config session_keys), in attributes named as in a file's lines.
+    keyed = dict.fromkeys(session_fields(section.session_keys), (str, type(None)))
     try:
-        return OtlpSource(config, tally)
+        return OtlpSource(config, tally, optional={**envoy.OPTIONAL_FIELDS, **keyed})
     except (OtlpConfigError, CredentialError) as error:
         raise SourceUnavailable(f"gateway log {section.name}: {error}") from None
 

@@ -129,9 +129,11 @@ class Refused(KVWatchError):
 class Receiver:
     """The transport-free part of the OTLP logs service, shared by gRPC and HTTP."""
 
-    def __init__(self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes) -> None:
+    def __init__(
+        self, config: OtlpSourceConfig, tally: Tally, fields: FieldTypes, optional: FieldTypes
+    ) -> None:
         self.config, self.tally, self.fields = config, _OneAtATime(tally), fields
-        self._access_log_record = AccessLogRecords(fields)
+        self._access_log_record = AccessLogRecords(fields, optional)
         token = read_secret_file(config.token_file, "OTLP bearer token") if config.token_file else None
         self._expected = f"Bearer {token}".encode() if token else None
         self._rate = RateLimit(config.max_records_per_second)

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from kvwatch.cli import (
-    completion,
-    config,
-    dashboard,
-    doctor,
-    experiment,
-    generate,
-    init,
-    lab,
-    probe,
-    scrape,
-    serve,
-)
+# Every command's module under kvwatch.cli, in the order `kvwatch --help` lists them. A command imports only
+# its own module: each lab replica and simulated user is a `kvwatch lab ...` process, and importing every
+# command (psycopg, requests, the probe, the doctor) would double what starting one costs.
+COMMANDS = (
+    "init", "lab", "scrape", "probe", "config", "serve", "experiment", "doctor", "dashboard", "generate",
+    "completion",
+)  # fmt: skip
 
 # What each command's exit code means, in one place: under the command's --help and in docs/probing.md, for
 # the scripts and CI jobs that branch on it. argparse exits 2 on an unknown option or a missing argument.
@@ -66,7 +61,8 @@ def runnable_commands(
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """kvwatch's parser: every command, or with `only` that command alone (what running it needs)."""
     parser = argparse.ArgumentParser(
         prog="kvwatch",
         description="Watch whether a multi-replica LLM cluster keeps each conversation on the "
@@ -74,17 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version, nargs=0, help="show kvwatch's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    init.add_parser(commands)
-    lab.add_parser(commands)
-    scrape.add_parser(commands)
-    probe.add_parser(commands)
-    config.add_parser(commands)
-    serve.add_parser(commands)
-    experiment.add_parser(commands)
-    doctor.add_parser(commands)
-    dashboard.add_parser(commands)
-    generate.add_parser(commands)
-    completion.add_parser(commands, build_parser)
+    for name in COMMANDS if only is None else (only,):
+        module = importlib.import_module(f"kvwatch.cli.{name}")
+        if name == "completion":
+            module.add_parser(commands, build_parser)
+        else:
+            module.add_parser(commands)
     for path, command in runnable_commands(parser).items():
         command.epilog = f"Exit codes: {EXIT_CODES[path]}."
     return parser
@@ -109,7 +100,8 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     return args.handler(args)
 
 

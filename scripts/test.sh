@@ -1,8 +1,9 @@
 #!/bin/sh
 # The whole suite, as `make test` and CI run it, in two lanes side by side. The real-vLLM tests mostly
 # wait for engines to start, restart and be scraped: they run in a pytest of their own pinned to the last
-# core (their engines with it). The rest runs beside them in a pytest-xdist worker per core, one test
-# module at a time per worker (a module's lab is its own): much of it waits for Prometheus and alerts.
+# core (their engines with it). The rest runs beside them in pytest-xdist workers, one test module at a
+# time per worker (a module's lab is its own): one worker more than there are cores, because much of a
+# module's time is spent waiting for rule windows, alerts and restarts while the cores have room.
 # On a single core the lanes run one after the other. Fails if any part failed.
 #   usage: sh scripts/test.sh PYTHON
 set -u
@@ -14,7 +15,7 @@ vllm_tests="tests/integration/test_vllm_contract.py tests/integration/test_vllm_
     tests/integration/test_vllm_first_byte.py"
 log=test-artifacts/vllm.log
 last_core=$(($(nproc) - 1))
-workers=$((last_core + 1))
+workers=$((last_core + 2))
 
 run_pytest() {
     "$python" -m pytest -q -p no:cacheprovider "$@"

@@ -30,7 +30,6 @@ from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, ScrapeError, fe
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.core.connections import http_client
 from kvwatch.core.errors import UpstreamError
-from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 
 DEFAULT_TOKENS = 16  # vLLM's default on GPUs
@@ -110,6 +109,10 @@ async def learn(sources: BlockSizeSources, sessions: Iterable[SessionResult]) ->
 
 
 async def _from_prometheus(sources: BlockSizeSources) -> BlockSize | None:
+    # Imported here: requests and prometheus-api-client would cost every kvwatch command that never asks
+    # Prometheus (each lab replica and simulated user is one) a sixth of a second of CPU at start.
+    from kvwatch.core.promapi import PrometheusApi
+
     url = sources.prometheus_url
     try:
         series = await asyncio.to_thread(PrometheusApi(url, TIMEOUT_S).query, sources.prometheus_query)

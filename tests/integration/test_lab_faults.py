@@ -70,7 +70,8 @@ def lab(start_lab):
 @pytest.fixture(scope="module")
 def busy_lab(start_lab):
     """Two replicas and two background users, whose conversations the dynamic-prefix fault steers; the
-    module's last test then stops its Prometheus (a lab start less)."""
+    module's last test then stops its Prometheus (a lab start less). Its tests come last in the module:
+    the users' traffic costs CPU for as long as the lab runs."""
     return start_lab(
         "--replicas", "2", "--users", "2", "--think", "0.05", "--time-scale", "0.2", "--no-probes"
     )
@@ -181,23 +182,6 @@ def round_ones(lab, since: float, enough: Callable[[list[dict]], bool], timeout:
 def warm(record: dict) -> bool:
     """The request found the shared system prompt cached (all of it but a last partial block)."""
     return record["cached_tokens"] >= SYSTEM_PROMPT_TOKENS - 16
-
-
-def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
-    lab = busy_lab
-    replicas = {r["id"] for r in lab.status["replicas"]}
-    # Every replica has served a conversation that found the system prompt cached, so any later one
-    # without the fault finds it too.
-    before = round_ones(lab, 0, lambda found: {r["replica"] for r in found if warm(r)} == replicas)
-    (static,) = {r["prompt_tokens"] for r in before}  # the same system prompt and turn length each time
-    fault(lab, "dynamic-prefix")
-    # The timestamp at the top lengthens round 1 by a few tokens: those conversations read the fault.
-    after = round_ones(lab, 0, lambda found: sum(r["prompt_tokens"] > static for r in found) >= 3)
-    assert all(r["cached_tokens"] == 0 for r in after if r["prompt_tokens"] > static), after
-    healed_at = time.time()
-    heal(lab, SESSIONS)
-    healed = round_ones(lab, healed_at, lambda found: sum(r["prompt_tokens"] == static for r in found) >= 3)
-    assert all(warm(r) for r in healed if r["prompt_tokens"] == static), healed
 
 
 def test_kill_replica_fails_over_and_restart_resets_counters(lab):
@@ -372,6 +356,23 @@ def test_prometheus_takes_no_lifecycle_requests(lab):
     for action in ("quit", "reload"):
         assert CLIENT.post(f"{prometheus}/-/{action}").status_code == 403
     assert CLIENT.get(f"{prometheus}/-/ready").status_code == 200
+
+
+def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
+    lab = busy_lab
+    replicas = {r["id"] for r in lab.status["replicas"]}
+    # Every replica has served a conversation that found the system prompt cached, so any later one
+    # without the fault finds it too.
+    before = round_ones(lab, 0, lambda found: {r["replica"] for r in found if warm(r)} == replicas)
+    (static,) = {r["prompt_tokens"] for r in before}  # the same system prompt and turn length each time
+    fault(lab, "dynamic-prefix")
+    # The timestamp at the top lengthens round 1 by a few tokens: those conversations read the fault.
+    after = round_ones(lab, 0, lambda found: sum(r["prompt_tokens"] > static for r in found) >= 3)
+    assert all(r["cached_tokens"] == 0 for r in after if r["prompt_tokens"] > static), after
+    healed_at = time.time()
+    heal(lab, SESSIONS)
+    healed = round_ones(lab, healed_at, lambda found: sum(r["prompt_tokens"] == static for r in found) >= 3)
+    assert all(warm(r) for r in healed if r["prompt_tokens"] == static), healed
 
 
 def test_without_prometheus_scale_out_and_heal_fail_in_one_line_and_log_what_changed(busy_lab):

@@ -64,9 +64,14 @@ def _access_log(state: LabState, listener: str) -> dict:
     fields["listener"] = listener
     # Every session-key header too, as docs/gateway-logs.md#session-keys adds them: a gateway log with
     # session_keys reads them, one without ignores them.
-    fields.update({field: f"%REQ({field.upper()})%" for field in session_fields(SESSION_KEYS)})
+    fields.update(_session_key_fields())
     log["filter"] = _unlogged_generation_polls()
     return log
+
+
+def _session_key_fields() -> dict[str, str]:
+    """Each session key's header, as a field named after it with the Envoy command operator that reads it."""
+    return {field: f"%REQ({field.upper()})%" for field in session_fields(SESSION_KEYS)}
 
 
 def _unlogged_generation_polls() -> dict:
@@ -83,11 +88,17 @@ def _otlp_receivers(state: LabState) -> dict[str, str]:
 
 
 def _otlp_access_log(listener: str) -> dict:
-    """The documented OpenTelemetry access log (docs/gateway-logs.md) for `listener`, to its own cluster."""
+    """The documented OpenTelemetry access log (docs/gateway-logs.md) with the session keys' headers, for
+    `listener`, to its own cluster."""
     (log,) = yaml.safe_load(OTLP_ACCESS_LOG_EXAMPLE.read_text())["access_log"]
-    for attribute in log["typed_config"]["attributes"]["values"]:
+    attributes = log["typed_config"]["attributes"]["values"]
+    for attribute in attributes:
         if attribute["key"] == "listener":
             attribute["value"]["string_value"] = listener
+    # The session keys' headers too, as the file log carries them.
+    attributes += [
+        {"key": key, "value": {"string_value": value}} for key, value in _session_key_fields().items()
+    ]
     log["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = f"kvwatch_otlp_{listener}"
     log["filter"] = _unlogged_generation_polls()
     return log

@@ -13,9 +13,11 @@ import pytest
 import yaml
 
 from conftest import LAB_CLIENT, RecordingTally, chat, free_base_port, launch, stop
-from kvwatch.collectors.gatewaylogs import LOG_FORMATS
+from kvwatch.collectors.gatewaylogs import LOG_FORMATS, session_fields
+from kvwatch.collectors.gatewaylogs import envoy as envoy_format
 from kvwatch.collectors.gatewaylogs.sources.otlp import OtlpSource, OtlpSourceConfig
 from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot, SessionTally, SourceState
+from kvwatch.collectors.sessionkeys import SESSION_KEYS
 from kvwatch.lab.gateways import envoy
 from kvwatch.lab.state import LabState, ReplicaSpec
 
@@ -63,7 +65,14 @@ def start_envoy_to_otlp(tmp_path: Path, start_replica):
         if tokens:
             token_file = tmp_path / "otlp-token"
             token_file.write_text(tokens[0])
-        source = OtlpSource(OtlpSourceConfig(listen="127.0.0.1:0", token_file=token_file), tally)
+        # Reading every session key's header, as a gateway log with them all in session_keys does: the
+        # lab's Envoy sends them over OTLP as it writes them to its file.
+        keyed = dict.fromkeys(session_fields(SESSION_KEYS), (str, type(None)))
+        source = OtlpSource(
+            OtlpSourceConfig(listen="127.0.0.1:0", token_file=token_file),
+            tally,
+            optional={**envoy_format.OPTIONAL_FIELDS, **keyed},
+        )
         source.start()
         started.append(source.stop)
         replicas = [start_replica(name) for name in ("r1", "r2")]

@@ -183,6 +183,7 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
             queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0, "smg-cache-aware": 0},
             queries.INSTANCE_ROUTER_PIN_KEPT: {"smg": 6 / 7},  # 6 kept their worker, 1 moved
             queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS: {"smg-cache-aware": 15 / 18},  # 3 by wait
+            queries.INSTANCE_ROUTER_FALLBACKS: {},  # AIBrix's: no AIBrix among the replayed routers
             ROUTER_PREDICTION_MISS.state: dict.fromkeys(PREDICTING, FIRING),
         }
         assert set(expected) == router_panel_queries()

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValueList
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
-from kvwatch.collectors.gatewaylogs import envoy, nginx
+from kvwatch.collectors.gatewaylogs import envoy, follower, nginx
 from kvwatch.collectors.gatewaylogs.base import Malformed, check_fields, field_check, json_object
 from kvwatch.collectors.gatewaylogs.sources.otlp.records import AccessLogRecords, MissingFields
 from kvwatch.collectors.gatewaylogs.sources.syslog import Refused, _message_of, _Rates, message_of
@@ -361,3 +361,28 @@ def test_a_session_whose_first_request_failed_over_has_moved_for_a_failover():
     snapshot = tally.snapshot(SourceState())
     assert snapshot.spread_sessions["chat", "true"] == 1
     assert snapshot.moved_requests == {("chat", "true"): 1, ("chat", "false"): 0}
+
+
+def test_a_followed_file_counts_its_lines_in_batches_as_one_by_one(tmp_path):
+    """The follower hands a file's lines to the tally LINES_PER_BATCH at a time (and a line over the
+    length limit as it comes): the counts are those of the same lines taken one by one."""
+    lines = varied_lines(seed=9, count=2 * follower.LINES_PER_BATCH + 50)
+    lines.insert(300, b"x" * follower.MAX_LINE_BYTES)
+    path = tmp_path / "access.log"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    clock = lambda: 1795978300.0  # noqa: E731
+    followed = follower.GatewayLogFollower(path, "fast", clock=clock, max_sessions=25)
+    one_by_one = SessionTally("fast", clock=clock, max_sessions=25)
+    taken = []
+    original_take_lines = followed.tally.take_lines
+    followed.tally.take_lines = lambda batch, at: taken.append(len(batch)) or original_take_lines(batch, at)
+    for line in lines:
+        if len(line) < follower.MAX_LINE_BYTES:
+            one_by_one.take_line(line, 1795978300.0)
+        else:
+            one_by_one.line_too_long(1795978300.0)
+    snapshot = followed.poll()
+    followed.close()
+    assert snapshot == one_by_one.snapshot(SourceState(unread_files=snapshot.unread_files))
+    assert snapshot.malformed["too_long"] == 1 and snapshot.lines == len(lines)
+    assert max(taken) == follower.LINES_PER_BATCH

@@ -17,6 +17,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import floordiv
 from types import MappingProxyType
 
 from kvwatch.collectors import gatewaylogs
@@ -75,7 +77,6 @@ _STATUS_CLASSES = tuple(f"{hundreds}xx" for hundreds in range(6))  # indexed by 
 # first-byte seconds; each a tuple in the log's order.
 _Columns = tuple[tuple, ...]
 _ONLY_REQUESTS = {Request}
-_HUNDREDS_OF = (100).__rfloordiv__  # status -> status // 100, a C call
 
 
 def frozen(mapping: Mapping) -> Mapping:
@@ -388,7 +389,14 @@ class SessionTally:
         """Count requests given by field (`_Columns`), in the log's order: their kinds in one call, then
         each in its session."""
         self._kinds.update(
-            zip(listeners, upstream_labels, map(_HUNDREDS_OF, statuses), failovers, assigned, strict=True)
+            zip(
+                listeners,
+                upstream_labels,
+                map(floordiv, statuses, repeat(100)),
+                failovers,
+                assigned,
+                strict=True,
+            )
         )
         sessions, ttl = self._sessions, self.session_ttl_seconds
         for listener, session_id, at, upstream, failover, status, assigned_, first_byte in zip(

@@ -17,7 +17,7 @@ from kvwatch.grafana.panels import (
     router_shares_timeseries,
     target,
 )
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -95,7 +95,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "replica)." + FIXED_WINDOW,
             [
                 target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
-                target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
+                target(panel_queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
                 target(queries.CLUSTER_HIT_RATIO, "delivered by all instances"),
             ],
             alert=miss,

@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.lab import stack
@@ -377,6 +378,15 @@ def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
         [sys.executable, "-m", "kvwatch.cli.main", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
+
+
+def kvwatch_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`kvwatch ARGS` in this process, its output as kvwatch() gives it: for what a command prints, where a
+    process of its own (about a second of CPU to import kvwatch) proves nothing more."""
+    capsys.readouterr()
+    code = main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["kvwatch", *args], code, printed.out, printed.err)
 
 
 def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:

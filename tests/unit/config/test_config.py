@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, free_port, kvwatch_bounded, kvwatch_in_process
+from conftest import REPO, free_port, kvwatch_bounded_each, kvwatch_in_process
 from kvwatch.cli import main
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import (
@@ -752,30 +752,30 @@ def test_webhook_token_errors(tmp_path, source, message):
     assert str(error.value) == "exporter: " + message.format(path=source.get("webhook_token_file"))
 
 
-@pytest.mark.parametrize(
-    "key, owner, secret",
-    [
-        ("api_key_file", "target chat", "API key"),
-        ("webhook_token_file", "exporter", "webhook token"),
-        ("password_file", "store", "password"),
-    ],
-)
-def test_serve_refuses_a_secret_file_that_holds_no_secret_at_once_in_one_line(
-    tmp_path, not_a_secret_file, key, owner, secret
-):
-    path, problem = not_a_secret_file
-    target = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
-    exporter = {"listen": f"127.0.0.1:{free_port()}"}
-    # The password is read before the store is opened: nothing need listen on port 9.
-    store = {"url": "postgresql://kvwatch@127.0.0.1:9/kvwatch"} if key == "password_file" else {}
-    {"api_key_file": target, "webhook_token_file": exporter, "password_file": store}[key][key] = str(path)
-    config = tmp_path / "kvwatch.yaml"
-    store.setdefault("path", str(tmp_path / "kvwatch.db"))
-    config.write_text(yaml.safe_dump({"targets": [target], "exporter": exporter, "store": store}))
+SECRET_FILE_KEYS = [  # key, the section that names it, the secret it holds
+    ("api_key_file", "target chat", "API key"),
+    ("webhook_token_file", "exporter", "webhook token"),
+    ("password_file", "store", "password"),
+]
 
-    served = kvwatch_bounded("serve", "--config", str(config))
-    said = f"kvwatch serve: {owner}: {secret} file {path} {problem.format(secret=secret)}\n"
-    assert (served.returncode, served.stderr) == (1, said)
+
+def test_serve_refuses_a_secret_file_that_holds_no_secret_at_once_in_one_line(tmp_path, not_a_secret_file):
+    path, problem = not_a_secret_file
+    commands, said = [], []
+    for key, owner, secret in SECRET_FILE_KEYS:
+        target = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
+        exporter = {"listen": f"127.0.0.1:{free_port()}"}
+        # The password is read before the store is opened: nothing need listen on port 9.
+        store = {"url": "postgresql://kvwatch@127.0.0.1:9/kvwatch"} if key == "password_file" else {}
+        {"api_key_file": target, "webhook_token_file": exporter, "password_file": store}[key][key] = str(path)
+        config = tmp_path / f"{key}.yaml"
+        store.setdefault("path", str(tmp_path / "kvwatch.db"))
+        config.write_text(yaml.safe_dump({"targets": [target], "exporter": exporter, "store": store}))
+        commands.append(["serve", "--config", str(config)])
+        said.append(f"kvwatch serve: {owner}: {secret} file {path} {problem.format(secret=secret)}\n")
+
+    served = kvwatch_bounded_each(commands, tmp_path)
+    assert [(s.returncode, s.stderr) for s in served] == [(1, line) for line in said]
 
 
 def test_a_secret_file_at_the_size_limit_is_read(tmp_path):

@@ -29,7 +29,7 @@ import streamlit as st
 from prometheus_client.parser import text_string_to_metric_families
 from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
-from test_gatewaylog import answered, chat
+from test_gatewaylog_lab import answered, chat
 from test_grafana import every_query, in_clusters
 
 from conftest import REPO, TLS, http_get, stop_lab_serve

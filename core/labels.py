@@ -41,6 +41,11 @@ class BoundedLabel:
         self._shown: set[str] = set()
         self.folded: Counter[str] = Counter({reason: 0 for reason in FOLD_REASONS})
 
+    def shows(self, values: Iterable[str]) -> bool:
+        """Whether every one of `values` is shown as itself already: calling for each would change
+        nothing and return it, so that a batch of them needs no call."""
+        return (self._shown | self._always).issuperset(values)
+
     def __call__(self, value: str) -> str:
         """`value` as the label shows it: itself, or OTHER."""
         if value in self._always or value in self._shown:

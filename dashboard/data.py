@@ -39,7 +39,7 @@ from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment import runner
 from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES
-from kvwatch.prometheus import pipeline, promql, queries
+from kvwatch.prometheus import panel_queries, pipeline, promql
 from kvwatch.serve.scheduler import probe_settings
 from kvwatch.store.databases import ERRORS as STORE_ERRORS
 from kvwatch.store.history import ROUND_FIELDS, Store, StoreError
@@ -131,7 +131,9 @@ def filled(query: str, over: Span) -> str:
     """A query of collectors.queries with Grafana's variables set for `over`: every label matches, the
     rate window is at least MIN_RATE_WINDOW_SECONDS and at least one step, `$__range` is the span."""
     window = max(MIN_RATE_WINDOW_SECONDS, over.step)
-    return queries.fill_variables(query, window=f"{window:g}s", time_range=f"{over.end - over.start:g}s")
+    return panel_queries.fill_variables(
+        query, window=f"{window:g}s", time_range=f"{over.end - over.start:g}s"
+    )
 
 
 def instant(query: str, over: Span, cluster: str | None = None) -> Result:
@@ -206,7 +208,7 @@ def clusters() -> Result:
     config = settings()
     if config.error:
         return config
-    found = instant_query(queries.clusters(config.value.cluster_label), span(REFRESH_SECONDS))
+    found = instant_query(panel_queries.clusters(config.value.cluster_label), span(REFRESH_SECONDS))
     if found.error:
         return found
     label = config.value.cluster_label
@@ -248,7 +250,7 @@ def in_cluster(query: str, cluster: str | None = None) -> str:
     cluster, config = cluster or picked_cluster(), settings()
     if cluster is None or config.error:
         return query
-    return promql.with_matcher(query, queries.one_cluster(config.value.cluster_label, cluster))
+    return promql.with_matcher(query, panel_queries.one_cluster(config.value.cluster_label, cluster))
 
 
 def _ask_prometheus(ask: Callable[[PrometheusApi], list[dict]]) -> Result:

@@ -10,7 +10,7 @@ import streamlit as st
 
 from kvwatch.alerts.verdicts import ENGINE_LOSS, ROUTING_LOSS
 from kvwatch.dashboard import data, ui
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 LEG_WORDS = {
     "available": "the best replica held",
@@ -105,7 +105,7 @@ PROBE_HELP = (
 
 def probe_decomposition(over: data.Span, target: str) -> None:
     """The probe sessions' own decomposition of one route, when Prometheus holds their tokens."""
-    shares = data.instant(queries.PROBE_REUSE_SHARES, over)
+    shares = data.instant(panel_queries.PROBE_REUSE_SHARES, over)
     if shares.error or shares.value.empty:
         return
     legs = {row.leg: row.value for row in ui.matching(shares.value, target=target).itertuples(index=False)}

@@ -14,7 +14,7 @@ from kvwatch.core.promapi import PrometheusApi
 from kvwatch.core.redaction import redact
 from kvwatch.doctor.findings import Check
 from kvwatch.doctor.route import Route
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import panel_queries, promql
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS
 
@@ -44,7 +44,7 @@ class Cluster:
         return (
             expr
             if self.name is None
-            else promql.with_matcher(expr, queries.one_cluster(self.label, self.name))
+            else promql.with_matcher(expr, panel_queries.one_cluster(self.label, self.name))
         )
 
 
@@ -91,9 +91,8 @@ async def _engines_there(url: str, cluster: Cluster) -> None:
         if named
         else f"no engine series there carries the label {cluster.label}"
     )
-    raise NoEngineSeries(
-        f"no engine series has {queries.one_cluster(cluster.label, cluster.name)}, so none is judged; {there}"
-    )
+    matcher = panel_queries.one_cluster(cluster.label, cluster.name)
+    raise NoEngineSeries(f"no engine series has {matcher}, so none is judged; {there}")
 
 
 async def _caching_off_in_prometheus(url: str, cluster: Cluster = EVERY_CLUSTER) -> list[str]:

@@ -1,4 +1,4 @@
-"""kvwatch's Grafana boards, built of grafana/panels.py's panels from the queries in prometheus/queries.py.
+"""kvwatch's Grafana boards, built of grafana/panels.py's panels from prometheus/panel_queries.py's queries.
 
 `kvwatch generate` writes each board twice: grafana/dashboards/ for file provisioning (a
 `datasource` variable and no `__inputs`, which provisioning never resolves) and grafana/import/ for the
@@ -57,7 +57,7 @@ from kvwatch.grafana.panels import (
     verdict_stat,
 )
 from kvwatch.grafana.routers import judged_by, reuse_decomposition_row, router_row, router_state_row
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 VERDICT_PANELS = (
@@ -129,7 +129,7 @@ def _reuse_row(layout: Layout) -> None:
             "Good: the affinity bars stay flat from round 2 on while round robin's grow with the history. "
             "Bad: the affinity bars climb like round robin's: rounds 2+ pay a full prefill again. Medians "
             "are interpolated within the probe's TTFT histogram buckets.",
-            queries.PROBE_TTFT_BY_ROUND,
+            panel_queries.PROBE_TTFT_BY_ROUND,
             unit="s",
             no_value=NO_PROBE_DATA,
             alert="KVWatchWarmRoundNoGain",
@@ -150,7 +150,7 @@ def _reuse_row(layout: Layout) -> None:
             "replicas send before the first token: there it is not TTFT (docs/gateway-logs.md).\n\n"
             "Good: a sticky listener's bars stay flat from round 2 on. Bad: they climb with the round "
             "like round robin's: later rounds pay for the whole history again.",
-            queries.GATEWAY_FIRST_BYTE_BY_ROUND,
+            panel_queries.GATEWAY_FIRST_BYTE_BY_ROUND,
             column="listener",
             capped=True,
             unit="s",
@@ -177,7 +177,7 @@ def own_share_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
                 target(queries.CLUSTER_HIT_RATIO, "hit ratio, everything"),
                 target(queries.CLUSTER_REAL_HIT_RATIO, "hit ratio, real traffic (probes left out)"),
                 target(queries.CLUSTER_PROBE_SHARE, "probes' share of prompt tokens"),
-                target(queries.PROBE_SHARE_BY_ROUTE, "probes' share through {{target}}"),
+                target(panel_queries.PROBE_SHARE_BY_ROUTE, "probes' share through {{target}}"),
             ],
             no_value=NO_PROBE_DATA,
             alert=PROBES_DOMINATE.alert.name,
@@ -198,7 +198,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "Good: 100 % on a sticky route. Bad: below 100 % there: the gateway lost the session "
             "pinning (round robin back, session header dropped, hash key not the session id). A "
             "round-robin route sits near 0 %.",
-            queries.PROBE_STICKY_SHARE,
+            panel_queries.PROBE_STICKY_SHARE,
             unit="percentunit",
             max_value=1,
             alert="KVWatchSessionAffinityBroken",
@@ -214,7 +214,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "failover=true moved by a failed replica, kept apart.\n\n"
             "Good: near 0 % without a failover on a sticky listener. Bad: rising there: the gateway no "
             "longer pins real users' sessions, whatever the probes see. A round-robin listener sits high.",
-            [target(queries.REAL_SESSIONS_SPREAD, "{{log}} / {{listener}}, failover={{failover}}")],
+            [target(panel_queries.REAL_SESSIONS_SPREAD, "{{log}} / {{listener}}, failover={{failover}}")],
             unit="percentunit",
             max_value=1,
             no_value=NO_GATEWAY_DATA,
@@ -228,7 +228,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "How often consecutive rounds of a probe session changed replica.\n\n"
             "Good: 0 on a sticky route. Bad: above 0 there, up to rounds - 1 when every round lands "
             "elsewhere, as on a round-robin route.",
-            queries.PROBE_BACKEND_SWITCHES_PER_SESSION,
+            panel_queries.PROBE_BACKEND_SWITCHES_PER_SESSION,
             unit="short",
             alert="KVWatchSessionAffinityBroken",
         ),
@@ -242,7 +242,7 @@ def _pinning_row(layout: Layout, t: Thresholds) -> None:
             "Good: well below 100 % on a sticky route: warm rounds reuse their history (the alert fires "
             f"above {t.warm_cold_ratio_above:.0%} for {judged_by(ROUTE_WARM_ROUNDS, t).alert.for_}). Bad: "
             "near or above 100 %: every round prefills the whole conversation, as on the round-robin route.",
-            queries.WARM_COLD_TTFT_RATIO,
+            panel_queries.WARM_COLD_TTFT_RATIO,
             unit="percentunit",
             alert="KVWatchWarmRoundNoGain",
         ),
@@ -261,7 +261,7 @@ def _evidence_panels(layout: Layout, t: Thresholds) -> None:
             "rounds' cached tokens against the ideal at the engine's block), none (neither).\n\n"
             "Good: replica or reuse at 100 % on every route. Bad: none: the route's stickiness is not "
             "judged, and Sticky probe sessions leaves it out.",
-            [target(queries.PROBE_EVIDENCE_SHARE, f"{ROUTE_LEGEND}: {{{{evidence}}}}")],
+            [target(panel_queries.PROBE_EVIDENCE_SHARE, f"{ROUTE_LEGEND}: {{{{evidence}}}}")],
             unit="percentunit",
             max_value=1,
             no_value=NO_PROBE_DATA,
@@ -283,8 +283,11 @@ def _evidence_panels(layout: Layout, t: Thresholds) -> None:
             f"the share below {t.sticky_ratio_below:.0%} there: the sessions no longer reach the instance "
             "that holds them.",
             [
-                target(queries.PROBE_LAST_RUN_STICKY, f"{ROUTE_LEGEND}: sticky sessions by {{{{evidence}}}}"),
-                target(queries.PROBE_WARM_REUSE, f"{ROUTE_LEGEND}: warm reuse ({{{{evidence}}}})"),
+                target(
+                    panel_queries.PROBE_LAST_RUN_STICKY,
+                    f"{ROUTE_LEGEND}: sticky sessions by {{{{evidence}}}}",
+                ),
+                target(panel_queries.PROBE_WARM_REUSE, f"{ROUTE_LEGEND}: warm reuse ({{{{evidence}}}})"),
             ],
             unit="percentunit",
             no_value=NO_PROBE_DATA,
@@ -307,7 +310,7 @@ def _session_keys_row(layout: Layout) -> None:
             "Good: near 100 % on an affinity route. Bad: falling towards the shared system prompt's share "
             "of the prompt: the history is recomputed on another replica; falling on every route: the KV "
             "cache evicts too early, or prefix caching is off.",
-            queries.AFFINITY_EFFICIENCY,
+            panel_queries.AFFINITY_EFFICIENCY,
             unit="percentunit",
             alert="KVWatchSessionAffinityBroken",
         ),
@@ -323,8 +326,10 @@ def _session_keys_row(layout: Layout) -> None:
             "nearing 100 % (clients do not send the id back), or a probe id not echoed (the gateway drops "
             "or replaces it).",
             [
-                target(queries.REQUESTS_WITHOUT_SESSION_KEY_SHARE, "gateway {{log}} / {{listener}}: no key"),
-                target(queries.SESSION_ID_NOT_ECHOED_SHARE, "probe {{target}}: id not echoed"),
+                target(
+                    panel_queries.REQUESTS_WITHOUT_SESSION_KEY_SHARE, "gateway {{log}} / {{listener}}: no key"
+                ),
+                target(panel_queries.SESSION_ID_NOT_ECHOED_SHARE, "probe {{target}}: id not echoed"),
             ],
             unit="percentunit",
             max_value=1,
@@ -364,7 +369,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
             "object instead of choices), stream_error, http_error, tls_mismatch (https:// to a plain-HTTP "
             "port, or http:// to a TLS port), tls_error, protocol_error (an answer that is no HTTP/1.1), "
             "internal_error (a bug).",
-            [target(queries.PROBE_ERRORS_BY_KIND, "{{kind}}")],
+            [target(panel_queries.PROBE_ERRORS_BY_KIND, "{{kind}}")],
             unit="reqps",
             alert="KVWatchProbeFailing",
         ),
@@ -375,7 +380,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
             "Firing kvwatch alerts",
             "kvwatch alerts firing in this Prometheus over time (the always-firing Watchdog left out).\n\n"
             "Good: empty. Bad: any bar: open the runbook at that alert.",
-            [target(queries.FIRING_ALERTS_BY_NAME, "{{alertname}} ({{severity}})")],
+            [target(panel_queries.FIRING_ALERTS_BY_NAME, "{{alertname}} ({{severity}})")],
             unit="short",
             no_value="No kvwatch alert firing",
         ),
@@ -386,7 +391,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
 def _engine_ttft_row(layout: Layout) -> None:
     """Each engine family's TTFT histogram over time."""
     layout.row("Engine TTFT")
-    for engine, expr in queries.ENGINE_TTFT_BUCKET_RATES.items():
+    for engine, expr in panel_queries.ENGINE_TTFT_BUCKET_RATES.items():
         layout.add(
             heatmap(
                 f"Engine TTFT distribution ({engine})",
@@ -435,7 +440,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "lines over time, to see when a change began.\n\n"
             "Good: rounds 2+ at or below round 1. Bad: later rounds above round 1, the more so the later "
             "the round.",
-            [target(queries.PROBE_TTFT_BY_ROUND_OVER_TIME, "round {{round}}")],
+            [target(panel_queries.PROBE_TTFT_BY_ROUND_OVER_TIME, "round {{round}}")],
             unit="s",
             alert="KVWatchWarmRoundNoGain",
         ),
@@ -448,7 +453,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "Good: the rounds spread over the replicas while each session keeps to one (see Sticky probe "
             "sessions). Bad: a replica missing (down, or out of the hash ring), or `other`: more backends "
             "than kvwatch tracks per route.",
-            [target(queries.PROBE_ROUNDS_BY_BACKEND, "{{backend}}")],
+            [target(panel_queries.PROBE_ROUNDS_BY_BACKEND, "{{backend}}")],
             unit="reqps",
         ),
         9,
@@ -459,7 +464,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "Time since the probe's last run through this target finished.\n\n"
             "Good: under the probe interval (interval_seconds). Bad: several intervals: the scheduler is "
             "stuck or kvwatch serve is down, and the probe panels are stale.",
-            [target(queries.PROBE_LAST_RUN_AGE)],
+            [target(panel_queries.PROBE_LAST_RUN_AGE)],
             steps=[("blue", None)],
             unit="s",
             no_value="The probe never ran for this target",
@@ -476,7 +481,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "gateway).\n\n"
             "Good: the median near the cost of a cached prefill. Bad: the median rising towards a full "
             "prefill (its requests miss the cache), or p99 far above the median (queueing)." + FIXED_WINDOW,
-            [target(queries.TTFT_QUANTILES_BY_INSTANCE, "{{instance}} {{quantile}} quantile")],
+            [target(panel_queries.TTFT_QUANTILES_BY_INSTANCE, "{{instance}} {{quantile}} quantile")],
             unit="s",
             no_value=NO_ENGINE_DATA,
         ),

@@ -1,5 +1,5 @@
 """The pieces kvwatch's Grafana boards are built of (grafana/boards.py): panels of every kind, each
-reading one query of prometheus/queries.py, the verdict stats, the grid layout, the variables, and the
+reading one query of prometheus/panel_queries.py, the verdict stats, the grid layout, the variables, and the
 board frame narrowed to the clusters picked."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvwatch.alerts.verdicts import (
     Verdict,
 )
 from kvwatch.core.naming import RUNBOOK_URL
-from kvwatch.prometheus import promql, queries, router_queries
+from kvwatch.prometheus import panel_queries, promql, queries
 from kvwatch.prometheus.rules import WINDOWED_RULES
 
 JSON = dict[str, Any]
@@ -66,7 +66,7 @@ def drilldown_link(variable: str) -> JSON:
     """A data link to the drill-down board for the series' `variable` label, keeping time and source."""
     url = (
         f"/d/{uid(DRILLDOWN)}?var-{variable}=${{__field.labels.{variable}}}"
-        f"&${{datasource:queryparam}}&${{{queries.CLUSTER_VARIABLE}:queryparam}}&${{__url_time_range}}"
+        f"&${{datasource:queryparam}}&${{{panel_queries.CLUSTER_VARIABLE}:queryparam}}&${{__url_time_range}}"
     )
     return {"targetBlank": False, "title": f"Drill down into ${{__field.labels.{variable}}}", "url": url}
 
@@ -318,7 +318,7 @@ def hit_ratio_by_instance() -> JSON:
         "Good: instances close to each other and steady. Bad: all falling together (sessions no longer "
         "reach the replica holding their history, or a timestamp leads the prompt), or one instance far "
         "below the rest (prefix caching off there, or just restarted)." + FIXED_WINDOW,
-        with_cluster(queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO),
+        with_cluster(panel_queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO),
         alert="KVWatchPrefixCacheHitRateDrop",
     )
 
@@ -331,7 +331,7 @@ def local_hit_ratio_by_instance() -> JSON:
         "ratio instead of counting as 0 %; KV from host, disk or another instance is not in it.\n\n"
         "Good: close to the hit ratio. Bad: far above it (reuse comes from elsewhere, or a replica "
         "with caching off dropped out), or falling with it." + FIXED_WINDOW,
-        with_cluster(queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO),
+        with_cluster(panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO),
     )
 
 
@@ -348,8 +348,8 @@ def cached_share_by_source() -> JSON:
         "Good: the sources you deployed, steady. Bad: a source falling to 0 (an offload tier or the KV "
         "transfer stopped), or only the device where you expected more." + FIXED_WINDOW,
         [
-            target(queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}"),
-            target(router_queries.LMCACHE_HIT_SHARE_BY_TIER, "{{instance}} LMCache {{source}}"),
+            target(panel_queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}"),
+            target(panel_queries.LMCACHE_HIT_SHARE_BY_TIER, "{{instance}} LMCache {{source}}"),
         ],
         no_value="No engine exports where its cached tokens came from",
     )
@@ -362,7 +362,7 @@ def request_share_by_instance() -> JSON:
         "balance for cache reuse.\n\n"
         "Good: each near 1/N of N instances. Bad: one instance far above the rest (a hot session key, or "
         "replicas missing from the hash ring) or one at 0 (out of rotation)." + FIXED_WINDOW,
-        [target(queries.REQUEST_SHARE_BY_INSTANCE, "{{instance}}")],
+        [target(panel_queries.REQUEST_SHARE_BY_INSTANCE, "{{instance}}")],
     )
 
 
@@ -435,7 +435,7 @@ def label_variable(name: str, label: str, series: str, *, many: bool = True) -> 
     }
     if many:
         variable |= {
-            "allValue": queries.ALL_VALUES,
+            "allValue": panel_queries.ALL_VALUES,
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
         }
     return variable
@@ -444,15 +444,15 @@ def label_variable(name: str, label: str, series: str, *, many: bool = True) -> 
 def cluster_variable(cluster_label: str) -> JSON:
     """The clusters, as the values of `cluster_label`; All is `.*`, so that it matches series without
     the label too and a Prometheus of one cluster, without the label, shows everything as before."""
-    variable = label_variable(cluster_label, "Cluster", queries.CLUSTERS_SERIES)
-    variable |= {"allValue": queries.ALL_CLUSTERS, "name": queries.CLUSTER_VARIABLE}
+    variable = label_variable(cluster_label, "Cluster", panel_queries.CLUSTERS_SERIES)
+    variable |= {"allValue": panel_queries.ALL_CLUSTERS, "name": panel_queries.CLUSTER_VARIABLE}
     return variable
 
 
 def as_board_runs(expr: str, cluster_label: str, *, per_cluster: bool = True) -> str:
-    """A query of prometheus/queries.py as a board runs it: narrowed to the picked clusters and, unless a
-    table or heatmap sums them, one series per cluster, never a sum or join across clusters."""
-    narrowed = promql.with_matcher(expr, queries.cluster_matcher(cluster_label))
+    """A panel query (prometheus/panel_queries.py) as a board runs it: narrowed to the picked clusters
+    and, unless a table or heatmap sums them, one series per cluster, never a sum or join across clusters."""
+    narrowed = promql.with_matcher(expr, panel_queries.cluster_matcher(cluster_label))
     return promql.keeping(narrowed, cluster_label) if per_cluster else narrowed
 
 
@@ -469,7 +469,7 @@ def in_clusters(board: JSON, cluster_label: str) -> JSON:
     annotation matching its clusters, and every time series and stat one series per cluster, named by
     its legend: one pass over the finished board, so that no panel can miss it. A heatmap's buckets and
     a table's rows (the per-round bars) are over the picked clusters: pick one to read one."""
-    matcher = queries.cluster_matcher(cluster_label)
+    matcher = panel_queries.cluster_matcher(cluster_label)
     for query in (t for panel in board["panels"] for t in panel.get("targets", [])):
         per_cluster = query["format"] == "time_series"
         query["expr"] = as_board_runs(query["expr"], cluster_label, per_cluster=per_cluster)
@@ -523,7 +523,7 @@ def dashboard(
                 {
                     "datasource": DATASOURCE,
                     "enable": True,
-                    "expr": queries.FIRING_ALERTS_BY_NAME,
+                    "expr": panel_queries.FIRING_ALERTS_BY_NAME,
                     "iconColor": "red",
                     "name": "kvwatch alerts",
                     "step": "15s",

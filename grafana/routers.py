@@ -26,7 +26,7 @@ from kvwatch.grafana.panels import (
     target,
     timeseries,
 )
-from kvwatch.prometheus import queries, router_queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.prometheus.queries import Grouping
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -104,7 +104,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "replica)." + FIXED_WINDOW,
             [
                 target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
-                target(queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
+                target(panel_queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
                 target(queries.CLUSTER_HIT_RATIO, "delivered by all instances"),
             ],
             alert=miss,
@@ -176,7 +176,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "Good: near 0. Bad: the load imbalance rising (the pods' running requests too far apart: "
             "sessions leave the pod holding their prefix), or errors (requests not routed at all)."
             + FIXED_WINDOW,
-            [target(router_queries.INSTANCE_ROUTER_FALLBACKS, "{{reason}}: " + ROUTER_LEGEND)],
+            [target(queries.INSTANCE_ROUTER_FALLBACKS, "{{reason}}: " + ROUTER_LEGEND)],
             unit="percentunit",
             no_value="No AIBrix router counting its load imbalances or errors",
         ),

@@ -1,7 +1,7 @@
 """A label matcher added to every series selector of a PromQL expression, and a label kept by every
 aggregation and match.
 
-The boards and the dashboard narrow each query of prometheus/queries.py to the picked clusters this way,
+The boards and the dashboard narrow each query of prometheus/panel_queries.py to the picked clusters this way,
 and the boards keep the clusters apart, rather than every query being written once per scope. A small
 lexer is enough: in PromQL a name is a series selector unless it is a keyword, calls a function or
 aggregation, or lists labels after `by`, `without`, `on`, `ignoring`, `group_left` or `group_right`; every

@@ -14,6 +14,10 @@ from typing import Protocol
 import yaml
 
 from kvwatch.prometheus.queries import (
+    AIBRIX_DECISIONS,
+    AIBRIX_ERRORS,
+    AIBRIX_LOAD_IMBALANCE,
+    AIBRIX_SELECTIONS,
     CACHED_BY_SOURCE,
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
@@ -34,6 +38,7 @@ from kvwatch.prometheus.queries import (
     INSTANCE_REQUEST_SHARE,
     INSTANCE_REQUESTS,
     INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
+    INSTANCE_ROUTER_FALLBACKS,
     INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
     INSTANCE_ROUTER_KV_EVENT_GAPS,
     INSTANCE_ROUTER_KV_EVENT_LAG,
@@ -78,13 +83,6 @@ from kvwatch.prometheus.queries import (
     TokenRatio,
     cluster_engine_tokens,
     first_of,
-)
-from kvwatch.prometheus.router_queries import (
-    AIBRIX_DECISIONS,
-    AIBRIX_ERRORS,
-    AIBRIX_LOAD_IMBALANCE,
-    AIBRIX_SELECTIONS,
-    INSTANCE_ROUTER_FALLBACKS,
 )
 
 

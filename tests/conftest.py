@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
 from kvwatch.lab import stack
@@ -379,17 +380,74 @@ def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
     )  # fmt: skip
 
 
+def kvwatch_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`kvwatch ARGS` in this process, its output as kvwatch() gives it: for what a command prints, where a
+    process of its own (about a second of CPU to import kvwatch) proves nothing more."""
+    capsys.readouterr()
+    code = main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["kvwatch", *args], code, printed.out, printed.err)
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
 def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:
     """`kvwatch ARGS` with 60 s and 2 GiB of address space: one that would read a FIFO forever or
     /dev/zero into memory fails its test (a timeout, a MemoryError) instead of the machine."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-
     return subprocess.run(
         [sys.executable, "-m", "kvwatch.cli.main", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=limit_memory,
+        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory,
     )  # fmt: skip
+
+
+# Runs each command of argv[1] (a JSON list of argument lists) in turn, each one's stdout and stderr taken at
+# the file descriptors (what its logging writes too), and writes [[code, stdout, stderr], ...] to argv[2].
+_EACH_IN_TURN = """
+import json, os, sys, tempfile
+from kvwatch.cli.main import main
+
+results = []
+for args in json.loads(sys.argv[1]):
+    kept = [os.dup(1), os.dup(2)]
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    for fd, file in zip((1, 2), files):
+        os.dup2(file.fileno(), fd)
+    try:
+        code = main(args)
+    except SystemExit as stopped:
+        code = stopped.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original in zip((1, 2), kept):
+            os.dup2(original, fd)
+            os.close(original)
+    printed = []
+    for file in files:
+        file.seek(0)
+        printed.append(file.read().decode())
+        file.close()
+    results.append([code, *printed])
+with open(sys.argv[2], "w") as written:
+    json.dump(results, written)
+"""
+
+
+def kvwatch_bounded_each(commands: list[list[str]], tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """Each `kvwatch ARGS` of `commands` in turn, in one process of its own bounded as kvwatch_bounded's:
+    commands refused at start-up, checked without importing kvwatch again (a second of CPU) for each."""
+    results = tmp_path / "kvwatch-each.json"
+    bounded = subprocess.run(
+        [sys.executable, "-c", _EACH_IN_TURN, json.dumps(commands), str(results)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert bounded.returncode == 0, bounded.stdout + bounded.stderr
+    return [
+        subprocess.CompletedProcess(["kvwatch", *args], code, out, err)
+        for args, (code, out, err) in zip(commands, json.loads(results.read_text()), strict=True)
+    ]
 
 
 @pytest.fixture(params=["dev-zero", "fifo", "oversize"])

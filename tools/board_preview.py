@@ -19,7 +19,7 @@ from kvwatch.grafana.panels import (
     GRID_WIDTH,
     JSON,
 )
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries
 
 PROMETHEUS_TIMEOUT_S = 30.0  # per query of the picture, the whole answer included
 
@@ -28,7 +28,7 @@ def evaluate(
     prometheus: str, query: JSON, *, start: float, end: float, window: str
 ) -> list[tuple[dict, list]]:
     """A panel target's series from Prometheus, as (labels, [(seconds before `end`, value)])."""
-    expr = queries.fill_variables(query["expr"], window=window, time_range=f"{round(end - start)}s")
+    expr = panel_queries.fill_variables(query["expr"], window=window, time_range=f"{round(end - start)}s")
     prometheus_api = PrometheusApi(prometheus, PROMETHEUS_TIMEOUT_S)
     if query["instant"]:
         series = prometheus_api.query(expr, at=end)

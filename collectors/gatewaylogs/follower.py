@@ -35,6 +35,9 @@ MAX_LINE_BYTES = 64 * 1024
 # About 0.7 s of parsing (docs/benchmarks.md), so that a huge or endless log keeps neither
 # the other logs nor a shutdown waiting; at one poll per 5 s it still follows ~3 MB/s per log.
 MAX_BYTES_PER_POLL = 16 * 1024 * 1024
+# Lines handed to the tally at once: a batch is counted for less than its lines one by one (tally.py), and
+# this few keeps the tally's lock held briefly.
+LINES_PER_BATCH = 256
 # A file truncated in place (copytruncate) and written past the offset read up to by the next poll is
 # told only by its first bytes, which an appended file keeps: a line or more of them.
 HEAD_BYTES = 4096
@@ -234,25 +237,33 @@ class GatewayLogFollower:
         return os.fstat(fd).st_size < held.file.tell() or os.pread(fd, len(held.head), 0) != held.head
 
     def _read_lines(self, held: _HeldFile) -> bool:
-        """Take the lines from where `held` was read up to; whether its end came before the budget's."""
-        while self._budget > 0:
-            chunk = held.file.readline(min(MAX_LINE_BYTES, self._budget))
-            if not chunk:
-                return True
-            self._budget -= len(chunk)
-            complete = chunk.endswith(b"\n")
-            if held.skipping_long_line:
-                held.skipping_long_line = not complete
-                continue
-            held.pending += chunk
-            if complete:
-                self._take(held.pending)
-                held.pending = b""
-            elif len(held.pending) >= MAX_LINE_BYTES:
-                self.tally.line_too_long(self._polled_at)
-                held.pending = b""
-                held.skipping_long_line = True
-        return False
+        """Take the lines from where `held` was read up to; whether its end came before the budget's.
+        They reach the tally LINES_PER_BATCH at a time, which counts a batch for less than its lines."""
+        lines: list[bytes] = []
+        try:
+            while self._budget > 0:
+                chunk = held.file.readline(min(MAX_LINE_BYTES, self._budget))
+                if not chunk:
+                    return True
+                self._budget -= len(chunk)
+                complete = chunk.endswith(b"\n")
+                if held.skipping_long_line:
+                    held.skipping_long_line = not complete
+                    continue
+                held.pending += chunk
+                if complete:
+                    lines.append(held.pending)
+                    held.pending = b""
+                    if len(lines) >= LINES_PER_BATCH:
+                        self.tally.take_lines(lines, self._polled_at)
+                        lines = []
+                elif len(held.pending) >= MAX_LINE_BYTES:
+                    self.tally.line_too_long(self._polled_at)
+                    held.pending = b""
+                    held.skipping_long_line = True
+            return False
+        finally:
+            self.tally.take_lines(lines, self._polled_at)
 
     def _take_partial_line(self, held: _HeldFile) -> None:
         """Its file was rotated or truncated, so the partial line will never be completed: take it as is."""

@@ -17,6 +17,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import floordiv
 from types import MappingProxyType
 
 from kvwatch.collectors import gatewaylogs
@@ -71,6 +73,12 @@ _BOOLS = ("false", "true")  # label values, indexed by a bool
 _STATUS_CLASSES = tuple(f"{hundreds}xx" for hundreds in range(6))  # indexed by a status (100-599) // 100
 
 
+# A batch's requests by field: time, listener, upstream, its label, failover, status, session id, assigned,
+# first-byte seconds; each a tuple in the log's order.
+_Columns = tuple[tuple, ...]
+_ONLY_REQUESTS = {Request}
+
+
 def frozen(mapping: Mapping) -> Mapping:
     return MappingProxyType(dict(mapping))
 
@@ -97,13 +105,13 @@ class _Session:
         "rounds",
     )
 
-    def __init__(self) -> None:
-        self.upstreams: dict[str, float] = {}  # upstream -> when it last served the session
-        self.last = self.previous = self.failed_over = self.excused = -math.inf
-        self.upstream: str | None = None  # the upstream of the latest request logged
-        self.number = 0
-        self.failover = False
-        self.rounds = 0
+    def __init__(self, upstream: str, at: float, failover: bool, number: int) -> None:
+        """A session that its first request opens: as `served` leaves a session that had none."""
+        self.upstreams: dict[str, float] = {upstream: at}  # upstream -> when it last served the session
+        self.last, self.previous, self.excused = at, -math.inf, -math.inf
+        self.failed_over = at if failover else -math.inf
+        self.upstream, self.number, self.failover = upstream, number, failover  # the latest request's
+        self.rounds = 1
 
     def served(self, upstream: str, at: float, failover: bool, number: int) -> None:
         # Back on an upstream it had before its last failover: the failed server recovered, and this move
@@ -261,6 +269,7 @@ class SessionTally:
         self.max_sessions = max_sessions
         self.expect_sticky = expect_sticky
         self._inference_paths = frozenset(inference_paths)
+        self._counted_paths = self._inference_paths | {None}  # a request without a path is counted
         self.clock = clock
         self._lock = threading.Lock()
         self._lines = 0
@@ -324,11 +333,104 @@ class SessionTally:
         with self._lock:
             self._lines += len(parsed)
             self._last_record_at = max(self._last_record_at, received_at)
-            for request in parsed:
-                if request.__class__ is str:
-                    self._malformed[request] += 1
-                else:
-                    self._count(request, received_at)
+            columns = self._as_they_are(parsed, received_at)
+            if columns is None:
+                columns = self._prepared(parsed, received_at)
+            if columns:
+                self._count(*columns)
+
+    def _as_they_are(self, parsed: list[Request | str], received_at: float) -> _Columns | None:
+        """The batch's requests by field, when each counts as it is: no malformed line, every path an
+        inference path, no time ahead of the clock, every listener and upstream a label already shown.
+        Then `_prepared` would change none of them: checked by C builtins, once for the batch."""
+        if set(map(type, parsed)) != _ONLY_REQUESTS:
+            return None
+        at, listeners, upstreams, failovers, statuses, session_ids, assigned, paths, first_bytes = zip(
+            *parsed, strict=True
+        )
+        if not (
+            self._counted_paths.issuperset(paths)
+            and max(at) <= received_at + MAX_FUTURE_SECONDS
+            and self._listener_label.shows(listeners)
+            and self._upstream_label.shows(upstreams)
+        ):
+            return None
+        return at, listeners, upstreams, upstreams, failovers, statuses, session_ids, assigned, first_bytes
+
+    def _prepared(self, parsed: list[Request | str], received_at: float) -> _Columns | None:
+        """The batch's requests by field, one by one: malformed lines and requests to other paths counted
+        apart, listeners and upstreams as their labels show them, a time ahead of the clock as
+        `received_at`. None when no request is left to count."""
+        kept = []
+        for request in parsed:
+            if request.__class__ is str:
+                self._malformed[request] += 1
+                continue
+            at, listener, upstream, failover, status, session_id, assigned, path, first_byte = request
+            listener = self._listener_label(listener)
+            if path is not None and path not in self._inference_paths:
+                self._other_requests[listener] += 1
+                continue
+            if at > received_at + MAX_FUTURE_SECONDS:
+                self._future_times += 1
+                at = received_at
+            label = self._upstream_label(upstream)
+            kept.append((at, listener, upstream, label, failover, status, session_id, assigned, first_byte))
+        return tuple(zip(*kept, strict=True)) or None
+
+    def _count(
+        self,
+        times,
+        listeners,
+        upstreams,
+        upstream_labels,
+        failovers,
+        statuses,
+        session_ids,
+        assigned,
+        first_bytes,
+    ) -> None:
+        """Count requests given by field (`_Columns`), in the log's order: their kinds in one call, then
+        each in its session."""
+        self._kinds.update(
+            zip(
+                listeners,
+                upstream_labels,
+                map(floordiv, statuses, repeat(100)),
+                failovers,
+                assigned,
+                strict=True,
+            )
+        )
+        sessions, ttl = self._sessions, self.session_ttl_seconds
+        for listener, session_id, at, upstream, failover, status, assigned_, first_byte in zip(
+            listeners, session_ids, times, upstreams, failovers, statuses, assigned, first_bytes, strict=True
+        ):
+            key = (listener, session_id)
+            session = sessions.get(key)
+            if session is None and assigned_:
+                self._assigned_ids[listener] += 1
+            if upstream == NO_UPSTREAM:
+                continue
+            upstreams = self._upstreams.get(listener)
+            if upstreams is None:
+                upstreams = self._upstreams[listener] = _Upstreams()
+            number = upstreams.serve(upstream)
+            # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
+            if session is None:
+                session = sessions[key] = _Session(upstream, at, failover, number)
+                if len(sessions) > self.max_sessions:
+                    sessions.popitem(last=False)
+                    self._evicted += 1
+            else:
+                sessions.move_to_end(key)
+                if at - session.last <= ttl:
+                    self._count_return(listener, session, upstream, failover, at)
+                session.served(upstream, at, failover, number)
+            # Timed by its round: a request without a client session key has no round (the id is the
+            # gateway's), a failed one no answer to time.
+            if first_byte is not None and not assigned_ and 200 <= status < 300:
+                self._round_times.observe(listener, session.rounds, first_byte)
 
     @property
     def received(self) -> int:
@@ -353,42 +455,6 @@ class SessionTally:
         self._lines += 1
         self._last_record_at = max(self._last_record_at, received_at)
         self._malformed[reason] += 1
-
-    def _count(self, request: Request, received_at: float) -> None:
-        at, listener, upstream, failover, status, session_id, assigned, path, first_byte_seconds = request
-        listener = self._listener_label(listener)
-        if path is not None and path not in self._inference_paths:
-            self._other_requests[listener] += 1
-            return
-        if at > received_at + MAX_FUTURE_SECONDS:
-            self._future_times += 1
-            at = received_at
-        # Sessions keep the upstream itself: a move between two upstreams shown as "other" is a move too.
-        self._kinds[listener, self._upstream_label(upstream), status // 100, failover, assigned] += 1
-        key = (listener, session_id)
-        sessions = self._sessions
-        session = sessions.get(key)
-        if assigned and session is None:
-            self._assigned_ids[listener] += 1
-        if upstream != NO_UPSTREAM:
-            if session is not None:
-                sessions.move_to_end(key)
-            else:
-                session = sessions[key] = _Session()
-                if len(sessions) > self.max_sessions:
-                    sessions.popitem(last=False)
-                    self._evicted += 1
-            upstreams = self._upstreams.get(listener)
-            if upstreams is None:
-                upstreams = self._upstreams[listener] = _Upstreams()
-            number = upstreams.serve(upstream)
-            if session.upstream is not None and at - session.last <= self.session_ttl_seconds:
-                self._count_return(listener, session, upstream, failover, at)
-            session.served(upstream, at, failover, number)
-            # Timed by its round: a request without a client session key has no round (the id is the
-            # gateway's), a failed one no answer to time.
-            if first_byte_seconds is not None and not assigned and 200 <= status < 300:
-                self._round_times.observe(listener, session.rounds, first_byte_seconds)
 
     def _count_return(
         self, listener: str, session: _Session, upstream: str, failover: bool, at: float

@@ -18,7 +18,7 @@ from kvwatch.collectors.probe.records import REUSED_SHARE
 from kvwatch.config.settings import Config, GatewayLog, Target
 from kvwatch.core.redaction import redact
 from kvwatch.dashboard import data, reuse, ui
-from kvwatch.prometheus import pipeline, queries
+from kvwatch.prometheus import panel_queries, pipeline, queries
 
 SEVERITIES = ("critical", "warning", "info")  # the banner's order
 LAST_RUN = "in the last probe run, as the alert judges it"
@@ -66,7 +66,7 @@ SHOWN = tuple(Shown(*row) for row in (
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ui.FACTOR, ui.BAD, verdicts.ROUTE_WARM_ROUNDS,
      "Warm rounds are faster than round 1: the history is reused.",
      f"Median time to first token of rounds 2+ over round 1's, {LAST_RUN}."),
-    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ui.RATIO, ui.GOOD, None,
+    ("Affinity efficiency", panel_queries.AFFINITY_EFFICIENCY, ui.RATIO, ui.GOOD, None,
      f"No alert judges it: a trend to read beside the stickiness, over {RATE_WINDOW}.",
      "Cached tokens the engine reported in rounds 2+ over what a perfectly pinned replica would have "
      f"cached, over {RATE_WINDOW}."),
@@ -74,7 +74,7 @@ SHOWN = tuple(Shown(*row) for row in (
      "Real sessions stay on their replica.",
      "Of the real sessions that came back within the gateway log's spread window, the share served by "
      "more than one replica with no failover to explain it, as the alert judges it."),
-    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, ui.RATIO, ui.NEUTRAL, None,
+    ("Moved by a failover", panel_queries.REAL_SESSIONS_SPREAD, ui.RATIO, ui.NEUTRAL, None,
      "No alert judges it: a failed replica moves its sessions legitimately.",
      "Of the same sessions, the share that a failed replica moved to another one: kept apart from the "
      "above."),
@@ -236,7 +236,7 @@ class Board:
 def cached_by_source(board: Board, cluster: str | None) -> None:
     """The delivered ratio split by where the cached KV came from, where the engines say, and what the
     engines' own prefix caches found of what they looked up (the local lookup ratio)."""
-    shares = data.instant(queries.CLUSTER_CACHED_SHARE_BY_SOURCE, board.over, cluster)
+    shares = data.instant(panel_queries.CLUSTER_CACHED_SHARE_BY_SOURCE, board.over, cluster)
     with st.container(border=True):
         st.markdown("**Cached prompt tokens by source**")
         if ui.failed(shares):
@@ -257,7 +257,7 @@ def cached_by_source(board: Board, cluster: str | None) -> None:
 
 def lmcache_tiers(board: Board, cluster: str | None) -> None:
     """What LMCache's multi-process server found of the tokens asked of it, per tier, where it says."""
-    tiers = data.instant(queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER, board.over, cluster)
+    tiers = data.instant(panel_queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER, board.over, cluster)
     if tiers.error or tiers.value.empty:
         return
     found = ", ".join(
@@ -387,7 +387,7 @@ def overview() -> None:
     config = data.settings()
     if ui.failed(config):
         return
-    firing = data.instant(queries.FIRING_ALERTS_NOW, over)
+    firing = data.instant(panel_queries.FIRING_ALERTS_NOW, over)
     board = Board(over)
     if ui.failed(firing) or board.failed():
         return

@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 from kvwatch.core.naming import plural
 from kvwatch.dashboard import data, ui
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries
 
 WHOLE_RANGE, PICKED = "No split: the whole range", "A time I pick (UTC)"
 PERIODS = ("before", "after")
@@ -159,7 +159,7 @@ def real_users_chart(medians: pd.DataFrame) -> go.Figure:
 @st.fragment(run_every=data.REFRESH_SECONDS)
 def real_users(seconds: int) -> None:
     st.subheader("Real users, by gateway listener")
-    found = data.instant(queries.GATEWAY_FIRST_BYTE_BY_ROUND, data.span(seconds))
+    found = data.instant(panel_queries.GATEWAY_FIRST_BYTE_BY_ROUND, data.span(seconds))
     if ui.failed(found):
         return
     if found.value.empty:

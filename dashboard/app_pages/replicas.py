@@ -22,7 +22,7 @@ from kvwatch.alerts.verdicts import (
     SESSION_TABLE_FULL,
 )
 from kvwatch.dashboard import data, ui
-from kvwatch.prometheus import queries, router_queries
+from kvwatch.prometheus import panel_queries, queries
 
 # The first cache series an instance exports names its engine (the order of collectors.queries).
 ENGINES = {
@@ -199,14 +199,14 @@ def routers(over: data.Span, hit_ratios: pd.DataFrame, marks: pd.DataFrame) -> N
 
 def lmcache_tiers(over: data.Span) -> None:
     """LMCache's hits per tier, per instance, where an LMCache multi-process server says (nothing else)."""
-    tiers = data.instant(router_queries.LMCACHE_HIT_SHARE_BY_TIER, over)
+    tiers = data.instant(panel_queries.LMCACHE_HIT_SHARE_BY_TIER, over)
     if tiers.error or tiers.value.empty:
         return
     st.caption(
         "LMCache: of the tokens asked of it, the share found in L1 (its CPU memory) and L2 (disk or a "
         "remote store), now."
     )
-    shares(router_queries.LMCACHE_HIT_SHARE_BY_TIER, over, "", "replicas_lmcache_tiers", color="source",
+    shares(panel_queries.LMCACHE_HIT_SHARE_BY_TIER, over, "", "replicas_lmcache_tiers", color="source",
            labels={"value": "share of tokens asked of LMCache"})  # fmt: skip
 
 
@@ -245,7 +245,8 @@ def router_state(over: data.Span) -> None:
 def replicas(seconds: int) -> None:
     over = data.span(seconds)
     hit_ratios, local = (
-        data.series(q, over) for q in (queries.HIT_RATIO_BY_INSTANCE, queries.LOCAL_HIT_RATIO_BY_INSTANCE)
+        data.series(q, over)
+        for q in (panel_queries.HIT_RATIO_BY_INSTANCE, panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE)
     )
     if ui.failed(hit_ratios) or ui.failed(local):
         return
@@ -278,14 +279,15 @@ def replicas(seconds: int) -> None:
     with sources:
         st.subheader("Cached KV by source")
         st.caption("Each source's share of the instance's prompt tokens, now: the hit ratio, split.")
-        shares(queries.CACHED_SHARE_BY_SOURCE, over, "No engine exports where its cached tokens came from.",
+        shares(panel_queries.CACHED_SHARE_BY_SOURCE, over,
+               "No engine exports where its cached tokens came from.",
                "replicas_sources", color="source", labels={"value": "share of prompt tokens"})  # fmt: skip
         lmcache_tiers(over)
 
     share, latency = st.columns(2)
     with share:
         st.subheader("Request share")
-        shares(queries.REQUEST_SHARE_BY_INSTANCE, over, "No finished requests in the last window.",
+        shares(panel_queries.REQUEST_SHARE_BY_INSTANCE, over, "No finished requests in the last window.",
                "replicas_share", labels={"value": "share of requests"})  # fmt: skip
         spread = data.series(LOAD_IMBALANCE.signal, over)
         state = data.instant(LOAD_IMBALANCE.state, over)
@@ -294,7 +296,7 @@ def replicas(seconds: int) -> None:
             ui.tile("Load imbalance", spread.value, over.end, ui.FACTOR, verdict, IMBALANCE_HELP, ui.BAD)
     with latency:
         st.subheader("Engine TTFT")
-        ttft = data.instant(queries.TTFT_QUANTILES_BY_INSTANCE, over)
+        ttft = data.instant(panel_queries.TTFT_QUANTILES_BY_INSTANCE, over)
         if not ui.failed(ttft) and ttft.value.empty:
             ui.empty("No first tokens in the last window.")
         elif not ttft.error:
@@ -316,7 +318,7 @@ def replicas(seconds: int) -> None:
 
     st.subheader("Engines")
     series, config = (
-        data.instant(q, over) for q in (queries.INSTANCE_CACHE_SERIES, queries.PREFIX_CACHING_CONFIG)
+        data.instant(q, over) for q in (queries.INSTANCE_CACHE_SERIES, panel_queries.PREFIX_CACHING_CONFIG)
     )
     if not (ui.failed(series) or ui.failed(config)):
         if series.value.empty:

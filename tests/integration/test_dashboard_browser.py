@@ -32,7 +32,7 @@ from kvwatch.config.settings import load_config
 from kvwatch.core.naming import replica_name
 from kvwatch.dashboard import data
 from kvwatch.lab.replicas import REPLICA_KINDS
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
@@ -205,14 +205,19 @@ AFFINITY_LOG, ROUND_ROBIN_LOG = (
 OVERVIEW_TILES = [
     ("Sessions on one replica", queries.STICKY_RATIO, AFFINITY, ROUTE_STICKY),
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, AFFINITY, ROUTE_WARM_ROUNDS),
-    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, AFFINITY, None),
+    ("Affinity efficiency", panel_queries.AFFINITY_EFFICIENCY, AFFINITY, None),
     ("Sessions on one replica", queries.STICKY_RATIO, ROUND_ROBIN, None),
     ("Warm / cold TTFT", queries.WARM_COLD_RATIO, ROUND_ROBIN, None),
-    ("Affinity efficiency", queries.AFFINITY_EFFICIENCY, ROUND_ROBIN, None),
+    ("Affinity efficiency", panel_queries.AFFINITY_EFFICIENCY, ROUND_ROBIN, None),
     ("Real sessions on several replicas", queries.GATEWAY_SPREAD, AFFINITY_LOG, LISTENER_SPREAD),
-    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**AFFINITY_LOG, "failover": "true"}, None),
+    ("Moved by a failover", panel_queries.REAL_SESSIONS_SPREAD, {**AFFINITY_LOG, "failover": "true"}, None),
     ("Real sessions on several replicas", queries.GATEWAY_SPREAD, ROUND_ROBIN_LOG, None),
-    ("Moved by a failover", queries.REAL_SESSIONS_SPREAD, {**ROUND_ROBIN_LOG, "failover": "true"}, None),
+    (
+        "Moved by a failover",
+        panel_queries.REAL_SESSIONS_SPREAD,
+        {**ROUND_ROBIN_LOG, "failover": "true"},
+        None,
+    ),
     ("Cluster hit ratio", queries.CLUSTER_HIT_RATIO, {}, CLUSTER_HIT_RATIO_DROP),
     ("Real traffic's hit ratio", queries.CLUSTER_REAL_HIT_RATIO, {}, None),
     ("Probes' share of prompt tokens", queries.CLUSTER_PROBE_SHARE, {}, PROBES_DOMINATE),
@@ -299,7 +304,7 @@ def last_run(lab, target: str, at: float) -> list[SessionResult]:
     """The sessions of the target's last probe run as Prometheus held it at `at`, from the store: the
     newest of the run's size that finished by the time the run did. The pages' `at` is seconds ago
     (data.now), long after the run handed its sessions to the store's writer."""
-    age = value_of(prometheus(lab, as_asked(queries.PROBE_LAST_RUN_AGE, at), at), target=target)
+    age = value_of(prometheus(lab, as_asked(panel_queries.PROBE_LAST_RUN_AGE, at), at), target=target)
     (settings,) = [t for t in load_config(lab.state_dir / "kvwatch.yaml").targets if t.name == target]
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         finished = at - age + 0.001  # the run's end, give or take the rounding of time() - end

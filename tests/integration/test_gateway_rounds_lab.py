@@ -22,7 +22,7 @@ import pytest
 from conftest import LAB_CLIENT, Lab, http_get
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, session_fields
 from kvwatch.collectors.gatewaylogs.rounds import round_label
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +109,7 @@ def kvwatch_medians(lab: Lab, listener: str) -> dict[str, float]:
     while True:
         counts = _instant(prometheus, "kvwatch_gateway_first_byte_seconds_count", listener)
         if counts == {round_label(n): SESSIONS for n in range(1, ROUNDS + 1)}:
-            return _instant(prometheus, queries.GATEWAY_FIRST_BYTE_BY_ROUND, listener)
+            return _instant(prometheus, panel_queries.GATEWAY_FIRST_BYTE_BY_ROUND, listener)
         assert time.monotonic() < deadline, f"Prometheus never held every round of {listener}: {counts}"
         time.sleep(0.5)
 

@@ -22,7 +22,7 @@ from kvwatch.core.promapi import PrometheusApi
 from kvwatch.dashboard import data
 from kvwatch.grafana import boards
 from kvwatch.lab.configs import scale_durations
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.prometheus.rules import RULE_GROUPS
 from kvwatch.store.history import Store
 
@@ -160,7 +160,7 @@ def test_every_board_query_answers_in_victoriametrics(lab: Lab):
     api, now = PrometheusApi(lab.status["prometheus"], 10), time.time()
     answered = 0
     for query in board_queries():
-        expr = queries.fill_variables(query, window=f"{WINDOW_S}s", time_range="5m")
+        expr = panel_queries.fill_variables(query, window=f"{WINDOW_S}s", time_range="5m")
         api.query(expr)  # raises QueryRefused for what VictoriaMetrics cannot parse or run
         answered += bool(api.query_range(expr, now - 120, now, 10))
     assert answered > len(board_queries()) / 2  # most panels have data: the queries are not vacuous

@@ -24,7 +24,7 @@ from kvwatch.grafana import panels, routers
 from kvwatch.lab.components import prometheus_process
 from kvwatch.lab.configs import rule_files
 from kvwatch.lab.state import LabState
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 ROUTERS = TESTDATA / "routers"
 # Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky
@@ -129,7 +129,7 @@ def router_panel_queries() -> set[str]:
 
 def panel_values(prometheus: str, expr: str) -> dict[str, float]:
     """A panel query's values now, with the board's variables matching everything, by job."""
-    expr = queries.fill_variables(expr, window="30s", time_range="5m")
+    expr = panel_queries.fill_variables(expr, window="30s", time_range="5m")
     result = http_get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=5).json()["data"][
         "result"
     ]
@@ -178,7 +178,7 @@ def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_
         # The board's router panels and verdict, as Grafana would ask, per job (one instance each).
         expected = {
             queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO: {"router": 0.8, "smg-cache-aware": smg_predicted},
-            queries.HIT_RATIO_BY_INSTANCE: {"replicas": 0},
+            panel_queries.HIT_RATIO_BY_INSTANCE: {"replicas": 0},
             queries.CLUSTER_HIT_RATIO: {"cluster": 0},
             queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED: {"router": 0, "smg-cache-aware": 0},
             queries.INSTANCE_ROUTER_PIN_KEPT: {"smg": 6 / 7},  # 6 kept their worker, 1 moved

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import http_get
 from kvwatch.lab.configs import scale_durations
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ class Window:
     seconds: int = WINDOW_S  # the rules' window, as the lab's --rule-time-scale makes it
 
     def query(self, expr: str) -> list[dict]:
-        expr = queries.fill_variables(expr, window=f"{self.seconds}s", time_range=f"{self.seconds}s")
+        expr = panel_queries.fill_variables(expr, window=f"{self.seconds}s", time_range=f"{self.seconds}s")
         params = {"query": expr, "time": self.at}
         answer = http_get(f"{self.prometheus}/api/v1/query", params=params, timeout=10).json()
         return answer["data"]["result"]
@@ -126,11 +126,11 @@ def reuse(served: list[Served]) -> float:
 # prompt in their prefix cache and keep all cached KV on the device, so the local lookup ratio and the
 # device's share of the prompt tokens are the delivered ratio too.
 TOKEN_RATIOS = {
-    "delivered": (queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO, {}),
-    "local lookups": (queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO, {}),
+    "delivered": (panel_queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO, {}),
+    "local lookups": (panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO, {}),
     "cached on the device": (
-        queries.CACHED_SHARE_BY_SOURCE,
-        queries.CLUSTER_CACHED_SHARE_BY_SOURCE,
+        panel_queries.CACHED_SHARE_BY_SOURCE,
+        panel_queries.CLUSTER_CACHED_SHARE_BY_SOURCE,
         {"source": "device"},
     ),
 }
@@ -162,7 +162,7 @@ def rate_bounds(served: list[Served], missed: list[Served], extra: list[Served])
 def test_request_shares_and_load_imbalance_match_ground_truth(window: Window):
     finished = window.inside(lambda s: s.finished_at)
     low, high = rate_bounds(finished, *window.at_the_edges(lambda s: s.finished_at))
-    shares = window.by_instance(queries.REQUEST_SHARE_BY_INSTANCE)
+    shares = window.by_instance(panel_queries.REQUEST_SHARE_BY_INSTANCE)
     assert shares.keys() == high.keys() == {s.instance for s in window.served}
     for instance, share in shares.items():
         others_low, others_high = low.total() - low[instance], high.total() - high[instance]
@@ -180,7 +180,7 @@ def bounds(window: Window) -> dict[str, list[float]]:
     one family all have the same)."""
     return {
         family: sorted(float(s["metric"]["le"]) for s in window.query(heatmap) if s["metric"]["le"] != "+Inf")
-        for family, heatmap in queries.ENGINE_TTFT_BUCKET_RATES.items()
+        for family, heatmap in panel_queries.ENGINE_TTFT_BUCKET_RATES.items()
     }
 
 
@@ -209,13 +209,13 @@ def assert_quantiles_in_the_ground_truths_bucket(window: Window, expr: str, by: 
 
 def test_engine_ttft_quantiles_lie_in_the_ground_truths_bucket(window: Window):
     instances = {s.instance for s in window.served}
-    per_instance = window.query(queries.TTFT_QUANTILES_BY_INSTANCE)
+    per_instance = window.query(panel_queries.TTFT_QUANTILES_BY_INSTANCE)
     assert {(s["metric"]["instance"], s["metric"]["quantile"]) for s in per_instance} == {
         (instance, quantile) for instance in instances for quantile in queries.QUANTILES
     }
     # One instance's buckets are scraped together: rate() extrapolates them all alike.
     assert_quantiles_in_the_ground_truths_bucket(
-        window, queries.TTFT_QUANTILES_BY_INSTANCE, "instance", lambda i: lambda s: s.instance == i, 0
+        window, panel_queries.TTFT_QUANTILES_BY_INSTANCE, "instance", lambda i: lambda s: s.instance == i, 0
     )
     engines = {s["metric"]["engine"] for s in window.query(queries.ENGINE_TTFT)}
     assert engines == {s.flavour for s in window.served}
@@ -225,14 +225,14 @@ def test_engine_ttft_quantiles_lie_in_the_ground_truths_bucket(window: Window):
     )
 
 
-@pytest.mark.parametrize("flavour", queries.ENGINE_TTFT_BUCKET_RATES)
+@pytest.mark.parametrize("flavour", panel_queries.ENGINE_TTFT_BUCKET_RATES)
 def test_engine_ttft_heatmap_counts_the_ground_truths_first_tokens(window: Window, flavour: str):
     """Each heatmap cell is first tokens per second up to its bound, over the panel's rate window."""
     observed = [s for s in window.inside(lambda s: s.first_token_at) if s.flavour == flavour]
     missed, extra = (
         [s for s in edge if s.flavour == flavour] for edge in window.at_the_edges(lambda s: s.first_token_at)
     )
-    cells = window.query(queries.ENGINE_TTFT_BUCKET_RATES[flavour])
+    cells = window.query(panel_queries.ENGINE_TTFT_BUCKET_RATES[flavour])
     assert observed and len(cells) > 2
     for cell in cells:
         bound = float(cell["metric"]["le"])

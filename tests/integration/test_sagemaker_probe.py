@@ -29,7 +29,7 @@ from streamlit.testing.v1 import AppTest
 from conftest import REPO, Lab, http_get, kvwatch, wait_for
 from kvwatch.dashboard import data
 from kvwatch.lab.engine import ReplicaSettings
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 from kvwatch.store.history import Store
 
 REPLICAS = ("r1", "r2", "r3", "r4")
@@ -59,7 +59,7 @@ def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:
 
 def prometheus(lab: Lab, query: str) -> list[dict]:
     """The lab Prometheus's instant answer to a board's query, every target, a 30 s rate window."""
-    filled = queries.fill_variables(query, window="30s", time_range="5m")
+    filled = panel_queries.fill_variables(query, window="30s", time_range="5m")
     answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": filled}, timeout=10)
     return answer.json()["data"]["result"]
 
@@ -221,12 +221,12 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
     # The boards' evidence panels, as the lab's Prometheus answers them: both routes judged by reuse alone.
     def evidence() -> dict[tuple[str, str], float] | None:
         found = {(r["metric"]["target"], r["metric"]["evidence"]): float(r["value"][1])
-                 for r in prometheus(lab, queries.PROBE_EVIDENCE_SHARE)}  # fmt: skip
+                 for r in prometheus(lab, panel_queries.PROBE_EVIDENCE_SHARE)}  # fmt: skip
         return found if {target for target, _ in found} == {"lab-affinity", "lab-round-robin"} else None
 
     shares = {key: share for key, share in wait_for(evidence, "the evidence shares").items() if share}
     assert shares == {("lab-affinity", "reuse"): 1.0, ("lab-round-robin", "reuse"): 1.0}, shares
-    reuse = prometheus(lab, queries.PROBE_WARM_REUSE)
+    reuse = prometheus(lab, panel_queries.PROBE_WARM_REUSE)
     assert {(r["metric"]["target"], r["metric"]["evidence"]) for r in reuse} == {
         ("lab-affinity", "reuse"),
         ("lab-round-robin", "reuse"),

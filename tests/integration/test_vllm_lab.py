@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group, wait_for
 from kvwatch.lab.configs import scale_durations
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 pytestmark = pytest.mark.integration
 
@@ -188,12 +188,13 @@ def _burst(lab: Lab, conversations: int) -> tuple[float, float, float, dict[str,
 # Each ratio kvwatch shows per instance and for the cluster, with the engine counters it stands for:
 # (per-instance query, cluster query, labels of the series, hit counter, total counter).
 RATIOS = {
-    "delivered": (queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO, {},
+    "delivered": (panel_queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO, {},
                   "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_total"),
-    "local lookups": (queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO, {},
+    "local lookups": (panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO, {},
                       "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
     "cached on the device": (
-        queries.CACHED_SHARE_BY_SOURCE, queries.CLUSTER_CACHED_SHARE_BY_SOURCE, {"source": "device"},
+        panel_queries.CACHED_SHARE_BY_SOURCE, panel_queries.CLUSTER_CACHED_SHARE_BY_SOURCE,
+        {"source": "device"},
         'vllm:prompt_tokens_cached_by_source_total{source="device"}', "vllm:prompt_tokens_total",
     ),
 }  # fmt: skip
@@ -233,7 +234,7 @@ def _shown(lab: Lab, at: float, per_instance: str, cluster: str, labels: dict) -
     port_of = {f"127.0.0.1:{r['url'].rsplit(':', 1)[1]}": r["id"] for r in lab.status["replicas"]}
 
     def values(expr: str) -> list[tuple[dict, float]]:
-        expr = queries.fill_variables(expr, window=f"{WINDOW_S}s", time_range=f"{WINDOW_S}s")
+        expr = panel_queries.fill_variables(expr, window=f"{WINDOW_S}s", time_range=f"{WINDOW_S}s")
         found = prometheus_query(lab, expr, at)
         return [(s["metric"], float(s["value"][1])) for s in found if labels.items() <= s["metric"].items()]
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import enum
 import json
+import random
 import time
 
 import pytest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValueList
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
 
-from kvwatch.collectors.gatewaylogs import envoy, nginx
+from kvwatch.collectors.gatewaylogs import envoy, follower, nginx
 from kvwatch.collectors.gatewaylogs.base import Malformed, check_fields, field_check, json_object
 from kvwatch.collectors.gatewaylogs.sources.otlp.records import AccessLogRecords, MissingFields
 from kvwatch.collectors.gatewaylogs.sources.syslog import Refused, _message_of, _Rates, message_of
@@ -278,3 +279,110 @@ def test_a_syslog_header_read_in_one_match_reads_as_step_by_step(frame):
         except Refused as refused:
             readings.append(refused.reason)
     assert readings[0] == readings[1]
+
+
+def varied_lines(seed: int, count: int) -> list[bytes]:
+    """nginx lines of every kind the tally counts apart: returning and moving sessions, failovers, no
+    upstream, assigned ids, other paths, times ahead of the clock, more listeners and upstreams than a
+    label shows, first-byte times, and lines that are no request."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        upstream = f"127.0.0.1:{8001 + rng.randrange(40 if rng.random() < 0.1 else 3)}"
+        entry = {
+            "msec": 1795975200.0 + i + (10_000 if rng.random() < 0.03 else 0),
+            "listener": f"chat{rng.randrange(40) if rng.random() < 0.05 else rng.randrange(2)}",
+            "status": rng.choice((200, 200, 200, 502)),
+            "upstream_addr": rng.choice((upstream, upstream, f"127.0.0.1:8009, {upstream}", "engines")),
+            "session_id": f"s{rng.randrange(30)}",
+            "session_source": rng.choice(("client",) * 9 + ("assigned",)),
+            "request": rng.choice(("POST /v1/chat/completions",) * 9 + ("GET /v1/models",)),
+        }
+        if rng.random() < 0.5:
+            entry["upstream_header_time"] = f"{rng.random():.3f}"
+        if rng.random() < 0.3:
+            del entry["request"]  # no path: counted as an inference request
+        lines.append(b"not json" if rng.random() < 0.02 else json.dumps(entry).encode())
+    return lines
+
+
+def test_batches_counted_as_they_are_count_as_the_same_requests_prepared_one_by_one(monkeypatch):
+    """The tally counts a batch by its fields as they are when nothing in it needs a request's own
+    handling (tally._as_they_are); otherwise each request is prepared alone (_prepared). Both ways
+    give the same counts, in the same order, whatever the batch holds."""
+    lines = varied_lines(seed=7, count=3000)
+    batch_sizes = random.Random(8).choices((1, 1, 2, 3, 5, 40, 256), k=len(lines))
+
+    def tallied() -> tuple[SessionTally, int]:
+        tally = SessionTally("fast", max_sessions=25, session_ttl_seconds=400, clock=lambda: 1795978300.0)
+        taken = start = 0
+        for size in batch_sizes:
+            if start >= len(lines):
+                break
+            tally.take_lines(lines[start : start + size], 1795978000.0)
+            start += size
+            taken += 1
+        return tally, taken
+
+    as_they_are = SessionTally._as_they_are
+    fast_batches = []
+
+    def counting_fast_batches(self, parsed, received_at):
+        columns = as_they_are(self, parsed, received_at)
+        fast_batches.append(columns is not None)
+        return columns
+
+    monkeypatch.setattr(SessionTally, "_as_they_are", counting_fast_batches)
+    fast, batches = tallied()
+    monkeypatch.setattr(SessionTally, "_as_they_are", lambda self, parsed, received_at: None)
+    plain, _ = tallied()
+    assert 20 <= sum(fast_batches) < batches  # both ways were taken
+    fast_snapshot, plain_snapshot = fast.snapshot(SourceState()), plain.snapshot(SourceState())
+    assert fast_snapshot == plain_snapshot
+    for name in ("requests", "responses", "folded_labels", "first_byte_seconds"):
+        assert list(getattr(fast_snapshot, name).items()) == list(getattr(plain_snapshot, name).items())
+    counted = (fast_snapshot.future_times, fast_snapshot.evicted_sessions, fast_snapshot.other_requests)
+    assert counted[0] > 0 and counted[1] > 0 and sum(counted[2].values()) > 0
+    assert fast_snapshot.folded_labels["upstream", "too_many_values"] > 0
+    assert sum(fast_snapshot.moved_requests.values()) > 0 and fast_snapshot.first_byte_seconds
+
+
+def test_a_session_whose_first_request_failed_over_has_moved_for_a_failover():
+    """A session opened by a failed-over request (its first server failed): its move back counts as
+    explained by the failover, as does its spread."""
+    tally = SessionTally("fast", clock=lambda: 1795975300.0)
+    tally.take_lines(
+        [
+            nginx_line(0, session_id="s", upstream_addr="127.0.0.1:8001, 127.0.0.1:8002"),
+            nginx_line(1, session_id="s", upstream_addr="127.0.0.1:8001"),
+        ],
+        1795975250.0,
+    )
+    snapshot = tally.snapshot(SourceState())
+    assert snapshot.spread_sessions["chat", "true"] == 1
+    assert snapshot.moved_requests == {("chat", "true"): 1, ("chat", "false"): 0}
+
+
+def test_a_followed_file_counts_its_lines_in_batches_as_one_by_one(tmp_path):
+    """The follower hands a file's lines to the tally LINES_PER_BATCH at a time (and a line over the
+    length limit as it comes): the counts are those of the same lines taken one by one."""
+    lines = varied_lines(seed=9, count=2 * follower.LINES_PER_BATCH + 50)
+    lines.insert(300, b"x" * follower.MAX_LINE_BYTES)
+    path = tmp_path / "access.log"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    clock = lambda: 1795978300.0  # noqa: E731
+    followed = follower.GatewayLogFollower(path, "fast", clock=clock, max_sessions=25)
+    one_by_one = SessionTally("fast", clock=clock, max_sessions=25)
+    taken = []
+    original_take_lines = followed.tally.take_lines
+    followed.tally.take_lines = lambda batch, at: taken.append(len(batch)) or original_take_lines(batch, at)
+    for line in lines:
+        if len(line) < follower.MAX_LINE_BYTES:
+            one_by_one.take_line(line, 1795978300.0)
+        else:
+            one_by_one.line_too_long(1795978300.0)
+    snapshot = followed.poll()
+    followed.close()
+    assert snapshot == one_by_one.snapshot(SourceState(unread_files=snapshot.unread_files))
+    assert snapshot.malformed["too_long"] == 1 and snapshot.lines == len(lines)
+    assert max(taken) == follower.LINES_PER_BATCH

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValueList
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
-from conftest import RecordingTally, free_port
+from conftest import RecordingTally, free_port, http_post
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, envoy
 from kvwatch.collectors.gatewaylogs.sources import SourceUnavailable, open_log
 from kvwatch.collectors.gatewaylogs.sources.otlp import (
@@ -106,7 +106,7 @@ def grpc_status(source: OtlpSource, body: bytes, metadata=()) -> grpc.StatusCode
 
 def http_export(source: OtlpSource, body: bytes, kind="application/x-protobuf", **headers) -> httpx.Response:
     url = f"http://127.0.0.1:{source.http_port}/v1/logs"
-    return httpx.post(url, content=body, headers={"Content-Type": kind, **headers}, timeout=10)
+    return http_post(url, content=body, headers={"Content-Type": kind, **headers}, timeout=10)
 
 
 def test_envoy_attributes_become_the_records_its_file_log_writes(serve, tally):

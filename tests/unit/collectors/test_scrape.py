@@ -17,7 +17,7 @@ from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
 from test_engines import sgl_router_0_2
 
-from conftest import TESTDATA, free_port, kvwatch
+from conftest import TESTDATA, free_port, kvwatch_in_process
 from kvwatch.cli.main import build_parser, main
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import metrics_url, scrape
@@ -111,7 +111,7 @@ def server() -> Iterator[str]:
         release.set()
 
 
-def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
+def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path, capsys):
     not_utf8 = tmp_path / "binary.prom"
     not_utf8.write_bytes(b"\xff\xfe\x00\x01 metrics?")
     unrelated = tmp_path / "node-exporter.prom"
@@ -130,7 +130,7 @@ def test_good_and_bad_sources_are_reported_side_by_side(server, tmp_path):
     good = f"{server}/metrics"
     sources = [good, *reasons]
 
-    result = kvwatch("scrape", "--json", *sources, timeout=30)
+    result = kvwatch_in_process(capsys, "scrape", "--json", *sources)
 
     assert result.returncode == 1, result.stderr
     objects = json.loads(result.stdout)
@@ -166,9 +166,9 @@ def test_a_url_with_a_path_or_a_query_and_a_file_are_read_as_given(source):
     assert metrics_url(source) == source
 
 
-def test_human_output_labels_lifetime_figures_and_errors(server):
+def test_human_output_labels_lifetime_figures_and_errors(server, capsys):
     garbage = str(TESTDATA / "garbage.prom")
-    result = kvwatch("scrape", f"{server}/metrics", garbage, timeout=30)
+    result = kvwatch_in_process(capsys, "scrape", f"{server}/metrics", garbage)
     assert result.returncode == 1
     good, bad = result.stdout.strip().split("\n\n")
     assert good.startswith(f"{server}/metrics  [vllm, lifetime: cumulative since the process started]")
@@ -178,35 +178,35 @@ def test_human_output_labels_lifetime_figures_and_errors(server):
     assert bad.startswith(f"{garbage}\n  ERROR  {garbage}: not a Prometheus text exposition")
 
 
-def test_a_routers_prediction_is_printed_next_to_what_its_requests_were_delivered():
+def test_a_routers_prediction_is_printed_next_to_what_its_requests_were_delivered(capsys):
     """The hand-written llm-d EPP exposition: a mean prediction of 80 %, 7,000 of 10,000 tokens cached."""
-    result = kvwatch("scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom"), "--json", timeout=30)
+    result = kvwatch_in_process(capsys, "scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom"), "--json")
     assert result.returncode == 0, result.stderr
     (record,) = json.loads(result.stdout)
     assert (record["flavour"], record["predicted_hit_ratio"], record["hit_ratio"]) == ("llm-d-epp", 0.8, 0.7)
-    text = kvwatch("scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom"), timeout=30).stdout
+    text = kvwatch_in_process(capsys, "scrape", str(TESTDATA / "routers" / "llm-d-epp-0.10.prom")).stdout
     assert "predicted hit ratio  80.0%  (the router's guess)" in text
     assert "delivered hit ratio  70.0%  (cached / prompt tokens it forwarded)" in text
     assert "vllm-0        6  (60%)" in text
 
 
-def test_a_router_that_exports_the_legs_prints_its_reuse_decomposition():
+def test_a_router_that_exports_the_legs_prints_its_reuse_decomposition(capsys):
     """The hand-written llm-d EPP exposition with its prefix plugin's token histograms: of 10,000 prompt
     tokens the best endpoint held 8,000, the chosen one 6,000, the engines reused 4,000."""
     path = str(TESTDATA / "routers" / "llm-d-epp-prefix-tokens.prom")
-    result = kvwatch("scrape", path, "--json", timeout=30)
+    result = kvwatch_in_process(capsys, "scrape", path, "--json")
     assert result.returncode == 0, result.stderr
     (record,) = json.loads(result.stdout)
     legs = (record["available_share"], record["routed_share"], record["delivered_share"])
     assert legs == (0.8, 0.6, 0.4)
-    text = kvwatch("scrape", path, timeout=30).stdout
+    text = kvwatch_in_process(capsys, "scrape", path).stdout
     assert "reuse of the prompt  80.0% -> 60.0% -> 40.0%  (available -> routed -> delivered)" in text
 
 
-def test_a_routers_session_table_and_kv_event_index_are_printed_and_in_the_json():
+def test_a_routers_session_table_and_kv_event_index_are_printed_and_in_the_json(capsys):
     sessions = str(TESTDATA / "routers" / "llm-d-epp-0.10-sessions.prom")
     index = str(TESTDATA / "routers" / "smg-1.13-kv-events.prom")
-    result = kvwatch("scrape", sessions, index, "--json", timeout=30)
+    result = kvwatch_in_process(capsys, "scrape", sessions, index, "--json")
     assert result.returncode == 0, result.stderr
     table, health = (
         record[key]
@@ -214,13 +214,13 @@ def test_a_routers_session_table_and_kv_event_index_are_printed_and_in_the_json(
     )
     assert (table["bindings"], table["bind_rejections"], table["invalidations"]["pod_delete"]) == (40, 3, 5)
     assert (health["lag_seconds"], health["gaps"], health["degraded_ranks"]) == (2.5, 3, 1)
-    text = kvwatch("scrape", sessions, index, timeout=30).stdout
+    text = kvwatch_in_process(capsys, "scrape", sessions, index).stdout
     assert "bindings dropped     close 6, error 2, idle 12, pod_delete 5" in text
     assert "KV-event index lag   2.5 s  (its worst worker)" in text
 
 
-def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):
-    result = kvwatch("scrape", "--json", "--interval", "0.3", f"{server}/metrics", timeout=30)
+def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server, capsys):
+    result = kvwatch_in_process(capsys, "scrape", "--json", "--interval", "0.3", f"{server}/metrics")
     assert result.returncode == 0, result.stdout + result.stderr
     (record,) = json.loads(result.stdout)
     assert 0.3 <= record["window_seconds"] < 5
@@ -231,8 +231,8 @@ def test_interval_gives_the_windowed_figures_of_the_requests_in_between(server):
     assert record["counter_reset"] is False
 
 
-def test_a_silent_source_times_out_and_the_others_still_print(server):
-    result = kvwatch("scrape", "--timeout", "0.5", f"{server}/silent", f"{server}/metrics", timeout=30)
+def test_a_silent_source_times_out_and_the_others_still_print(server, capsys):
+    result = kvwatch_in_process(capsys, "scrape", "--timeout", "0.5", f"{server}/silent", f"{server}/metrics")
     assert result.returncode == 1
     assert f"{server}/silent: no complete answer within 0.5 s" in result.stdout
     assert f"{server}/metrics  [vllm, lifetime" in result.stdout

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, free_port, kvwatch_bounded
+from conftest import REPO, free_port, kvwatch_bounded_each, kvwatch_in_process
 from kvwatch.cli import main
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import (
@@ -600,14 +598,11 @@ def test_direct_construction_is_checked_too():
         Target(name="chat", base_url="http://127.0.0.1:18000", model="m", rounds=60)
 
 
-def kvwatch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli.main", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+@pytest.fixture
+def kvwatch(capsys, monkeypatch):
+    """`kvwatch ARGS` in this process, from the repository as the paths below are."""
+    monkeypatch.chdir(REPO)
+    return lambda *args: kvwatch_in_process(capsys, *args)
 
 
 @pytest.mark.parametrize(
@@ -618,7 +613,7 @@ def kvwatch(*args: str) -> subprocess.CompletedProcess:
         ("tests/testdata/config/good-minimal.yml", "1 target, 0 gateway logs"),
     ],
 )
-def test_config_check_file_only_accepts_a_good_file(path, summary):
+def test_config_check_file_only_accepts_a_good_file(kvwatch, path, summary):
     # The examples name secrets and directories of another machine (the lab's, a cluster's).
     result = kvwatch("config", "check", "--file-only", path)
     assert (result.returncode, result.stdout, result.stderr) == (
@@ -628,7 +623,7 @@ def test_config_check_file_only_accepts_a_good_file(path, summary):
     )
 
 
-def test_config_check_prints_the_one_error():
+def test_config_check_prints_the_one_error(kvwatch):
     path = "tests/testdata/config/invalid-unknown-key.yml"
     result = kvwatch("config", "check", path)
     problem = 'targets[1].session.hedaer: unknown key; did you mean "header"? known: header, key, mode'
@@ -644,7 +639,7 @@ def test_listen_takes_a_port_alone_for_this_machine_only(tmp_path, port):
     assert (exporter.listen, exporter.host, exporter.port) == ("127.0.0.1:19600", "127.0.0.1", 19600)
 
 
-def test_config_check_of_a_missing_file():
+def test_config_check_of_a_missing_file(kvwatch):
     result = kvwatch("config", "check", "nowhere.yaml")
     assert result.returncode == 1
     assert result.stderr == "error in nowhere.yaml: cannot read it: No such file or directory\n"
@@ -757,30 +752,30 @@ def test_webhook_token_errors(tmp_path, source, message):
     assert str(error.value) == "exporter: " + message.format(path=source.get("webhook_token_file"))
 
 
-@pytest.mark.parametrize(
-    "key, owner, secret",
-    [
-        ("api_key_file", "target chat", "API key"),
-        ("webhook_token_file", "exporter", "webhook token"),
-        ("password_file", "store", "password"),
-    ],
-)
-def test_serve_refuses_a_secret_file_that_holds_no_secret_at_once_in_one_line(
-    tmp_path, not_a_secret_file, key, owner, secret
-):
-    path, problem = not_a_secret_file
-    target = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
-    exporter = {"listen": f"127.0.0.1:{free_port()}"}
-    # The password is read before the store is opened: nothing need listen on port 9.
-    store = {"url": "postgresql://kvwatch@127.0.0.1:9/kvwatch"} if key == "password_file" else {}
-    {"api_key_file": target, "webhook_token_file": exporter, "password_file": store}[key][key] = str(path)
-    config = tmp_path / "kvwatch.yaml"
-    store.setdefault("path", str(tmp_path / "kvwatch.db"))
-    config.write_text(yaml.safe_dump({"targets": [target], "exporter": exporter, "store": store}))
+SECRET_FILE_KEYS = [  # key, the section that names it, the secret it holds
+    ("api_key_file", "target chat", "API key"),
+    ("webhook_token_file", "exporter", "webhook token"),
+    ("password_file", "store", "password"),
+]
 
-    served = kvwatch_bounded("serve", "--config", str(config))
-    said = f"kvwatch serve: {owner}: {secret} file {path} {problem.format(secret=secret)}\n"
-    assert (served.returncode, served.stderr) == (1, said)
+
+def test_serve_refuses_a_secret_file_that_holds_no_secret_at_once_in_one_line(tmp_path, not_a_secret_file):
+    path, problem = not_a_secret_file
+    commands, said = [], []
+    for key, owner, secret in SECRET_FILE_KEYS:
+        target = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
+        exporter = {"listen": f"127.0.0.1:{free_port()}"}
+        # The password is read before the store is opened: nothing need listen on port 9.
+        store = {"url": "postgresql://kvwatch@127.0.0.1:9/kvwatch"} if key == "password_file" else {}
+        {"api_key_file": target, "webhook_token_file": exporter, "password_file": store}[key][key] = str(path)
+        config = tmp_path / f"{key}.yaml"
+        store.setdefault("path", str(tmp_path / "kvwatch.db"))
+        config.write_text(yaml.safe_dump({"targets": [target], "exporter": exporter, "store": store}))
+        commands.append(["serve", "--config", str(config)])
+        said.append(f"kvwatch serve: {owner}: {secret} file {path} {problem.format(secret=secret)}\n")
+
+    served = kvwatch_bounded_each(commands, tmp_path)
+    assert [(s.returncode, s.stderr) for s in served] == [(1, line) for line in said]
 
 
 def test_a_secret_file_at_the_size_limit_is_read(tmp_path):

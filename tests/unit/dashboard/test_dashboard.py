@@ -53,7 +53,7 @@ from kvwatch.doctor import checks
 from kvwatch.doctor.caching import Cluster
 from kvwatch.experiment.report import FILES
 from kvwatch.grafana import panels
-from kvwatch.prometheus import pipeline, promql, queries
+from kvwatch.prometheus import panel_queries, pipeline, promql, queries
 from kvwatch.prometheus.pipeline import Link
 from kvwatch.store.history import Store, life_columns
 
@@ -190,21 +190,23 @@ SERIES = {
     queries.CLUSTER_LOCAL_HIT_RATIO: lambda over: points(over, [0.90, 0.91, 0.93]),
     queries.STICKY_RATIO: lambda over: per_route(over, [1, 1, 1], [0, 0, 0]),
     queries.WARM_COLD_RATIO: lambda over: per_route(over, [0.2, 0.15, 0.14], [1.3, 1.5, 1.6]),
-    queries.AFFINITY_EFFICIENCY: lambda over: per_route(over, [0.97, 0.98, 0.99], [0.2, 0.25, 0.21]),
+    panel_queries.AFFINITY_EFFICIENCY: lambda over: per_route(over, [0.97, 0.98, 0.99], [0.2, 0.25, 0.21]),
     queries.GATEWAY_SPREAD: lambda over: per_listener(over, [0, 0.01, 0.02], [0.9, 0.95, 0.96]),
-    queries.REAL_SESSIONS_SPREAD: lambda over: pd.concat(
+    panel_queries.REAL_SESSIONS_SPREAD: lambda over: pd.concat(
         [
             per_listener(over, [0, 0.01, 0.02], [0.9, 0.95, 0.96], failover="false"),
             per_listener(over, [0, 0.1, 0.12], [0, 0, 0], failover="true"),
         ]
     ),  # fmt: skip
-    queries.HIT_RATIO_BY_INSTANCE: lambda over: pd.concat(
+    panel_queries.HIT_RATIO_BY_INSTANCE: lambda over: pd.concat(
         [
             points(over, [0.8, 0.9], instance="127.0.0.1:18010"),
             points(over, [0.7, 0.6], instance="127.0.0.1:18011"),
         ]
     ),
-    queries.LOCAL_HIT_RATIO_BY_INSTANCE: lambda over: points(over, [0.9, 0.95], instance="127.0.0.1:18010"),
+    panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE: lambda over: points(
+        over, [0.9, 0.95], instance="127.0.0.1:18010"
+    ),
     queries.CLUSTER_LOAD_IMBALANCE: lambda over: points(over, [1.2, 2.6]),
 }
 HEALTHY = {
@@ -219,21 +221,23 @@ HEALTHY = {
 }
 INSTANT = {
     **HEALTHY,
-    queries.CLUSTER_CACHED_SHARE_BY_SOURCE: pd.DataFrame({"source": ["device", "host"], "value": [0.7, 0.1]}),
-    queries.CACHED_SHARE_BY_SOURCE: pd.DataFrame(
+    panel_queries.CLUSTER_CACHED_SHARE_BY_SOURCE: pd.DataFrame(
+        {"source": ["device", "host"], "value": [0.7, 0.1]}
+    ),
+    panel_queries.CACHED_SHARE_BY_SOURCE: pd.DataFrame(
         {"instance": ["127.0.0.1:18010"] * 2, "source": ["device", "host"], "value": [0.7, 0.1]}
     ),
-    queries.REQUEST_SHARE_BY_INSTANCE: pd.DataFrame(
+    panel_queries.REQUEST_SHARE_BY_INSTANCE: pd.DataFrame(
         {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"], "value": [0.7, 0.3]}
     ),
-    queries.TTFT_QUANTILES_BY_INSTANCE: pd.DataFrame(
+    panel_queries.TTFT_QUANTILES_BY_INSTANCE: pd.DataFrame(
         {"instance": ["127.0.0.1:18010"] * 3, "quantile": ["0.5", "0.9", "0.99"], "value": [0.02, 0.09, 0.2]}
     ),
     queries.INSTANCE_CACHE_SERIES: pd.DataFrame(
         {"instance": ["127.0.0.1:18010", "127.0.0.1:18011"],
          "series": ["vllm:prefix_cache_queries_total", "sglang:prompt_tokens_total"], "value": [1, 1]}
     ),
-    queries.PREFIX_CACHING_CONFIG: pd.DataFrame(
+    panel_queries.PREFIX_CACHING_CONFIG: pd.DataFrame(
         {"instance": ["127.0.0.1:18010"], "enable_prefix_caching": ["False"], "value": [1]}
     ),
 }  # fmt: skip
@@ -504,7 +508,7 @@ def firing_alert(name: str, severity: str, **labels: str) -> dict:
     ids=["none", "critical first", "warnings only"],
 )  # fmt: skip
 def test_the_overview_banner_names_what_fires_now(fake, firing, kind, banner):
-    fake.values[queries.FIRING_ALERTS_NOW] = pd.DataFrame(firing)
+    fake.values[panel_queries.FIRING_ALERTS_NOW] = pd.DataFrame(firing)
     at = open_page("overview")
     title, top, *_ = (e for e in at.main if e.type not in ("main", "flex_container"))
     assert (title.value, top.type) == ("Overview", kind)  # right under the title
@@ -558,7 +562,9 @@ def test_when_the_pipeline_cannot_be_asked_the_overview_says_so_and_is_not_green
 
 def test_alerts_that_fire_are_shown_beside_what_kvwatch_cannot_see(fake):
     fake.blind = Result((NOT_SCRAPED,))
-    fake.values[queries.FIRING_ALERTS_NOW] = pd.DataFrame([firing_alert("KVWatchTargetDown", "critical")])
+    fake.values[panel_queries.FIRING_ALERTS_NOW] = pd.DataFrame(
+        [firing_alert("KVWatchTargetDown", "critical")]
+    )
     kinds = [kind for kind, _ in banners(open_page("overview"))]
     assert kinds == ["error", "error"]  # not watching, and what fires
 
@@ -945,11 +951,11 @@ def test_alerts_name_an_instance_with_a_replica_label_by_its_id_and_address(fake
 
 # --- several clusters in one Prometheus ------------------------------------------------------------------
 
-CLUSTERS = queries.clusters(CLUSTER_LABEL)
+CLUSTERS = panel_queries.clusters(CLUSTER_LABEL)
 
 
 def in_cluster(query: str, cluster: str) -> str:
-    return promql.with_matcher(query, queries.one_cluster(CLUSTER_LABEL, cluster))
+    return promql.with_matcher(query, panel_queries.one_cluster(CLUSTER_LABEL, cluster))
 
 
 def two_clusters(fake: Fake) -> None:
@@ -981,7 +987,7 @@ def test_the_overview_shows_each_clusters_hit_ratio_apart_while_all_are_shown(fa
 
 def test_a_picked_cluster_narrows_every_prometheus_read_and_its_alerts(fake):
     two_clusters(fake)
-    fake.values[in_cluster(queries.FIRING_ALERTS_NOW, "b")] = pd.DataFrame(
+    fake.values[in_cluster(panel_queries.FIRING_ALERTS_NOW, "b")] = pd.DataFrame(
         [{"alertname": "KVWatchPrefixCacheHitRateDrop", "severity": "warning", "cluster": "b", "value": 1}]
     )
     at = AppTest.from_file(str(APP), default_timeout=30).run()
@@ -1018,7 +1024,7 @@ def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances
     two engines, each led by its cluster; a picked cluster reads its own, as before."""
     two_clusters(fake)
     same = "127.0.0.1:18010"
-    fake.ranges[queries.HIT_RATIO_BY_INSTANCE] = lambda over: pd.concat(
+    fake.ranges[panel_queries.HIT_RATIO_BY_INSTANCE] = lambda over: pd.concat(
         [
             points(over, [0.8, 0.9], cluster="a", instance=same),
             points(over, [0.3, 0.1], cluster="b", instance=same),
@@ -1044,7 +1050,7 @@ def test_with_all_clusters_shown_the_replicas_page_keeps_each_clusters_instances
         ("a", "vLLM V1"),
         ("b", "SGLang"),
     ]
-    fake.ranges[in_cluster(queries.HIT_RATIO_BY_INSTANCE, "b")] = lambda over: points(
+    fake.ranges[in_cluster(panel_queries.HIT_RATIO_BY_INSTANCE, "b")] = lambda over: points(
         over, [0.3, 0.1], cluster="b", instance=same
     )
     at.sidebar.selectbox[0].select("b").run()
@@ -1197,7 +1203,7 @@ def test_doctor_runs_and_lists_its_findings(fake):
 
 
 def test_per_round_shows_real_users_ttft_by_round_per_gateway_listener(fake):
-    fake.values[queries.GATEWAY_FIRST_BYTE_BY_ROUND] = pd.DataFrame(
+    fake.values[panel_queries.GATEWAY_FIRST_BYTE_BY_ROUND] = pd.DataFrame(
         {"log": ["gw"] * 4, "listener": ["affinity", "affinity", "round_robin", "round_robin"],
          "round": ["2", "1", "1", "8+"], "value": [0.03, 0.1, 0.1, 0.4]}
     )  # fmt: skip
@@ -1419,9 +1425,9 @@ def test_the_data_layer_splits_the_stores_rounds_at_a_moment(config_file):
 
 def test_queries_get_a_rate_window_of_ten_minutes_or_one_step():
     hour, week = data.Span(0, 3600, 15), data.Span(0, 7 * 86400, 2520)
-    assert "[600s]" in data.filled(queries.AFFINITY_EFFICIENCY, hour)
-    assert "[2520s]" in data.filled(queries.AFFINITY_EFFICIENCY, week)
-    assert "$" not in data.filled(queries.PROBE_STICKY_SHARE, hour)
+    assert "[600s]" in data.filled(panel_queries.AFFINITY_EFFICIENCY, hour)
+    assert "[2520s]" in data.filled(panel_queries.AFFINITY_EFFICIENCY, week)
+    assert "$" not in data.filled(panel_queries.PROBE_STICKY_SHARE, hour)
 
 
 class Clusters(BaseHTTPRequestHandler):
@@ -1484,7 +1490,9 @@ def test_the_data_layer_reads_each_cluster_apart_in_a_real_prometheus(tmp_path, 
             time.sleep(0.2)
         assert data.clusters().value == ["a", "b"]
         assert {name: list(r.value["value"]) for name, r in read.items()} == {"a": [1.0], "b": [0.25]}
-        board = data.instant_query(panels.as_board_runs(queries.WARM_COLD_TTFT_RATIO, "cluster"), over).value
+        board = data.instant_query(
+            panels.as_board_runs(panel_queries.WARM_COLD_TTFT_RATIO, "cluster"), over
+        ).value
         assert dict(zip(board["cluster"], board["value"], strict=True)) == Clusters.WARM_COLD
         prometheus_url = f"http://127.0.0.1:{port}"
         route = ProbeSettings(base_url="http://127.0.0.1:1", model="m", timeout_seconds=2)

@@ -35,7 +35,7 @@ from kvwatch.alerts.verdicts import CLUSTER_HIT_RATIO_DROP, FIRING, OK, ROUTE_ST
 from kvwatch.core.naming import plural
 from kvwatch.dashboard import data, ui
 from kvwatch.dashboard.data import Result
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 STOPPED, CLEARS = NOW - 40, NOW + 83  # the affinity alert's expression stopped matching, and it clears
 
@@ -82,7 +82,7 @@ def recovered(fake: Fake) -> None:
     """The issue's page 50 s after the heal: 100 % on one replica while the alert still fires."""
     fake.ranges[queries.STICKY_RATIO] = lambda over: per_route(over, [0.2, 1.0], [0, 0])
     fake.values[ROUTE_STICKY.state] = states(**{"lab-affinity": FIRING})
-    fake.values[queries.FIRING_ALERTS_NOW] = firing_now(target="lab-affinity", route_mode="affinity")
+    fake.values[panel_queries.FIRING_ALERTS_NOW] = firing_now(target="lab-affinity", route_mode="affinity")
 
 
 def test_a_recovered_signal_whose_alert_is_held_reads_as_resolving_with_its_clear_time(fake):

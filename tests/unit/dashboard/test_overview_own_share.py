@@ -8,7 +8,7 @@ import pandas as pd
 from test_dashboard import cluster_state, fake, metrics, open_page, points, texts  # noqa: F401
 
 from kvwatch.alerts.verdicts import FIRING, OK, PROBES_DOMINATE
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 
 def test_the_real_traffic_ratio_and_the_probes_share_stand_beside_the_cluster_ratio(fake):  # noqa: F811
@@ -38,5 +38,5 @@ def test_without_probe_tokens_counted_neither_tile_is_shown(fake):  # noqa: F811
 def test_lmcache_tiers_are_said_beside_the_split_by_source(fake):  # noqa: F811
     assert "LMCache found" not in texts(open_page("overview"))  # no LMCache multi-process server
     tiers = pd.DataFrame({"source": ["l2", "l1"], "value": [0.125, 0.625]})
-    fake.values[queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER] = tiers
+    fake.values[panel_queries.CLUSTER_LMCACHE_HIT_SHARE_BY_TIER] = tiers
     assert "LMCache found 62% in L1, 12% in L2 of the tokens asked of it." in texts(open_page("overview"))

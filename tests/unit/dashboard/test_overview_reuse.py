@@ -9,7 +9,7 @@ from test_dashboard import no_component_scan as no_component_scan
 
 from kvwatch.alerts.verdicts import ENGINE_LOSS, FIRING, OK, ROUTING_LOSS
 from kvwatch.dashboard import reuse
-from kvwatch.prometheus import queries
+from kvwatch.prometheus import panel_queries, queries
 
 ROUTER = {"job": "epp", "instance": "10.0.0.5:9090"}
 
@@ -52,7 +52,7 @@ def test_without_a_router_that_exports_the_legs_the_overview_says_which_do(fake)
 
 
 def test_each_probe_route_shows_its_own_sessions_ideal_and_delivered_reuse(fake):
-    fake.values[queries.PROBE_REUSE_SHARES] = pd.DataFrame(
+    fake.values[panel_queries.PROBE_REUSE_SHARES] = pd.DataFrame(
         {
             "target": "lab-affinity",
             "route_mode": "affinity",

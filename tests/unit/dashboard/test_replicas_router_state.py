@@ -13,7 +13,7 @@ from test_dashboard import fake, fires, open_page, texts  # noqa: F401
 
 from kvwatch.alerts.verdicts import FIRING, INDEX_STALLED, OK, SESSION_INVALIDATIONS, SESSION_TABLE_FULL
 from kvwatch.dashboard.app_pages.replicas import NO_ROUTER_STATE
-from kvwatch.prometheus import queries, router_queries
+from kvwatch.prometheus import panel_queries, queries
 
 EPP = {"job": "epp", "instance": "10.0.0.5:9090"}  # llm-d's EPP: a session table
 SMG = {"job": "smg", "instance": "10.0.0.9:29000"}  # SMG: a KV-event index
@@ -72,7 +72,7 @@ def test_lmcache_tiers_stand_beside_the_split_by_source_where_lmcache_says(fake)
         }
 
     assert "replicas_lmcache_tiers" not in charts(open_page("replicas"))  # no LMCache: nothing said
-    fake.values[router_queries.LMCACHE_HIT_SHARE_BY_TIER] = frame(
+    fake.values[panel_queries.LMCACHE_HIT_SHARE_BY_TIER] = frame(
         {"job": "lmcache", "instance": "127.0.0.1:6555", "source": "l1", "value": 0.5},
         {"job": "lmcache", "instance": "127.0.0.1:6555", "source": "l2", "value": 0.25},
     )

@@ -1,57 +1,27 @@
-"""The Grafana boards: generated from prometheus/queries.py and committed up to date, linted the way
-Grafana's dashboard-linter would (it cannot be installed here), and every panel's PromQL proven against
-the lab's real Prometheus, before and after the gateway's session affinity breaks: the verdict panels
-turn to the alert's state, and real sessions spread. Once kvwatch serve stops, the probe panels (and the
-Sessions and Per-round pages) equal the sessions it stored, and the gateway panels the access log."""
+"""The Grafana boards: generated from prometheus/panel_queries.py and committed up to date, linted the way
+Grafana's dashboard-linter would (it cannot be installed here), every panel query valid PromQL for
+promtool. tests/integration/test_grafana_lab.py proves every panel against the lab's real Prometheus."""
 
 from __future__ import annotations
 
-import base64
-import bisect
-import contextlib
-import itertools
 import json
-import math
-import os
 import re
 import shutil
-import signal
-import statistics
 import subprocess
-import sys
-import time
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
-from operator import not_
 from pathlib import Path
 
-import httpx
-import numpy as np
 import pytest
-import streamlit as st
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-from streamlit.components.v2 import manifest_scanner
-from streamlit.testing.v1 import AppTest
-from test_gatewaylog import answered, chat
 
-from conftest import REPO, TLS, http_get, stop_lab_serve
+from conftest import REPO
 from kvwatch.alerts.verdicts import (
-    ENGINE_LOSS,
     FIRING,
     OK,
     PENDING,
-    ROUTE_REUSE,
-    ROUTE_STICKY,
-    ROUTER_PREDICTION_MISS,
-    ROUTING_LOSS,
     VERDICTS,
 )
-from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
-from kvwatch.core.stats import CONFIDENCE
 from kvwatch.grafana import boards
 from kvwatch.grafana.panels import (
     DATASOURCE,
@@ -64,11 +34,8 @@ from kvwatch.grafana.panels import (
     runbook_link,
     uid,
 )
-from kvwatch.prometheus import promql, queries, router_queries
-from kvwatch.prometheus.rules import GATEWAY_RULES, WINDOWED_RULES
-from kvwatch.serve.exporter import TTFT_BUCKETS
-from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS
-from kvwatch.store.history import Store
+from kvwatch.prometheus import panel_queries, promql, queries
+from kvwatch.prometheus.rules import WINDOWED_RULES
 from tools import board_preview
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -84,23 +51,23 @@ def panels(board: dict) -> list[dict]:
     return [panel for panel in board["panels"] if panel["type"] != "row"]
 
 
-def panel_queries(board: dict) -> list[tuple[str, str]]:
+def queries_of(board: dict) -> list[tuple[str, str]]:
     return [(panel["title"], t["expr"]) for panel in panels(board) for t in panel["targets"]]
 
 
 def every_query() -> dict[str, str]:
     """Each distinct panel query of the provisioned boards, with a panel title that shows it."""
-    return {expr: title for path in PROVISIONED for title, expr in panel_queries(load(path))}
+    return {expr: title for path in PROVISIONED for title, expr in queries_of(load(path))}
 
 
 def in_clusters(expr: str) -> str:
-    """A query of prometheus/queries.py as the boards' time series and stats run it: narrowed to the
-    picked clusters, one series per cluster."""
+    """A panel query (prometheus/panel_queries.py) as the boards' time series and stats run it: narrowed
+    to the picked clusters, one series per cluster."""
     return as_board_runs(expr, CLUSTER_LABEL)
 
 
 def filled(expr: str) -> str:
-    return queries.fill_variables(expr, window="5m", time_range="1h")
+    return panel_queries.fill_variables(expr, window="5m", time_range="1h")
 
 
 def test_committed_boards_are_exactly_the_generated_ones():
@@ -167,7 +134,7 @@ VERDICT_STATES = {in_clusters(verdict.state): verdict for verdict in VERDICTS}
 @pytest.mark.parametrize("path", PROVISIONED, ids=lambda p: p.name)
 def test_rate_windows_counters_units_and_descriptions(path: Path):
     board = load(path)
-    for title, expr in panel_queries(board):
+    for title, expr in queries_of(board):
         if expr in VERDICT_STATES:
             continue  # the alert's own expression, with its own windows (below)
         for window in re.findall(r"\[([^\]]+)\]", expr):
@@ -191,7 +158,7 @@ def test_panels_on_recording_rules_say_their_window_is_fixed():
 def test_every_panel_query_is_a_named_dashboard_query():
     """Each as the board runs it: a time series or stat per cluster, a table or heatmap over them."""
     named = {True: set(VERDICT_STATES), False: set()}
-    for name, value in (vars(queries) | vars(router_queries)).items():
+    for name, value in (vars(queries) | vars(panel_queries)).items():
         values = [v for v in (value.values() if isinstance(value, dict) else [value]) if isinstance(v, str)]
         for per_cluster in named:
             named[per_cluster] |= {
@@ -202,7 +169,7 @@ def test_every_panel_query_is_a_named_dashboard_query():
             for query in panel["targets"]:
                 per_cluster = query["format"] == "time_series"
                 assert query["expr"] in named[per_cluster], (
-                    f"{panel['title']}: PromQL typed in the board instead of prometheus/queries.py"
+                    f"{panel['title']}: PromQL typed in the board instead of prometheus/panel_queries.py"
                 )
 
 
@@ -264,7 +231,7 @@ def test_every_board_marks_the_kvwatch_alerts():
         marks = [a for a in load(path)["annotations"]["list"] if a.get("expr")]
         assert [(a["expr"], a["datasource"]) for a in marks] == [
             (
-                as_board_runs(queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
+                as_board_runs(panel_queries.FIRING_ALERTS_BY_NAME, "cluster", per_cluster=False),
                 DATASOURCE,
             )
         ], path.name
@@ -325,515 +292,3 @@ def test_provisioning_files():
     assert datasource["type"] == "prometheus" and datasource["jsonData"]["timeInterval"]
     (provider,) = yaml.safe_load((PROVISIONING / "dashboards" / "kvwatch.yml").read_text())["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
-
-
-# --- against the lab --------------------------------------------------------------------------------
-
-# What $__rate_interval stands for: short, so that a fault shows within the test's time budget (the lab
-# probes every 5 s and scrapes every second). Panels on recording rules keep the rules' 2m window.
-WINDOW = "30s"
-AFFINITY_TARGET = "lab-affinity"
-AFFINITY_LISTENER = {"log": "affinity", "listener": "affinity"}
-# The lab runs no router: tests/integration/test_router_prediction.py proves these panels against a
-# replayed one.
-ROUTER_ONLY = {
-    queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO,
-    queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
-    queries.INSTANCE_ROUTER_PIN_KEPT,
-    queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
-    ROUTER_PREDICTION_MISS.state,
-    # the reuse decomposition's: the lab's router is started by tests/integration/test_reuse_decomposition.py
-    queries.INSTANCE_ROUTER_REUSE_SHARE,
-    queries.CLUSTER_ROUTER_REUSE_SHARE,
-    queries.INSTANCE_ROUTER_REUSE_LOSS,
-    ROUTING_LOSS.state,
-    ENGINE_LOSS.state,
-    # AIBrix's, and the session tables' and KV-event index's: the lab's session table is behind its
-    # SageMaker front (tests/integration/test_lab_session_life.py), its index is SMG's
-    router_queries.INSTANCE_ROUTER_FALLBACKS,
-    queries.INSTANCE_ROUTER_SESSION_BINDINGS,
-    queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS,
-    queries.INSTANCE_ROUTER_SESSION_INVALIDATIONS,
-    queries.INSTANCE_ROUTER_KV_EVENT_LAG,
-    queries.INSTANCE_ROUTER_KV_EVENT_GAPS,
-    queries.INSTANCE_ROUTER_KV_EVENT_RESYNCS,
-    queries.INSTANCE_ROUTER_KV_EVENT_DEGRADED_RANKS,
-    # LMCache's tiers: no LMCache in this lab (tests/unit/prometheus' promtool tests compute them)
-    router_queries.LMCACHE_HIT_SHARE_BY_TIER,
-}
-# The lab's rounds name their replica: no route is judged by reuse here. tests/integration/
-# test_sagemaker_probe.py proves that verdict against the lab's SageMaker front.
-REUSE_ONLY = {ROUTE_REUSE.state}
-
-
-def instant(
-    prometheus: str,
-    expr: str,
-    *,
-    window: str = WINDOW,
-    time_range: str = "5m",
-    at: float | None = None,
-    **variables: str,
-) -> list[dict]:
-    """The panel query's value now, or `at` a time, with its variables set."""
-    expr = queries.fill_variables(expr, window=window, time_range=time_range, **variables)
-    params = {"query": expr} | ({"time": at} if at is not None else {})
-    answer = http_get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()
-    assert answer["status"] == "success", (expr, answer)
-    return answer["data"]["result"]
-
-
-def value_for(prometheus: str, expr: str, **labels: str) -> float:
-    """The query's value for the series with these labels; NaN while it has none."""
-    found = [r for r in instant(prometheus, expr) if labels.items() <= r["metric"].items()]
-    return float(found[0]["value"][1]) if found else math.nan
-
-
-def affinity_value(prometheus: str, expr: str) -> float:
-    """The query's value for the affinity route; NaN while it has none."""
-    return value_for(prometheus, expr, target=AFFINITY_TARGET)
-
-
-def real_spread(prometheus: str) -> float:
-    """The share of real sessions through the affinity listener spread over replicas with no failover."""
-    return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="false")
-
-
-def logged_sessions(lab, listener: str, until: float) -> tuple[int, int, int]:
-    """The gateway log's own sessions as of `until`: those with two or more requests, those of them
-    served by more than one upstream with no failover, and those a failover moved (nginx tried an
-    upstream before the one that served). The lab is younger than the spread window, so every request
-    counts."""
-    served: dict[str, list[str]] = {}
-    failed_over: set[str] = set()
-    for line in lab.access_log(listener):
-        if line["msec"] <= until and ":" in line["upstream_addr"]:  # served by an upstream
-            *before, upstream = line["upstream_addr"].split(", ")
-            served.setdefault(line["session_id"], []).append(upstream)
-            if before:
-                failed_over.add(line["session_id"])
-    returning = {session for session, upstreams in served.items() if len(upstreams) > 1}
-    spread = {session for session in returning if len(set(served[session])) > 1}
-    return len(returning), len(spread - failed_over), len(spread & failed_over)
-
-
-def exported_poll(lab, log: str) -> tuple[float, int, int, int]:
-    """The exporter's latest poll of the gateway log, once a new one has been taken: its time, its
-    sessions with two or more requests, and those of them spread with no failover and by one."""
-
-    def snapshot() -> tuple[float, int, int, int]:
-        found = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(http_get(f"{lab.status['exporter']}/metrics").text)
-            for s in family.samples
-        }
-        listener = {"log": log, "listener": log}
-
-        def spread(failover: str) -> int:
-            return found[
-                "kvwatch_gateway_session_spread_sessions",
-                tuple(sorted({**listener, "failover": failover}.items())),
-            ]
-
-        return (
-            found["kvwatch_gateway_log_last_poll_timestamp_seconds", (("log", log),)],
-            found["kvwatch_gateway_returning_sessions", tuple(sorted(listener.items()))],
-            spread("false"),
-            spread("true"),
-        )
-
-    first = snapshot()
-    return poll(snapshot, lambda now: now[0] > first[0], GATEWAY_POLL_SECONDS + 5)
-
-
-def cluster_hit_ratio(prometheus: str) -> float:
-    found = instant(prometheus, queries.CLUSTER_HIT_RATIO)
-    return float(found[0]["value"][1]) if found else math.nan
-
-
-def poll(probe, done, timeout: float):
-    """Call `probe` every second until `done(value)` or `timeout` seconds pass; return its last value."""
-    deadline = time.monotonic() + timeout
-    while not done(value := probe()) and time.monotonic() < deadline:
-        time.sleep(1)
-    return value
-
-
-def settled(changes: list[float]) -> bool:
-    """The hit ratio moved less than 0.01 in the last 10 s (see below)."""
-    return bool(changes) and abs(changes[0]) < 0.01
-
-
-@pytest.fixture(scope="module")
-def lab(start_lab):
-    return start_lab("--replicas", "4", "--flavours", "vllm,sglang", "--users", "4", "--think", "0.2",
-                     "--time-scale", "0.1")  # fmt: skip
-
-
-@pytest.mark.integration
-def test_panels_show_data_and_follow_a_broken_affinity(lab):
-    prometheus = lab.status["prometheus"]
-    # Healthy: every panel shows data, except the firing alerts, which are empty when all is well, and
-    # the routers' and the reuse verdict's.
-    unexpected = {in_clusters(expr) for expr in (queries.FIRING_ALERTS_BY_NAME, *ROUTER_ONLY, *REUSE_ONLY)}
-    expected = {expr: title for expr, title in every_query().items() if expr not in unexpected}
-    empty = poll(
-        lambda: [title for expr, title in expected.items() if not instant(prometheus, expr)], not_, 60
-    )
-    assert not empty, f"panels without data: {empty}"
-    sticky, switches = queries.PROBE_STICKY_SHARE, queries.PROBE_BACKEND_SWITCHES_PER_SESSION
-    # The round-robin route's first run may land before the affinity route's: wait for the latter too.
-    healthy_sticky = poll(lambda: affinity_value(prometheus, sticky), lambda v: not math.isnan(v), 60)
-    assert healthy_sticky == 1 and affinity_value(prometheus, switches) == 0
-    assert affinity_value(prometheus, ROUTE_STICKY.state) == OK
-    efficiency = affinity_value(prometheus, queries.AFFINITY_EFFICIENCY)
-    healthy_spread = real_spread(prometheus)
-    assert healthy_spread == 0, "real sessions spread while affinity holds"
-    # The hit ratio's recording rule averages 2 minutes, which at first still hold the cold start: let it
-    # settle, or a fall after the fault could hide in the warm-up.
-    change = f"{queries.CLUSTER_HIT_RATIO} - {queries.CLUSTER_HIT_RATIO} offset 10s"
-    changes = poll(lambda: [float(r["value"][1]) for r in instant(prometheus, change)], settled, 60)
-    assert settled(changes), f"the cluster hit ratio does not settle: {changes}"
-    hit_ratio = cluster_hit_ratio(prometheus)
-
-    assert lab.cli("fault", "break-affinity").returncode == 0
-    try:
-        value = poll(lambda: affinity_value(prometheus, sticky), lambda v: v < 1, 30)
-        assert value < 1, f"the affinity route stays sticky: {value}"
-        value = poll(lambda: affinity_value(prometheus, switches), lambda v: v > 0, 10)
-        assert value > 0, f"no backend switches on the affinity route: {value}"
-        assert affinity_value(prometheus, queries.AFFINITY_EFFICIENCY) < efficiency
-        firing = poll(lambda: instant(prometheus, queries.FIRING_ALERTS_BY_NAME), bool, 15)
-        assert "KVWatchSessionAffinityBroken" in {alert["metric"]["alertname"] for alert in firing}
-        assert affinity_value(prometheus, ROUTE_STICKY.state) == FIRING  # the verdict panel
-        value = poll(lambda: real_spread(prometheus), lambda v: v > 0, 30)
-        assert value > 0, "real sessions through the affinity listener do not spread"
-        # The panel against the gateway log itself, at the exporter's last poll: Prometheus scrapes the
-        # exporter and records the share every second, well before the next poll.
-        taken_at, *sessions = exported_poll(lab, AFFINITY_LISTENER["log"])
-        assert tuple(sessions) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
-        returning, spread, moved = sessions
-        assert moved == 0, "no replica failed"
-        share = pytest.approx(spread / returning)
-        shown = poll(lambda: real_spread(prometheus), lambda v: v == share, GATEWAY_POLL_SECONDS)
-        assert shown == share, f"Prometheus records {shown} of the poll's {spread} / {returning}"
-        # Round robin still reuses the shared system prompt and the rule averages 2 minutes, so the hit
-        # ratio sinks slowly: about 0.01 in 20 s in this lab.
-        value = poll(lambda: cluster_hit_ratio(prometheus), lambda v: v < hit_ratio - 0.01, 45)
-        assert value < hit_ratio - 0.01, f"the cluster hit ratio stays near {hit_ratio:.3f}: {value:.3f}"
-    finally:
-        assert lab.cli("heal").returncode == 0
-
-
-# --- the probe panels against the sessions kvwatch stored ---------------------------------------------
-
-ROUTES = {"affinity": AFFINITY_TARGET, "round_robin": "lab-round-robin"}  # route_mode -> the lab's target
-BACKEND_ROUNDS = "kvwatch_probe_backend_rounds_total"  # a backend's series starts at its first rounds
-LAST_POLL = "kvwatch_gateway_log_last_poll_timestamp_seconds"
-FAILED_OVER_SESSION = "kvwatch-board-test-failover"
-EXPORTER_UP = 'up{job="kvwatch"}'  # kvwatch serve's exporter, scraped or not
-# A listener's request counters start at the first poll that read one of its requests.
-GATEWAY_REQUESTS = ("kvwatch_gateway_requests_total", "kvwatch_gateway_requests_without_session_key_total")
-
-
-@contextlib.contextmanager
-def paused(lab, *names: str) -> Iterator[None]:
-    """The lab's processes of these names stopped (SIGSTOP) while the block runs, then resumed."""
-    groups = [lab.status["processes"][name] for name in names]
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for group in groups:
-            os.killpg(group, signal.SIGCONT)
-
-
-def stop_serve(lab) -> None:
-    """Stop `kvwatch serve`, the lab's prober and exporter, so that neither the store nor the exported
-    series move any more; returns once it is gone and Prometheus has recorded a failed scrape of it."""
-    pid = stop_lab_serve(lab)
-    # A failed scrape since: no sample of it is still on its way.
-    up = poll(
-        lambda: instant(lab.status["prometheus"], EXPORTER_UP), lambda found: found[0]["value"][1] == "0", 10
-    )
-    assert up[0]["value"][1] == "0", f"Prometheus still scrapes kvwatch serve ({pid}) 10 s after it stopped"
-
-
-def exporter_scrapes(prometheus: str) -> list[float]:
-    """When Prometheus scraped kvwatch serve's exporter successfully."""
-    found = instant(prometheus, f"{EXPORTER_UP}[1h]")
-    return [float(at) for series in found for at, up in series["values"] if up == "1"]
-
-
-@dataclass(frozen=True)
-class Ended:
-    """Prometheus at its last scrape of the stopped exporter."""
-
-    prometheus: str
-    born: float  # its first scrape: every exported series starts then or later
-    at: float
-
-    def seconds(self, since: float) -> float:
-        """A window from 1 ms before `since` to the last scrape: the sample at `since` is in it (whether
-        a range holds its start or not), and rate() extrapolates 1 ms at most beyond it."""
-        return round(self.at - since, 3) + 0.001
-
-    def counted(self, expected, since: float | None = None):
-        """What a panel over the window from `since` shows of counts per second, or of their ratios:
-        exact but for rate()'s 1 ms of extrapolation (twice that, for the rounding to milliseconds)."""
-        return pytest.approx(expected, rel=0.002 / self.seconds(since or self.born))
-
-    def query(self, expr: str, since: float | None = None, **variables: str) -> list[dict]:
-        """The panel's query at the last scrape, its window (rate interval and time range alike) from
-        `since` on, by default the whole life: counters exported from 0 then, rate() counts them
-        exactly."""
-        window = f"{round(self.seconds(since or self.born) * 1000)}ms"
-        return instant(self.prometheus, expr, window=window, time_range=window, at=self.at, **variables)
-
-    def by(self, label: str, expr: str, since: float | None = None, **variables: str) -> dict[str, float]:
-        return {r["metric"][label]: float(r["value"][1]) for r in self.query(expr, since, **variables)}
-
-    def counted_by(self, at: float, target: str) -> float:
-        """The end of the target's last run the exporter had counted at `at`; 0 before its first."""
-        found = instant(self.prometheus, queries.PROBE_LAST_RUN_AGE, at=at, target=target)
-        return at - float(found[0]["value"][1]) + 0.001 if found else 0  # give or take time()'s rounding
-
-    def born_last(self, *selectors: str) -> float:
-        """When the last of these series got its first sample: a rate from then on counts all of them."""
-        life = math.ceil(self.seconds(self.born))
-        return max(float(r["values"][0][0]) for s in selectors for r in self.query(f"{s}[{life}s]"))
-
-
-def counted_runs(
-    store: Store, ended: Ended, target: str, after: float | None = None
-) -> tuple[list[dict], list[dict]]:
-    """The target's stored sessions and rounds of the runs the exporter counted after the scrape at
-    `after` (the first by default: Prometheus may first scrape it after its first runs) and by the
-    last: a run's sessions start after the run before it ended, and a run the stop cut short may be
-    stored without ever being scraped."""
-    since = ended.counted_by(ended.born if after is None else after, target)
-    until = ended.counted_by(ended.at, target)
-    sessions = [s for s in store.sessions(target=target) if since < s["started_at"] <= until]
-    ids = {s["id"] for s in sessions}
-    return sessions, [r for r in store.rounds(target=target) if r["session"] in ids]
-
-
-def bucketed_median(ttfts: list[float]) -> float:
-    """What histogram_quantile(0.5) makes of these TTFTs in the exporter's buckets: the bucket holding
-    the middle one, interpolated linearly within it."""
-    rank = len(ttfts) / 2
-    for lower, upper in itertools.pairwise((0.0, *TTFT_BUCKETS)):
-        below = sum(t <= lower for t in ttfts)
-        within = sum(lower < t <= upper for t in ttfts)
-        if below + within >= rank:
-            return lower + (upper - lower) * (rank - below) / within
-    return TTFT_BUCKETS[-1]  # in the +Inf bucket: its lower bound
-
-
-def ttfts_by_round(rounds: list[dict]) -> dict[str, list[float]]:
-    grouped: dict[str, list[float]] = {}
-    for r in rounds:
-        grouped.setdefault(str(r["round"]), []).append(r["ttft_seconds"])
-    return grouped
-
-
-@pytest.fixture(scope="module")
-def ended(lab) -> Ended:
-    """The lab once its probes and exporter stopped (after the break and heal above, when they ran)."""
-    prometheus = lab.status["prometheus"]
-    born = poll(lambda: exporter_scrapes(prometheus), bool, 30)[0]
-
-    def counted_after_born() -> bool:
-        ages = instant(prometheus, queries.PROBE_LAST_RUN_AGE)
-        return len(ages) == len(ROUTES) and all(
-            at - float(age) > born for at, age in (a["value"] for a in ages)
-        )
-
-    # Standing alone, the tests wait for a run of each route that Prometheus saw counted.
-    assert poll(counted_after_born, bool, 60), "no probe run after Prometheus's first scrape of kvwatch serve"
-    # A replica fails between two rounds of a session: nginx tries it, then serves the round elsewhere.
-    # The lab's users and probes wait meanwhile, so that none of them finds it dead first (nginx would
-    # then move the session without trying it: no failover in the log).
-    with httpx.Client(verify=TLS) as client:
-        served = answered(chat(client, lab.affinity, FAILED_OVER_SESSION))
-        (failed,) = [r["id"] for r in lab.status["replicas"] if r["url"] == f"http://{served}"]
-        with paused(lab, "traffic", "serve"):
-            assert lab.cli("fault", "kill-replica", failed).returncode == 0
-            moved_to = chat(client, lab.affinity, FAILED_OVER_SESSION)
-    assert moved_to.startswith(f"{served}, "), f"no failover from {failed}: {moved_to}"
-
-    def moved() -> float:
-        return value_for(prometheus, queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="true")
-
-    assert poll(moved, lambda share: share > 0, 20) > 0, "Prometheus shows no session moved by a failover"
-    stop_serve(lab)
-    return Ended(prometheus, born, exporter_scrapes(prometheus)[-1])
-
-
-@pytest.fixture(scope="module")
-def store(lab, ended) -> Iterator[Store]:
-    """The stopped lab's store, whole."""
-    with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
-        yield store
-
-
-@pytest.mark.integration
-def test_probe_panels_equal_the_stored_sessions(ended, store):
-    """Each probe panel over the lab's whole life against the probe sessions kvwatch stored, to the last
-    one the exporter counted."""
-    runs = {target: counted_runs(store, ended, target) for target in ROUTES.values()}
-    errors: Counter[str] = Counter()
-    per_round_medians = ended.query(queries.PROBE_TTFT_BY_ROUND)
-    for route_mode, target in ROUTES.items():
-        sessions, rounds = runs[target]
-        served = [r for r in rounds if r["error_kind"] is None]
-        errors.update(r["error_kind"] for r in rounds if r["error_kind"] is not None)
-        judged = [s["sticky"] for s in sessions if s["sticky"] is not None]
-        echoed = [s["session_id_echoed"] for s in sessions if s["session_id_echoed"] is not None]
-        warm = [r for r in served if r["round"] > 1]
-        assert judged and echoed and warm, target
-
-        def shown(expr: str) -> float:
-            return ended.by("target", expr)[target]  # noqa: B023 - used in this iteration only
-
-        assert shown(queries.PROBE_STICKY_SHARE) == ended.counted(sum(judged) / len(judged)), target
-        switches = sum(s["backend_switches"] or 0 for s in sessions)
-        assert shown(queries.PROBE_BACKEND_SWITCHES_PER_SESSION) == ended.counted(switches / len(sessions)), (
-            target
-        )
-        ideal = sum(r["ideal_cached_tokens"] for r in warm)
-        assert shown(queries.AFFINITY_EFFICIENCY) == ended.counted(
-            sum(r["cached_tokens"] for r in warm) / ideal
-        )
-        not_echoed = echoed.count(False) / len(echoed)
-        assert shown(queries.SESSION_ID_NOT_ECHOED_SHARE) == ended.counted(not_echoed), target
-        # The last counted run ended once it had learned the engine's block size: a loopback query after
-        # its last session finished.
-        since_last_session = ended.at - max(s["finished_at"] for s in sessions)
-        assert 0 <= since_last_session - shown(queries.PROBE_LAST_RUN_AGE) < 2, target
-
-        medians = {round_: bucketed_median(ttfts) for round_, ttfts in ttfts_by_round(served).items()}
-        overview = {r["metric"]["round"]: float(r["value"][1]) for r in per_round_medians
-                    if r["metric"]["route_mode"] == route_mode}  # fmt: skip
-        assert overview == ended.counted(medians), target
-        drilldown = ended.by("round", queries.PROBE_TTFT_BY_ROUND_OVER_TIME, target=target)
-        assert drilldown == ended.counted(medians), target
-
-        # rate() counts what a series gained after its first sample, and a backend's starts at the rounds
-        # of the run that first landed on it: from the last backend's first sample on, every one counts.
-        born = ended.born_last(f'{BACKEND_ROUNDS}{{target="{target}"}}')
-        _, since_born = counted_runs(store, ended, target, after=born)
-        served_since = Counter(r["backend"] for r in since_born if r["error_kind"] is None)
-        shown_rounds = ended.by("backend", queries.PROBE_ROUNDS_BY_BACKEND, born, target=target)
-        per_second = {backend: served_since[backend] / ended.seconds(born) for backend in shown_rounds}
-        assert shown_rounds == ended.counted(per_second, born), target
-        assert set(Counter(r["backend"] for r in served)) == set(shown_rounds), target
-    shown_errors = ended.by("kind", queries.PROBE_ERRORS_BY_KIND)
-    assert set(shown_errors) == set(ERROR_KINDS)
-    assert shown_errors == ended.counted(
-        {kind: errors[kind] / ended.seconds(ended.born) for kind in ERROR_KINDS}
-    )
-
-
-SESSIONS_CAPTION = (
-    r"(\d+) sessions since .+? UTC; (\d+)% stayed on one replica; (\d+) backend switches; (\d+) failed\."
-)
-# The Per-round page's lines: the quantile, and how to take it of samples (linear between ranks).
-PAGE_QUANTILES = {
-    "median": (0.5, statistics.median),
-    "p90": (0.9, lambda ordered: statistics.quantiles(ordered, n=10, method="inclusive")[-1]),
-}
-
-
-def plotted(values) -> list[float]:
-    """A plotly trace's x or y: a list, or the typed array plotly's JSON makes of it."""
-    if isinstance(values, dict):
-        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
-    return list(values)
-
-
-def coverage(ordered: list[float], q: float, low: float, high: float) -> float:
-    """How likely the samples ranked as `low` and `high` hold the true q-quantile: B ~ Binomial(n, q) of
-    the samples below it lies from low's rank to just under high's."""
-    n = len(ordered)
-    first, last = bisect.bisect_left(ordered, low * 0.999999), bisect.bisect_right(ordered, high * 1.000001)
-    return sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(first + 1, last))
-
-
-@pytest.mark.integration
-def test_sessions_and_per_round_pages_equal_the_store(lab, store, monkeypatch):
-    """The Sessions page's counts and the Per-round page's medians, p90s and their bands, through the
-    dashboard's own data layer on the stopped lab's store."""
-    monkeypatch.setattr(sys, "argv", ["app.py", "--config", str(lab.state_dir / "kvwatch.yaml")])
-    monkeypatch.setattr(manifest_scanner, "scan_component_manifests", list)  # the dashboard uses none
-    st.cache_data.clear()
-    sessions, rounds = store.sessions(), store.rounds()
-    pages = REPO / "dashboard" / "app_pages"
-    page = AppTest.from_file(str(pages / "sessions.py"), default_timeout=30).run()
-    for target in ROUTES.values():
-        page.selectbox(key="sessions_target").set_value(target).run()
-        (caption,) = [c.value for c in page.caption if " sessions since " in c.value]
-        found = re.fullmatch(SESSIONS_CAPTION, caption)
-        assert found, caption
-        mine = [s for s in sessions if s["target"] == target]
-        judged = [s["sticky"] for s in mine if s["sticky"] is not None]
-        assert int(found[1]) == len(mine), caption
-        assert abs(int(found[2]) - 100 * sum(judged) / len(judged)) <= 0.5, caption
-        assert int(found[3]) == sum(s["backend_switches"] or 0 for s in mine), caption
-        assert int(found[4]) == sum(not s["ok"] for s in mine), caption
-
-    page = AppTest.from_file(str(pages / "per_round.py"), default_timeout=30).run()
-    # The probes' chart; below it, real users' from the gateway logs.
-    (chart,) = [c for c in page.get("plotly_chart") if c.proto.id.endswith("per_round_chart")]
-    traces = json.loads(chart.proto.spec)["data"]
-    for band, line in zip(traces[::2], traces[1::2], strict=True):  # each line after its band
-        target, quantile = line["name"].rsplit(" ", 1)
-        q, of = PAGE_QUANTILES[quantile]
-        numbers, shown = plotted(line["x"]), plotted(line["y"])
-        edges = plotted(band["y"])  # the highs by round, then the lows backwards
-        for i, number in enumerate(numbers):
-            of_round = (target, number, None)
-            ordered = sorted(
-                r["ttft_seconds"] for r in rounds if (r["target"], r["round"], r["error_kind"]) == of_round
-            )
-            assert shown[i] / 1000 == pytest.approx(of(ordered)), (target, quantile, number)
-            low, high = edges[-1 - i] / 1000, edges[i] / 1000
-            assert low <= shown[i] / 1000 <= high, (target, quantile, number)
-            # 95 %, or [smallest, largest] when there are too few samples for that.
-            widest = 1 - q ** len(ordered) - (1 - q) ** len(ordered)
-            assert coverage(ordered, q, low, high) >= min(CONFIDENCE, widest) - 1e-9, (
-                target,
-                quantile,
-                number,
-            )
-
-
-@pytest.mark.integration
-def test_gateway_panels_are_the_access_logs(lab, ended):
-    """The real-sessions spread at the last scrape, moved by a failover and not, once a replica was
-    killed, and the share of requests without a session key, against the affinity listener's access
-    log up to the exporter's last poll. The spread's recording rule by its own expression there: what
-    its evaluation records from that scrape."""
-    (rule,) = [rule for rule in GATEWAY_RULES if rule.record == queries.REAL_SESSIONS_SPREAD]
-    log, listener = AFFINITY_LISTENER["log"], AFFINITY_LISTENER["listener"]
-
-    def last_poll(at: float) -> float:
-        (polled,) = instant(ended.prometheus, f'{LAST_POLL}{{log="{log}"}}', at=at)
-        return float(polled["value"][1])
-
-    polled_at = last_poll(ended.at)
-    returning, spread, moved = logged_sessions(lab, listener, polled_at)
-    assert moved > 0
-    shown = {r["metric"]["failover"]: float(r["value"][1]) for r in ended.query(rule.expr)
-             if r["metric"]["log"] == log}  # fmt: skip
-    assert shown == {"false": spread / returning, "true": moved / returning}
-
-    born = ended.born_last(*(f'{counter}{{log="{log}"}}' for counter in GATEWAY_REQUESTS))
-    since = last_poll(born)
-    read = [line for line in lab.access_log(listener) if since < line["msec"] <= polled_at]
-    keyless = sum(line["session_source"] == "assigned" for line in read)
-    (share,) = [
-        r for r in ended.query(queries.REQUESTS_WITHOUT_SESSION_KEY_SHARE, born) if r["metric"]["log"] == log
-    ]
-    assert float(share["value"][1]) == ended.counted(keyless / len(read), born)

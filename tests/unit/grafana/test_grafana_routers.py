@@ -9,7 +9,7 @@ import json
 from conftest import REPO
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.grafana.panels import DRILLDOWN, OVERVIEW, as_board_runs, runbook_link
-from kvwatch.prometheus import queries, router_queries
+from kvwatch.prometheus import panel_queries, queries
 
 
 def board(name: str) -> dict:
@@ -61,9 +61,7 @@ def test_the_session_tables_and_kv_event_index_row_reads_their_series_and_links_
 
 def test_aibrix_routings_without_its_index_stand_beside_the_prefix_matched_decisions():
     panels = {p["title"]: p for p in row(OVERVIEW, "Router: predicted vs delivered")}
-    assert reads(panels["Routed without the index (AIBrix)"]) == runs(
-        router_queries.INSTANCE_ROUTER_FALLBACKS
-    )
+    assert reads(panels["Routed without the index (AIBrix)"]) == runs(queries.INSTANCE_ROUTER_FALLBACKS)
     assert 'selection="prefix_match"' in panels["Prefix-matched decisions"]["description"]
 
 
@@ -71,6 +69,6 @@ def test_lmcache_tiers_stand_beside_the_engines_split_by_source_on_both_boards()
     for name in (OVERVIEW, DRILLDOWN):
         (by_source,) = (p for p in board(name)["panels"] if p["title"] == "Cached prompt tokens by source")
         assert reads(by_source) == runs(
-            queries.CACHED_SHARE_BY_SOURCE, router_queries.LMCACHE_HIT_SHARE_BY_TIER
+            panel_queries.CACHED_SHARE_BY_SOURCE, panel_queries.LMCACHE_HIT_SHARE_BY_TIER
         )
         assert by_source["targets"][1]["legendFormat"].endswith("{{instance}} LMCache {{source}}")

@@ -30,7 +30,7 @@ from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.grafana import boards, panels
-from kvwatch.prometheus import promql, queries
+from kvwatch.prometheus import panel_queries, promql
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))
@@ -126,8 +126,9 @@ NO_ENGINE_JOB_OR_INSTANCE = {
 VERDICTS = {panels.as_board_runs(v.state, CLUSTER_LABEL) for v in VERDICTS}
 # target-rate-interval-rule: rates over the board's whole time range on purpose.
 WHOLE_RANGE = {
-    promql.with_matcher(queries.PROBE_TTFT_BY_ROUND, queries.cluster_matcher()): "the per-round chart: one "
-    "instant query over the time range"
+    promql.with_matcher(
+        panel_queries.PROBE_TTFT_BY_ROUND, panel_queries.cluster_matcher()
+    ): "the per-round chart: one instant query over the time range"
 }
 # template-job-rule's warning that the label be "Job": the variable lists the engines' jobs only.
 JOB_LABEL = "Engine job"
@@ -331,7 +332,7 @@ def board_queries(board: dict) -> Iterator[tuple[str, str]]:
     yield from targets(board)
     yield from (("annotation", a["expr"]) for a in board["annotations"]["list"] if "expr" in a)
     for variable in board["templating"]["list"]:
-        if variable["type"] == "query" and variable["name"] != queries.CLUSTER_VARIABLE:
+        if variable["type"] == "query" and variable["name"] != panel_queries.CLUSTER_VARIABLE:
             assert variable["definition"] == variable["query"]
             yield variable["name"], re.fullmatch(r"label_values\((.+), \w+\)", variable["query"])[1]
 

@@ -9,7 +9,7 @@ from test_grafana_schema import expand, selectors
 
 from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import RULE_FILES
-from kvwatch.prometheus import promql, queries, router_queries
+from kvwatch.prometheus import panel_queries, promql, queries
 
 MATCHER = 'cluster=~"$cluster"'
 
@@ -26,11 +26,8 @@ def every_query() -> set[str]:
     """The rules', the alerts', the verdicts' and every named query (the boards' and the pages'), but
     the parts of queries (`and on(...) ...`) and the names alone."""
     rules = {rule.expr for _, rules in RULE_FILES.values() for rule in rules}
-    named = {
-        v
-        for name, v in (vars(queries) | vars(router_queries)).items()
-        if name.isupper() and isinstance(v, str) and "(" in v
-    }
+    every_name = vars(queries) | vars(panel_queries)
+    named = {v for name, v in every_name.items() if name.isupper() and isinstance(v, str) and "(" in v}
     return {e for e in rules | named | {v.state for v in VERDICTS} if parses(e)}
 
 

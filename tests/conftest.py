@@ -699,15 +699,29 @@ VLLM_LAB_START_TIMEOUT_S = 600
 VLLM_LAB_RULE_TIME_SCALE = 0.25  # 30 s rate windows: a short burst of traffic fills one
 
 
+# The modules that take longest, each minutes of one worker mostly waiting for rule windows: collected
+# first, so that pytest-xdist (`make test`) starts them first and none is left running alone at the end.
+LONGEST_MODULES = (
+    "test_probe_share_lab.py",
+    "test_alerts_lab.py",
+    "test_dashboard_browser.py",
+    "test_gateway_moved_lab.py",
+    "test_lab_victoriametrics.py",
+    "test_rules_lab.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that starts a real component is an integration test; one that needs the real-vLLM lab may
-    be the one that waits for it to start."""
+    be the one that waits for it to start. The longest modules come first."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & INTEGRATION_FIXTURES:
             item.add_marker(pytest.mark.integration)
         if fixtures & {"vllm_lab", "vllm_sagemaker_lab"}:
             item.add_marker(pytest.mark.timeout(VLLM_LAB_START_TIMEOUT_S + 300))
+    rank = {name: index for index, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,10 @@ vllm() {
 }
 rest() {
     # shellcheck disable=SC2046
-    run_pytest --durations=25 -n "$workers" --dist loadfile --basetemp="${TMPDIR:-/tmp}/kvwatch-tests" \
+    # --no-loadscope-reorder: the modules in the order tests/conftest.py collects them, longest first
+    # (pytest-xdist's own order, most tests first, starts a long module of one test last).
+    run_pytest --durations=25 -n "$workers" --dist loadfile --no-loadscope-reorder \
+        --basetemp="${TMPDIR:-/tmp}/kvwatch-tests" \
         $(printf -- '--ignore=%s ' $vllm_tests)
 }
 

@@ -128,6 +128,7 @@ def stored_lives(lab: Lab, path, monkeypatch) -> list[tuple[dict, list[dict]]]:
         loop.call_soon_threadsafe(stop.set)
         serving.join(60)
         assert not serving.is_alive(), "kvwatch serve did not stop"
+        loop.close()
 
 
 def test_serve_stores_each_sessions_life_as_the_front_and_the_replicas_lived_it(lab, tmp_path, monkeypatch):

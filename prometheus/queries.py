@@ -245,6 +245,9 @@ class ReuseLegs:
     routed: str  # what the chosen replica held, as the router predicted
     delivered: str  # what the engines reused (cached tokens of the answers' usage) ...
     delivered_of: str  # ... out of these prompt tokens: the ratio is applied to `prompt`
+    # For a router that exports `delivered` at zero before any worker reports reuse to it: the cached and
+    # prompt tokens whose ratio stands in for the delivered one while `delivered` has never moved.
+    until_reported: tuple[str, str] | None = None
 
 
 # The reuse decomposition: of the prompt tokens a router routed, the share the best replica held when it
@@ -267,6 +270,9 @@ REUSE_LEGS = (
         routed="dynamo_component_router_kv_selected_cached_prefix_tokens_total",
         delivered="dynamo_component_router_kv_worker_reused_tokens_total",
         delivered_of="dynamo_component_router_input_sequence_tokens_sum",
+        # The frontend's usage, as collectors.engines.dynamo falls back to (Dynamo 1.6.1's mocker reports
+        # no reuse to the router, though its answers carry cached tokens).
+        until_reported=("dynamo_frontend_cached_tokens_sum", "dynamo_frontend_input_sequence_tokens_sum"),
     ),
 )
 REUSE_LEG_NAMES = ("available", "routed", "delivered")  # the shares of the prompt, in order

@@ -303,6 +303,25 @@ def _leg_rate(leg: str, instance: str) -> str:
     return first_of(*(getattr(legs, leg) for legs in REUSE_LEGS), by=instance)
 
 
+def _token_share(part: str, whole: str, instance: str) -> str:
+    rate = f"sum by ({instance}) (rate({{}}[{WINDOW}]))"
+    return f"{rate.format(part)}\n  / ({rate.format(whole)} > 0)"
+
+
+def _delivered_share(instance: str) -> str:
+    """Each router's delivered share of what its engines were sent; where the router's reuse counter has
+    never moved from the zero it is exported at, its stand-in's share (ReuseLegs.until_reported)."""
+    shares = []
+    for legs in REUSE_LEGS:
+        share = _token_share(legs.delivered, legs.delivered_of, instance)
+        if legs.until_reported is None:
+            shares.append(share)
+            continue
+        reported = f"({share})\n  and on({instance}) (sum by ({instance}) ({legs.delivered}) > 0)"
+        shares += [reported, _token_share(*legs.until_reported, instance)]
+    return "\n  or ".join(f"({share})" for share in shares)
+
+
 def _losses(share: str, record: str, by: str) -> tuple[Rule, ...]:
     """Each named loss of a decomposition's shares: the leg above it minus the one below it."""
 
@@ -320,7 +339,7 @@ def reuse_rules(by: Grouping) -> tuple[Rule, ...]:
     as the engines' reused share of the router's prompt tokens), its share of the prompt per router and
     per cluster, and the losses between the legs."""
     instance, cluster, tokens = by.instance, by.keeping(), INSTANCE_ROUTER_REUSE_TOKENS
-    delivered_share = f"({_leg_rate('delivered', instance)})\n  / ({_leg_rate('delivered_of', instance)} > 0)"
+    delivered_share = _delivered_share(instance)
     prompt = f'{tokens}{{leg="prompt"}}'
     legs = (
         Rule(tokens, _leg_rate("prompt", instance), {"leg": "prompt"}),

@@ -468,6 +468,13 @@ def not_a_secret_file(request, tmp_path: Path) -> tuple[Path, str]:
 LAB_CLIENT = httpx.Client(timeout=30)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _lab_client_closed_at_the_end():
+    """LAB_CLIENT's kept-alive sockets closed as the session ends, not left to the collector at exit."""
+    yield
+    LAB_CLIENT.close()
+
+
 def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.Response:
     """One short round through a lab gateway or to a replica, with the session header when given."""
     headers = {"X-Session-Id": session} if session else {}

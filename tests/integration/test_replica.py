@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
-from conftest import free_port, http_get, http_post, kvwatch
+from conftest import LAB_CLIENT, free_port, http_get, http_post, kvwatch
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets import probe_once
 from kvwatch.collectors.probe.workload import synthetic
@@ -23,9 +23,8 @@ pytestmark = pytest.mark.integration
 
 FAST = ("--time-scale", "0.05", "--answer-tokens", "8")
 USER = [{"role": "user", "content": "How does the prefix cache work?"}]
-# One client for the module: creating an httpx client costs tens of milliseconds (TLS set-up), which
-# would otherwise be counted in the client-side TTFT and stagger concurrent requests.
-CLIENT = httpx.Client(timeout=30)
+# The suite's one kept-alive client (LAB_CLIENT): creating an httpx client costs tens of milliseconds (TLS
+# set-up), which would otherwise be counted in the client-side TTFT and stagger concurrent requests.
 
 
 def long_prompt(words: int, tag: str = "rule") -> list[dict]:
@@ -34,7 +33,7 @@ def long_prompt(words: int, tag: str = "rule") -> list[dict]:
 
 
 def chat(url: str, messages=USER, **body) -> httpx.Response:
-    return CLIENT.post(f"{url}/v1/chat/completions", json={"messages": messages, **body})
+    return LAB_CLIENT.post(f"{url}/v1/chat/completions", json={"messages": messages, **body})
 
 
 def stream(url: str, messages=USER, headers=None, **extra) -> tuple[list[dict], float]:
@@ -42,7 +41,7 @@ def stream(url: str, messages=USER, headers=None, **extra) -> tuple[list[dict], 
     body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **extra}
     chunks: list[dict] = []
     started, ttft = time.monotonic(), None
-    with CLIENT.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+    with LAB_CLIENT.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = []
@@ -312,7 +311,7 @@ def test_faults_api_keys_give_401_and_403(start_replica):
 
     def status(authorization: str | None) -> tuple[int, str | None]:
         headers = {"Authorization": authorization} if authorization else {}
-        r = CLIENT.post(f"{replica.url}/v1/chat/completions", json={"messages": USER}, headers=headers)
+        r = LAB_CLIENT.post(f"{replica.url}/v1/chat/completions", json={"messages": USER}, headers=headers)
         return r.status_code, r.json().get("error", {}).get("code")
 
     assert status(None) == (401, "invalid_api_key")

@@ -4,6 +4,7 @@ SageMaker target on the command line against such a front."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import subprocess
@@ -19,22 +20,30 @@ ENDPOINT = "lab-endpoint"
 JSON = "application/json"
 
 
+def read_whole(answer: dict) -> dict:
+    """An InvokeEndpoint answer with its body read (bytes) and closed: its connection goes back to the
+    client's pool now, not to the garbage collector in whichever test runs then."""
+    with contextlib.closing(answer["Body"]) as body:
+        return {**answer, "Body": body.read()}
+
+
 def open_session(client) -> tuple[str, dict]:
     """A new session's id and the whole InvokeEndpoint answer."""
-    answer = client.invoke_endpoint(
+    answer = read_whole(client.invoke_endpoint(
         EndpointName=ENDPOINT, Body=json.dumps({"requestType": "NEW_SESSION"}), ContentType=JSON,
         SessionId="NEW_SESSION",
-    )  # fmt: skip
+    ))  # fmt: skip
     return answer["NewSessionId"].split(";", 1)[0], answer
 
 
 def close_session(client, session_id: str) -> dict:
-    return client.invoke_endpoint(
+    answer = client.invoke_endpoint(
         EndpointName=ENDPOINT,
         Body=json.dumps({"requestType": "CLOSE"}),
         ContentType=JSON,
         SessionId=session_id,
     )
+    return read_whole(answer)
 
 
 def stream_text(client, body: dict, session_id: str | None = None) -> tuple[str, dict]:
@@ -43,7 +52,8 @@ def stream_text(client, body: dict, session_id: str | None = None) -> tuple[str,
     answer = client.invoke_endpoint_with_response_stream(
         EndpointName=ENDPOINT, Body=json.dumps(body), ContentType=JSON, **options
     )
-    text = b"".join(event["PayloadPart"]["Bytes"] for event in answer["Body"]).decode()
+    with contextlib.closing(answer["Body"]) as events:
+        text = b"".join(event["PayloadPart"]["Bytes"] for event in events).decode()
     return text, answer
 
 

@@ -65,7 +65,7 @@ def test_lab_status_names_the_endpoint(lab):
 def test_a_session_stays_on_the_instance_that_opened_it_and_reuses_its_prefix(lab, client):
     session_id, opened = open_session(client)
     assert opened["InvokedProductionVariant"] == "AllTraffic"
-    assert opened["Body"].read() == f"Session {session_id} created".encode()
+    assert opened["Body"] == f"Session {session_id} created".encode()
     home = pins(lab)[session_id]
     conversation = Conversation(client, "pin", session_id=session_id)
     for question in ("first", "second", "third"):

@@ -102,7 +102,7 @@ def test_real_vllm_behind_the_front_keeps_a_session_and_reuses_its_prefix(
 ):
     client = sagemaker_runtime(vllm_sagemaker_lab.affinity)
     session_id, opened = open_session(client)
-    assert opened["Body"].read() == f"Session {session_id} created".encode()
+    assert opened["Body"] == f"Session {session_id} created".encode()
     conversation = Conversation(client, "real", system_words=300, max_tokens=4, session_id=session_id)
     for question in ("first", "second", "third"):
         conversation.round(question)

@@ -265,7 +265,7 @@ class SageMakerExchange:
     def _open_session(self, reply: Reply) -> tuple[str, float | None]:
         response = self.runtime.client.invoke_endpoint(**self._params(OPEN_BODY, NEW_SESSION))
         reply.status = response["ResponseMetadata"]["HTTPStatusCode"]
-        body = response["Body"].read(MAX_BODY_BYTES).decode(errors="replace")
+        body = _read(response).decode(errors="replace")
         new = response.get("NewSessionId")
         if not new:
             raise RoundFailure(
@@ -279,7 +279,7 @@ class SageMakerExchange:
         """CLOSE the session: True when the endpoint said it closed this one."""
         try:
             response = self.runtime.client.invoke_endpoint(**self._params(CLOSE_BODY, self.session_id))
-            response["Body"].read(MAX_BODY_BYTES)
+            _read(response)
         except Exception:  # noqa: BLE001 - an unclosed session expires by itself; the result says so
             return False
         return response.get("ClosedSessionId") == self.session_id
@@ -289,7 +289,7 @@ class SageMakerExchange:
         again means the first left it alive. None when the answer says neither."""
         try:
             response = self.runtime.client.invoke_endpoint(**self._params(CLOSE_BODY, self.session_id))
-            response["Body"].read(MAX_BODY_BYTES)
+            _read(response)
         except Exception as error:  # noqa: BLE001 - only a refusal naming the session says it is gone
             # The container refuses an unknown session's CLOSE with 424 ("session not found"), not 400.
             return True if _SESSION_GONE.search(_error_text(error)) else None
@@ -307,7 +307,7 @@ class SageMakerExchange:
         `may_be_lost`; every other failure is the round's error kind."""
         settings = self.settings
         params = self._params(chat_body(settings, messages), session_id)  # encoded before the clock
-        reply, backend, started_at = Reply(), None, time.time()
+        reply, backend, started_at, body = Reply(), None, time.time(), None
         deadline = time.perf_counter() + settings.timeout_seconds
         try:
             sent_at = time.perf_counter()
@@ -319,11 +319,15 @@ class SageMakerExchange:
             headers = response["ResponseMetadata"].get("HTTPHeaders", {})
             if session_id and headers.get(CLOSED_SESSION_HEADER) == session_id:
                 self._lost = "closed"
-            read_events(response["Body"], settings, reply, sent_at, deadline)
+            body = response["Body"]
+            read_events(body, settings, reply, sent_at, deadline)
         except Exception as error:  # noqa: BLE001 - every failure becomes the round's error kind
             if may_be_lost and session_id and _names_session(error, session_id):
                 raise _Lost(self._loss_kind()) from None
             reply.fail(*failure_of(error, reply))
+        finally:
+            if body is not None:
+                body.close()  # a stream read to its end is back in botocore's pool; one cut short is closed
         # SageMaker echoes no session id: one the endpoint answered 200 to counts as taken, as echoed.
         taken = session_id if reply.status == 200 else None
         sent = session_id or next(iter(self._custom.values()), None)
@@ -332,6 +336,15 @@ class SageMakerExchange:
     def _loss_kind(self) -> str:
         expired = self.expires_at is not None and time.time() >= self.expires_at
         return "expired" if expired else "not_found"
+
+
+def _read(response: dict) -> bytes:
+    """An answer's body, up to MAX_BODY_BYTES; then closed, so that a longer one's connection is closed
+    at once rather than by the garbage collector (one read whole is back in botocore's pool already)."""
+    try:
+        return response["Body"].read(MAX_BODY_BYTES)
+    finally:
+        response["Body"].close()
 
 
 def read_events(

@@ -6,9 +6,12 @@ botocore raises (ChecksumMismatch for a bad CRC, EventStreamError for a ModelStr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import io
 import json
 import re
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -43,6 +46,7 @@ from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import Config, StoreSettings, Target, Workload, load_config
 from kvwatch.doctor.sagemaker import diagnosis_of
 from kvwatch.experiment.runner import run_experiment
+from kvwatch.lab.gateways.sagemaker.eventstream import encode_exception, payload_part
 from kvwatch.serve.scheduler import Service
 
 ENDPOINT = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url="http://127.0.0.1:9")
@@ -116,10 +120,23 @@ def closed(session_id: str):
     return lambda: (200, {"Body": StreamingBody(io.BytesIO(b""), 0), "ClosedSessionId": session_id})
 
 
+class EventBody:
+    """botocore's EventStream as the exchange reads it: parsed events, and a close()."""
+
+    def __init__(self, events) -> None:
+        self.events = events
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def close(self) -> None:
+        pass
+
+
 def streamed(events, custom: str | None = None, headers: dict | None = None):
     def answer():
         parsed = {
-            "Body": events() if callable(events) else events,
+            "Body": EventBody(events() if callable(events) else events),
             "ResponseMetadata": {"HTTPHeaders": headers or {}},
         }
         if custom:
@@ -482,6 +499,48 @@ class RuntimeFront(QuietHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+class StreamCutShort(QuietHandler):
+    """Streams a part of an answer and a ModelStreamError event, then holds the connection open (the
+    chunked body never ends) until the client closes it, which `closed` tells."""
+
+    protocol_version = "HTTP/1.1"
+    closed = threading.Event()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = payload_part(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n') + encode_exception(
+            "ModelStreamError", "model stream timed out", "ModelStreamError"
+        )
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(events), events))
+        self.wfile.flush()
+        self.connection.settimeout(30)
+        with contextlib.suppress(OSError):
+            while self.connection.recv(1024):
+                pass
+        type(self).closed.set()
+        self.close_connection = True
+
+
+def test_a_stream_cut_short_has_its_connection_closed_at_once_not_left_to_the_garbage_collector(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    StreamCutShort.closed.clear()
+    gc.disable()  # what the garbage collector would close late is not closed by it here
+    try:
+        with loopback_http(StreamCutShort) as url:
+            endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
+            over = settings(sagemaker=endpoint, base_url=url, session_mode="none")
+            (session,) = probe_once(over, [Conversation("s", ("one",))])
+            assert session.rounds[0].error_kind == "model_stream_error", session.rounds[0]
+            assert StreamCutShort.closed.wait(10), "the connection of the stream cut short is still open"
+    finally:
+        gc.enable()
 
 
 def over_the_wire(monkeypatch, **changes):

@@ -313,6 +313,9 @@ class GatewayLog:
     # Session-key conventions (collectors.sessionkeys: dynamo, litellm...), one or a list: a line's session
     # id is the first of their headers it carries (docs/gateway-logs.md), before the format's own field.
     session_keys: tuple[str, ...] = dataclass_field(default=(), metadata={"read": _names})
+    # source otlp: where OTLP/HTTP (protobuf or JSON, POST /v1/logs) is received too, host:port or a port;
+    # none: OTLP/gRPC alone, on `listen`
+    http_listen: str | None = dataclass_field(default=None, metadata={"read": _listen})
     # source otlp: the file holding the bearer token senders must present, and TLS's certificate and key
     token_file: Path | None = None
     tls_cert_file: Path | None = None
@@ -334,10 +337,12 @@ class GatewayLog:
         else:
             object.__setattr__(self, "listen", _check_listen(self.listen or f"127.0.0.1:{port}", "listen"))
         if self.source != "otlp":
-            for key in ("token_file", "tls_cert_file", "tls_key_file"):
+            for key in ("http_listen", "token_file", "tls_cert_file", "tls_key_file"):
                 check(getattr(self, key) is None, key, "only for source otlp")
         else:
             check(self.format == "envoy", "format", "source otlp receives Envoy's records: set format envoy")
+            if self.http_listen is not None:
+                object.__setattr__(self, "http_listen", _check_listen(self.http_listen, "http_listen"))
             check(
                 (self.tls_cert_file is None) == (self.tls_key_file is None),
                 "tls_key_file",

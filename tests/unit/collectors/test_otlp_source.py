@@ -8,6 +8,7 @@ import socket
 import ssl
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -319,14 +320,40 @@ def test_a_gateway_log_with_source_otlp_counts_what_envoy_sends_and_what_it_refu
     }
 
 
-def test_a_gateway_log_whose_otlp_port_is_taken_says_so(tmp_path):
+OTLP_LOG = GatewayLog(name="gw", format="envoy", source="otlp")
+
+
+def test_a_gateway_log_with_http_listen_takes_otlp_http_beside_grpc():
+    grpc_port, http_port = free_port(), free_port()
+    log = open_log(replace(OTLP_LOG, listen=str(grpc_port), http_listen=str(http_port)))
+    log.start()
+    try:
+        body = export_request(envoy_record(), envoy_record()).SerializeToString()
+        url = f"http://127.0.0.1:{http_port}/v1/logs"
+        answer = http_post(url, content=body, headers={"Content-Type": "application/x-protobuf"}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            channel.unary_unary(EXPORT_METHOD)(export_request(envoy_record()).SerializeToString(), timeout=10)
+        snapshot = log.poll()
+    finally:
+        log.close()
+    assert sum(snapshot.requests.values()) == 3
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_a_gateway_log_whose_otlp_port_is_taken_says_so(transport):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        log = open_log(GatewayLog(name="gw", format="envoy", source="otlp", listen=f"127.0.0.1:{port}"))
-        expected = f"gw: cannot listen for its otlp source: gRPC cannot bind 127.0.0.1:{port}"
-        with pytest.raises(SourceUnavailable, match=expected):
+        if transport == "grpc":
+            section = replace(OTLP_LOG, listen=f"127.0.0.1:{port}")
+            said = f"gRPC cannot bind 127.0.0.1:{port}"
+        else:
+            section = replace(OTLP_LOG, listen=str(free_port()), http_listen=f"127.0.0.1:{port}")
+            said = f"OTLP/HTTP cannot bind 127.0.0.1:{port}: Address already in use"
+        log = open_log(section)
+        with pytest.raises(SourceUnavailable, match=f"gw: cannot listen for its otlp source: {said}"):
             log.start()
 
 

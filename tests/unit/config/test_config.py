@@ -126,6 +126,11 @@ INVALID = [
         "gateway_logs[0].max_sessions: must be >= 1 and <= 1000000, got 1000001",
     ),
     ("gateway-log-missing-path", "gateway_logs[0].path: required for source file"),
+    ("gateway-log-http-listen-not-otlp", "gateway_logs[0].http_listen: only for source otlp"),
+    (
+        "gateway-log-http-listen-port",
+        'gateway_logs[0].http_listen: must be host:port with a port from 1 to 65535, got "127.0.0.1:70000"',
+    ),
     (
         "gateway-log-name",
         'gateway_logs[0].name: must be 1-64 lowercase letters, digits, "_" or "-", got "gateway.affinity"',

@@ -47,8 +47,8 @@ class OtlpSource:
         self.http_port: int | None = None
 
     def start(self) -> None:
-        """Serving once it returns; raises OSError when the gRPC address cannot be bound (gRPC does not say
-        why), OtlpConfigError when the HTTP one cannot."""
+        """Serving once it returns; raises OSError when the gRPC address (gRPC does not say why) or the HTTP
+        one cannot be bound."""
         # gRPC starts its own threads and descriptors when imported: only a serve with an OTLP source pays.
         from kvwatch.collectors.gatewaylogs.sources.otlp.transports import grpc_server, http_server
 
@@ -63,7 +63,7 @@ class OtlpSource:
             except OSError as error:
                 self.stop()
                 address = self._receiver.config.http_listen
-                raise OtlpConfigError(f"otlp source: cannot listen on {address}: {error.strerror}") from None
+                raise OSError(f"OTLP/HTTP cannot bind {address}: {error.strerror}") from None
             self.http_port = self._http.server_address[1]
             self._http_thread = threading.Thread(
                 target=self._http.serve_forever, name="otlp-http", kwargs={"poll_interval": 0.2}, daemon=True
@@ -83,9 +83,11 @@ class OtlpSource:
 
 
 def _receiver(section, tally: Tally) -> OtlpSource:
-    """The OTLP/gRPC receiver of a `source: otlp` gateway log (config.settings.GatewayLog)."""
+    """The OTLP/gRPC receiver of a `source: otlp` gateway log (config.settings.GatewayLog), and its OTLP/HTTP
+    one where the section sets http_listen."""
     config = OtlpSourceConfig(
         listen=section.listen,
+        http_listen=section.http_listen,
         token_file=section.token_file,
         tls_cert_file=section.tls_cert_file,
         tls_key_file=section.tls_key_file,

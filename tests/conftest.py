@@ -674,14 +674,18 @@ def stop_lab_serve(lab: Lab) -> int:
 
 
 def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
-    """`kvwatch lab up --detach` in its own state directory and port block; its output if it fails."""
+    """`kvwatch lab up --detach` in its own state directory and port block; its output if it fails. A lab
+    that did not come up (a failure, a timeout, a status that cannot be read) leaves no process behind."""
     base = free_base_port()
-    result = kvwatch("lab", "up", "--detach", "--base-port", str(base), "--state-dir", str(state_dir),
-                     *options, timeout=timeout)  # fmt: skip
-    if result.returncode != 0:
+    try:
+        result = kvwatch("lab", "up", "--detach", "--base-port", str(base), "--state-dir", str(state_dir),
+                         *options, timeout=timeout)  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
+        return Lab(state_dir, base, result.stdout)
+    except BaseException:
         kill_lab_processes(state_dir)
-        raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
-    return Lab(state_dir, base, result.stdout)
+        raise
 
 
 @pytest.fixture(scope="module")

@@ -82,17 +82,16 @@ class OtlpSource:
             self._http = self._http_thread = None
 
 
+# The keys of a gateway log's section (config.settings.GatewayLog) that an OTLP source's config shares.
+SECTION_KEYS = (
+    "listen", "http_listen", "token_file", "tls_cert_file", "tls_key_file", "max_records_per_second",
+)  # fmt: skip
+
+
 def _receiver(section, tally: Tally) -> OtlpSource:
     """The OTLP/gRPC receiver of a `source: otlp` gateway log (config.settings.GatewayLog), and its OTLP/HTTP
     one where the section sets http_listen."""
-    config = OtlpSourceConfig(
-        listen=section.listen,
-        http_listen=section.http_listen,
-        token_file=section.token_file,
-        tls_cert_file=section.tls_cert_file,
-        tls_key_file=section.tls_key_file,
-        max_records_per_second=section.max_records_per_second,
-    )
+    config = OtlpSourceConfig(**{key: getattr(section, key) for key in SECTION_KEYS})
     # The session keys' headers (config session_keys), in attributes named as in a file's lines.
     keyed = dict.fromkeys(session_fields(section.session_keys), (str, type(None)))
     try:

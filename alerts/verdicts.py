@@ -31,6 +31,8 @@ from kvwatch.prometheus.queries import (
 )
 
 OK, PENDING, FIRING = 0, 1, 2
+# A verdict whose signal is absent, as every page and board says it: neither healthy nor broken, unknown.
+NOT_WATCHING = "Not watching"
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,6 @@ RATIO = Unit(lambda v: f"{v:.0%}", lambda d: f"{d * 100:+.0f} pp")
 FACTOR = Unit(lambda v: f"{v:.2f}×", lambda d: f"{d:+.2f}×")
 
 
-NOT_WATCHING = "Not watching"  # a verdict whose signal is absent: neither healthy nor broken, unknown
-
-
 @dataclass(frozen=True)
 class Verdict:
     """The words under a number, in the colour of its alert's state."""
@@ -117,7 +114,8 @@ def judge(
     alert = verdict.alert
     rows = matching(states, **labels)
     if rows.empty:
-        return Verdict("gray", f"{NOT_WATCHING}: Prometheus holds no series {alert.name} judges here now.")
+        blind = f"{verdicts.NOT_WATCHING}: Prometheus holds no series {alert.name} judges here now."
+        return Verdict("gray", blind)
     state = rows["value"].iloc[0]
     if state == verdicts.FIRING:
         now = None if firing is None else now_firing(firing, alert.name, {**(alert.labels or {}), **labels})

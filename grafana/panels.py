@@ -11,6 +11,7 @@ from typing import Any
 from kvwatch.alerts.alerts import ALERTS
 from kvwatch.alerts.verdicts import (
     FIRING,
+    NOT_WATCHING,
     OK,
     PENDING,
     Verdict,
@@ -207,11 +208,12 @@ def verdict_stat(title: str, what: str, verdict: Verdict, legend: str) -> JSON:
         f"{what}: the state of {alert.name}, computed from the alert's own expression, windows and "
         "thresholds (alerts/alerts.py, prometheus/thresholds.py), so that it is red exactly when the alert "
         "fires. The board's filters do not apply; what the alert does not watch is not shown.\n\n"
-        f"Good: OK. Bad: firing. {alert.summary} {held}." + (FIXED_WINDOW if reads_a_rule else ""),
+        f"Good: OK. Bad: firing. {alert.summary} {held}. {NOT_WATCHING} (gray): Prometheus holds no series "
+        "the alert judges, so it can say neither." + (FIXED_WINDOW if reads_a_rule else ""),
         [target(verdict.state, legend)],
         steps=[("green", None), ("orange", PENDING), ("red", FIRING)],
         unit="none",
-        no_value="Nothing to judge",
+        no_value=NOT_WATCHING,
         alert=alert.name,
     )
     panel["fieldConfig"]["defaults"]["mappings"] = [
@@ -221,7 +223,9 @@ def verdict_stat(title: str, what: str, verdict: Verdict, legend: str) -> JSON:
                 str(state): {"color": color, "index": state, "text": text}
                 for state, (text, color) in VERDICT_WORDS.items()
             },
-        }
+        },
+        # Without it Grafana colours a tile with no series by the first step: green, while blind.
+        {"type": "special", "options": {"match": "null", "result": {"color": "gray", "text": NOT_WATCHING}}},
     ]
     panel["options"] |= {"colorMode": "background", "graphMode": "none", "textMode": "value_and_name"}
     return panel

@@ -128,7 +128,7 @@ def not_watching(blind: data.Result) -> bool:
         return False
     for link in blind.value:
         if link.status == pipeline.BROKEN:
-            words, show = f'**{ui.NOT_WATCHING}**: the link "{link.name}" is broken.', st.error
+            words, show = f'**{verdicts.NOT_WATCHING}**: the link "{link.name}" is broken.', st.error
         else:
             words, show = (
                 f'Cannot tell whether kvwatch watches: the link "{link.name}" is unknown.',

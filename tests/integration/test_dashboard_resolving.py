@@ -18,7 +18,7 @@ import yaml
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, free_port, http_get, poll, start_prometheus, stop
-from kvwatch.alerts.verdicts import ROUTE_STICKY
+from kvwatch.alerts.verdicts import NOT_WATCHING, ROUTE_STICKY
 from kvwatch.dashboard import data, ui
 from kvwatch.lab.configs import scale_durations
 
@@ -107,7 +107,7 @@ def test_a_recovered_route_reads_as_resolving_until_prometheus_resolves_its_aler
         (held,) = firing_now[firing_now["alertname"] == ALERT].to_dict("records")
         assert held["keep_firing_for"] == 120 * SCALE  # the rule's, as Prometheus loaded it
         # the only errors: the links this test leaves out (engines, recording rules, Alertmanager)
-        assert all(e.value.startswith(f"**{ui.NOT_WATCHING}**") for e in page.error)
+        assert all(e.value.startswith(f"**{NOT_WATCHING}**") for e in page.error)
         assert page.info[0].value.startswith(
             f"Healthy again: **{ALERT}** on chat, clearing at {ui.clock(held['clears_at'])}."
         )

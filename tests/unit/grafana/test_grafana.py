@@ -220,10 +220,16 @@ def test_every_verdict_is_shown_as_its_alerts_state():
         verdict = VERDICT_STATES[panel["targets"][0]["expr"]]
         assert panel["links"] == [runbook_link(verdict.alert.name)], panel["title"]
         assert "the alert's own expression" in panel["description"], panel["title"]
-        (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+        mapping, absent = panel["fieldConfig"]["defaults"]["mappings"]
         words = {int(value): (shown["text"], shown["color"]) for value, shown in mapping["options"].items()}
         assert words == {OK: ("OK", "green"), PENDING: ("pending", "orange"),
                          FIRING: ("firing", "red")}  # fmt: skip
+        # No series: gray, not the first threshold step's green that Grafana gives an unmapped null.
+        assert absent == {
+            "type": "special",
+            "options": {"match": "null", "result": {"color": "gray", "text": "Not watching"}},
+        }, panel["title"]
+        assert panel["fieldConfig"]["defaults"]["noValue"] == "Not watching"
 
 
 def test_every_board_marks_the_kvwatch_alerts():

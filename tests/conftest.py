@@ -13,7 +13,6 @@ import gc
 import json
 import os
 import random
-import resource
 import signal
 import socket
 import subprocess
@@ -389,16 +388,18 @@ def kvwatch_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["kvwatch", *args], code, printed.out, printed.err)
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+# A bounded child limits its own address space before it imports kvwatch. Not by a preexec_fn: that runs
+# Python in a fork of this process, and the gRPC threads an OTLP test left in it abort such a fork.
+_BOUNDED = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+_KVWATCH = "import sys\nfrom kvwatch.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:
     """`kvwatch ARGS` with 60 s and 2 GiB of address space: one that would read a FIFO forever or
     /dev/zero into memory fails its test (a timeout, a MemoryError) instead of the machine."""
     return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli.main", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory,
+        [sys.executable, "-c", _BOUNDED + _KVWATCH, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
 
@@ -440,8 +441,8 @@ def kvwatch_bounded_each(commands: list[list[str]], tmp_path: Path) -> list[subp
     commands refused at start-up, checked without importing kvwatch again (a second of CPU) for each."""
     results = tmp_path / "kvwatch-each.json"
     bounded = subprocess.run(
-        [sys.executable, "-c", _EACH_IN_TURN, json.dumps(commands), str(results)],
-        cwd=REPO, capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory,
+        [sys.executable, "-c", _BOUNDED + _EACH_IN_TURN, json.dumps(commands), str(results)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bounded.returncode == 0, bounded.stdout + bounded.stderr
     return [

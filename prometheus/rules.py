@@ -304,8 +304,7 @@ def _leg_rate(leg: str, instance: str) -> str:
 
 
 def _token_share(part: str, whole: str, instance: str) -> str:
-    rate = f"sum by ({instance}) (rate({{}}[{WINDOW}]))"
-    return f"{rate.format(part)}\n  / ({rate.format(whole)} > 0)"
+    return f"{first_of(part, by=instance)}\n  / ({first_of(whole, by=instance)} > 0)"
 
 
 def _delivered_share(instance: str) -> str:

@@ -527,32 +527,27 @@ class StreamCutShort(QuietHandler):
         self.close_connection = True
 
 
-def test_a_stream_cut_short_has_its_connection_closed_at_once_not_left_to_the_garbage_collector(monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    StreamCutShort.closed.clear()
-    gc.disable()  # what the garbage collector would close late is not closed by it here
-    try:
-        with loopback_http(StreamCutShort) as url:
-            endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
-            over = settings(sagemaker=endpoint, base_url=url, session_mode="none")
-            (session,) = probe_once(over, [Conversation("s", ("one",))])
-            assert session.rounds[0].error_kind == "model_stream_error", session.rounds[0]
-            assert StreamCutShort.closed.wait(10), "the connection of the stream cut short is still open"
-    finally:
-        gc.enable()
-
-
-def over_the_wire(monkeypatch, **changes):
-    """One round of one conversation through botocore, to a RuntimeFront."""
+def over_the_wire(monkeypatch, front: type[QuietHandler] = RuntimeFront, **changes):
+    """One round of one conversation through botocore, to `front`."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     RuntimeFront.seen = []
-    with loopback_http(RuntimeFront) as url:
+    with loopback_http(front) as url:
         endpoint = SageMakerEndpoint("chat-endpoint", "us-east-1", endpoint_url=url)
         over = settings(sagemaker=endpoint, base_url=url, **changes)
         (session,) = probe_once(over, [Conversation("s", ("one",))])
     return session
+
+
+def test_a_stream_cut_short_has_its_connection_closed_at_once_not_left_to_the_garbage_collector(monkeypatch):
+    StreamCutShort.closed.clear()
+    gc.disable()  # what the garbage collector would close late is not closed by it here
+    try:
+        session = over_the_wire(monkeypatch, StreamCutShort, session_mode="none")
+        assert session.rounds[0].error_kind == "model_stream_error", session.rounds[0]
+        assert StreamCutShort.closed.wait(10), "the connection of the stream cut short is still open"
+    finally:
+        gc.enable()
 
 
 def test_over_http_botocore_signs_sends_the_session_header_and_a_refusal_reopens(monkeypatch):

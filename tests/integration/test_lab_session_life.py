@@ -1,9 +1,9 @@
-"""A probe session's whole life through `kvwatch lab up --gateway sagemaker` with a short session TTL and a
-small session table, driven by the real AWS SDK (botocore): idled past the TTL, the session is refused as
-expired, its next round runs in a new one (cold where it landed on another replica), the rounds after
-stick to it; closed, it is gone from the front's table. `kvwatch serve`'s scheduled probe stores each
-session's life so. The table's series (llm-d's names) reach the lab's real Prometheus and its recording
-rules, equal to the front's ground truth."""
+"""A probe session's whole life through `kvwatch lab up --gateway sagemaker` (one lab with a short session
+TTL, one with a small session table), driven by the real AWS SDK (botocore): idled past the TTL, the
+session is refused as expired, its next round runs in a new one (cold where it landed on another
+replica), the rounds after stick to it; closed, it is gone from the front's table. `kvwatch serve`'s
+scheduled probe stores each session's life so. The table's series (llm-d's names) reach the lab's real
+Prometheus and its recording rules, equal to the front's ground truth."""
 
 from __future__ import annotations
 
@@ -37,12 +37,23 @@ def aws_credentials(monkeypatch, tmp_path):
     use_lab_credentials(monkeypatch, tmp_path)
 
 
+SAGEMAKER_LAB = (
+    "--gateway", "sagemaker", "--replicas", "2", "--users", "0", "--no-probes", "--time-scale", "0.1",
+    "--rule-time-scale", "0.1",
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def lab(start_lab):
-    return start_lab(
-        "--gateway", "sagemaker", "--replicas", "2", "--users", "0", "--no-probes", "--time-scale", "0.1",
-        "--rule-time-scale", "0.1", "--session-ttl", f"{TTL_S:g}", "--session-table-size", str(TABLE_SIZE),
-    )  # fmt: skip
+    """Sessions idle out after TTL_S: what a session's life is tested against."""
+    return start_lab(*SAGEMAKER_LAB, "--session-ttl", f"{TTL_S:g}")
+
+
+@pytest.fixture(scope="module")
+def table_lab(start_lab):
+    """A small table whose sessions never idle out: full for as long as a test looks at it, however slowly
+    a busy machine lets it look (with TTL_S, its sessions would expire between two steps)."""
+    return start_lab(*SAGEMAKER_LAB, "--session-table-size", str(TABLE_SIZE))
 
 
 def admin_url(lab: Lab) -> str:
@@ -152,30 +163,36 @@ def test_serve_stores_each_sessions_life_as_the_front_and_the_replicas_lived_it(
     assert table(lab)[1] == {}  # every session closed: gone from the front's table
 
 
-def test_a_full_table_refuses_a_new_session_and_prometheus_records_it(lab, sagemaker_runtime):
-    client = sagemaker_runtime(lab.affinity)
+def recorded(lab: Lab, query: str) -> float | None:
+    answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": query}, timeout=5)
+    result = answer.json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_a_full_table_refuses_a_new_session_and_prometheus_records_it(table_lab, sagemaker_runtime):
+    bindings = f'{queries.INSTANCE_ROUTER_SESSION_BINDINGS}{{job="sagemaker"}}'
+    rejections = f'{queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS}{{job="sagemaker"}}'
+    # A rate needs a sample before the increase: the table is being recorded before it fills.
+    wait_for(lambda: recorded(table_lab, rejections) == 0, "Prometheus recording the table", 30, 0.5)
+    client = sagemaker_runtime(table_lab.affinity)
     opened = [open_session(client)[0] for _ in range(TABLE_SIZE)]
     try:
         with pytest.raises(ClientError) as refused:
             open_session(client)
         assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
-        sessions, pins = table(lab)
+        sessions, pins = table(table_lab)
         assert set(pins) == set(opened) and sessions.bindings == TABLE_SIZE
         assert sessions.bind_rejections == 1
-
-        def recorded(query: str) -> float | None:
-            answer = http_get(f"{lab.status['prometheus']}/api/v1/query", params={"query": query}, timeout=5)
-            result = answer.json()["data"]["result"]
-            return float(result[0]["value"][1]) if result else None
-
-        bindings = f'{queries.INSTANCE_ROUTER_SESSION_BINDINGS}{{job="sagemaker"}}'
-        rejections = f'{queries.INSTANCE_ROUTER_SESSION_BIND_REJECTIONS}{{job="sagemaker"}}'
-        wait_for(lambda: recorded(bindings) == TABLE_SIZE, "Prometheus recorded the bindings", 30, 0.5)
-        wait_for(lambda: (recorded(rejections) or 0) > 0, "Prometheus recorded the rejection", 30, 0.5)
+        wait_for(
+            lambda: recorded(table_lab, bindings) == TABLE_SIZE, "Prometheus recorded the bindings", 30, 0.5
+        )
+        wait_for(
+            lambda: (recorded(table_lab, rejections) or 0) > 0, "Prometheus recorded the rejection", 30, 0.5
+        )
     finally:
         for session_id in opened:
             close_session(client, session_id)
-    assert table(lab)[1] == {}
+    assert table(table_lab)[1] == {}
 
 
 def firing(lab: Lab, name: str) -> list[dict]:
@@ -183,29 +200,29 @@ def firing(lab: Lab, name: str) -> list[dict]:
     return [a for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
 
-def test_a_stalled_kv_event_index_fires_its_alert_and_the_heal_resyncs_it(lab, sagemaker_runtime):
+def test_a_stalled_kv_event_index_fires_its_alert_and_the_heal_resyncs_it(table_lab, sagemaker_runtime):
     """The front's index (lag 0 while it follows) stalls: its lag grows past 5 s, each request it routes
     is a gap, and KVWatchRouterIndexStalled fires through the lab's real Prometheus; healed, it resyncs."""
-    admin = admin_url(lab)
+    admin = admin_url(table_lab)
 
     def health():
         exposition = Exposition(http_get(f"{admin}/metrics", timeout=5).text)
         return detect_flavour(exposition).read(exposition, 0.0).index_health
 
     assert (health().lag_seconds, health().degraded_ranks) == (0, 0)
-    result = lab.cli("fault", "stall-index")
+    result = table_lab.cli("fault", "stall-index")
     assert result.returncode == 0, result.stderr
     try:
-        client = sagemaker_runtime(lab.affinity)
+        client = sagemaker_runtime(table_lab.affinity)
         session_id, _ = open_session(client)
         close_session(client, session_id)
         stalled = health()
         assert (stalled.gaps, stalled.degraded_ranks) == (2, 2) and stalled.lag_seconds > 0  # 2 instances
         alert = wait_for(
-            lambda: firing(lab, "KVWatchRouterIndexStalled"), "KVWatchRouterIndexStalled fired", 90
+            lambda: firing(table_lab, "KVWatchRouterIndexStalled"), "KVWatchRouterIndexStalled fired", 90
         )
         assert {a["labels"]["job"] for a in alert} == {"sagemaker"}
     finally:
-        assert lab.cli("heal").returncode == 0
+        assert table_lab.cli("heal").returncode == 0
     healed = health()
     assert (healed.lag_seconds, healed.degraded_ranks, healed.resyncs) == (0, 0, 1)

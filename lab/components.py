@@ -34,16 +34,22 @@ def alertmanager_process(state: LabState) -> Process:
     return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
+# What of a user's AWS settings would reach the lab's serve: a profile (which the lab's empty shared files
+# do not have, so botocore would refuse to start) and a session token (theirs, sent with the lab's keys).
+USERS_AWS_VARIABLES = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
 def serve_process(state: LabState) -> Process:
     """kvwatch itself: probes through both gateways, the gateway logs, /metrics and the webhook. Behind
     the sagemaker gateway it signs its requests with the lab's dummy AWS credentials, never the user's
     (the shared AWS files are pointed at the lab's directory, where there are none)."""
     argv = _kvwatch("serve", "--config", str(state.directory / "kvwatch.yaml"))
-    env = {}
-    if state.gateway == "sagemaker":
-        none = str(state.directory / "no-aws-files")
-        env = {**LAB_CREDENTIALS, "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none}
-    return Process("serve", argv, f"http://127.0.0.1:{state.ports.exporter}/-/healthy", env)
+    ready = f"http://127.0.0.1:{state.ports.exporter}/-/healthy"
+    if state.gateway != "sagemaker":
+        return Process("serve", argv, ready)
+    none = str(state.directory / "no-aws-files")
+    env = {**LAB_CREDENTIALS, "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none}
+    return Process("serve", argv, ready, env, unset=USERS_AWS_VARIABLES)
 
 
 def dashboard_process(state: LabState) -> Process:

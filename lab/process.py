@@ -23,6 +23,7 @@ class Process:
     argv: list[str]
     ready_url: str | None
     env: dict[str, str] = field(default_factory=dict)  # added to the lab's own environment
+    unset: tuple[str, ...] = ()  # taken out of the lab's own environment
     ready_timeout_s: float = READY_TIMEOUT_S
     ready_udp_port: int | None = None  # a server without HTTP serves once it holds this port on 127.0.0.1
 

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -509,12 +509,14 @@ class PortInUse(KVWatchError, RuntimeError):
     pass
 
 
-async def until_signalled() -> None:
-    """Return on SIGINT or SIGTERM: a lab process serves until then."""
+async def until_signalled(on_hangup: Callable[[], None] | None = None) -> None:
+    """Return on SIGINT or SIGTERM: a lab process serves until then (and on SIGHUP calls `on_hangup`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if on_hangup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
     await stop.wait()
 
 

@@ -42,7 +42,7 @@ def _spawn(state: LabState, process: Process) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=REPO,
-            env={**os.environ, **process.env},
+            env={**{k: v for k, v in os.environ.items() if k not in process.unset}, **process.env},
             start_new_session=True,
         )
     state.processes[process.name] = popen.pid

@@ -570,14 +570,20 @@ def unforeseen(error: Exception) -> str:
 
 
 def failed_run(settings: ProbeSettings, error: Exception, started_at: float) -> SessionResult:
-    """The record of a run that broke outside its rounds (its workload, say): one session whose round 1
-    failed as internal_error, so that the run is counted, stored and dated like any other."""
+    """The record of a run that broke outside its rounds (its client could not be made, its workload
+    failed): one session whose round 1 failed, with the RoundFailure's kind or else as internal_error, so
+    that the run is counted, stored and dated like any other."""
+    kind, detail = (
+        (error.kind, error.detail)
+        if isinstance(error, RoundFailure)
+        else ("internal_error", unforeseen(error))
+    )
     failure = RoundResult(
         round=1,
         started_at=started_at,
         status=None,
-        error_kind="internal_error",
-        error_detail=excerpt(unforeseen(error), settings.api_key),
+        error_kind=kind,
+        error_detail=excerpt(detail, settings.api_key),
         ttft_seconds=None,
         total_seconds=None,
         prompt_tokens=None,

@@ -42,8 +42,13 @@ def aws_credentials(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def lab(start_lab):
-    """Four simulated replicas behind the front, the lab's serve probing its endpoint every 5 s."""
-    return start_lab("--gateway", "sagemaker", "--replicas", str(len(REPLICAS)), "--users", "0")
+    """Four simulated replicas behind the front, the lab's serve probing its endpoint every 5 s. Started
+    from a shell with AWS settings of the user's own, which the lab's serve must not take up: a profile
+    the lab does not have (botocore would refuse to start with it) and a session token."""
+    with pytest.MonkeyPatch.context() as users_shell:
+        users_shell.setenv("AWS_PROFILE", "a-profile-of-the-users")
+        users_shell.setenv("AWS_SESSION_TOKEN", "a-token-of-the-users")
+        return start_lab("--gateway", "sagemaker", "--replicas", str(len(REPLICAS)), "--users", "0")
 
 
 def records(lab: Lab, session_ids: set[str]) -> dict[str, list[dict]]:

@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol
 
 from kvwatch.collectors.probe.conversation import Exchange, run_conversation
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.collectors.probe.session import ProbeSettings
+from kvwatch.collectors.probe.session import ProbeSettings, RoundFailure, failed_run
 from kvwatch.collectors.probe.targets import openai, sagemaker
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.registry import Registry, unknown
@@ -76,8 +77,11 @@ async def run_target_session(
     """One conversation through the settings' route, whatever its kind (conversation.run_conversation's
     options: think_seconds, stop, on_round...)."""
     kind = KINDS.lookup(settings.kind)
-    exchange = kind.exchange(clients.for_settings(settings), settings)
-    return await run_conversation(exchange, settings, conversation, **options)
+    try:
+        client = clients.for_settings(settings)
+    except RoundFailure as failure:  # no client to send with (an AWS profile that is not there)
+        return failed_run(settings, failure, time.time())
+    return await run_conversation(kind.exchange(client, settings), settings, conversation, **options)
 
 
 async def run_sessions(

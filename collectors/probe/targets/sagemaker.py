@@ -148,13 +148,16 @@ class Runtime:
             max_pool_connections=MAX_THREADS,
             user_agent_extra="kvwatch",
         )
-        session = botocore.session.Session(profile=endpoint.profile)
-        client = session.create_client(
-            "sagemaker-runtime",
-            region_name=endpoint.region,
-            endpoint_url=endpoint.endpoint_url,
-            config=config,
-        )
+        try:
+            session = botocore.session.Session(profile=endpoint.profile)
+            client = session.create_client(
+                "sagemaker-runtime",
+                region_name=endpoint.region,
+                endpoint_url=endpoint.endpoint_url,
+                config=config,
+            )
+        except Exception as error:  # noqa: BLE001 - a profile that is not there, a bad setting: the run's error
+            raise RoundFailure(*failure_of(error, Reply())) from error
         return cls(client)
 
     async def call(self, function, *args):

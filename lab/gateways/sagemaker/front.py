@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 import uuid
@@ -37,6 +36,7 @@ from kvwatch.lab.gateways.sagemaker.index import IndexHealth
 from kvwatch.lab.gateways.sagemaker.requests import check_signature, forwarded_headers, validated_session
 from kvwatch.lab.gateways.sagemaker.routing import STRATEGIES, Instance, Load
 from kvwatch.lab.gateways.sagemaker.table import SessionTable
+from kvwatch.lab.server import until_signalled
 
 log = logging.getLogger("kvwatch.lab.sagemaker")
 
@@ -376,13 +376,8 @@ async def serve(config_path: Path) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
         log.info("listener %s on 127.0.0.1:%d", name, port)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, front.reload)
     try:
-        await stop.wait()
+        await until_signalled(on_hangup=front.reload)
     finally:
         for runner in runners:
             await runner.cleanup()

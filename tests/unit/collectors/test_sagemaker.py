@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import io
 import json
@@ -591,6 +592,25 @@ def test_no_aws_credentials_is_a_credentials_error_named_so(monkeypatch, tmp_pat
     (session,) = probe_once(settings(), [Conversation("s", ("one",))])
     assert session.rounds[0].error_kind == "credentials_error"
     assert "Unable to locate credentials" in session.rounds[0].error_detail
+
+
+@pytest.mark.parametrize("where", ["config", "environment"])
+def test_an_aws_profile_that_is_not_there_fails_the_run_as_a_credentials_error_naming_it(
+    monkeypatch, tmp_path, where
+):
+    """botocore refuses to make a client for a profile its shared files do not have: the run fails as the
+    credentials error it is, in the command and in serve alike, not as a crash or an internal error."""
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    endpoint = ENDPOINT
+    if where == "config":
+        endpoint = dataclasses.replace(ENDPOINT, profile="gone")
+    else:
+        monkeypatch.setenv("AWS_PROFILE", "gone")
+    (session,) = probe_once(settings(sagemaker=endpoint), [Conversation("s", ("one", "two"))])
+    (failed,) = session.rounds
+    assert (failed.round, failed.error_kind) == (1, "credentials_error")
+    assert failed.error_detail == "The config profile (gone) could not be found"
 
 
 # Settings and config.

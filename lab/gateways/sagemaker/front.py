@@ -188,6 +188,8 @@ async def _handle(call: Call) -> web.StreamResponse:
     finally:
         upstream.release()
         front.load.outstanding[call.instance.id] -= 1
+        if call.session_id:
+            front.table.touch(call.session_id)  # idle from the answer's end, not from the request's start
         _access_log(call)
 
 

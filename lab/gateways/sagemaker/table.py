@@ -1,9 +1,9 @@
 """The SageMaker front's session pins as a router's session table: each binding (session -> instance)
-idles out after the lab's session TTL, the table holds at most its capacity (a new session beyond it is
-refused, 503, as Dynamo's full affinity table answers), and it counts what a router's binding tracker
-counts, under llm-d's names (`llm_d_epp_session_control_*`), so that kvwatch's rules and alerts read the
-lab as they read llm-d: bindings now, invalidations by reason (idle, close, pod_delete, error), and
-rejections."""
+idles out after the lab's session TTL (idle since its last request started or ended), the table holds
+at most its capacity (a new session beyond it is refused, 503, as Dynamo's full affinity table
+answers), and it counts what a router's binding tracker counts, under llm-d's names
+(`llm_d_epp_session_control_*`), so that kvwatch's rules and alerts read the lab as they read llm-d:
+bindings now, invalidations by reason (idle, close, pod_delete, error), and rejections."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ class SessionTable:
 
     def bind(self, session_id: str, instance: str) -> None:
         self.bindings[session_id] = (instance, self.clock())
+
+    def touch(self, session_id: str) -> None:
+        """A bound session was just used: its idle time starts again."""
+        if session_id in self.bindings:
+            self.bind(session_id, self.bindings[session_id][0])
 
     def drop(self, session_id: str, reason: str) -> None:
         if self.bindings.pop(session_id, None) is not None:

@@ -34,6 +34,21 @@ def test_a_binding_used_within_its_ttl_lives_and_an_idle_one_is_dropped_and_refu
     assert (figures.bindings, figures.invalidations["idle"]) == (1, 1)
 
 
+def test_a_binding_idles_from_the_end_of_its_last_answer_not_from_its_start():
+    clock = Clock()
+    table = SessionTable(ttl_s=10, clock=clock)
+    table.bind("a", "r1")
+    clock.now = 5
+    assert table.instance_of("a") == "r1"  # a request starts
+    clock.now = 12
+    table.touch("a")  # and its answer ends
+    table.touch("gone")  # a session not bound: nothing to refresh
+    clock.now = 21
+    assert table.pins() == {"a": "r1"}
+    clock.now = 23
+    assert table.pins() == {} and table.idled == {"a"}
+
+
 def test_a_full_table_refuses_and_counts_each_refusal_and_a_close_or_pod_loss_frees_a_place():
     table = SessionTable(capacity=2, clock=Clock())
     table.bind("a", "r1")

@@ -88,8 +88,11 @@ def tls_context() -> ssl.SSLContext:
 
 
 def http_client(**options) -> httpx.AsyncClient:
-    """An httpx.AsyncClient (the options are its own) that shares the process's TLS context."""
-    return httpx.AsyncClient(verify=tls_context(), **options)
+    """An httpx.AsyncClient (the options are its own) that shares the process's TLS context and connects
+    where it is told: HTTP(S)_PROXY and ALL_PROXY are not read, as the probe's own client and Prometheus
+    (without proxy_from_environment) do not, so that a proxy set for pip or curl cannot send kvwatch's
+    loopback and in-cluster requests through itself."""
+    return httpx.AsyncClient(verify=tls_context(), trust_env=False, **options)
 
 
 def request_sync(method: str, url: str, deadline_s: float, **options) -> httpx.Response:

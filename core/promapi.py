@@ -4,6 +4,7 @@ of core.errors and every reader fails the same way."""
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import UTC, datetime
 
@@ -112,6 +113,10 @@ class _CheckedSession(requests.Session):
     def __init__(self, deadline_s: float) -> None:
         super().__init__()
         self.deadline_s = deadline_s
+        # As core.connections.http_client: no proxy from the environment, and the CA bundle that every
+        # other kvwatch connection trusts (SSL_CERT_FILE or SSL_CERT_DIR, else certifi's).
+        self.trust_env = False
+        self.verify = os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR") or True
 
     def request(self, method, url, *args, **options) -> requests.Response:
         """The answer, read whole and checked. Connecting and the headers take the deadline's time

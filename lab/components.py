@@ -34,9 +34,13 @@ def alertmanager_process(state: LabState) -> Process:
     return Process("alertmanager", argv, f"http://127.0.0.1:{port}/-/ready")
 
 
-# What of a user's AWS settings would reach the lab's serve: a profile (which the lab's empty shared files
-# do not have, so botocore would refuse to start) and a session token (theirs, sent with the lab's keys).
-USERS_AWS_VARIABLES = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+# What of the user's shell botocore would take up in the lab's serve: a profile (which the lab's empty
+# shared files do not have, so botocore would refuse to start), a session token (theirs, sent with the
+# lab's keys) and a proxy (for AWS; the lab's front is on loopback).
+NOT_FOR_THE_LAB = (
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    *(name for scheme in ("http", "https", "all") for name in (f"{scheme}_proxy", f"{scheme}_proxy".upper())),
+)  # fmt: skip
 
 
 def serve_process(state: LabState) -> Process:
@@ -49,7 +53,7 @@ def serve_process(state: LabState) -> Process:
         return Process("serve", argv, ready)
     none = str(state.directory / "no-aws-files")
     env = {**LAB_CREDENTIALS, "AWS_CONFIG_FILE": none, "AWS_SHARED_CREDENTIALS_FILE": none}
-    return Process("serve", argv, ready, env, unset=USERS_AWS_VARIABLES)
+    return Process("serve", argv, ready, env, unset=NOT_FOR_THE_LAB)
 
 
 def dashboard_process(state: LabState) -> Process:

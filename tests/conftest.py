@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -98,6 +99,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def server_tls(certificate) -> ssl.SSLContext:
+    """A server's TLS context with the self-signed certificate."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+    return context
+
+
+@contextlib.contextmanager
+def behind_a_dead_proxy() -> Iterator[None]:
+    """An environment like a machine's whose proxy is set for pip and curl (here a loopback port nothing
+    listens on, so that anything sent through it is refused): what is started meanwhile inherits it."""
+    proxy = f"http://127.0.0.1:{free_port()}"
+    with pytest.MonkeyPatch.context() as environment:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            environment.setenv(name, proxy)
+            environment.setenv(name.lower(), proxy)
+        environment.delenv("NO_PROXY", raising=False)
+        environment.delenv("no_proxy", raising=False)
+        yield
 
 
 def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,15 +29,17 @@ class QuietHandler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """`handler` served from a thread on a free 127.0.0.1 port: its base URL; stopped on leaving. A
-    handler that waits must be released before leaving, or the stop waits for it."""
+def loopback_http(handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """`handler` served from a thread on a free 127.0.0.1 port (over TLS with `tls`): its base URL;
+    stopped on leaving. A handler that waits must be released before leaving, or the stop waits for it."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
+    if tls is not None:
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
     thread = threading.Thread(target=httpd.serve_forever)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()

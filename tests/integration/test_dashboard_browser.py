@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, http_get, stop_lab_serve
+from conftest import REPO, behind_a_dead_proxy, http_get, stop_lab_serve
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     FIRING,
@@ -51,9 +51,12 @@ if not CHROMIUM.exists():
 
 @pytest.fixture(scope="module")
 def started(start_lab):
-    # Rules at a tenth of production: the affinity alert keeps firing 12 s after its condition clears.
-    return start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
-                     "--time-scale", "0.2", "--rule-time-scale", "0.1", dashboard=True)  # fmt: skip
+    """Rules at a tenth of production: the affinity alert keeps firing 12 s after its condition clears.
+    Started behind a proxy that refuses everything: the pages show data only if kvwatch's processes
+    reach Prometheus, the store and the engines directly, as they must."""
+    with behind_a_dead_proxy():
+        return start_lab("--replicas", "3", "--flavours", "vllm,sglang", "--users", "2", "--think", "0.2",
+                         "--time-scale", "0.2", "--rule-time-scale", "0.1", dashboard=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

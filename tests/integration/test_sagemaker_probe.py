@@ -26,7 +26,7 @@ from sagemaker_client import (
 )
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, Lab, http_get, kvwatch, wait_for
+from conftest import REPO, Lab, behind_a_dead_proxy, http_get, kvwatch, wait_for
 from kvwatch.dashboard import data
 from kvwatch.lab.engine import ReplicaSettings
 from kvwatch.prometheus import panel_queries, queries
@@ -43,9 +43,9 @@ def aws_credentials(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def lab(start_lab):
     """Four simulated replicas behind the front, the lab's serve probing its endpoint every 5 s. Started
-    from a shell with AWS settings of the user's own, which the lab's serve must not take up: a profile
-    the lab does not have (botocore would refuse to start with it) and a session token."""
-    with pytest.MonkeyPatch.context() as users_shell:
+    from a shell with settings of the user's own, which the lab's serve must not take up: a profile the
+    lab does not have (botocore would refuse to start with it), a session token and a proxy."""
+    with behind_a_dead_proxy(), pytest.MonkeyPatch.context() as users_shell:
         users_shell.setenv("AWS_PROFILE", "a-profile-of-the-users")
         users_shell.setenv("AWS_SESSION_TOKEN", "a-token-of-the-users")
         return start_lab("--gateway", "sagemaker", "--replicas", str(len(REPLICAS)), "--users", "0")

@@ -455,6 +455,12 @@ def failure_of(error: Exception, reply: Reply) -> tuple[str, str]:
         return "tls_error", str(error)
     if isinstance(error, exceptions.EndpointConnectionError):
         return _connection_failure(error)
+    if isinstance(error, exceptions.ProxyConnectionError):  # botocore masks the proxy's credentials
+        reason = connect_reason(error.kwargs["error"]) if "error" in error.kwargs else str(error)
+        return (
+            "connection_refused",
+            f"cannot connect to the proxy {error.kwargs.get('proxy_url')} (HTTP(S)_PROXY): {reason}",
+        )
     if isinstance(error, exceptions.HTTPClientError):
         return "stream_error" if reply.status == 200 else "http_error", str(error)
     return "internal_error", unforeseen(error)

@@ -12,6 +12,7 @@ import gc
 import io
 import json
 import re
+import socket
 import threading
 import time
 import types
@@ -611,6 +612,24 @@ def test_an_aws_profile_that_is_not_there_fails_the_run_as_a_credentials_error_n
     (failed,) = session.rounds
     assert (failed.round, failed.error_kind) == (1, "credentials_error")
     assert failed.error_detail == "The config profile (gone) could not be found"
+
+
+def test_a_proxy_that_refuses_is_named_with_its_credentials_masked(monkeypatch):
+    """botocore reaches AWS through HTTP(S)_PROXY as the AWS SDK does: a proxy that is down is the
+    round's connection failure, naming the proxy, not an internal error; its password is not shown."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    with socket.socket() as closed:  # a port that was free: nothing listens on it
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://someone:{SECRET_KEY}@127.0.0.1:{port}")
+    (session,) = probe_once(settings(), [Conversation("s", ("one",))])
+    (failed,) = session.rounds
+    assert failed.error_kind == "connection_refused"
+    detail = failed.error_detail
+    assert detail.startswith("cannot connect to the proxy http://"), detail
+    assert detail.endswith(f"@127.0.0.1:{port} (HTTP(S)_PROXY): Connection refused"), detail
+    assert "someone" not in detail and SECRET_KEY not in detail
 
 
 # Settings and config.

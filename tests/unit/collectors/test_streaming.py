@@ -391,27 +391,6 @@ def test_a_user_and_password_in_the_url_are_sent_as_basic_auth_unless_a_key_is(h
     assert sent in request and request.count(b"authorization") == 1
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
-    return cert, key
-
-
-@pytest.fixture
-def server_tls(certificate) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(*certificate)
-    return context
-
-
 @pytest.fixture
 def trusting(certificate, monkeypatch) -> None:
     """The probe's TLS context trusts the test certificate, as SSL_CERT_FILE would make it."""

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import pkgutil
 import re
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from loopback import QuietHandler, loopback_http
 
-from conftest import REPO
+from conftest import REPO, behind_a_dead_proxy
+from kvwatch.core.connections import request_sync
 from kvwatch.core.errors import KVWatchError, QueryRefused, UnexpectedAnswer, Unreachable
 from kvwatch.core.promapi import PrometheusApi
 
@@ -109,6 +112,36 @@ def test_a_query_gives_the_series_prometheus_answers():
 def test_each_failure_is_one_error_of_the_tree(handler, error, message):
     with pytest.raises(error, match=message):
         ask(handler, lambda prometheus: prometheus.query("up"))
+
+
+def test_a_proxy_in_the_environment_is_not_taken_by_either_client():
+    """A machine's HTTP(S)_PROXY (set for pip) would otherwise carry kvwatch's loopback and in-cluster
+    requests: the Prometheus client and the httpx clients of core.connections connect directly."""
+    series = [{"metric": {}, "value": [1.5, "2"]}]
+
+    def both(prometheus: PrometheusApi) -> tuple[list[dict], int]:
+        status = request_sync("GET", f"{prometheus.url}/-/ready", 5).status_code
+        return prometheus.query("up"), status
+
+    with behind_a_dead_proxy():
+        found = ask(answering({"status": "success", "data": {"result": series}}), both)
+    assert found == (series, 200)
+
+
+class Ready(QuietHandler):
+    def do_GET(self) -> None:
+        self.answer(200, json.dumps({"status": "success", "data": {"result": []}}).encode())
+
+
+def test_prometheus_over_tls_is_trusted_by_the_ca_that_every_kvwatch_connection_trusts(
+    server_tls, certificate, monkeypatch
+):
+    """SSL_CERT_FILE names the CA for the probe, the scrapes and Prometheus alike."""
+    with loopback_http(Ready, tls=server_tls) as url:
+        with pytest.raises(Unreachable, match="certificate verify failed"):
+            PrometheusApi(url, 5).query("up")
+        monkeypatch.setenv("SSL_CERT_FILE", certificate[0])
+        assert PrometheusApi(url, 5).query("up") == []
 
 
 def test_a_refused_query_keeps_prometheus_error_type():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Every command's module under kvwatch.cli, in the order `kvwatch --help` lists them. A command imports only
@@ -102,7 +103,28 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    if problem := ca_bundle_problem():
+        print(f"kvwatch: {problem}", file=sys.stderr)
+        return 2
     return args.handler(args)
+
+
+def ca_bundle_problem() -> str | None:
+    """Why the CAs the environment names for every kvwatch TLS connection (httpx's order: SSL_CERT_FILE,
+    else SSL_CERT_DIR) cannot be used, if they cannot: said once before a command starts, not as a
+    traceback at its first connection. A look, not a parse: parsing a system bundle costs every command
+    a tenth of a second."""
+    if path := os.environ.get("SSL_CERT_FILE"):
+        try:
+            with open(path, "rb") as bundle:
+                text = bundle.read()
+        except OSError as error:
+            return f"SSL_CERT_FILE={path} cannot be read as the CAs kvwatch trusts: {error.strerror}"
+        if b"CERTIFICATE-----" not in text:
+            return f"SSL_CERT_FILE={path} holds no PEM certificate for kvwatch to trust"
+    elif (path := os.environ.get("SSL_CERT_DIR")) and not os.path.isdir(path):
+        return f"SSL_CERT_DIR={path} is no directory of CA certificates"
+    return None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """`kvwatch --help` lists the subcommands and every subcommand has its own --help."""
 
 import argparse
+import errno
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -82,3 +84,32 @@ def test_a_lab_log_source_with_a_gateway_that_cannot_send_it_is_refused(
     expected = f"--gateway-log-source {source} is for --gateway {wanted}, not {gateway}"
     assert expected in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        (
+            "SSL_CERT_FILE",
+            "missing.pem",
+            f"cannot be read as the CAs kvwatch trusts: {os.strerror(errno.ENOENT)}",
+        ),
+        (
+            "SSL_CERT_FILE",
+            "not-pem.txt",
+            "holds no PEM certificate for kvwatch to trust",
+        ),
+        ("SSL_CERT_DIR", "missing", "is no directory of CA certificates"),
+    ],
+    ids=["missing-file", "not-a-certificate", "missing-directory"],
+)
+def test_a_ca_bundle_the_environment_names_but_kvwatch_cannot_read_stops_the_command_first(
+    variable, value, said, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "not-pem.txt").write_text("not a certificate\n")
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.setenv(variable, str(tmp_path / value))
+    assert main(["scrape", "http://127.0.0.1:9/metrics"]) == 2
+    output = capsys.readouterr()
+    assert output.out == ""  # the scrape never ran
+    assert output.err == f"kvwatch: {variable}={tmp_path / value} {said}\n"

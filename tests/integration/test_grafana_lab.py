@@ -120,15 +120,15 @@ def real_spread(prometheus: str) -> float:
     return value_for(prometheus, panel_queries.REAL_SESSIONS_SPREAD, **AFFINITY_LISTENER, failover="false")
 
 
-def logged_sessions(lab, listener: str, until: float) -> tuple[int, int, int]:
-    """The gateway log's own sessions as of `until`: those with two or more requests, those of them
-    served by more than one upstream with no failover, and those a failover moved (nginx tried an
-    upstream before the one that served). The lab is younger than the spread window, so every request
-    counts."""
+def logged_sessions(lab, listener: str, lines: int) -> tuple[int, int, int]:
+    """The gateway log's own sessions in its first `lines` lines (what kvwatch had read): those with two or
+    more requests, those of them served by more than one upstream with no failover, and those a failover
+    moved (nginx tried an upstream before the one that served). The lab is younger than the spread
+    window, so every request counts."""
     served: dict[str, list[str]] = {}
     failed_over: set[str] = set()
-    for line in lab.access_log(listener):
-        if line["msec"] <= until and ":" in line["upstream_addr"]:  # served by an upstream
+    for line in lab.access_log(listener)[:lines]:
+        if ":" in line["upstream_addr"]:  # served by an upstream
             *before, upstream = line["upstream_addr"].split(", ")
             served.setdefault(line["session_id"], []).append(upstream)
             if before:
@@ -139,10 +139,12 @@ def logged_sessions(lab, listener: str, until: float) -> tuple[int, int, int]:
 
 
 def exported_poll(lab, log: str) -> tuple[float, int, int, int]:
-    """The exporter's latest poll of the gateway log, once a new one has been taken: its time, its
-    sessions with two or more requests, and those of them spread with no failover and by one."""
+    """The exporter's latest poll of the gateway log, once a new one has been taken: the lines it had
+    read by then (which of the log's lines it counted, exactly, where a time would split the lines
+    written while it polled), its sessions with two or more requests, and those of them spread with no
+    failover and by one."""
 
-    def snapshot() -> tuple[float, int, int, int]:
+    def snapshot() -> tuple[float, float, int, int, int]:
         found = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(http_get(f"{lab.status['exporter']}/metrics").text)
@@ -158,13 +160,15 @@ def exported_poll(lab, log: str) -> tuple[float, int, int, int]:
 
         return (
             found["kvwatch_gateway_log_last_poll_timestamp_seconds", (("log", log),)],
+            found[f"{LINES_READ}_total", (("log", log),)],
             found["kvwatch_gateway_returning_sessions", tuple(sorted(listener.items()))],
             spread("false"),
             spread("true"),
         )
 
     first = snapshot()
-    return poll(snapshot, lambda now: now[0] > first[0], GATEWAY_POLL_SECONDS + 5)
+    _, *poll_figures = poll(snapshot, lambda now: now[0] > first[0], GATEWAY_POLL_SECONDS + 5)
+    return tuple(poll_figures)
 
 
 def cluster_hit_ratio(prometheus: str) -> float:
@@ -233,8 +237,8 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
         assert value > 0, "real sessions through the affinity listener do not spread"
         # The panel against the gateway log itself, at the exporter's last poll: Prometheus scrapes the
         # exporter and records the share every second, well before the next poll.
-        taken_at, *sessions = exported_poll(lab, AFFINITY_LISTENER["log"])
-        assert tuple(sessions) == logged_sessions(lab, AFFINITY_LISTENER["listener"], taken_at)
+        lines, *sessions = exported_poll(lab, AFFINITY_LISTENER["log"])
+        assert tuple(sessions) == logged_sessions(lab, AFFINITY_LISTENER["listener"], int(lines))
         returning, spread, moved = sessions
         assert moved == 0, "no replica failed"
         share = pytest.approx(spread / returning)
@@ -252,7 +256,7 @@ def test_panels_show_data_and_follow_a_broken_affinity(lab):
 
 ROUTES = {"affinity": AFFINITY_TARGET, "round_robin": "lab-round-robin"}  # route_mode -> the lab's target
 BACKEND_ROUNDS = "kvwatch_probe_backend_rounds_total"  # a backend's series starts at its first rounds
-LAST_POLL = "kvwatch_gateway_log_last_poll_timestamp_seconds"
+LINES_READ = "kvwatch_gateway_lines"  # the log's lines kvwatch read, in the log's order
 FAILED_OVER_SESSION = "kvwatch-board-test-failover"
 EXPORTER_UP = 'up{job="kvwatch"}'  # kvwatch serve's exporter, scraped or not
 # A listener's request counters start at the first poll that read one of its requests.
@@ -553,25 +557,25 @@ def test_sessions_and_per_round_pages_equal_the_store(lab, store, monkeypatch):
 def test_gateway_panels_are_the_access_logs(lab, ended):
     """The real-sessions spread at the last scrape, moved by a failover and not, once a replica was
     killed, and the share of requests without a session key, against the affinity listener's access
-    log up to the exporter's last poll. The spread's recording rule by its own expression there: what
-    its evaluation records from that scrape."""
+    log up to the exporter's last poll (the lines it had read). The spread's recording rule by its own
+    expression there: what its evaluation records from that scrape."""
     (rule,) = [rule for rule in GATEWAY_RULES if rule.record == panel_queries.REAL_SESSIONS_SPREAD]
     log, listener = AFFINITY_LISTENER["log"], AFFINITY_LISTENER["listener"]
 
-    def last_poll(at: float) -> float:
-        (polled,) = instant(ended.prometheus, f'{LAST_POLL}{{log="{log}"}}', at=at)
-        return float(polled["value"][1])
+    def lines_read(at: float) -> int:
+        """How many of the log's lines kvwatch had read, as Prometheus last scraped it by `at`."""
+        (read,) = instant(ended.prometheus, f'{LINES_READ}_total{{log="{log}"}}', at=at)
+        return int(float(read["value"][1]))
 
-    polled_at = last_poll(ended.at)
-    returning, spread, moved = logged_sessions(lab, listener, polled_at)
+    last = lines_read(ended.at)
+    returning, spread, moved = logged_sessions(lab, listener, last)
     assert moved > 0
     shown = {r["metric"]["failover"]: float(r["value"][1]) for r in ended.query(rule.expr)
              if r["metric"]["log"] == log}  # fmt: skip
     assert shown == {"false": spread / returning, "true": moved / returning}
 
     born = ended.born_last(*(f'{counter}{{log="{log}"}}' for counter in GATEWAY_REQUESTS))
-    since = last_poll(born)
-    read = [line for line in lab.access_log(listener) if since < line["msec"] <= polled_at]
+    read = lab.access_log(listener)[lines_read(born) : last]
     keyless = sum(line["session_source"] == "assigned" for line in read)
     (share,) = [
         r

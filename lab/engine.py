@@ -94,6 +94,9 @@ class Engine:
             ),
         )
         self.ground_truth: deque[dict] = deque(maxlen=GROUND_TRUTH_KEPT)
+        # Requests not yet recorded, by id: their arrival (unix time). A test that compares the ground
+        # truth with what was scraped by some moment waits until none that arrived before it is left.
+        self.in_flight: dict[str, float] = {}
         self.rng = random.Random(settings.seed)
         self._prefill_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(settings.max_num_seqs)
@@ -182,10 +185,12 @@ class Sequence:
         self._prefix_caching = engine.faults.prefix_caching
 
     async def __aenter__(self) -> Sequence:
+        self.engine.in_flight[self.request_id] = self._arrival_wall
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         engine = self.engine
+        del engine.in_flight[self.request_id]  # recorded below, if it began
         if self._state == "waiting":
             engine._waiting -= 1
         elif self._state in ("prefill", "decode", "done"):

@@ -432,6 +432,7 @@ async def lab_state(request: web.Request) -> web.Response:
             "cache_blocks_used": len(engine.cache),
             "cache_blocks": settings.cache_blocks,
             "sessions": None if engine.sessions is None else len(engine.sessions.expiries),
+            "oldest_in_flight": min(engine.in_flight.values(), default=None),  # unix time of its arrival
         }
     )
 

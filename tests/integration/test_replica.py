@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
-from conftest import LAB_CLIENT, free_port, http_get, http_post, kvwatch
+from conftest import LAB_CLIENT, free_port, http_get, http_post, kvwatch, wait_for
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets import probe_once
 from kvwatch.collectors.probe.workload import synthetic
@@ -301,6 +301,23 @@ def test_faults_error_rate_and_extra_latency(start_replica):
     replica.set_faults(error_rate=0.0, extra_latency_s=4.0)  # 4 s x 0.05 time scale = 0.2 s
     chat(replica.url)
     assert replica.ground_truth()[-1]["ttft_seconds"] >= 0.2
+
+
+def test_lab_state_names_the_oldest_request_in_flight_until_its_record_is_kept(start_replica):
+    """What a test waits on before it reads the ground truth of everything that arrived by some moment."""
+    replica = start_replica("r1", "vllm", *FAST)
+
+    def oldest() -> float | None:
+        return http_get(f"{replica.url}/lab/state").json()["oldest_in_flight"]
+
+    assert oldest() is None
+    replica.set_faults(extra_latency_s=20.0)  # 20 s x 0.05 time scale = 1 s in flight
+    with ThreadPoolExecutor(1) as pool:
+        answered = pool.submit(chat, replica.url)
+        in_flight = wait_for(oldest, "a request in flight", 30, 0.05)
+        assert answered.result(timeout=30).status_code == 200
+    assert oldest() is None
+    assert replica.ground_truth()[-1]["time"] == in_flight
 
 
 def test_faults_api_keys_give_401_and_403(start_replica):

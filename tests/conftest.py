@@ -11,6 +11,7 @@ import base64
 import contextlib
 import gc
 import json
+import math
 import os
 import random
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -99,6 +100,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_recorded(replicas: Iterable[dict], at: float) -> None:
+    """Until every request the lab's replicas received by `at` has ended, and so has its ground-truth
+    record (kept when a request ends): what a comparison with what was scraped by `at` must read."""
+
+    def recorded() -> bool:
+        states = [http_get(f"{r['url']}/lab/state", timeout=10).json() for r in replicas]
+        return all((state["oldest_in_flight"] or math.inf) > at for state in states)
+
+    wait_for(recorded, "the replicas' records of every request that arrived by then", 60, 0.2)
 
 
 @pytest.fixture(scope="module")

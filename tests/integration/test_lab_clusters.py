@@ -17,7 +17,7 @@ import pytest
 from test_alerts_lab import received, wait_for
 from test_rules_lab import Served, Window, reuse
 
-from conftest import Lab, free_base_port, http_get, kill_lab_processes, kvwatch
+from conftest import Lab, free_base_port, http_get, kill_lab_processes, kvwatch, wait_until_recorded
 from kvwatch.lab.configs import scale_durations
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE
 from kvwatch.prometheus import queries
@@ -123,7 +123,7 @@ def test_each_clusters_hit_ratio_is_its_own_ground_truth(lab, clusters, caching_
     time.sleep(max(0.0, caching_off_since + WINDOW_S + 3 - time.time()))  # a window wholly inside the faults
     (evaluated,) = central_query(lab, f'timestamp({queries.CLUSTER_HIT_RATIO}{{cluster="a"}})')
     at = float(evaluated["value"][1])
-    time.sleep(3)  # until what was counted up to a scrape after it has finished, and so been recorded
+    wait_until_recorded([r for cluster in clusters.values() for r in cluster.status["replicas"]], at)
     expected, shown = {}, {}
     for name, cluster in clusters.items():
         served = [

@@ -17,7 +17,7 @@ import time
 import pytest
 import streamlit as st
 
-from conftest import Lab, http_get, kvwatch
+from conftest import Lab, http_get, kvwatch, wait_until_recorded
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.dashboard import data
 from kvwatch.grafana import boards
@@ -78,7 +78,7 @@ def test_the_cluster_hit_ratio_read_through_kvwatch_equals_the_ground_truth(lab:
     assert evaluated, f"no {queries.CLUSTER_HIT_RATIO} recorded in VictoriaMetrics"
     at = float(evaluated[0]["value"][1])
     (shown,) = api.query(queries.CLUSTER_HIT_RATIO, at=at)
-    time.sleep(3)  # what was counted up to a scrape after it has finished, and so been recorded
+    wait_until_recorded(lab.status["replicas"], at)
     counted = [
         record
         for replica in lab.status["replicas"]

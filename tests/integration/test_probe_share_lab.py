@@ -7,12 +7,11 @@ rates amplifies what rate() misses at a window's edges, which a shorter window m
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
 
-from conftest import http_get, wait_for
+from conftest import http_get, wait_until_recorded
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
 
@@ -43,13 +42,7 @@ def test_real_traffic_hit_ratio_leaves_the_probes_out(start_lab):
     time.sleep(WINDOW_S + 20)
     (evaluated,) = query(prometheus, f"timestamp({queries.CLUSTER_REAL_HIT_RATIO})")
     at = float(evaluated["value"][1])
-
-    def recorded_by_then() -> bool:
-        """Every request that arrived by `at` has ended, and so has its ground-truth record."""
-        states = [http_get(f"{r['url']}/lab/state", timeout=10).json() for r in lab.status["replicas"]]
-        return all((s["oldest_in_flight"] or math.inf) > at for s in states)
-
-    wait_for(recorded_by_then, "the replicas' records of every request counted by then", 60, 0.2)
+    wait_until_recorded(lab.status["replicas"], at)
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         probes = {s["session_id"] for s in store.sessions()}
     # The engines count a request's tokens at its prefill: the requests counted inside the window.

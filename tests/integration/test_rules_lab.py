@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import http_get
+from conftest import http_get, wait_until_recorded
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import panel_queries, queries
 
@@ -109,7 +109,7 @@ def window(start_lab) -> Window:
     time.sleep(WINDOW_S + 20)
     now = Window(prometheus, time.time(), [])
     (evaluated,) = now.query(f"timestamp({queries.CLUSTER_HIT_RATIO})")
-    time.sleep(3)  # until what was counted up to a scrape after it has finished, and so been recorded
+    wait_until_recorded(lab.status["replicas"], float(evaluated["value"][1]))
     served = [
         Served(record, replica["url"].removeprefix("http://"), replica["flavour"])
         for replica in lab.status["replicas"]

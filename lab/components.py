@@ -39,7 +39,7 @@ def alertmanager_process(state: LabState) -> Process:
 # lab's keys) and a proxy (for AWS; the lab's front is on loopback).
 NOT_FOR_THE_LAB = (
     "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-    *(name for scheme in ("http", "https", "all") for name in (f"{scheme}_proxy", f"{scheme}_proxy".upper())),
+    "http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
 )  # fmt: skip
 
 

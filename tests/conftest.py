@@ -113,6 +113,22 @@ def wait_until_recorded(replicas: Iterable[dict], at: float) -> None:
     wait_for(recorded, "the replicas' records of every request that arrived by then", 60, 0.2)
 
 
+def finished_evaluation(prometheus: str, record: str, after: float = 0.0) -> float:
+    """The time of an evaluation of `record`'s rule group after `after` that Prometheus has finished.
+    It evaluates a group's rules one after another, each written when it ends and stamped with the
+    evaluation's time: read at that time while the group is halfway, the later rules answer from the
+    evaluation before. The next evaluation begins only once this one has ended."""
+
+    def latest() -> float:
+        params = {"query": f"max(timestamp({record}))"}
+        found = http_get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()["data"]["result"]
+        return float(found[0]["value"][1]) if found else 0.0
+
+    at = wait_for(lambda: (moment := latest()) > after and moment, f"{record} evaluated", 60, 0.2)
+    wait_for(lambda: latest() > at, f"the evaluation after {at:.3f} of {record}'s rules", 60, 0.1)
+    return at
+
+
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from playwright import sync_api
 
 from conftest import REPO, behind_a_dead_proxy, http_get, stop_lab_serve
 from kvwatch.alerts.verdicts import (
@@ -44,9 +45,6 @@ WAIT_S = 240  # generous: the machine may be busy with other tests
 LAB_PAGE_CACHE_S = REPLICA_KINDS[
     "sim"
 ].fast_probe_interval_s  # --fast: the lab's pages refresh and cache this long
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
-if not CHROMIUM.exists():
-    pytest.skip("Debian's chromium is not installed (make bootstrap installs it)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ time (the router asks each replica at every decision) and the cached tokens the 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import httpx
 import pytest
 from test_router_prediction import firing, rules_prometheus, value
 
-from conftest import REPO, Replica, free_port, http_get, stop, wait_for, wait_http
+from conftest import REPO, Replica, finished_evaluation, free_port, http_get, stop, wait_for, wait_http
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.doctor.checks import diagnose
 from kvwatch.lab.configs import scale_durations
@@ -117,12 +116,6 @@ def scraped_all(prometheus: str, job: str, router: LabRouter) -> bool:
     return value(prometheus, f'sum({PROMPT_SUM}{{job="{job}"}})') == total
 
 
-def evaluated_after(prometheus: str, since: float) -> float | None:
-    """The time of the recording rules' latest evaluation, once one happened after `since`."""
-    latest = value(prometheus, f"max(timestamp({SHARE}))")
-    return latest if latest is not None and latest > since else None
-
-
 def window_records(prometheus: str, job: str, router: LabRouter, at: float) -> list[dict]:
     """The router's decisions whose tokens the recorded figures at `at` cover: those that raised its
     prompt-token count between the first and the last sample of the rules' window (the router counts
@@ -168,8 +161,6 @@ def pending_or_firing(prometheus: str, job: str) -> list[str]:
 
 @pytest.mark.integration
 def test_three_faults_show_up_as_their_own_loss_and_alert(start_replica, start_lab_router, tmp_path: Path):
-    if not shutil.which("prometheus"):
-        pytest.skip("prometheus is not installed (`make bootstrap`)")
     timing = ("--time-scale", "0.05", "--answer-tokens", "8")
     caching = [start_replica(f"r{n}", "vllm", *timing) for n in (1, 2)]
     caching_off = [start_replica(f"r{n}", "vllm", *timing) for n in (3, 4)]
@@ -211,7 +202,7 @@ def test_three_faults_show_up_as_their_own_loss_and_alert(start_replica, start_l
         # against the replicas' truth for exactly the requests of its window.
         for job, (router, _, _) in cases.items():
             wait_for(partial(scraped_all, prometheus, job, router), f"{job}'s last counts scraped", 30, 0.2)
-        at = wait_for(partial(evaluated_after, prometheus, time.time()), "a rule evaluation", 30, 0.2)
+        at = finished_evaluation(prometheus, SHARE, after=time.time())
         measured = {job: figures(prometheus, job, at) for job in cases}
         windows = {job: window_records(prometheus, job, router, at) for job, (router, _, _) in cases.items()}
     lab = {job: truth(windows[job], cases[job][1]) for job in cases}

@@ -5,7 +5,6 @@ imply."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -140,8 +139,6 @@ def panel_values(prometheus: str, expr: str) -> dict[str, float]:
 def test_a_router_predicting_hits_on_an_engine_without_caching_fires_prediction_miss(
     start_replica, router_replay, tmp_path: Path
 ):
-    if not shutil.which("prometheus"):
-        pytest.skip("prometheus is not installed (`make bootstrap`)")
     replica = start_replica("r1", "vllm", "--time-scale", "0.05", "--answer-tokens", "4")
     replica.set_faults(prefix_caching=False).raise_for_status()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import http_get, wait_until_recorded
+from conftest import finished_evaluation, http_get, wait_until_recorded
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import panel_queries, queries
 
@@ -107,15 +107,14 @@ def window(start_lab) -> Window:
     prometheus = lab.status["prometheus"]
     # The window must lie wholly inside the traffic: rate() extrapolates differently near a series' start.
     time.sleep(WINDOW_S + 20)
-    now = Window(prometheus, time.time(), [])
-    (evaluated,) = now.query(f"timestamp({queries.CLUSTER_HIT_RATIO})")
-    wait_until_recorded(lab.status["replicas"], float(evaluated["value"][1]))
+    at = finished_evaluation(prometheus, queries.CLUSTER_HIT_RATIO)
+    wait_until_recorded(lab.status["replicas"], at)
     served = [
         Served(record, replica["url"].removeprefix("http://"), replica["flavour"])
         for replica in lab.status["replicas"]
         for record in http_get(f"{replica['url']}/lab/ground-truth", timeout=10).json()["records"]
     ]
-    return Window(prometheus, float(evaluated["value"][1]), served)
+    return Window(prometheus, at, served)
 
 
 def reuse(served: list[Served]) -> float:

@@ -654,7 +654,7 @@ def start_router(tmp_path: Path) -> Iterator[Callable[[str, list[Replica]], tupl
 
     def start(flavour: str, replicas: list[Replica]) -> tuple[str, str]:
         if not Path(ROUTER_PROGRAMS[flavour][0]).exists():
-            pytest.skip(f"{flavour} is not installed (pip install -e '.[dev]')")
+            pytest.fail(f"{flavour} is not installed (`make test` installs it with the dev dependencies)")
         port, metrics_port = free_port(), free_port()
         command = [
             *ROUTER_PROGRAMS[flavour],

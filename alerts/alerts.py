@@ -38,6 +38,7 @@ from kvwatch.prometheus.queries import (
     reused_sessions_ratio,
     route_warm_reuse,
     sticky_ratio,
+    sticky_routes_judged,
     warm_cold_ratio,
     watched_listeners,
     watched_routes,
@@ -116,7 +117,7 @@ def _affinity_alerts(t: Thresholds, by: Grouping) -> tuple[Alert, ...]:
     return (
         Alert(
             "KVWatchSessionAffinityBroken",
-            f"{sticky_ratio(by)} < {t.sticky_ratio_below}\nand {watched_routes(by)}",
+            f"{sticky_ratio(by)} < {t.sticky_ratio_below}\nand {sticky_routes_judged(by)}",
             "critical",
             "Probe sessions through a sticky route change replica between rounds.",
             "Only {{ $value | humanizePercentage }} of the last probe run's sessions through "

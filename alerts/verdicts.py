@@ -25,6 +25,7 @@ from kvwatch.prometheus.queries import (
     REUSED_SESSIONS_RATIO,
     ROUTE,
     STICKY_RATIO,
+    STICKY_ROUTES_JUDGED,
     WARM_COLD_RATIO,
     WATCHED_LISTENERS,
     WATCHED_ROUTES,
@@ -70,7 +71,7 @@ def _alert(name: str, **labels: str) -> Alert:
     return found
 
 
-ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, WATCHED_ROUTES)
+ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, STICKY_ROUTES_JUDGED)
 ROUTE_REUSE = Verdict(_alert("KVWatchSessionReuseLost"), REUSED_SESSIONS_RATIO, ROUTE, WATCHED_ROUTES)
 ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
 LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)

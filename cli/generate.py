@@ -50,7 +50,7 @@ def rule_files(
     judging by `t`: the committed files use the defaults, `kvwatch generate` writes them for others."""
     by = Grouping(cluster_label)
     rules = {
-        "kvwatch-engines": recording_rules(by),
+        "kvwatch-engines": recording_rules(by, t),
         "kvwatch-gateway": gateway_rules(by),
         "kvwatch-routers": router_rules(by),
         "kvwatch-probe-share": probe_share_rules(by),

@@ -206,6 +206,9 @@ INSTANCE_REQUESTS = f"instance:kvwatch_requests:rate{WINDOW}"
 INSTANCE_REQUEST_SHARE = f"instance:kvwatch_requests_per_cluster_requests:ratio_rate{WINDOW}"
 CLUSTER_LOAD_IMBALANCE = f"cluster:kvwatch_requests_max_per_mean:ratio_rate{WINDOW}"
 INSTANCE_CACHE_SERIES = "instance:kvwatch_engine_cache_series:present"
+# 1 for a cluster where an engine restarted, went down or came back within the thresholds'
+# replica_change_window (replicas_changed): recorded, so that the lab's time scale applies to it.
+CLUSTER_ENGINES_CHANGED = "cluster:kvwatch_engines_changed:present"
 GATEWAY_SPREAD_SHARE = "listener:kvwatch_gateway_spread_sessions_per_returning_sessions:ratio"
 # Real users' returning requests (a session's request after its previous one): over a minute, how many come
 # back, and the share served by another replica than their session's previous request, by whether a
@@ -407,6 +410,25 @@ def sticky_ratio(by: Grouping) -> str:
     return per_route("min", 'kvwatch_probe_sticky_ratio{evidence!="reuse"}', by)
 
 
+def replicas_changed(by: Grouping, window: str) -> str:
+    """Clusters where an engine restarted (its prompt-token counter went back), went down or came back
+    within `window`. A gateway moves the sessions of a replica that is gone to another one, and back
+    once it returns: a probe session that changed replica then says nothing of the pinning."""
+    present = " or ".join(f"last_over_time({name}[{window}])" for name in ENGINE_PRESENCE_SERIES)
+    engines = f"group by ({by.instance}) ({present})"  # one name at a time: `or` takes the first spelling
+    restarted = " or ".join(f"resets({counter}[{window}]) > 0" for counter in DELIVERED.total_counters)
+    return (
+        f"group by ({by.keeping()}) ({restarted})\n"
+        f"  or group by ({by.keeping()}) (changes(up[{window}]) > 0 and on({by.instance}) {engines})"
+    )
+
+
+def sticky_routes_judged(by: Grouping) -> str:
+    """The routes KVWatchSessionAffinityBroken judges now: those expected to be sticky, in a cluster
+    whose engines stayed as they were (CLUSTER_ENGINES_CHANGED)."""
+    return f"{watched_routes(by)}\nunless on({by.keeping()}) {CLUSTER_ENGINES_CHANGED}"
+
+
 def reused_sessions_ratio(by: Grouping) -> str:
     """The last probe run's share of sessions whose every warm round kept its reuse, on routes judged by
     reuse alone: no round named its replica (SageMaker, which names none)."""
@@ -471,6 +493,7 @@ def instance_name(by: Grouping) -> str:
 
 
 WATCHED_ROUTES, WATCHED_LISTENERS = watched_routes(WHOLE), watched_listeners(WHOLE)
+STICKY_ROUTES_JUDGED = sticky_routes_judged(WHOLE)
 STICKY_RATIO, WARM_COLD_RATIO = sticky_ratio(WHOLE), warm_cold_ratio(WHOLE)
 REUSED_SESSIONS_RATIO, WARM_REUSE_RATIO = reused_sessions_ratio(WHOLE), warm_reuse_ratio(WHOLE)
 GATEWAY_SPREAD = gateway_spread(WHOLE)

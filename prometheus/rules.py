@@ -19,6 +19,7 @@ from kvwatch.prometheus.queries import (
     AIBRIX_LOAD_IMBALANCE,
     AIBRIX_SELECTIONS,
     CACHED_BY_SOURCE,
+    CLUSTER_ENGINES_CHANGED,
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
     CLUSTER_PROBE_SHARE,
@@ -83,7 +84,9 @@ from kvwatch.prometheus.queries import (
     TokenRatio,
     cluster_engine_tokens,
     first_of,
+    replicas_changed,
 )
+from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
 
 class RuleEntry(Protocol):
@@ -172,7 +175,7 @@ def _lmcache_tiers(instance: str) -> str:
     )
 
 
-def recording_rules(by: Grouping) -> tuple[Rule, ...]:
+def recording_rules(by: Grouping, t: Thresholds = THRESHOLDS) -> tuple[Rule, ...]:
     instance, cluster, requests = by.instance, by.keeping(), INSTANCE_REQUESTS
     return (
         *token_ratio_rules(DELIVERED, by),
@@ -204,6 +207,7 @@ def recording_rules(by: Grouping) -> tuple[Rule, ...]:
             + "|".join(ENGINE_CACHE_SERIES)
             + '"}, "series", "$1", "__name__", "(.+)"))',
         ),
+        Rule(CLUSTER_ENGINES_CHANGED, replicas_changed(by, t.replica_change_window)),
     )
 
 

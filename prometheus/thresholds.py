@@ -29,6 +29,10 @@ class Thresholds:
     # Share of a probe run's judged sessions that were sticky: by the replica each round names
     # (KVWatchSessionAffinityBroken), or where none names one by every warm round's reuse (...ReuseLost).
     sticky_ratio_below: float = 0.5
+    # ... not judged while an engine of the cluster restarted, went down or came back this recently: the
+    # gateway moved its sessions. At least two probe intervals and a run, so that it covers the run in
+    # flight and the next one (a failed replica's sessions move back once the gateway retries it).
+    replica_change_window: str = "5m"
     echo_ratio_below: float = 0.5  # share of a probe run's sessions whose id the gateway echoed
     keyless_share_above: float = 0.5  # share of gateway requests that arrived without a session key
     keyless_rise_factor: float = 2.0  # ... and at least this many times the share an hour earlier

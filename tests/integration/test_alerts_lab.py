@@ -13,20 +13,27 @@ import time
 import pytest
 
 from conftest import Lab
+from conftest import wait_for as until
+from kvwatch.core.promapi import PrometheusApi
+from kvwatch.lab.configs import scale_durations
+from kvwatch.prometheus.queries import STICKY_ROUTES_JUDGED
+from kvwatch.prometheus.thresholds import THRESHOLDS
 from kvwatch.store.history import Store
 
 pytestmark = pytest.mark.integration
 
 WAIT_S = 90
+RULE_TIME_SCALE = 0.1
+CHANGE_WINDOW_S = int(scale_durations(THRESHOLDS.replica_change_window, RULE_TIME_SCALE).removesuffix("s"))
 # Eight users, so that their prompt tokens outweigh the probes' (every 5 s with --fast, and untouched by
 # the dynamic-prefix fault): the fault takes the cluster ratio from 0.8 to below 0.3, well under half of
 # its past; with four users it fell only to about 0.34, at the alert's threshold.
 LAB_OPTIONS = ("--replicas", "4", "--users", "8", "--think", "0.2",
-               "--time-scale", "0.3", "--rule-time-scale", "0.1")  # fmt: skip
+               "--time-scale", "0.3", "--rule-time-scale", str(RULE_TIME_SCALE))  # fmt: skip
 # The fault tests' alerts come from the probes and the engines' own metrics: one user is enough traffic,
 # and the eight users' requests through a second lab would double the module's CPU.
 FAULT_LAB_OPTIONS = ("--replicas", "4", "--users", "1", "--think", "0.2",
-                     "--time-scale", "0.3", "--rule-time-scale", "0.1")  # fmt: skip
+                     "--time-scale", "0.3", "--rule-time-scale", str(RULE_TIME_SCALE))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +79,23 @@ def heal(lab) -> float:
     return started
 
 
+def judged_routes(lab) -> set[str]:
+    """The routes KVWatchSessionAffinityBroken judges now, as the lab's Prometheus evaluates its rule."""
+    expr = f"group by (target) (kvwatch_probe_route_info)\nand {STICKY_ROUTES_JUDGED}"
+    return {sample["metric"]["target"] for sample in PrometheusApi(lab.status["prometheus"], 10).query(expr)}
+
+
 def test_a_healthy_lab_with_a_replica_restart_raises_only_watchdog(healthy_lab):
     since = time.time()
     wait_for(healthy_lab, since - 60, "Watchdog", "firing")
     time.sleep(15)
-    fault(healthy_lab, "restart-replica", "r4")
-    time.sleep(30)  # five production minutes at this rule time scale
+    assert judged_routes(healthy_lab) == {"lab-affinity"}
+    restarted = fault(healthy_lab, "restart-replica", "r4")
+    # The gateway may move r4's sessions: the affinity alert judges no route until the restart is a
+    # whole window old (its counters went back), then the sticky route again.
+    until(lambda: judged_routes(healthy_lab) == set(), "the restart seen", 20, 0.5)
+    until(lambda: judged_routes(healthy_lab) == {"lab-affinity"}, "the route judged again", 90, 0.5)
+    assert time.time() - restarted >= CHANGE_WINDOW_S
     others = {a["alertname"] for a in received(healthy_lab, since)} - {"Watchdog"}
     assert others == set()
 

@@ -409,8 +409,13 @@ def probe_share_rules(by: Grouping) -> tuple[Rule, ...]:
 
 
 PROBE_SHARE_RULES = probe_share_rules(Grouping())
-# The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range.
-WINDOWED_RULES = (*RECORDING_RULES, *ROUTER_RULES, *PROBE_SHARE_RULES)
+# The rules that rate over the fixed WINDOW: a panel reading one does not follow the time range. (The
+# engines' changes are looked for over the thresholds' replica_change_window instead.)
+WINDOWED_RULES = tuple(
+    rule
+    for rule in (*RECORDING_RULES, *ROUTER_RULES, *PROBE_SHARE_RULES)
+    if rule.record != CLUSTER_ENGINES_CHANGED
+)
 
 
 # Each rule group kvwatch generates, and the file that holds it: what the generator writes and what the

@@ -417,9 +417,12 @@ def replicas_changed(by: Grouping, window: str) -> str:
     present = " or ".join(f"last_over_time({name}[{window}])" for name in ENGINE_PRESENCE_SERIES)
     engines = f"group by ({by.instance}) ({present})"  # one name at a time: `or` takes the first spelling
     restarted = " or ".join(f"resets({counter}[{window}]) > 0" for counter in DELIVERED.total_counters)
+    # Down or back: up was both 0 and 1 in the window. Not changes(), which VictoriaMetrics also counts
+    # for every series that began in the window (all of them, after it starts).
+    went = f"min_over_time(up[{window}]) == 0 and max_over_time(up[{window}]) == 1"
     return (
         f"group by ({by.keeping()}) ({restarted})\n"
-        f"  or group by ({by.keeping()}) (changes(up[{window}]) > 0 and on({by.instance}) {engines})"
+        f"  or group by ({by.keeping()}) ({went} and on({by.instance}) {engines})"
     )
 
 

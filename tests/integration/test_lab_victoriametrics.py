@@ -93,6 +93,17 @@ def test_the_cluster_hit_ratio_read_through_kvwatch_equals_the_ground_truth(lab:
     print(f"cluster hit ratio {ratio:.4f}, ground truth {expected:.4f} over {len(counted)} requests")
 
 
+def test_no_engine_change_is_recorded_where_none_happened(lab: Lab):
+    """MetricsQL's changes() also counts a series that began in its window: every `up`, for a window
+    after VictoriaMetrics starts. The record the affinity alert is excused by must not read that as
+    replicas that went down or came back."""
+    lived = time.time() - lab.up_at
+    assert lived > WINDOW_S  # the test above waited for a whole rule window of traffic
+    api = PrometheusApi(lab.status["prometheus"], 10, lab.status["rules"])
+    assert api.query('up{job="replicas"}') and api.query(queries.ENGINES_SCRAPED)
+    assert api.query(f"max_over_time({queries.CLUSTER_ENGINES_CHANGED}[{int(lived)}s])") == []
+
+
 def test_broken_affinity_reaches_alertmanager_and_the_webhook_through_vmalert(lab: Lab):
     since = time.time()
     result = lab.cli("fault", "break-affinity")

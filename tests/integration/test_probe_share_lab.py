@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import http_get, wait_until_recorded
+from conftest import finished_evaluation, http_get, wait_until_recorded
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
 
@@ -40,8 +40,7 @@ def test_real_traffic_hit_ratio_leaves_the_probes_out(start_lab):
     prometheus = lab.status["prometheus"]
     # The window must lie wholly inside the traffic: rate() extrapolates differently near a series' start.
     time.sleep(WINDOW_S + 20)
-    (evaluated,) = query(prometheus, f"timestamp({queries.CLUSTER_REAL_HIT_RATIO})")
-    at = float(evaluated["value"][1])
+    at = finished_evaluation(prometheus, queries.CLUSTER_REAL_HIT_RATIO)
     wait_until_recorded(lab.status["replicas"], at)
     with Store(lab.state_dir / "kvwatch.db", readonly=True) as store:
         probes = {s["session_id"] for s in store.sessions()}

@@ -10,6 +10,7 @@ from datetime import datetime
 
 from kvwatch.alerts.alerts import ALERTS, Alert
 from kvwatch.prometheus.queries import (
+    CLUSTER_ENGINES_CHANGED,
     CLUSTER_HIT_RATIO,
     CLUSTER_LOAD_IMBALANCE,
     CLUSTER_PROBE_SHARE,
@@ -44,6 +45,9 @@ class Verdict:
     signal: str  # what the alert compares with its threshold, one series per `by`
     by: str  # the labels naming what is judged; "" for the cluster
     watched: str | None = None  # the `and` filter keeping only what the alert watches
+    # A series whose presence pauses the alert's judging (its `unless`), and what a page says meanwhile
+    # instead of "Not watching": the alert holds the series it judges and knows why it does not judge.
+    paused: tuple[str, str] | None = None
 
     def alerts(self, alertstate: str) -> str:
         """The alert's own series in Prometheus in that state (firing also while `keep_firing_for`
@@ -71,7 +75,17 @@ def _alert(name: str, **labels: str) -> Alert:
     return found
 
 
-ROUTE_STICKY = Verdict(_alert("KVWatchSessionAffinityBroken"), STICKY_RATIO, ROUTE, STICKY_ROUTES_JUDGED)
+ROUTE_STICKY = Verdict(
+    _alert("KVWatchSessionAffinityBroken"),
+    STICKY_RATIO,
+    ROUTE,
+    STICKY_ROUTES_JUDGED,
+    paused=(
+        CLUSTER_ENGINES_CHANGED,
+        "Not judged now: an engine of this cluster restarted, went down or came back within the replica "
+        "change window, and the gateway's failover moves sessions then.",
+    ),
+)
 ROUTE_REUSE = Verdict(_alert("KVWatchSessionReuseLost"), REUSED_SESSIONS_RATIO, ROUTE, WATCHED_ROUTES)
 ROUTE_WARM_ROUNDS = Verdict(_alert("KVWatchWarmRoundNoGain"), WARM_COLD_RATIO, ROUTE, WATCHED_ROUTES)
 LISTENER_SPREAD = Verdict(_alert("KVWatchGatewaySessionsSpread"), GATEWAY_SPREAD, LISTENER, WATCHED_LISTENERS)

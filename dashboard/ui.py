@@ -105,14 +105,18 @@ def judge(
     states: pd.DataFrame,
     ok: str,
     firing: pd.DataFrame | None = None,
+    paused: pd.DataFrame | None = None,
     **labels: str,
 ) -> Verdict:
     """What the alert behind `verdict` says now of the series with these labels, from `states` (its
     `verdict.state` at the page's time): red while it fires, orange while pending, `ok` in green. Where
     `firing` (data.firing_alerts, now) is given, blue once the signal is healthy again while the alert
-    still fires: held by its keep_firing_for, with when it clears, or cleared since the page's time."""
+    still fires: held by its keep_firing_for, with when it clears, or cleared since the page's time.
+    Where `paused` (the verdict's pausing series, now) has a row, gray with why it does not judge."""
     alert = verdict.alert
     rows = matching(states, **labels)
+    if rows.empty and verdict.paused and paused is not None and not paused.empty:
+        return Verdict("gray", verdict.paused[1])
     if rows.empty:
         blind = f"{verdicts.NOT_WATCHING}: Prometheus holds no series {alert.name} judges here now."
         return Verdict("gray", blind)

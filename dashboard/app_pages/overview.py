@@ -200,6 +200,11 @@ class Board:
         self.states = {
             s.verdict.state: data.instant(s.verdict.state, over, cluster) for s in shown if s.verdict
         }
+        self.paused = {
+            s.verdict.paused[0]: data.instant(s.verdict.paused[0], over, cluster)
+            for s in shown
+            if s.verdict and s.verdict.paused
+        }
         self.firing = data.firing_alerts(over.end)
 
     def failed(self) -> bool:
@@ -226,7 +231,8 @@ class Board:
         """`shown` as a tile, with its alert's verdict when `judged` (the route or log is meant sticky)."""
         if shown.verdict and judged:
             states = self.states[shown.verdict.state].value
-            verdict = ui.judge(shown.verdict, states, shown.says, self.now(), **labels)
+            paused = self.paused[shown.verdict.paused[0]].value if shown.verdict.paused else None
+            verdict = ui.judge(shown.verdict, states, shown.says, self.now(), paused, **labels)
         else:
             verdict = ui.Verdict("gray", NOT_STICKY if shown.verdict else shown.says)
         points = self.points(shown, **labels)

@@ -584,6 +584,17 @@ def test_every_verdict_whose_series_is_absent_says_it_is_not_watching(fake, page
         )
 
 
+def test_a_route_not_judged_after_a_replica_change_says_why(fake):
+    """The affinity alert pauses while an engine of the cluster restarted, went down or came back: its
+    tile says so, not that Prometheus holds nothing, and is never green."""
+    fake.values[ROUTE_STICKY.state] = NO_FRAME
+    fake.values[ROUTE_STICKY.paused[0]] = pd.DataFrame({"value": [1.0]})
+    said = texts(open_page("overview"))
+    assert f":gray[{ROUTE_STICKY.paused[1]}]" in said
+    assert f"Prometheus holds no series {ROUTE_STICKY.alert.name} judges" not in said
+    assert ROUTE_STICKY.paused[0] in fake.asked
+
+
 def marks(at: AppTest, key: str) -> list[tuple[str, str]]:
     """(time, text) of every event marked on the chart of that key."""
     (chart,) = [c for c in at.get("plotly_chart") if c.proto.id.endswith(key)]

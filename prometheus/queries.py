@@ -207,7 +207,7 @@ INSTANCE_REQUEST_SHARE = f"instance:kvwatch_requests_per_cluster_requests:ratio_
 CLUSTER_LOAD_IMBALANCE = f"cluster:kvwatch_requests_max_per_mean:ratio_rate{WINDOW}"
 INSTANCE_CACHE_SERIES = "instance:kvwatch_engine_cache_series:present"
 # 1 for a cluster where an engine restarted, went down or came back within the thresholds'
-# replica_change_window (replicas_changed): recorded, so that the lab's time scale applies to it.
+# replica_change_window (engines_changed): recorded, so that the lab's time scale applies to it.
 CLUSTER_ENGINES_CHANGED = "cluster:kvwatch_engines_changed:present"
 GATEWAY_SPREAD_SHARE = "listener:kvwatch_gateway_spread_sessions_per_returning_sessions:ratio"
 # Real users' returning requests (a session's request after its previous one): over a minute, how many come
@@ -410,7 +410,7 @@ def sticky_ratio(by: Grouping) -> str:
     return per_route("min", 'kvwatch_probe_sticky_ratio{evidence!="reuse"}', by)
 
 
-def replicas_changed(by: Grouping, window: str) -> str:
+def engines_changed(by: Grouping, window: str) -> str:
     """Clusters where an engine restarted (its prompt-token counter went back), went down or came back
     within `window`. A gateway moves the sessions of a replica that is gone to another one, and back
     once it returns: a probe session that changed replica then says nothing of the pinning."""

@@ -83,8 +83,8 @@ from kvwatch.prometheus.queries import (
     Grouping,
     TokenRatio,
     cluster_engine_tokens,
+    engines_changed,
     first_of,
-    replicas_changed,
 )
 from kvwatch.prometheus.thresholds import THRESHOLDS, Thresholds
 
@@ -207,7 +207,7 @@ def recording_rules(by: Grouping, t: Thresholds = THRESHOLDS) -> tuple[Rule, ...
             + "|".join(ENGINE_CACHE_SERIES)
             + '"}, "series", "$1", "__name__", "(.+)"))',
         ),
-        Rule(CLUSTER_ENGINES_CHANGED, replicas_changed(by, t.replica_change_window)),
+        Rule(CLUSTER_ENGINES_CHANGED, engines_changed(by, t.replica_change_window)),
     )
 
 

@@ -22,8 +22,8 @@ _DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")  # a Prometheus duration, e
 @dataclass(frozen=True)
 class Thresholds:
     """Every alert threshold and window, and the label that tells clusters apart. Durations are for
-    production scrape / evaluation intervals of 15 s and a probe interval of 30 s; the lab's --fast mode
-    runs the same rules scaled by 1/10."""
+    production scrape / evaluation intervals of 15 s and serve's default probe interval of 60 s; the
+    lab's --fast mode runs the same rules scaled by 1/10."""
 
     cluster_label: str = CLUSTER_LABEL  # every rule aggregates by it, every board filters by it
     # Share of a probe run's judged sessions that were sticky: by the replica each round names

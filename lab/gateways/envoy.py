@@ -36,7 +36,7 @@ RELOAD_TIMEOUT_S = 30.0
 CONFIG_DUMP_TIMEOUT_S = 2.0
 # A retry's hash lookup steps one ring (or Maglev table) entry an attempt until it finds a host not yet
 # tried. Istio's 5 (set with the same predicate) answer 503 where a session's entry starts a longer run
-# of a dead replica's entries: about 1 session in 700 with one replica of three down, 1 in 8 with two.
+# of a dead replica's entries: about 1 session in 730 with one replica of three down, 1 in 11 with two.
 # With 64, about 1 in 10^11 with two.
 RING_WALK_ATTEMPTS = 64
 LOAD_BALANCERS = {"ring-hash": "RING_HASH", "maglev": "MAGLEV"}

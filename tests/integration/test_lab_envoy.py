@@ -230,7 +230,7 @@ def test_kill_replica_fails_over_and_heal_restarts_it(lab):
 
 def test_with_two_replicas_killed_every_session_fails_over_to_the_one_left(lab):
     """A retry walks the ring past the dead replicas' entries; with two of three dead, about 1 session in
-    8 starts a run of their entries longer than the 5 steps Istio sets, and was answered 503."""
+    11 starts a run of their entries longer than the 5 steps Istio sets, and was answered 503."""
     fault(lab, "kill-replica", "r2")
     fault(lab, "kill-replica", "r3")
     left = lab.replica_url("r1").removeprefix("http://")

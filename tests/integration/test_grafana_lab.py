@@ -42,6 +42,7 @@ from kvwatch.alerts.verdicts import (
     ROUTER_PREDICTION_MISS,
     ROUTING_LOSS,
 )
+from kvwatch.collectors.gatewaylogs.base import path_of
 from kvwatch.collectors.gatewaylogs.tally import INFERENCE_PATHS
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.core.stats import CONFIDENCE
@@ -125,7 +126,7 @@ def inference_requests(lines: list[dict]) -> list[dict]:
     """The logged requests to the inference paths, the only ones kvwatch counts as requests: serve's
     first probe run may fetch GET /metrics through the gateway, to learn the block size before
     Prometheus holds it."""
-    return [line for line in lines if line["request"].split(" ")[1].partition("?")[0] in INFERENCE_PATHS]
+    return [line for line in lines if path_of(line["request"]) in INFERENCE_PATHS]
 
 
 def logged_sessions(lab, listener: str, lines: int) -> tuple[int, int, int]:

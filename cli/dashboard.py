@@ -1,4 +1,5 @@
-"""`kvwatch dashboard`: the Streamlit app on 127.0.0.1, with the URLs and the store of a kvwatch config."""
+"""Serve the Streamlit dashboard. It reads Prometheus, Alertmanager and the SQLite store named in the kvwatch
+config."""
 
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from kvwatch.cli.options import command
 from kvwatch.dashboard.defaults import DEFAULT_CONFIG, DEFAULT_REFRESH_SECONDS
 
 HELP = "serve the Streamlit dashboard"
-DESCRIPTION = (
-    "Serve the Streamlit dashboard. It reads Prometheus, Alertmanager and the SQLite "
-    "store named in the kvwatch config."
-)
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    dashboard = command(commands, "dashboard", _run, help=HELP, description=DESCRIPTION)
+    dashboard = command(commands, "dashboard", _run, help=HELP, description=__doc__)
     dashboard.add_argument(
         "--config",
         type=Path,

@@ -1,4 +1,9 @@
-"""`kvwatch doctor`: its options, and the diagnosis printed as text or JSON."""
+"""Walk the troubleshooting checklist against one route: reachability and the base URL, auth, the response's
+shape, whether the session id reaches the router and is its hash key, prefix caching in the engines and,
+from a sample of request payloads, dynamic content at the front of the prompts; or, with
+--sagemaker-endpoint, a few sessions through a SageMaker endpoint's runtime API. Each check prints its
+evidence and fix. With --setup --config FILE, check kvwatch's own pipeline instead: serve, Prometheus'
+scrapes, rules and Alertmanager, Alertmanager's route to kvwatch's webhook, the store."""
 
 from __future__ import annotations
 
@@ -26,19 +31,10 @@ from kvwatch.doctor.setup import check_setup
 from kvwatch.prometheus.pipeline import OK
 
 HELP = "find why session affinity or the prefix cache does not work, and say how to fix it"
-DESCRIPTION = (
-    "Walk the troubleshooting checklist against one route: reachability and the base URL, "
-    "auth, the response's shape, whether the session id reaches the router and is its hash key, "
-    "prefix caching in the engines and, from a sample of request payloads, dynamic content at the "
-    "front of the prompts; or, with --sagemaker-endpoint, a few sessions through a SageMaker endpoint's "
-    "runtime API. Each check prints its evidence and fix. With --setup --config FILE, check "
-    "kvwatch's own pipeline instead: serve, Prometheus' scrapes, rules and Alertmanager, Alertmanager's "
-    "route to kvwatch's webhook, the store."
-)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = options.command(subparsers, "doctor", run_cli, help=HELP, description=DESCRIPTION)
+    parser = options.command(subparsers, "doctor", run_cli, help=HELP, description=__doc__)
     parser.add_argument(
         "--setup",
         action="store_true",

@@ -1,4 +1,8 @@
-"""`kvwatch experiment`: its options; the report on stdout, what failed on stderr."""
+"""Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) and route B (e.g.
+session affinity), each conversation arriving for both at the same moment. Report per round the median, p90
+and p99 TTFT with bootstrap 95 % intervals and the cached ratio, and per route the stickiness, the
+throughput and the requests each replica served: CSVs, a Markdown report and a plot (PNG and interactive
+HTML) in DIR, and the report on stdout."""
 
 from __future__ import annotations
 
@@ -15,17 +19,10 @@ from kvwatch.experiment.report import FILES
 from kvwatch.experiment.runner import failures, run_into
 
 HELP = "the source article's A/B run: the same sessions through two routes, TTFT and reuse by round"
-DESCRIPTION = (
-    "Run the same seeded multi-turn sessions through route A (e.g. a round-robin gateway) "
-    "and route B (e.g. session affinity), each conversation arriving for both at the same moment. Report "
-    "per round the median, p90 and p99 TTFT with bootstrap 95 % intervals and the cached ratio, and per "
-    "route the stickiness, the throughput and the requests each replica served: CSVs, a Markdown report "
-    "and a plot (PNG and interactive HTML) in DIR, and the report on stdout."
-)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = options.command(subparsers, "experiment", run_cli, help=HELP, description=DESCRIPTION)
+    parser = options.command(subparsers, "experiment", run_cli, help=HELP, description=__doc__)
     parser.add_argument("--a", metavar="URL", help="route A's API root, with or without /v1")
     parser.add_argument("--b", metavar="URL", help="route B's API root, with or without /v1")
     parser.add_argument(

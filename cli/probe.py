@@ -1,4 +1,6 @@
-"""`kvwatch probe`: run synthetic multi-turn sessions once through a route and report them."""
+"""Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or router in front of vLLM
+/ SGLang replicas) or an Amazon SageMaker endpoint, and print, per round, the median TTFT, cached vs ideal
+cached tokens and the backends seen, then each session's stickiness."""
 
 from __future__ import annotations
 
@@ -18,17 +20,11 @@ from kvwatch.config.settings import Target, Workload
 from kvwatch.core.progress import Progress
 
 HELP = "run synthetic multi-turn sessions through a route and report TTFT, cache reuse and stickiness"
-DESCRIPTION = (
-    "Run multi-turn probe sessions once through an OpenAI-compatible route (a gateway or "
-    "router in front of vLLM / SGLang replicas) or an Amazon SageMaker endpoint, and print, per round, "
-    "the median TTFT, cached vs ideal cached tokens and the backends seen, then each session's "
-    "stickiness."
-)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """`kvwatch probe`, with the defaults of a configured target."""
-    parser = options.command(subparsers, "probe", run, help=HELP, description=DESCRIPTION)
+    parser = options.command(subparsers, "probe", run, help=HELP, description=__doc__)
     options.add_route_arguments(parser, sagemaker=True)
     for flag, dest, kind, default, text in (
         ("--rounds", "rounds", int, Target.rounds, "rounds per session"),

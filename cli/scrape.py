@@ -1,4 +1,7 @@
-"""`kvwatch scrape`: read engine and router /metrics and print their normalised figures."""
+"""Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, AIBrix) /metrics from
+URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, requests per worker and the
+router's predicted hit ratio. One scrape gives lifetime figures; --interval scrapes twice and gives the
+figures of that window."""
 
 from __future__ import annotations
 
@@ -11,12 +14,6 @@ from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT, format_result, scrape
 
 HELP = "read engine / router /metrics and print normalised cache-reuse figures"
-DESCRIPTION = (
-    "Read vLLM, SGLang or router (SMG / sglang-router, vllm-router, llm-d EPP, Dynamo, "
-    "AIBrix) /metrics from URLs or files and print the prefix-cache hit ratio, TTFT quantiles, load, "
-    "requests per worker and the router's predicted hit ratio. One scrape "
-    "gives lifetime figures; --interval scrapes twice and gives the figures of that window."
-)
 
 
 # The limits on one read: (flag, type, default, metavar, help).
@@ -28,7 +25,7 @@ _LIMITS = (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = command(subparsers, "scrape", run, help=HELP, description=DESCRIPTION)
+    parser = command(subparsers, "scrape", run, help=HELP, description=__doc__)
     parser.add_argument(
         "sources",
         nargs="+",

@@ -1,4 +1,5 @@
-"""`kvwatch serve`: the long-running process, until SIGINT or SIGTERM."""
+"""Run the configured probes on their schedules, follow the gateway logs, keep the history in SQLite or
+PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,10 @@ from kvwatch.serve import shard, startup
 from kvwatch.serve.scheduler import Service
 
 HELP = "run probes on a schedule and serve /metrics and the Alertmanager webhook"
-DESCRIPTION = (
-    "Run the configured probes on their schedules, follow the gateway logs, keep the "
-    "history in SQLite or PostgreSQL, and serve /metrics and the Alertmanager webhook (POST /alerts)."
-)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    serve = command(commands, "serve", run, help=HELP, description=DESCRIPTION)
+    serve = command(commands, "serve", run, help=HELP, description=__doc__)
     serve.add_argument("--config", type=Path, required=True, help="kvwatch YAML config")
     serve.add_argument(
         "--shard",

@@ -28,7 +28,6 @@ from kvwatch.alerts.verdicts import (
 from kvwatch.collectors.probe.records import REUSED_SHARE
 from kvwatch.grafana.panels import (
     DRILLDOWN,
-    FIXED_WINDOW,
     GRID_WIDTH,
     IMPORT_INPUT,
     JSON,
@@ -108,7 +107,7 @@ def _reuse_row(layout: Layout) -> None:
             "lookup ratio: tokens found over tokens looked up in the engines' own prefix caches.\n\n"
             "Good: steady, and high for multi-turn chat (the lab holds about 80 % with affinity). Bad: a "
             "drop when the gateway changed: sessions no longer land where their history is cached. Whether "
-            "the alert says so is in Cluster hit ratio drop, under What the alerts say." + FIXED_WINDOW,
+            "the alert says so is in Cluster hit ratio drop, under What the alerts say.",
             [
                 target(queries.CLUSTER_HIT_RATIO, "delivered (cached / prompt tokens)"),
                 target(queries.CLUSTER_LOCAL_HIT_RATIO, "local lookups (hits / lookups)"),
@@ -172,7 +171,7 @@ def own_share_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "them left out (real traffic's), beside the cluster's own.\n\n"
             f"Good: the probes' share low, and the two hit ratios close. Bad: a share above "
             f"{t.probe_share_above:.0%} ({PROBES_DOMINATE.alert.name}): the cluster's ratio describes the "
-            "probes, and real traffic's may be far from it." + FIXED_WINDOW,
+            "probes, and real traffic's may be far from it.",
             [
                 target(queries.CLUSTER_HIT_RATIO, "hit ratio, everything"),
                 target(queries.CLUSTER_REAL_HIT_RATIO, "hit ratio, real traffic (probes left out)"),
@@ -351,7 +350,7 @@ def _load_row(layout: Layout, t: Thresholds) -> None:
             "Finished requests per second of the busiest instance over the mean of all instances.\n\n"
             "Good: close to 1 (1 is perfectly even). Bad: above "
             f"{t.load_imbalance_above:g}, the alert's threshold: one replica takes the heat "
-            "while others idle." + FIXED_WINDOW,
+            "while others idle.",
             [target(queries.CLUSTER_LOAD_IMBALANCE, "busiest / mean")],
             unit="short",
             no_value=NO_ENGINE_DATA,
@@ -480,7 +479,7 @@ def drilldown(t: Thresholds = THRESHOLDS) -> JSON:
             "Each instance's TTFT quantiles as its engine measures them (server side, without the "
             "gateway).\n\n"
             "Good: the median near the cost of a cached prefill. Bad: the median rising towards a full "
-            "prefill (its requests miss the cache), or p99 far above the median (queueing)." + FIXED_WINDOW,
+            "prefill (its requests miss the cache), or p99 far above the median (queueing).",
             [target(panel_queries.TTFT_QUANTILES_BY_INSTANCE, "{{instance}} {{quantile}} quantile")],
             unit="s",
             no_value=NO_ENGINE_DATA,

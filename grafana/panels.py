@@ -85,8 +85,11 @@ def _panel(
     drilldown: str | None = None,
 ) -> JSON:
     """What every panel has: the data source variable, a unit, a text for no data (never a silent 0),
-    a runbook link when an alert watches the same signal, and a data link to the drill-down board."""
+    a runbook link when an alert watches the same signal, a data link to the drill-down board, and, when it
+    reads a recording rule, that its window is fixed."""
     defaults: JSON = {"noValue": no_value, "unit": unit}
+    if any(rule.record in t["expr"] for t in targets for rule in WINDOWED_RULES):
+        description += FIXED_WINDOW
     if drilldown:
         defaults["links"] = [drilldown_link(drilldown)]
     panel = {
@@ -202,14 +205,13 @@ def verdict_stat(title: str, what: str, verdict: Verdict, legend: str) -> JSON:
         if alert.for_ != "0m"
         else "It fires in the evaluation its condition holds"
     )
-    reads_a_rule = any(rule.record in verdict.state for rule in WINDOWED_RULES)
     panel = stat(
         title,
         f"{what}: the state of {alert.name}, computed from the alert's own expression, windows and "
         "thresholds (alerts/alerts.py, prometheus/thresholds.py), so that it is red exactly when the alert "
         "fires. The board's filters do not apply; what the alert does not watch is not shown.\n\n"
         f"Good: OK. Bad: firing. {alert.summary} {held}. {NOT_WATCHING} (gray): Prometheus holds no series "
-        "the alert judges, so it can say neither." + (FIXED_WINDOW if reads_a_rule else ""),
+        "the alert judges, so it can say neither.",
         [target(verdict.state, legend)],
         steps=[("green", None), ("orange", PENDING), ("red", FIRING)],
         unit="none",
@@ -321,7 +323,7 @@ def hit_ratio_by_instance() -> JSON:
         "is at 0 %.\n\n"
         "Good: instances close to each other and steady. Bad: all falling together (sessions no longer "
         "reach the replica holding their history, or a timestamp leads the prompt), or one instance far "
-        "below the rest (prefix caching off there, or just restarted)." + FIXED_WINDOW,
+        "below the rest (prefix caching off there, or just restarted).",
         with_cluster(panel_queries.HIT_RATIO_BY_INSTANCE, queries.CLUSTER_HIT_RATIO),
         alert="KVWatchPrefixCacheHitRateDrop",
     )
@@ -334,7 +336,7 @@ def local_hit_ratio_by_instance() -> JSON:
         "prefix cache. vLLM stops looking up when caching is off, so such a replica drops out of this "
         "ratio instead of counting as 0 %; KV from host, disk or another instance is not in it.\n\n"
         "Good: close to the hit ratio. Bad: far above it (reuse comes from elsewhere, or a replica "
-        "with caching off dropped out), or falling with it." + FIXED_WINDOW,
+        "with caching off dropped out), or falling with it.",
         with_cluster(panel_queries.LOCAL_HIT_RATIO_BY_INSTANCE, queries.CLUSTER_LOCAL_HIT_RATIO),
     )
 
@@ -350,7 +352,7 @@ def cached_share_by_source() -> JSON:
         "lmcache_mp_lookup_requested_tokens_total; a target of its own, which the job and instance "
         "filters pick as any other.\n\n"
         "Good: the sources you deployed, steady. Bad: a source falling to 0 (an offload tier or the KV "
-        "transfer stopped), or only the device where you expected more." + FIXED_WINDOW,
+        "transfer stopped), or only the device where you expected more.",
         [
             target(panel_queries.CACHED_SHARE_BY_SOURCE, "{{instance}} {{source}}"),
             target(panel_queries.LMCACHE_HIT_SHARE_BY_TIER, "{{instance}} LMCache {{source}}"),
@@ -365,7 +367,7 @@ def request_share_by_instance() -> JSON:
         "Each instance's share of the finished requests. Consistent hashing on the session id trades "
         "balance for cache reuse.\n\n"
         "Good: each near 1/N of N instances. Bad: one instance far above the rest (a hot session key, or "
-        "replicas missing from the hash ring) or one at 0 (out of rotation)." + FIXED_WINDOW,
+        "replicas missing from the hash ring) or one at 0 (out of rotation).",
         [target(panel_queries.REQUEST_SHARE_BY_INSTANCE, "{{instance}}")],
     )
 

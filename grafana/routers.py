@@ -17,7 +17,6 @@ from kvwatch.alerts.verdicts import (
     Verdict,
 )
 from kvwatch.grafana.panels import (
-    FIXED_WINDOW,
     NO_ROUTER_DATA,
     ROUTER_LEGEND,
     Layout,
@@ -55,7 +54,7 @@ def reuse_decomposition_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "tokens_total, ..._kv_selected_..., ..._kv_worker_reused_tokens_total). Routers that only "
             "export a mean of per-request ratios draw no line here (Router: predicted vs delivered).\n\n"
             "Good: the three lines close together and high. Bad: a gap between two of them: Where reuse "
-            "is lost names it." + FIXED_WINDOW,
+            "is lost names it.",
             [
                 target(queries.INSTANCE_ROUTER_REUSE_SHARE, "{{leg}}: {{job}} / {{instance}}"),
                 target(queries.CLUSTER_ROUTER_REUSE_SHARE, "{{leg}}: all routers"),
@@ -73,7 +72,7 @@ def reuse_decomposition_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             f"caching off, eviction, a stale index; {engine.name} fires above {t.engine_loss_above:.0%} for "
             f"{engine.for_}), with at least {t.min_router_prompt_tokens_per_second:g} prompt tokens a "
             "second.\n\nGood: only the workload's loss, and that steady. Bad: a routing or engine loss "
-            "rising." + FIXED_WINDOW,
+            "rising.",
             [target(queries.INSTANCE_ROUTER_REUSE_LOSS, "{{loss}}: {{job}} / {{instance}}")],
             alert=routing.name,
         ),
@@ -101,7 +100,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "Good: the delivered lines near the router's. Bad: the router's line high while the engines' "
             "stay low: it sends requests where its index believes their prefix cached, and the engines "
             "compute it all again (the index drifted from the engines' caches, or caching is off on a "
-            "replica)." + FIXED_WINDOW,
+            "replica).",
             [
                 target(queries.INSTANCE_ROUTER_PREDICTED_HIT_RATIO, "predicted by {{job}} / {{instance}}"),
                 target(panel_queries.HIT_RATIO_BY_INSTANCE, "delivered by {{instance}}"),
@@ -121,7 +120,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "cache_aware policy predict a hit ratio to compare.\n\n"
             "Good: near 100 %: the prediction holds; above it, the engines reuse more than the router "
             "expected (KV from host memory, disk or another instance). Bad: near 0 %: the router's index "
-            "says hit while the engines prefill everything." + FIXED_WINDOW,
+            "says hit while the engines prefill everything.",
             queries.INSTANCE_ROUTER_DELIVERED_PER_PREDICTED,
             no_value=NO_ROUTER_DATA,
             alert=miss,
@@ -137,7 +136,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "own stickiness, beside the probes' (Sticky probe sessions); kvwatch reads it from SMG "
             "only.\n\n"
             "Good: near 100 %. Bad: falling: routing keys respill to other workers, and their sessions' "
-            "history is prefilled again." + FIXED_WINDOW,
+            "history is prefilled again.",
             queries.INSTANCE_ROUTER_PIN_KEPT,
             max_value=1,
             no_value="No SMG router with the manual policy",
@@ -159,7 +158,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "(Predicted by the router, delivered by the engines).\n\n"
             "Good: steady and high on multi-turn traffic. Bad: falling while the traffic is unchanged "
             "(the index lost its prefixes: a router restart, workers replaced), or high while the engines "
-            "deliver little (the index drifted from the engines' caches)." + FIXED_WINDOW,
+            "deliver little (the index drifted from the engines' caches).",
             queries.INSTANCE_ROUTER_PREFIX_MATCH_DECISIONS,
             max_value=1,
             no_value="No cache-aware router counting its prefix matches",
@@ -174,8 +173,7 @@ def router_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             "aibrix_load_imbalance_total in later gateways), and the routings that failed, by reason "
             "(aibrix_prefix_cache_routing_errors_total{reason}: tokenize_failed, no_target_pod, ...).\n\n"
             "Good: near 0. Bad: the load imbalance rising (the pods' running requests too far apart: "
-            "sessions leave the pod holding their prefix), or errors (requests not routed at all)."
-            + FIXED_WINDOW,
+            "sessions leave the pod holding their prefix), or errors (requests not routed at all).",
             [target(queries.INSTANCE_ROUTER_FALLBACKS, "{{reason}}: " + ROUTER_LEGEND)],
             unit="percentunit",
             no_value="No AIBrix router counting its load imbalances or errors",
@@ -199,7 +197,7 @@ def router_state_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             f"(..._bind_rejections_total): {full.name} fires while it refuses any for {full.for_}. "
             "Dynamo's affinity table exports no series (a full one answers 503).\n\n"
             "Good: bindings following the traffic, no refusals. Bad: refusals: the table is full and new "
-            "conversations go unpinned." + FIXED_WINDOW,
+            "conversations go unpinned.",
             [
                 target(queries.INSTANCE_ROUTER_SESSION_BINDINGS, "bound: " + ROUTER_LEGEND),
                 target(
@@ -220,7 +218,7 @@ def router_state_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             f"error lose sessions before they end, and {surge.name} fires when those are over "
             f"{t.session_invalidated_share_above:.0%} of the bound sessions a minute for {surge.for_}.\n\n"
             "Good: idle and close only. Bad: pod_delete or error rising: those sessions start again cold "
-            "on another replica." + FIXED_WINDOW,
+            "on another replica.",
             [target(queries.INSTANCE_ROUTER_SESSION_INVALIDATIONS, "{{reason}}: " + ROUTER_LEGEND)],
             unit="ops",
             no_value="No router exports a session table",
@@ -237,7 +235,7 @@ def router_state_row(layout: Layout, t: Thresholds = THRESHOLDS) -> None:
             f"(smg_kv_event_degraded_ranks). {stalled.name} fires on a lag over "
             f"{t.kv_event_lag_above:g} s, any gap or degraded rank, for {stalled.for_}.\n\n"
             "Good: lag near 0, no gaps, no degraded ranks. Bad: any of them: the router predicts reuse "
-            "from blocks the engines no longer hold (or misses blocks they do)." + FIXED_WINDOW,
+            "from blocks the engines no longer hold (or misses blocks they do).",
             [
                 target(queries.INSTANCE_ROUTER_KV_EVENT_LAG, "lag (s): " + ROUTER_LEGEND),
                 target(queries.INSTANCE_ROUTER_KV_EVENT_GAPS, "gaps per second: " + ROUTER_LEGEND),

@@ -174,8 +174,10 @@ class Router:
 
 ROUTER_KEY = web.AppKey("router", Router)
 CLIENT_KEY = web.AppKey("client", aiohttp.ClientSession)
+routes = web.RouteTableDef()
 
 
+@routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     raw = await request.read()
@@ -222,15 +224,18 @@ async def _relay_stream(
     return response
 
 
+@routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[ROUTER_KEY].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+@routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+@routes.post("/lab/faults")
 async def lab_faults(request: web.Request) -> web.Response:
     """The router's fault: its policy (`{"policy": "spread"}`)."""
     router = request.app[ROUTER_KEY]
@@ -245,6 +250,7 @@ async def lab_faults(request: web.Request) -> web.Response:
     return web.json_response({"policy": policy})
 
 
+@routes.get("/lab/ground-truth")
 async def lab_ground_truth(request: web.Request) -> web.Response:
     return web.json_response({"records": list(request.app[ROUTER_KEY].ground_truth)})
 
@@ -259,15 +265,7 @@ def make_app(router: Router) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ROUTER_KEY] = router
     app.cleanup_ctx.append(_client)
-    app.add_routes(
-        [
-            web.post("/v1/chat/completions", chat_completions),
-            web.get("/metrics", metrics),
-            web.get("/health", health),
-            web.post("/lab/faults", lab_faults),
-            web.get("/lab/ground-truth", lab_ground_truth),
-        ]
-    )
+    app.add_routes(routes)
     return app
 
 

@@ -10,8 +10,7 @@ from kvwatch.collectors.engines.base import Buckets, Snapshot
 from kvwatch.collectors.engines.router_state import (
     IndexHealth,
     SessionTable,
-    windowed_index_health,
-    windowed_session_table,
+    windowed,
 )
 
 # hit_ratio_source of the token-weighted ratios of counter increases: cached prompt tokens over prompt
@@ -137,10 +136,8 @@ def normalise(now: Snapshot, before: Snapshot | None = None) -> Normalised:
         delivered_share=delivered if routed_prompt is not None else None,
         sticky_outcomes=change.counters("sticky_outcomes", now.sticky_outcomes),
         routing_key_sources=change.counters("routing_key_sources", now.routing_key_sources),
-        session_table=windowed_session_table(
-            now.session_table, before and before.session_table, change.increase
-        ),
-        index_health=windowed_index_health(now.index_health, before and before.index_health, change.increase),
+        session_table=windowed(now.session_table, before and before.session_table, change.increase),
+        index_health=windowed(now.index_health, before and before.index_health, change.increase),
         router_fallbacks=change.counters("router_fallbacks", now.router_fallbacks),
         cache_tiers=change.counters("cache_tiers", now.cache_tiers),
         counter_reset=change.reset,

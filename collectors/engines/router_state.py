@@ -19,7 +19,8 @@ front exports both).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, TypeVar
 
 from kvwatch.collectors.engines.base import Reader
 
@@ -38,6 +39,8 @@ class SessionTable:
     """A router's session table: sessions bound now (a gauge), invalidations by reason and new sessions
     refused (counters: cumulative in a snapshot, increases in a window)."""
 
+    COUNTERS: ClassVar = ("invalidations", "bind_rejections")
+
     bindings: float | None
     invalidations: Mapping[str, float] = field(default_factory=dict)
     bind_rejections: float | None = None
@@ -47,6 +50,8 @@ class SessionTable:
 class IndexHealth:
     """A router's KV-event index: its lag behind the engines' events and its degraded ranks (gauges, the
     worst of its ranks / their count), event gaps and resyncs (counters)."""
+
+    COUNTERS: ClassVar = ("gaps", "resyncs")
 
     lag_seconds: float | None
     gaps: float | None = None
@@ -81,35 +86,21 @@ def read_index_health(reader: Reader) -> IndexHealth | None:
 
 # (now, before) -> a counter's increase, as normalise counts it (None when unknown).
 Increase = Callable[[float | None, float | None], float | None]
+State = TypeVar("State", SessionTable, IndexHealth)
 
 
-def windowed_session_table(
-    now: SessionTable | None, before: SessionTable | None, increase: Increase
-) -> SessionTable | None:
-    """The table over a window: bindings as they are now, its counters' increases."""
+def windowed(now: State | None, before: State | None, increase: Increase) -> State | None:
+    """The record over a window: its gauges as they are now, its COUNTERS' increases (a labelled
+    counter's per label, the labels whose increase is unknown left out)."""
     if now is None:
         return None
-    old = before or SessionTable(None)
-    invalidations = {
-        reason: increase(value, old.invalidations.get(reason)) for reason, value in now.invalidations.items()
-    }
-    return SessionTable(
-        bindings=now.bindings,
-        invalidations={reason: n for reason, n in invalidations.items() if n is not None},
-        bind_rejections=increase(now.bind_rejections, old.bind_rejections),
-    )
+    old = before or type(now)(None)
+    counters = {name: _increase(getattr(now, name), getattr(old, name), increase) for name in now.COUNTERS}
+    return replace(now, **counters)
 
 
-def windowed_index_health(
-    now: IndexHealth | None, before: IndexHealth | None, increase: Increase
-) -> IndexHealth | None:
-    """The index over a window: lag and degraded ranks as they are now, gaps' and resyncs' increases."""
-    if now is None:
-        return None
-    old = before or IndexHealth(None)
-    return IndexHealth(
-        lag_seconds=now.lag_seconds,
-        gaps=increase(now.gaps, old.gaps),
-        resyncs=increase(now.resyncs, old.resyncs),
-        degraded_ranks=now.degraded_ranks,
-    )
+def _increase(now, before, increase: Increase):
+    if not isinstance(now, Mapping):
+        return increase(now, before)
+    increases = {label: increase(value, before.get(label)) for label, value in now.items()}
+    return {label: n for label, n in increases.items() if n is not None}

@@ -17,20 +17,8 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import conftest as checks
 from conftest import LAB_CLIENT as CLIENT
-from conftest import (
-    assert_admin_api_unproxied,
-    assert_baseline,
-    assert_round_robin,
-    assert_spread,
-    chat,
-    fault,
-    fault_with_gateway_stopped,
-    heal,
-    heal_if_faulted,
-    session_pinned_to,
-    upstreams,
-)
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.lab.gateways import envoy
@@ -61,7 +49,7 @@ def after(log: list[dict], session_id: str) -> list[dict]:
 @pytest.fixture(autouse=True)
 def healthy_after(lab):
     yield
-    heal_if_faulted(lab, SESSIONS)
+    checks.heal_if_faulted(lab, SESSIONS)
 
 
 def parsed(entry: dict):
@@ -100,20 +88,20 @@ def gateway_metric(samples: dict[tuple, float], name: str, **labels: str) -> flo
 
 def test_affinity_keeps_sessions_round_robin_spreads_them_and_ids_are_assigned(lab):
     assert lab.status["gateway"] == "envoy" and lab.status["processes"]["envoy"]
-    assert_baseline(lab, SESSIONS)
-    assert_round_robin(lab.round_robin, ROUND_ROBIN_SESSIONS)
+    checks.assert_baseline(lab, SESSIONS)
+    checks.assert_round_robin(lab.round_robin, ROUND_ROBIN_SESSIONS)
     for url in (lab.affinity, lab.round_robin):
-        assigned = chat(url).headers["X-Session-Id"]
+        assigned = checks.chat(url).headers["X-Session-Id"]
         assert assigned and assigned != "echo-me"
         # The id the gateway assigned keeps the next round where the first went, on the affinity listener.
         if url == lab.affinity:
-            first = chat(url, assigned).headers["X-Upstream"]
-            assert {chat(url, assigned).headers["X-Upstream"] for _ in range(3)} == {first}
+            first = checks.chat(url, assigned).headers["X-Upstream"]
+            assert {checks.chat(url, assigned).headers["X-Upstream"] for _ in range(3)} == {first}
 
 
 @pytest.mark.parametrize("listener", ["affinity", "round_robin"])
 def test_envoy_does_not_proxy_the_replicas_admin_api(lab, listener):
-    assert_admin_api_unproxied(lab, listener)
+    checks.assert_admin_api_unproxied(lab, listener)
 
 
 def test_streams_pass_unbuffered(lab):
@@ -150,9 +138,9 @@ def test_the_access_log_gives_the_same_gateway_metrics_as_nginx(lab):
     before = settled_samples(lab)
     told = Counter()
     for listener, sessions in (("affinity", ["log-a", "log-b"]), ("round_robin", ["log-c", "log-d"])):
-        for rounds in upstreams(getattr(lab, listener), sessions).values():
+        for rounds in checks.upstreams(getattr(lab, listener), sessions).values():
             told.update((listener, upstream) for upstream in rounds)
-    told.update([("affinity", chat(lab.affinity).headers["X-Upstream"])])
+    told.update([("affinity", checks.chat(lab.affinity).headers["X-Upstream"])])
 
     def grown(samples, name: str, **labels: str) -> float:
         return gateway_metric(samples, name, **labels) - gateway_metric(before, name, **labels)
@@ -176,105 +164,105 @@ def test_the_access_log_gives_the_same_gateway_metrics_as_nginx(lab):
 
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
-    fault(lab, "break-affinity")
-    assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
+    checks.fault(lab, "break-affinity")
+    checks.assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
     first = ROUND_ROBIN_SESSIONS[0]
     entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == first for e in log) >= 3)
     assert len({e["upstream_host"] for e in entries if e["session_id"] == first}) == REPLICAS
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
-    fault(lab, "drop-session-header")
-    response = chat(lab.affinity, "mine")
+    checks.fault(lab, "drop-session-header")
+    response = checks.chat(lab.affinity, "mine")
     assigned = response.headers["X-Session-Id"]
     assert assigned not in ("", "mine")
-    assert_spread(lab.affinity, SESSIONS)
+    checks.assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the request that was assigned `assigned`
     entries = lab.access_log("affinity", until=lambda log: len(after(log, assigned)) >= sent)
     assert all(parsed(e).assigned for e in after(entries, assigned)[:sent])
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
     assert not parsed(
         lab.access_log("affinity", until=lambda log: log[-1]["session_id"] == "echo-me")[-1]
     ).assigned
 
 
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
-    fault(lab, "hash-request-id")
-    assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    assert_spread(lab.affinity, SESSIONS)
+    checks.fault(lab, "hash-request-id")
+    assert checks.chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
+    checks.assert_spread(lab.affinity, SESSIONS)
     sent = len(SESSIONS) * 3  # upstreams' rounds, all after the "kept" request
     entries = lab.access_log("affinity", until=lambda log: len(after(log, "kept")) >= sent)
     mine = [parsed(e) for e in after(entries, "kept")]
     assert {r.session_id for r in mine} == set(SESSIONS) and not any(r.assigned for r in mine)
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_kill_replica_fails_over_and_heal_restarts_it(lab):
     r3 = lab.replica_url("r3").removeprefix("http://")
-    pinned = session_pinned_to(lab, r3)
-    fault(lab, "kill-replica", "r3")
+    pinned = checks.session_pinned_to(lab, r3)
+    checks.fault(lab, "kill-replica", "r3")
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     # Envoy retries a request r3 refused on another replica, and logs the second attempt.
-    failover = chat(lab.affinity, pinned)
+    failover = checks.chat(lab.affinity, pinned)
     entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == pinned for e in log) == 2)
     assert failover.status_code == 200, (failover.text, entries[-1])
     assert failover.headers["X-Upstream"] != r3
     retried = [e for e in entries if e["session_id"] == pinned][-1]
     assert retried["upstream_request_attempt_count"] == 2 and parsed(retried).failover
-    seen = upstreams(lab.affinity, SESSIONS, rounds=1)
+    seen = checks.upstreams(lab.affinity, SESSIONS, rounds=1)
     assert r3 not in {rounds[0] for rounds in seen.values()}
-    heal(lab, SESSIONS)
-    assert chat(lab.affinity, pinned).headers["X-Upstream"] == r3
+    checks.heal(lab, SESSIONS)
+    assert checks.chat(lab.affinity, pinned).headers["X-Upstream"] == r3
 
 
 def test_with_two_replicas_killed_every_session_fails_over_to_the_one_left(lab):
     """A retry walks the ring past the dead replicas' entries; with two of three dead, about 1 session in
     11 starts a run of their entries longer than the 5 steps Istio sets, and was answered 503."""
-    fault(lab, "kill-replica", "r2")
-    fault(lab, "kill-replica", "r3")
+    checks.fault(lab, "kill-replica", "r2")
+    checks.fault(lab, "kill-replica", "r3")
     left = lab.replica_url("r1").removeprefix("http://")
-    served = {s: chat(lab.affinity, s) for s in (f"walk-{i}" for i in range(60))}
+    served = {s: checks.chat(lab.affinity, s) for s in (f"walk-{i}" for i in range(60))}
     assert {s: (r.status_code, r.headers.get("X-Upstream")) for s, r in served.items()} == {
         s: (200, left) for s in served
     }
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_a_stopped_replica_is_forgotten_only_once_envoy_pools_no_connection_to_it(lab, monkeypatch):
     """What kill-replica waits for: a live replica's connections stay pooled, so the wait fails loudly."""
     monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 0.5)
     state = LabState.load(lab.state_dir)
-    upstreams(lab.round_robin, ["pooled"], rounds=REPLICAS)  # every replica serves one request
+    checks.upstreams(lab.round_robin, ["pooled"], rounds=REPLICAS)  # every replica serves one request
     with pytest.raises(LabError, match=r"did not let go .* still holds connections to 127\.0\.0\.1:"):
         envoy.forget_replica(state, state.replica("r1").port)
 
 
 def test_scale_out_keeps_most_sessions_and_heal_puts_them_back(lab):
     sessions = [f"ring-{i}" for i in range(100)]
-    before = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
-    fault(lab, "scale-out")
+    before = {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    checks.fault(lab, "scale-out")
     new = lab.cli("status", "--json").json["replicas"][-1]
     assert new["id"] == f"r{REPLICAS + 1}" and new["url"]
     address = new["url"].removeprefix("http://")
-    after = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    after = {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
     moved = [s for s in sessions if after[s] != before[s]]
     # Consistent hashing: most sessions stay, where rehashing over four replicas would move three in
     # four. Unlike nginx's, Envoy's ring keeps its size, so each replica's share of it shrinks and some
     # sessions move between the old replicas too: about 37 in 100 move, 25 of them to the new replica.
     assert any(after[s] == address for s in moved)
     assert len(moved) <= 0.6 * len(sessions), len(moved)
-    heal(lab, SESSIONS)
-    assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
+    checks.heal(lab, SESSIONS)
+    assert {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
 
 
 def test_a_config_envoy_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped Envoy reads no xDS file: the fault fails naming what it serves, with its log."""
     monkeypatch.setattr(envoy, "RELOAD_TIMEOUT_S", 2.0)
-    error = fault_with_gateway_stopped(lab, "envoy", "Envoy did not load the new config within 2 s")
+    error = checks.fault_with_gateway_stopped(lab, "envoy", "Envoy did not load the new config within 2 s")
     assert "logs/envoy.log ends:\n" in error and "cds:" in error
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_prometheus_scrapes_envoys_admin_stats(lab):

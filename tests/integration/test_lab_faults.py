@@ -26,22 +26,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import conftest as checks
 from conftest import LAB_CLIENT as CLIENT
-from conftest import (
-    REPO,
-    assert_admin_api_unproxied,
-    assert_baseline,
-    assert_round_robin,
-    assert_spread,
-    chat,
-    fault,
-    fault_with_gateway_stopped,
-    heal,
-    heal_if_faulted,
-    session_pinned_to,
-    stop,
-    upstreams,
-)
+from conftest import REPO, stop
 from kvwatch.lab.gateways import nginx as nginx_gateway
 from kvwatch.lab.process import is_ours
 from kvwatch.lab.state import LabState
@@ -80,7 +67,7 @@ def busy_lab(start_lab):
 @pytest.fixture(autouse=True)
 def healthy_after(lab):
     yield
-    heal_if_faulted(lab, SESSIONS)
+    checks.heal_if_faulted(lab, SESSIONS)
 
 
 def faults_log(lab) -> list[dict]:
@@ -100,49 +87,49 @@ def replica_counter(url: str, name: str) -> float:
 
 
 def test_baseline_is_sticky(lab):
-    assert_baseline(lab, SESSIONS)
+    checks.assert_baseline(lab, SESSIONS)
     assert lab.status["dashboard"] is None  # started with --no-dashboard, as every test lab is by default
 
 
 def test_break_affinity_spreads_sessions_over_replicas(lab):
-    fault(lab, "break-affinity")
-    assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
+    checks.fault(lab, "break-affinity")
+    checks.assert_round_robin(lab.affinity, ROUND_ROBIN_SESSIONS)
     logged = [e for e in lab.access_log("affinity") if e["session_id"] == ROUND_ROBIN_SESSIONS[0]]
     assert len({e["upstream_addr"] for e in logged}) == 3
     assert faults_log(lab)[-1]["fault"] == "break-affinity"
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
     assert faults_log(lab)[-1]["action"] == "heal"
 
 
 def test_drop_session_header_assigns_fresh_ids_and_spreads(lab):
-    fault(lab, "drop-session-header")
-    response = chat(lab.affinity, "mine")
+    checks.fault(lab, "drop-session-header")
+    response = checks.chat(lab.affinity, "mine")
     assert response.headers["X-Session-Id"] not in ("", "mine")
-    assert_spread(lab.affinity, SESSIONS)
+    checks.assert_spread(lab.affinity, SESSIONS)
     # Every request after the fault carries a gateway-assigned id.
     recent = lab.access_log("affinity")[-len(SESSIONS) :]
     assert {e["session_source"] for e in recent} == {"assigned"}
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
     assert lab.access_log("affinity")[-1]["session_source"] == "client"
 
 
 def test_hash_request_id_echoes_the_id_but_spreads(lab):
-    fault(lab, "hash-request-id")
-    assert chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
-    assert_spread(lab.affinity, SESSIONS)
+    checks.fault(lab, "hash-request-id")
+    assert checks.chat(lab.affinity, "kept").headers["X-Session-Id"] == "kept"
+    checks.assert_spread(lab.affinity, SESSIONS)
     mine = [e for e in lab.access_log("affinity") if e["session_id"] in SESSIONS]
     assert mine and {e["session_source"] for e in mine} == {"client"}
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_disable_prefix_cache_keeps_lookups_flat_on_one_replica(lab):
     url = lab.replica_url("r2")
     long_prompt = " ".join(f"w{i}" for i in range(200))
-    chat(url, content=long_prompt)
-    fault(lab, "disable-prefix-cache", "--replica", "r2")
+    checks.chat(url, content=long_prompt)
+    checks.fault(lab, "disable-prefix-cache", "--replica", "r2")
     queries = replica_counter(url, "vllm:prefix_cache_queries_total")
     prompts = replica_counter(url, "vllm:prompt_tokens_total")
-    reply = chat(url, content=long_prompt).json()
+    reply = checks.chat(url, content=long_prompt).json()
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert replica_counter(url, "vllm:prompt_tokens_total") > prompts
     assert replica_counter(url, "vllm:prefix_cache_queries_total") == queries
@@ -153,9 +140,9 @@ def test_disable_prefix_cache_keeps_lookups_flat_on_one_replica(lab):
         if s.name == "vllm:cache_config_info"
     ]
     assert info == ["False"]
-    heal(lab, SESSIONS)
-    chat(url, content=long_prompt)
-    assert chat(url, content=long_prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    checks.heal(lab, SESSIONS)
+    checks.chat(url, content=long_prompt)
+    assert checks.chat(url, content=long_prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def round_ones(lab, since: float, enough: Callable[[list[dict]], bool], timeout: float = 60) -> list[dict]:
@@ -187,27 +174,27 @@ def warm(record: dict) -> bool:
 def test_kill_replica_fails_over_and_restart_resets_counters(lab):
     url = lab.replica_url("r3")
     r3 = url.removeprefix("http://")
-    pinned = session_pinned_to(lab, r3)
+    pinned = checks.session_pinned_to(lab, r3)
     for _ in range(3):
-        chat(url)
+        checks.chat(url)
     served_before = replica_counter(url, "vllm:request_success_total")
     assert served_before >= 3
-    fault(lab, "kill-replica", "r3")
+    checks.fault(lab, "kill-replica", "r3")
     assert lab.cli("status", "--json").json["replicas"][2]["url"] is None
     with pytest.raises(httpx.ConnectError):
-        chat(url)
+        checks.chat(url)
     # nginx fails over: r3's session is answered by the next replica, the gateway names both.
-    failover = chat(lab.affinity, pinned)
+    failover = checks.chat(lab.affinity, pinned)
     assert failover.status_code == 200 and failover.headers["X-Upstream"].startswith(f"{r3}, ")
     entries = lab.access_log("affinity", until=lambda log: sum(e["session_id"] == pinned for e in log) == 2)
     logged = [e for e in entries if e["session_id"] == pinned][-1]
     assert logged["upstream_addr"].startswith(f"{r3}, ") and logged["status"] == 200
     # Every session still gets an answer, from one of the three live replicas.
-    seen = upstreams(lab.affinity, SESSIONS, rounds=1)
+    seen = checks.upstreams(lab.affinity, SESSIONS, rounds=1)
     assert r3 not in {rounds[0] for rounds in seen.values()}
-    fault(lab, "restart-replica", "r3")
+    checks.fault(lab, "restart-replica", "r3")
     assert replica_counter(url, "vllm:request_success_total") < served_before
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def first_refusal(port: int) -> float:
@@ -233,7 +220,7 @@ def test_kill_replica_is_dated_when_the_replica_stopped_listening_not_when_it_ex
     CLIENT.post(f"{url}/lab/faults", json={"extra_latency_s": HELD_S / TIME_SCALE}).raise_for_status()
     try:
         with ThreadPoolExecutor(1) as pool:
-            answered = pool.submit(chat, url)
+            answered = pool.submit(checks.chat, url)
             wait_until(lambda: replica_counter(url, "vllm:num_requests_waiting") == 1)  # in flight
             killing = lab_command(lab, tmp_path / "kill.err", "fault", "kill-replica", "r2")
             try:
@@ -251,19 +238,19 @@ def test_kill_replica_is_dated_when_the_replica_stopped_listening_not_when_it_ex
     entry = faults_log(lab)[-1]
     assert (entry["action"], entry["fault"], entry["replica"]) == ("fault", "kill-replica", "r2")
     assert entry["unix"] <= refused_at < exited_seen, (entry, refused_at, exited_seen)
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
     sessions = [f"ring-{i}" for i in range(60)]
-    before = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
-    fault(lab, "scale-out")
+    before = {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    checks.fault(lab, "scale-out")
     status = lab.cli("status", "--json").json
     new = status["replicas"][-1]
     assert new["id"] == "r5" and new["url"]
     address = new["url"].removeprefix("http://")
     assert address in prometheus_config(lab)  # reloaded (by SIGHUP) before the fault returned
-    after = {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
+    after = {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions}
     moved = [s for s in sessions if after[s] != before[s]]
     # Consistent hashing: only sessions that now belong to the new replica move, about 1 in 5.
     assert all(after[s] == address for s in moved)
@@ -277,9 +264,9 @@ def test_scale_out_remaps_about_one_in_n_sessions_to_the_new_replica(lab):
         time.sleep(0.5)
     else:
         raise AssertionError("Prometheus never scraped the added replica")
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
     assert address not in prometheus_config(lab)
-    assert {s: chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
+    assert {s: checks.chat(lab.affinity, s).headers["X-Upstream"] for s in sessions} == before
 
 
 def prometheus_config(lab) -> str:
@@ -289,20 +276,20 @@ def prometheus_config(lab) -> str:
 
 @pytest.mark.parametrize("listener", ["affinity", "round_robin"])
 def test_the_gateways_do_not_proxy_the_replicas_admin_api(lab, listener):
-    assert_admin_api_unproxied(lab, listener)
+    checks.assert_admin_api_unproxied(lab, listener)
 
 
 def test_a_gateway_reload_that_does_not_take_fails_loudly(lab, monkeypatch):
     """A stopped nginx master cannot act on the reload: its old worker goes on serving the old config."""
     monkeypatch.setattr(nginx_gateway, "RELOAD_TIMEOUT_S", 2.0)
     entries = len(faults_log(lab))
-    error = fault_with_gateway_stopped(lab, "nginx", "nginx did not reload within 2 s")
+    error = checks.fault_with_gateway_stopped(lab, "nginx", "nginx did not reload within 2 s")
     assert "workers from before the reload still running: [" in error
     assert "logs/nginx-error.log ends" in error
     assert len(faults_log(lab)) == entries  # a change that does not serve is not in faults.log
     # The saved state says what the written config asks for, so heal undoes it.
     assert lab.cli("status", "--json").json["faults"] == ["break-affinity"]
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def lab_command(lab, stderr: Path, *args: str) -> subprocess.Popen:
@@ -348,7 +335,7 @@ def test_commands_changing_one_lab_run_one_at_a_time(lab, tmp_path):
     status = lab.cli("status", "--json").json
     assert status["faults"] == ["break-affinity", "kill-replica:r2"]
     assert status["replicas"][1]["url"] is None
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
 
 
 def test_prometheus_takes_no_lifecycle_requests(lab):
@@ -365,12 +352,12 @@ def test_dynamic_prefix_destroys_reuse_of_the_shared_system_prompt(busy_lab):
     # without the fault finds it too.
     before = round_ones(lab, 0, lambda found: {r["replica"] for r in found if warm(r)} == replicas)
     (static,) = {r["prompt_tokens"] for r in before}  # the same system prompt and turn length each time
-    fault(lab, "dynamic-prefix")
+    checks.fault(lab, "dynamic-prefix")
     # The timestamp at the top lengthens round 1 by a few tokens: those conversations read the fault.
     after = round_ones(lab, 0, lambda found: sum(r["prompt_tokens"] > static for r in found) >= 3)
     assert all(r["cached_tokens"] == 0 for r in after if r["prompt_tokens"] > static), after
     healed_at = time.time()
-    heal(lab, SESSIONS)
+    checks.heal(lab, SESSIONS)
     healed = round_ones(lab, healed_at, lambda found: sum(r["prompt_tokens"] == static for r in found) >= 3)
     assert all(warm(r) for r in healed if r["prompt_tokens"] == static), healed
 
@@ -390,7 +377,7 @@ def test_without_prometheus_scale_out_and_heal_fail_in_one_line_and_log_what_cha
     entry = fails_naming_prometheus("fault", "scale-out")
     assert (entry["action"], entry["fault"], entry["replica"]) == ("fault", "scale-out", "r3")
     added = lab.cli("status", "--json").json["replicas"][-1]
-    assert added["id"] == "r3" and chat(added["url"]).status_code == 200
+    assert added["id"] == "r3" and checks.chat(added["url"]).status_code == 200
     entry = fails_naming_prometheus("heal")
     assert (entry["action"], entry["fault"]) == ("heal", "scale-out:r3")
     assert [r["id"] for r in lab.cli("status", "--json").json["replicas"]] == ["r1", "r2"]

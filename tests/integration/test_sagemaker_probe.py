@@ -13,17 +13,8 @@ import sys
 from itertools import pairwise
 
 import pytest
+import sagemaker_client as sagemaker
 import streamlit as st
-from sagemaker_client import (
-    active_alerts,
-    assert_sticky_by_reuse,
-    endpoint,
-    experiment_tables,
-    fault,
-    probe_json,
-    probe_through_an_expiry,
-    use_lab_credentials,
-)
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO, Lab, behind_a_dead_proxy, http_get, kvwatch, wait_for
@@ -37,7 +28,7 @@ REPLICAS = ("r1", "r2", "r3", "r4")
 
 @pytest.fixture(autouse=True)
 def aws_credentials(monkeypatch, tmp_path):
-    use_lab_credentials(monkeypatch, tmp_path)
+    sagemaker.use_lab_credentials(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +61,9 @@ def prometheus(lab: Lab, query: str) -> list[dict]:
 
 
 def test_probe_through_botocore_is_sticky_by_reuse_on_the_replica_that_opened_each_session(lab):
-    report, result = probe_json(lab, "--sessions", "3", "--rounds", "4")
+    report, result = sagemaker.probe_json(lab, "--sessions", "3", "--rounds", "4")
     assert result.returncode == 0, result.stderr
-    assert_sticky_by_reuse(report, block=16)  # the simulator's block
+    sagemaker.assert_sticky_by_reuse(report, block=16)  # the simulator's block
     ids = {s["session_id"] for s in report["sessions"]}
     assert len(ids) == 3
     served = records(lab, ids)
@@ -82,7 +73,7 @@ def test_probe_through_botocore_is_sticky_by_reuse_on_the_replica_that_opened_ea
         ]
         assert len(holders) == 1, (session_id, served)
         assert sum(r["session_id"] == session_id for r in served[holders[0]]) == 4
-    text = kvwatch("probe", *endpoint(lab.affinity), "--sessions", "2", "--rounds", "3")
+    text = kvwatch("probe", *sagemaker.endpoint(lab.affinity), "--sessions", "2", "--rounds", "3")
     assert text.returncode == 0, text.stderr
     assert "stateful sessions" in text.stdout and "Sessions closed at the end: 2 of 2." in text.stdout
 
@@ -178,9 +169,9 @@ def test_expired_sessions_are_reported_and_reopened(quiet_lab):
     """The fault expires the open session once its first round is done, while the probe runs on."""
 
     def expire(_probe) -> None:
-        assert "every open session expired (1 in all)" in fault(quiet_lab, "expire-sessions")
+        assert "every open session expired (1 in all)" in sagemaker.fault(quiet_lab, "expire-sessions")
 
-    probe_through_an_expiry(quiet_lab, ["--max-tokens", "64"], expire)
+    sagemaker.probe_through_an_expiry(quiet_lab, ["--max-tokens", "64"], expire)
     assert quiet_lab.cli("heal").returncode == 0
 
 
@@ -241,18 +232,19 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
         ("lab-affinity", "reuse"),
         ("lab-round-robin", "reuse"),
     }, reuse
-    assert not active_alerts(lab, "KVWatchSessionReuseLost")
+    assert not sagemaker.active_alerts(lab, "KVWatchSessionReuseLost")
     healthy = ":green[Sessions reuse their history"
     shown = wait_for(lambda: reuse_tiles(lab, monkeypatch, healthy), "a green reuse verdict")
     assert shown == ("100%", "100%"), shown
-    fault(lab, "ignore-session-ids")
+    sagemaker.fault(lab, "ignore-session-ids")
     try:
         (alert,) = wait_for(
-            lambda: active_alerts(lab, "KVWatchSessionReuseLost"), "KVWatchSessionReuseLost at Alertmanager"
+            lambda: sagemaker.active_alerts(lab, "KVWatchSessionReuseLost"),
+            "KVWatchSessionReuseLost at Alertmanager",
         )
         assert alert["labels"]["target"] == "lab-affinity", alert
         assert alert["labels"]["severity"] == "critical"
-        assert not active_alerts(lab, "KVWatchSessionAffinityBroken")  # one break, one alert
+        assert not sagemaker.active_alerts(lab, "KVWatchSessionAffinityBroken")  # one break, one alert
         fires = ":red[KVWatchSessionReuseLost fires"
         wait_for(lambda: reuse_tiles(lab, monkeypatch, fires), "a red reuse verdict on the Overview")
     finally:
@@ -262,11 +254,12 @@ def test_the_lab_serve_probes_the_endpoint_and_the_reuse_alert_reaches_alertmana
 def test_experiment_sessions_against_no_sessions_gives_the_articles_table(lab, tmp_path):
     out = tmp_path / "experiment"
     result = kvwatch(
-        "experiment", *endpoint(lab.affinity), "--out", str(out), "--sessions", "6", "--rounds", "4",
-        "--system-tokens", "600", "--turn-tokens", "100", "--max-tokens", "8", "--seed", "5", timeout=300,
+        "experiment", *sagemaker.endpoint(lab.affinity), "--out", str(out), "--sessions", "6",
+        "--rounds", "4", "--system-tokens", "600", "--turn-tokens", "100", "--max-tokens", "8", "--seed", "5",
+        timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    rows, routes = experiment_tables(out, sessions=6, rounds=4)
+    rows, routes = sagemaker.experiment_tables(out, sessions=6, rounds=4)
     for number in (2, 3, 4):
         with_sessions, without = rows["session", number], rows["no_session", number]
         assert float(with_sessions["cached_ratio"]) >= float(without["cached_ratio"]), (number, rows)
@@ -276,13 +269,13 @@ def test_experiment_sessions_against_no_sessions_gives_the_articles_table(lab, t
 
 
 def test_doctor_names_stateful_sessions_disabled(lab):
-    assert "without SAGEMAKER_ENABLE_STATEFUL_SESSIONS" in fault(lab, "disable-sessions")
+    assert "without SAGEMAKER_ENABLE_STATEFUL_SESSIONS" in sagemaker.fault(lab, "disable-sessions")
     try:
-        result = kvwatch("doctor", *endpoint(lab.affinity), "--json", timeout=180)
+        result = kvwatch("doctor", *sagemaker.endpoint(lab.affinity), "--json", timeout=180)
         assert result.returncode == 1, result.stdout + result.stderr
         report = json.loads(result.stdout)
         assert "stateful_sessions_disabled" in report["causes"], report
-        text = kvwatch("doctor", *endpoint(lab.affinity), timeout=180).stdout
+        text = kvwatch("doctor", *sagemaker.endpoint(lab.affinity), timeout=180).stdout
         assert "stateful sessions not enabled" in text, text
         assert "SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true" in text, text
     finally:

@@ -20,19 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sagemaker_client as sagemaker
 import yaml
-from sagemaker_client import (
-    ENDPOINT,
-    MODEL,
-    active_alerts,
-    assert_sticky_by_reuse,
-    endpoint,
-    experiment_tables,
-    fault,
-    probe_json,
-    rounds_of,
-    use_lab_credentials,
-)
 
 from conftest import (
     VLLM_LAB_START_TIMEOUT_S,
@@ -66,7 +55,7 @@ HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", re.MULTILINE
 
 @pytest.fixture(autouse=True)
 def aws_credentials(monkeypatch, tmp_path):
-    use_lab_credentials(monkeypatch, tmp_path)
+    sagemaker.use_lab_credentials(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +80,7 @@ def expected_cached(lab: Lab, session: dict) -> list[int]:
     """Each round's cached tokens as the front's routing and the session's own history make them: what
     the instance the front sent the round to kept of the session's earlier rounds there (prompt and
     answer, in whole blocks), at most the round's prompt less its last token."""
-    served = [e["upstream_addr"] for e in rounds_of(lab, session["session_id"], 200)]
+    served = [e["upstream_addr"] for e in sagemaker.rounds_of(lab, session["session_id"], 200)]
     assert len(served) == len(session["rounds"]), (served, session)
     held: dict[str, int] = {}
     expected = []
@@ -104,10 +93,10 @@ def expected_cached(lab: Lab, session: dict) -> list[int]:
 
 def test_with_session_ids_ignored_each_round_reuses_only_what_its_instance_kept(two_instances: Lab):
     lab = two_instances
-    fault(lab, "ignore-session-ids")
+    sagemaker.fault(lab, "ignore-session-ids")
     try:
         before = cache_hits(lab)
-        report, result = probe_json(lab, "--sessions", "6", "--rounds", "4", *WORKLOAD, timeout=600)
+        report, result = sagemaker.probe_json(lab, "--sessions", "6", "--rounds", "4", *WORKLOAD, timeout=600)
         sessions = report["sessions"]
         assert all(s["rounds"] and all(r["error"] is None for r in s["rounds"]) for s in sessions), report
         cached = [[r["cached_tokens"] for r in s["rounds"]] for s in sessions]
@@ -122,14 +111,14 @@ def test_with_session_ids_ignored_each_round_reuses_only_what_its_instance_kept(
         assert reuse < 1, warm
         # Sticky only when all its rounds stayed on one instance: a chance of 1 in 8 each, 1 in 8^6 for all.
         for session in sessions:
-            instances = {e["upstream_addr"] for e in rounds_of(lab, session["session_id"], 200)}
+            instances = {e["upstream_addr"] for e in sagemaker.rounds_of(lab, session["session_id"], 200)}
             assert (session["evidence"], session["sticky"]) == ("reuse", len(instances) == 1), session
         assert not all(s["sticky"] for s in sessions), sessions
     finally:
         assert lab.cli("heal").returncode == 0
-    report, result = probe_json(lab, "--sessions", "2", "--rounds", "3", *WORKLOAD, timeout=600)
+    report, result = sagemaker.probe_json(lab, "--sessions", "2", "--rounds", "3", *WORKLOAD, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert_sticky_by_reuse(report, block=BLOCK)
+    sagemaker.assert_sticky_by_reuse(report, block=BLOCK)
 
 
 @contextlib.contextmanager
@@ -138,8 +127,8 @@ def serving(lab: Lab, directory: Path) -> Iterator[None]:
     probes nothing), on the lab's exporter address: the lab's Prometheus scrapes it and Alertmanager's
     webhook calls it, with the lab's config otherwise."""
     config = yaml.safe_load((lab.state_dir / "kvwatch.yaml").read_text())
-    endpoint = {"endpoint_name": ENDPOINT, "region": LAB_REGION, "endpoint_url": lab.affinity}
-    model = lab.status.get("model", MODEL)
+    endpoint = {"endpoint_name": sagemaker.ENDPOINT, "region": LAB_REGION, "endpoint_url": lab.affinity}
+    model = lab.status.get("model", sagemaker.MODEL)
     config["targets"] = [
         {"name": "lab-affinity", "kind": "sagemaker", "model": model, "route_mode": "affinity",
          "sagemaker": endpoint, **PROBE}
@@ -190,7 +179,7 @@ def assert_judged_as_routed(lab: Lab, since: float, until: float) -> int:
     judged = [s for s in wait_for(stored, "a run's sessions in the store", 60) if s["warm_rounds"]]
     assert judged
     for session in judged:
-        served = rounds_of(lab, session["session_id"], 200)
+        served = sagemaker.rounds_of(lab, session["session_id"], 200)
         assert len(served) == PROBE["rounds"], (session, served)
         stayed = len({e["upstream_addr"] for e in served}) == 1
         assert (session["evidence"], session["sticky"]) == ("reuse", stayed), (session, served)
@@ -202,11 +191,13 @@ def test_with_session_ids_ignored_the_reuse_alert_fires_alone_and_resolves_once_
 ):
     lab, since = two_instances, time.time()
     prometheus = PrometheusApi(lab.status["prometheus"], 10)
-    fault(lab, "ignore-session-ids")
+    sagemaker.fault(lab, "ignore-session-ids")
     try:
         with serving(lab, tmp_path):
             (alert,) = wait_for(
-                lambda: active_alerts(lab, "KVWatchSessionReuseLost"), "ReuseLost at Alertmanager", WAIT_S
+                lambda: sagemaker.active_alerts(lab, "KVWatchSessionReuseLost"),
+                "ReuseLost at Alertmanager",
+                WAIT_S,
             )
             fired_at = time.time()
             assert (alert["labels"]["target"], alert["labels"]["severity"]) == ("lab-affinity", "critical")
@@ -217,12 +208,16 @@ def test_with_session_ids_ignored_the_reuse_alert_fires_alone_and_resolves_once_
                        for s, r in held), (share, reuse, held)  # fmt: skip
             assert lab.cli("heal").returncode == 0
             assert assert_judged_as_routed(lab, since, fired_at) > 0
-            wait_for(lambda: not active_alerts(lab, "KVWatchSessionReuseLost"), "ReuseLost resolved", WAIT_S)
+            wait_for(
+                lambda: not sagemaker.active_alerts(lab, "KVWatchSessionReuseLost"),
+                "ReuseLost resolved",
+                WAIT_S,
+            )
             (now,) = prometheus.query(queries.REUSED_SESSIONS_RATIO)
             assert float(now["value"][1]) >= THRESHOLDS.sticky_ratio_below, now  # healthy runs resolved it
             never = 'ALERTS{alertname="KVWatchSessionAffinityBroken", target="lab-affinity"}'
             assert prometheus.query_range(never, since, time.time(), 1) == []
-            assert active_alerts(lab, "KVWatchSessionAffinityBroken") == []
+            assert sagemaker.active_alerts(lab, "KVWatchSessionAffinityBroken") == []
             print(f"ReuseLost fired {fired_at - since:.0f} s after the fault with {share:.0%} of sessions "
                   f"and {reuse:.0%} warm reuse; resolved {time.time() - fired_at:.0f} s after")  # fmt: skip
     finally:
@@ -238,11 +233,11 @@ def test_experiment_sessions_against_no_sessions_on_real_vllm_gives_the_articles
     round of the sessions' arm caches less than the same round without."""
     lab, out = two_instances, tmp_path / "experiment"
     result = kvwatch(
-        "experiment", *endpoint(lab.affinity, lab.status.get("model", MODEL)), "--out", str(out),
-        "--sessions", "3", "--rounds", "3", *WORKLOAD, "--seed", "7", timeout=600,
+        "experiment", *sagemaker.endpoint(lab.affinity, lab.status.get("model", sagemaker.MODEL)),
+        "--out", str(out), "--sessions", "3", "--rounds", "3", *WORKLOAD, "--seed", "7", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    rows, routes = experiment_tables(out, sessions=3, rounds=3)
+    rows, routes = sagemaker.experiment_tables(out, sessions=3, rounds=3)
     assert all(float(r["ttft_median_seconds"]) > 0 for r in rows.values()), rows
     for number in (2, 3):
         with_sessions, without = rows["session", number], rows["no_session", number]

@@ -735,3 +735,11 @@ def test_smg_kv_event_index_health_is_its_worst_lag_with_gaps_resyncs_and_degrad
     health = record.index_health
     assert record.flavour == "sglang-router"
     assert (health.lag_seconds, health.gaps, health.resyncs, health.degraded_ranks) == (2.5, 3, 1, 1)
+
+
+def test_a_windowed_index_keeps_its_lag_and_degraded_ranks_and_counts_gaps_and_resyncs():
+    before = router("smg-1.13-kv-events.prom")
+    later = (ROUTERS / "smg-1.13-kv-events.prom").read_text()
+    later = later.replace('outcome="recovered"} 2', 'outcome="recovered"} 7')
+    health = normalise(read(later, scraped_at=30.0), before).index_health
+    assert (health.lag_seconds, health.gaps, health.resyncs, health.degraded_ranks) == (2.5, 5, 0, 1)

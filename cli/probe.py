@@ -11,9 +11,10 @@ import sys
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
+from kvwatch.collectors.probe.blocksize import with_block_size
 from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
-from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key, with_block_size
+from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key
 from kvwatch.collectors.probe.targets import metrics_base_urls, probe_once
 from kvwatch.collectors.probe.workload import Conversation, load_sharegpt, synthetic
 from kvwatch.config.settings import Target, Workload

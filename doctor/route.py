@@ -15,11 +15,11 @@ from functools import partial
 import httpx
 
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources, with_block_size
 from kvwatch.collectors.probe.models import NO_COMPLETION, Server, list_models, what_answers
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.collectors.probe.report import HINTS
-from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session, with_block_size
+from kvwatch.collectors.probe.session import ProbeSettings, api_url, run_session
 from kvwatch.collectors.probe.streaming import StreamClient
 from kvwatch.collectors.probe.workload import Conversation, synthetic
 from kvwatch.core.connections import request

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.blocksize import BlockSizeSources
+from kvwatch.collectors.probe.blocksize import BlockSizeSources, with_block_size
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.collectors.probe.report import failure_hints
-from kvwatch.collectors.probe.session import ProbeSettings, with_block_size
+from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets import ProbeClients, metrics_base_urls, run_target_session
 from kvwatch.collectors.probe.workload import Conversation
 from kvwatch.core.progress import Progress

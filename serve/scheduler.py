@@ -24,8 +24,9 @@ from collections import Counter
 from kvwatch.collectors.gatewaylogs.metrics import GatewayLogCollector
 from kvwatch.collectors.gatewaylogs.sources import PushedLog, open_log
 from kvwatch.collectors.probe import blocksize, targets, workload
+from kvwatch.collectors.probe.blocksize import with_block_size
 from kvwatch.collectors.probe.records import SessionResult
-from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen, with_block_size
+from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen
 from kvwatch.collectors.probe.targets import ProbeClients, run_target_session
 from kvwatch.config.settings import Config, Target
 from kvwatch.core.naming import plural

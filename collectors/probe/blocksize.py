@@ -1,4 +1,5 @@
-"""The engine's KV block size, learned rather than assumed, with where it came from.
+"""The engine's KV block size, learned rather than assumed, with where it came from; and a round's ideal
+cached tokens, counted in its whole blocks.
 
 A probe round's ideal cached tokens (what a replica holding the conversation would reuse) count whole
 KV blocks, so a wrong block size makes cached / ideal wrong: vLLM uses 16-token blocks on GPUs and 128
@@ -20,14 +21,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
 from kvwatch.collectors.engines import Exposition
 from kvwatch.collectors.engines.base import Reader
 from kvwatch.collectors.engines.scrape import DEFAULT_MAX_BYTES, ScrapeError, fetch
-from kvwatch.collectors.probe.records import SessionResult
+from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.core.connections import http_client
 from kvwatch.core.errors import UpstreamError
 from kvwatch.core.redaction import redact
@@ -154,3 +155,41 @@ def from_granularity(sessions: Iterable[SessionResult]) -> BlockSize | None:
     if len(counts) < 2 or problem(gcd):
         return None
     return BlockSize(gcd, f"granularity of {len(counts)} distinct reported cached_tokens")
+
+
+def ideal_cached(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
+    """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
+
+    Capped below this round's prompt, since an engine always computes at least its last token. A
+    reasoning model's thinking is in the cache but not in the history resent (the answer text only), so
+    after an answer that thought first the previous prompt is all a pinned replica can reuse.
+    """
+    if previous is None:
+        return 0
+    if prompt_tokens is None or previous.prompt_tokens is None or previous.completion_tokens is None:
+        return None
+    thought_first = (previous.first_content_seconds or 0) > (previous.ttft_seconds or 0)
+    held = (previous.prompt_tokens + previous.completion_tokens * (not thought_first)) // block * block
+    return max(0, min(held, (prompt_tokens - 1) // block * block))
+
+
+def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[SessionResult]:
+    """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
+
+    For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
+    so these are new ones. A round run in a new session after a loss stays cold: nothing before it.
+    """
+
+    def aligned(session: SessionResult) -> tuple[RoundResult, ...]:
+        reopened = {number for number, _ in session.session_losses}
+        return tuple(
+            replace(
+                r,
+                ideal_cached_tokens=ideal_cached(
+                    None if r.round in reopened else previous, r.prompt_tokens, block
+                ),
+            )
+            for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
+        )
+
+    return [replace(session, rounds=aligned(session)) for session in sessions]

@@ -17,7 +17,7 @@ import re
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
@@ -339,7 +339,9 @@ def round_result(
             total_seconds=reply.total_seconds,
             prompt_tokens=usage.get("prompt_tokens"),
             cached_tokens=usage.get("cached_tokens"),
-            ideal_cached_tokens=ideal_cached(previous, usage.get("prompt_tokens"), settings.block_size),
+            ideal_cached_tokens=blocksize.ideal_cached(
+                previous, usage.get("prompt_tokens"), settings.block_size
+            ),
             completion_tokens=usage.get("completion_tokens"),
             backend=redacted_name(backend, settings.api_key),
             session_id_sent=session_id,
@@ -515,44 +517,6 @@ def _answer_failure(body: str) -> RoundFailure:
     if isinstance(answer, dict) and "choices" in answer:
         return RoundFailure("stream_error", "a whole completion came back instead of an event stream")
     return RoundFailure("bad_response", f"no `choices` in the answer: {body}")
-
-
-def ideal_cached(previous: RoundResult | None, prompt_tokens: int | None, block: int) -> int | None:
-    """What a pinned replica would reuse: the previous round's prompt and answer, in whole blocks.
-
-    Capped below this round's prompt, since an engine always computes at least its last token. A
-    reasoning model's thinking is in the cache but not in the history resent (the answer text only), so
-    after an answer that thought first the previous prompt is all a pinned replica can reuse.
-    """
-    if previous is None:
-        return 0
-    if prompt_tokens is None or previous.prompt_tokens is None or previous.completion_tokens is None:
-        return None
-    thought_first = (previous.first_content_seconds or 0) > (previous.ttft_seconds or 0)
-    held = (previous.prompt_tokens + previous.completion_tokens * (not thought_first)) // block * block
-    return max(0, min(held, (prompt_tokens - 1) // block * block))
-
-
-def with_block_size(sessions: Iterable[SessionResult], block: int) -> list[SessionResult]:
-    """The sessions with every round's ideal cached tokens aligned to `block`-token blocks.
-
-    For a block learned after the sessions ran (from their own cached tokens, say); records are frozen,
-    so these are new ones. A round run in a new session after a loss stays cold: nothing before it.
-    """
-
-    def aligned(session: SessionResult) -> tuple[RoundResult, ...]:
-        reopened = {number for number, _ in session.session_losses}
-        return tuple(
-            replace(
-                r,
-                ideal_cached_tokens=ideal_cached(
-                    None if r.round in reopened else previous, r.prompt_tokens, block
-                ),
-            )
-            for previous, r in zip((None, *session.rounds[:-1]), session.rounds, strict=True)
-        )
-
-    return [replace(session, rounds=aligned(session)) for session in sessions]
 
 
 def excerpt(text: str, api_key: str | None) -> str:

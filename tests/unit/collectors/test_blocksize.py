@@ -24,11 +24,12 @@ from kvwatch.collectors.probe.blocksize import (
     BlockSize,
     BlockSizeSources,
     from_granularity,
+    ideal_cached,
     learn,
     sources_for,
+    with_block_size,
 )
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
-from kvwatch.collectors.probe.session import ideal_cached, with_block_size
 from kvwatch.store.history import Store
 
 MODEL = "lab-model"

@@ -27,12 +27,12 @@ from botocore.response import StreamingBody
 from loopback import QuietHandler, loopback_http
 
 from kvwatch.cli.main import main
-from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
+from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources, with_block_size
 from kvwatch.collectors.probe.conversation import run_conversation
 from kvwatch.collectors.probe.lifecycle import life_of
 from kvwatch.collectors.probe.records import ERROR_KINDS
 from kvwatch.collectors.probe.report import HINTS, format_report, session_json
-from kvwatch.collectors.probe.session import ProbeSettings, with_block_size
+from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets import KINDS, ProbeClients, probe_once, target_problem
 from kvwatch.collectors.probe.targets import sagemaker as sagemaker_module
 from kvwatch.collectors.probe.targets.sagemaker import (

@@ -11,17 +11,13 @@ import base64
 import contextlib
 import gc
 import json
-import math
 import os
-import random
-import signal
-import socket
 import ssl
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -30,44 +26,26 @@ import httpx
 import numpy as np
 import pytest
 
-from kvwatch.cli.main import main
+from gateway_checks import LAB_CLIENT
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS
 from kvwatch.core.credentials import MAX_SECRET_FILE_BYTES
-from kvwatch.lab import stack
-from kvwatch.lab.process import LabError
-from kvwatch.lab.state import LabState
+from labs import (
+    VLLM_LAB_RULE_TIME_SCALE,
+    VLLM_LAB_START_TIMEOUT_S,
+    Lab,
+    start_lab_in,
+    start_vllm_sagemaker_lab,
+)
+from paths import REPO
+from processes import free_port, http_get, http_post, stop, wait_http
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-TESTDATA = REPO / "tests" / "testdata"
 # Test modules share helpers across the two trees (a payload, a parser): each test folder is importable.
 sys.path[:0] = sorted({str(p.parent) for p in (REPO / "tests").glob("*/**/test_*.py")})
+# PostgreSQL's fixtures, for every module: one server for the whole run (a worker's, under xdist).
+pytest_plugins = ["postgres"]
 # Fixtures that start real components: a test that uses one is an integration test.
 INTEGRATION_FIXTURES = {"start_lab", "vllm_lab", "vllm_sagemaker_lab", "start_replica", "start_router",
                         "start_smg", "postgres", "postgres_to_stop"}  # fmt: skip
-
-
-# One TLS context for the suite's own requests: httpx builds one per call otherwise, loading the CA
-# bundle each time (about 50 ms of CPU), and the suite polls labs and Prometheus many times a second.
-TLS = httpx.create_ssl_context()
-
-
-def http_get(url: str, **options) -> httpx.Response:
-    return httpx.get(url, verify=TLS, **options)
-
-
-def http_post(url: str, **options) -> httpx.Response:
-    return httpx.post(url, verify=TLS, **options)
-
-
-def wait_for(condition, what: str, timeout: float = 120.0, every: float = 1.0):
-    """Poll until `condition()` returns something truthy, and return it; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(every)
-    raise AssertionError(f"{what} within {timeout:.0f} s")
 
 
 _DATETIME = datetime  # the real class, which set_wall_clock replaces in every module that holds it
@@ -94,39 +72,6 @@ def set_wall_clock(monkeypatch, reading: Callable[[], float]) -> None:
         held = getattr(module, "__dict__", {}).get("datetime")
         if held is _DATETIME or isinstance(held, _AnyDatetime):
             monkeypatch.setattr(module, "datetime", WallClockDatetime)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_recorded(replicas: Iterable[dict], at: float) -> None:
-    """Until every request the lab's replicas received by `at` has ended, and so has its ground-truth
-    record (kept when a request ends): what a comparison with what was scraped by `at` must read."""
-
-    def recorded() -> bool:
-        states = [http_get(f"{r['url']}/lab/state", timeout=10).json() for r in replicas]
-        return all((state["oldest_in_flight"] or math.inf) > at for state in states)
-
-    wait_for(recorded, "the replicas' records of every request that arrived by then", 60, 0.2)
-
-
-def finished_evaluation(prometheus: str, record: str, after: float = 0.0) -> float:
-    """The time of an evaluation of `record`'s rule group after `after` that Prometheus has finished.
-    It evaluates a group's rules one after another, each written when it ends and stamped with the
-    evaluation's time: read at that time while the group is halfway, the later rules answer from the
-    evaluation before. The next evaluation begins only once this one has ended."""
-
-    def latest() -> float:
-        params = {"query": f"max(timestamp({record}))"}
-        found = http_get(f"{prometheus}/api/v1/query", params=params, timeout=10).json()["data"]["result"]
-        return float(found[0]["value"][1]) if found else 0.0
-
-    at = wait_for(lambda: (moment := latest()) > after and moment, f"{record} evaluated", 60, 0.2)
-    wait_for(lambda: latest() > at, f"the evaluation after {at:.3f} of {record}'s rules", 60, 0.1)
-    return at
 
 
 @pytest.fixture(scope="module")
@@ -163,69 +108,6 @@ def behind_a_dead_proxy() -> Iterator[None]:
         environment.delenv("NO_PROXY", raising=False)
         environment.delenv("no_proxy", raising=False)
         yield
-
-
-def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
-    """Wait until `url` answers 200, failing early with the process's log if it died. The deadline is
-    generous: a process starts in a second or two, but several minutes of a busy machine's suite slow it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"process exited with {process.returncode} before {url} was up:\n{log.read_text()}"
-            )
-        try:
-            if http_get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer within {timeout} s")
-
-
-def poll(ask: Callable[[], object], what: str, timeout: float, log: Path | None = None) -> object:
-    """What `ask` returns once it is truthy; fails naming `what`, with the tail of `log` if given, after
-    `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if answer := ask():
-            return answer
-        time.sleep(0.5)
-    tail = f"\n{log.read_text()[-2000:]}" if log else ""
-    pytest.fail(f"{what}: not within {timeout} s{tail}")
-
-
-def launch(argv: list[str], log: Path, ready: str, timeout: float = 20.0, **options) -> subprocess.Popen:
-    """`argv` started with its output in `log`, once `ready` (a URL) answers 200 within `timeout`
-    seconds; stopped if it never does."""
-    with log.open("w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **options)
-    try:
-        wait_http(ready, process, log, timeout)
-    except BaseException:
-        stop(process)
-        raise
-    return process
-
-
-def start_prometheus(directory: Path, port: int) -> tuple[subprocess.Popen, Path]:
-    """A real Prometheus of `directory`/prometheus.yml on 127.0.0.1:`port`, its data and its log in
-    `directory`, once it is ready: the process and its log."""
-    log = directory / "prometheus.log"
-    argv = ["prometheus", f"--config.file={directory}/prometheus.yml",
-            f"--storage.tsdb.path={directory}/data", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
-    return launch(argv, log, f"http://127.0.0.1:{port}/-/ready"), log
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Stop a process we started, by its PID: SIGTERM, then SIGKILL after 10 s."""
-    if process.poll() is None:
-        os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(timeout=5)
 
 
 class Replica:
@@ -377,145 +259,6 @@ def _wait_router_ready(router: Router, healthy_workers: int, timeout: float = 30
     raise TimeoutError(f"router not ready with {healthy_workers} workers within {timeout} s (last: {last})")
 
 
-PORT_CLAIMS = Path(os.environ.get("TMPDIR", "/tmp")) / "kvwatch-test-port-blocks"
-
-
-def _claim(base: int) -> bool:
-    """Claims a port block for this process, so that a pytest beside it (the other lane) does not pick
-    the block while this one's lab is still starting and has bound none of it. A dead process's claim
-    is taken over."""
-    PORT_CLAIMS.mkdir(exist_ok=True)
-    claim = PORT_CLAIMS / str(base)
-    with contextlib.suppress(FileNotFoundError):
-        owner = claim.read_text()
-        if not owner.isdigit() or owner == str(os.getpid()) or Path(f"/proc/{owner}").exists():
-            return False  # being written, this process's own, or a live one's
-        claim.unlink()
-    try:
-        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as file:
-        file.write(str(os.getpid()))
-    return True
-
-
-def free_base_port(span: int = 20) -> int:
-    """A base port whose next `span` ports are all free on 127.0.0.1 (the lab's port block), claimed."""
-    rng = random.Random()
-    for _ in range(50):
-        # Below 32768: above it, Linux hands out ephemeral ports for outgoing connections.
-        base = rng.randrange(20000, 32000, 100)
-        if not _claim(base):
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + span):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free block of ports on 127.0.0.1")
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs of live (non-zombie) processes whose command line contains `text`."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if text in cmdline and state != "Z" and int(proc.name) != os.getpid():
-            found.append(int(proc.name))
-    return found
-
-
-def kvwatch(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvwatch.cli.main", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
-
-
-def kvwatch_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`kvwatch ARGS` in this process, its output as kvwatch() gives it: for what a command prints, where a
-    process of its own (about a second of CPU to import kvwatch) proves nothing more."""
-    capsys.readouterr()
-    code = main(list(args))
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(["kvwatch", *args], code, printed.out, printed.err)
-
-
-# A bounded child limits its own address space before it imports kvwatch. Not by a preexec_fn: that runs
-# Python in a fork of this process, and the gRPC threads an OTLP test left in it abort such a fork.
-_BOUNDED = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
-_KVWATCH = "import sys\nfrom kvwatch.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
-
-
-def kvwatch_bounded(*args: str) -> subprocess.CompletedProcess:
-    """`kvwatch ARGS` with 60 s and 2 GiB of address space: one that would read a FIFO forever or
-    /dev/zero into memory fails its test (a timeout, a MemoryError) instead of the machine."""
-    return subprocess.run(
-        [sys.executable, "-c", _BOUNDED + _KVWATCH, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-
-
-# Runs each command of argv[1] (a JSON list of argument lists) in turn, each one's stdout and stderr taken at
-# the file descriptors (what its logging writes too), and writes [[code, stdout, stderr], ...] to argv[2].
-_EACH_IN_TURN = """
-import json, os, sys, tempfile
-from kvwatch.cli.main import main
-
-results = []
-for args in json.loads(sys.argv[1]):
-    kept = [os.dup(1), os.dup(2)]
-    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-    for fd, file in zip((1, 2), files):
-        os.dup2(file.fileno(), fd)
-    try:
-        code = main(args)
-    except SystemExit as stopped:
-        code = stopped.code
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, original in zip((1, 2), kept):
-            os.dup2(original, fd)
-            os.close(original)
-    printed = []
-    for file in files:
-        file.seek(0)
-        printed.append(file.read().decode())
-        file.close()
-    results.append([code, *printed])
-with open(sys.argv[2], "w") as written:
-    json.dump(results, written)
-"""
-
-
-def kvwatch_bounded_each(commands: list[list[str]], tmp_path: Path) -> list[subprocess.CompletedProcess]:
-    """Each `kvwatch ARGS` of `commands` in turn, in one process of its own bounded as kvwatch_bounded's:
-    commands refused at start-up, checked without importing kvwatch again (a second of CPU) for each."""
-    results = tmp_path / "kvwatch-each.json"
-    bounded = subprocess.run(
-        [sys.executable, "-c", _BOUNDED + _EACH_IN_TURN, json.dumps(commands), str(results)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert bounded.returncode == 0, bounded.stdout + bounded.stderr
-    return [
-        subprocess.CompletedProcess(["kvwatch", *args], code, out, err)
-        for args, (code, out, err) in zip(commands, json.loads(results.read_text()), strict=True)
-    ]
-
-
 @pytest.fixture(params=["dev-zero", "fifo", "oversize"])
 def not_a_secret_file(request, tmp_path: Path) -> tuple[Path, str]:
     """A path a secret file key may name by mistake, and what reading it as one must say."""
@@ -529,34 +272,11 @@ def not_a_secret_file(request, tmp_path: Path) -> tuple[Path, str]:
     return path, "is larger than 64 KiB: not one {secret}"
 
 
-# Kept-alive connections to the labs' gateways and replicas: both gateways apply a change to new requests
-# on old connections too (nginx closes them as its old workers exit, Envoy routes each request anew).
-LAB_CLIENT = httpx.Client(timeout=30)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _lab_client_closed_at_the_end():
     """LAB_CLIENT's kept-alive sockets closed as the session ends, not left to the collector at exit."""
     yield
     LAB_CLIENT.close()
-
-
-def chat(url: str, session: str | None = None, content: str = "hello") -> httpx.Response:
-    """One short round through a lab gateway or to a replica, with the session header when given."""
-    headers = {"X-Session-Id": session} if session else {}
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
-    return LAB_CLIENT.post(f"{url}/v1/chat/completions", json=body, headers=headers)
-
-
-def upstreams(url: str, sessions: list[str], rounds: int = 3) -> dict[str, list[str]]:
-    """The upstream that served each round of each session, all sessions a round (from X-Upstream)."""
-    seen: dict[str, list[str]] = {s: [] for s in sessions}
-    for _ in range(rounds):
-        for session in sessions:
-            response = chat(url, session)
-            assert response.status_code == 200, response.text
-            seen[session].append(response.headers["X-Upstream"])
-    return seen
 
 
 def decoded(values: list | dict) -> list[float]:
@@ -574,186 +294,6 @@ def experiment_replica_bars(at) -> dict[str, dict[str, float]]:
     return {bar["name"]: dict(zip(decoded(bar["x"]), decoded(bar["y"]), strict=True)) for bar in bars}
 
 
-# The replicas' admin API by every spelling of its path.
-ADMIN_REQUESTS = [
-    *(("GET", path) for path in ("/lab/state", "/lab/ground-truth", "//lab/state", "/%6Cab/state")),
-    ("GET", "/v1/../lab/state"),
-    *(("POST", path) for path in ("/lab/faults", "/lab/reset-cache")),
-]
-
-
-def assert_admin_api_unproxied(lab: Lab, listener: str) -> None:
-    """The lab gateway's `listener` proxies no spelling of the replicas' admin API: no fault took."""
-    url = getattr(lab, listener)
-    for method, path in ADMIN_REQUESTS:
-        response = LAB_CLIENT.request(method, url + path, json={"prefix_caching": False})
-        assert response.status_code == 404, (method, path, response.text)
-    for replica in lab.status["replicas"]:
-        assert LAB_CLIENT.get(f"{replica['url']}/lab/state").json()["faults"]["prefix_caching"] is True
-
-
-def assert_round_robin(url: str, sessions: list[str]) -> None:
-    """Strict round robin: each round of each session (three, replicas enough) went to another replica."""
-    seen = upstreams(url, sessions)
-    assert all(len(set(rounds)) == len(rounds) for rounds in seen.values()), seen
-
-
-def assert_spread(url: str, sessions: list[str]) -> None:
-    """The gateway does not keep sessions: the rounds of some session went to more than one replica."""
-    seen = upstreams(url, sessions)
-    assert any(len(set(rounds)) > 1 for rounds in seen.values()), seen
-
-
-def session_pinned_to(lab: Lab, upstream: str) -> str:
-    """A session id the lab's affinity listener sends to `upstream` (host:port), out of 200 tried."""
-    candidates = (f"pinned-{i}" for i in range(200))
-    pinned = next((s for s in candidates if chat(lab.affinity, s).headers["X-Upstream"] == upstream), None)
-    assert pinned, f"no session pinned to {upstream}"
-    return pinned
-
-
-def fault(lab: Lab, *args: str) -> None:
-    """`kvwatch lab fault ...`, which must succeed."""
-    result = lab.cli("fault", *args)
-    assert result.returncode == 0, result.stderr
-
-
-def assert_baseline(lab: Lab, sessions: list[str]) -> None:
-    """Affinity pins every session to one replica and echoes its id; every replica is up; no fault."""
-    seen = upstreams(lab.affinity, sessions)
-    assert all(len(set(rounds)) == 1 for rounds in seen.values()), seen
-    assert chat(lab.affinity, "echo-me").headers["X-Session-Id"] == "echo-me"
-    status = lab.cli("status", "--json").json
-    assert status["faults"] == [] and all(r["url"] for r in status["replicas"])
-    assert len(status["replicas"]) == len(lab.status["replicas"])
-
-
-def heal(lab: Lab, sessions: list[str]) -> None:
-    """`kvwatch lab heal`, which must succeed and leave the baseline."""
-    result = lab.cli("heal")
-    assert result.returncode == 0, result.stderr
-    assert_baseline(lab, sessions)
-
-
-def heal_if_faulted(lab: Lab, sessions: list[str]) -> None:
-    """After a test of a shared lab: one that failed before its own heal leaves no fault for the next."""
-    if LabState.load(lab.state_dir).faults:
-        heal(lab, sessions)
-
-
-def fault_with_gateway_stopped(lab: Lab, gateway: str, match: str) -> str:
-    """`break-affinity` while the gateway's process is stopped (SIGSTOP), so that it cannot take the new
-    config: the LabError the fault must fail with, which matches `match`."""
-    pid = lab.status["processes"][gateway]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        with pytest.raises(LabError, match=match) as raised:
-            stack.fault(LabState.load(lab.state_dir), "break-affinity")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    return str(raised.value)
-
-
-class Lab:
-    """A lab started with `kvwatch lab up --detach` in its own state directory."""
-
-    def __init__(self, state_dir: Path, base_port: int, up_output: str = ""):
-        self.state_dir = state_dir
-        self.base_port = base_port
-        self.up_output = up_output  # what `kvwatch lab up` printed
-        self.started_at = time.time()
-        self.status = self.cli("status", "--json").json
-
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """`kvwatch lab ARGS` on this lab; a fault or heal that restarts real vLLM wants a longer
-        `timeout` (the lab allows its start minutes on a busy machine)."""
-        result = kvwatch("lab", *args, "--state-dir", str(self.state_dir), timeout=timeout)
-        if "--json" in args and result.returncode == 0:
-            result.json = json.loads(result.stdout)
-        return result
-
-    @property
-    def affinity(self) -> str:
-        return self.status["gateways"]["affinity"]
-
-    @property
-    def round_robin(self) -> str:
-        return self.status["gateways"]["round_robin"]
-
-    def replica_url(self, replica_id: str) -> str:
-        (replica,) = [r for r in self.cli("status", "--json").json["replicas"] if r["id"] == replica_id]
-        return replica["url"]
-
-    def access_log(
-        self, listener: str, until: Callable[[list[dict]], bool] | None = None, timeout: float = 10
-    ) -> list[dict]:
-        """The gateway's access log for `listener`; with `until`, once it holds what `until` waits for.
-        A gateway writes a request's line only after the answer's last byte (Envoy every 0.2 s), so the
-        line of the request just answered may not be there yet."""
-        path = self.state_dir / "logs" / f"gateway-{listener}.jsonl"
-        deadline = time.monotonic() + timeout
-        while True:
-            entries = [json.loads(line) for line in path.read_text().splitlines() if line]
-            if until is None or until(entries):
-                return entries
-            assert time.monotonic() < deadline, f"the access log never held it: {entries[-5:]}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.cli("down")
-        kill_lab_processes(self.state_dir)
-
-
-def kill_lab_processes(state_dir: Path) -> None:
-    """Belt and braces: nothing of a lab may outlive its test, whatever `down` did. A real engine's
-    workers do not name the lab on their command line, but they stay in their leader's process group."""
-    leaders = set(processes_mentioning(str(state_dir)))
-    with contextlib.suppress(FileNotFoundError, ValueError):
-        leaders |= set(json.loads((state_dir / "state.json").read_text())["processes"].values())
-    for pid in leaders:
-        if processes_in_group(pid):
-            os.killpg(pid, signal.SIGKILL)
-
-
-def processes_in_group(pgid: int) -> list[int]:
-    """Live processes of process group `pgid`."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(proc.name))
-    return found
-
-
-def stop_lab_serve(lab: Lab) -> int:
-    """SIGTERM the lab's `kvwatch serve` and return its PID once its whole process group is gone."""
-    pid = lab.status["processes"]["serve"]
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while processes_in_group(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not processes_in_group(pid), f"kvwatch serve ({pid}) still runs 30 s after SIGTERM"
-    return pid
-
-
-def start_lab_in(state_dir: Path, *options: str, timeout: float = 120) -> Lab:
-    """`kvwatch lab up --detach` in its own state directory and port block; its output if it fails. A lab
-    that did not come up (a failure, a timeout, a status that cannot be read) leaves no process behind."""
-    base = free_base_port()
-    try:
-        result = kvwatch("lab", "up", "--detach", "--base-port", str(base), "--state-dir", str(state_dir),
-                         *options, timeout=timeout)  # fmt: skip
-        if result.returncode != 0:
-            raise RuntimeError(f"kvwatch lab up failed:\n{result.stdout}\n{result.stderr}")
-        return Lab(state_dir, base, result.stdout)
-    except BaseException:
-        kill_lab_processes(state_dir)
-        raise
-
-
 @pytest.fixture(scope="module")
 def start_lab(tmp_path_factory) -> Iterator[Callable[..., Lab]]:
     """Start labs for a test module; each is stopped at the end of the module. Without the dashboard
@@ -769,11 +309,6 @@ def start_lab(tmp_path_factory) -> Iterator[Callable[..., Lab]]:
     yield start
     for lab in labs:
         lab.stop()
-
-
-# Real vLLM replicas start in about a minute on an idle 2-core machine, several when it is busy.
-VLLM_LAB_START_TIMEOUT_S = 600
-VLLM_LAB_RULE_TIME_SCALE = 0.25  # 30 s rate windows: a short burst of traffic fills one
 
 
 # The modules that take longest, each minutes of one worker mostly waiting for rule windows: collected
@@ -824,17 +359,6 @@ def vllm_sagemaker_lab(tmp_path_factory) -> Iterator[Lab]:
     lab = start_vllm_sagemaker_lab(tmp_path_factory.mktemp("vllm-sagemaker-lab") / "state", replicas=1)
     yield lab
     lab.stop()
-
-
-def start_vllm_sagemaker_lab(state_dir: Path, replicas: int, *options: str) -> Lab:
-    """Real vLLM servers with SageMaker stateful sessions behind the lab's SageMaker front, no serve
-    probing: the only traffic is the test's. 1 s scrapes and rule windows at a quarter of production, as
-    in vllm_lab."""
-    return start_lab_in(
-        state_dir, "--engine", "vllm", "--gateway", "sagemaker", "--replicas", str(replicas), "--no-probes",
-        "--no-dashboard", "--fast", "--rule-time-scale", str(VLLM_LAB_RULE_TIME_SCALE), *options,
-        timeout=VLLM_LAB_START_TIMEOUT_S,
-    )  # fmt: skip
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import free_port
+from processes import free_port
 
 USER = "kvwatch"
 PASSWORD = "kvwatch-test-password"

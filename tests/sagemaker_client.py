@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import REPO, Lab, http_get, kvwatch, wait_for
 from kvwatch.lab.gateways.sagemaker import LAB_CREDENTIALS, LAB_REGION
+from labs import Lab
+from paths import REPO
+from processes import http_get, kvwatch, wait_for
 
 ENDPOINT = "lab-endpoint"
 JSON = "application/json"

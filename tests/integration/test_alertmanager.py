@@ -20,7 +20,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, stop, wait_http
 from kvwatch.alerts.alerts import ALERTS, Alert
 from kvwatch.config.settings import Config, ExporterSettings, StoreSettings, Target
 from kvwatch.lab import configs
@@ -30,6 +29,8 @@ from kvwatch.lab.state import LabState
 from kvwatch.serve import scheduler
 from kvwatch.serve.scheduler import Service
 from kvwatch.store.history import Store
+from paths import REPO
+from processes import free_port, stop, wait_http
 
 CONFIG = REPO / "alerts" / "alertmanager.yml"
 

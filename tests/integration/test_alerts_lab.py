@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from conftest import Lab
-from conftest import wait_for as until
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus.queries import STICKY_ROUTES_JUDGED
 from kvwatch.prometheus.thresholds import THRESHOLDS
 from kvwatch.store.history import Store
+from labs import Lab
+from processes import wait_for as until
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from playwright import sync_api
 
-from conftest import REPO, behind_a_dead_proxy, http_get, stop_lab_serve
+from conftest import behind_a_dead_proxy
 from kvwatch.alerts.verdicts import (
     CLUSTER_HIT_RATIO_DROP,
     FIRING,
@@ -35,6 +35,9 @@ from kvwatch.dashboard import data
 from kvwatch.lab.replicas import REPLICA_KINDS
 from kvwatch.prometheus import panel_queries, queries
 from kvwatch.store.history import Store
+from labs import stop_lab_serve
+from paths import REPO
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

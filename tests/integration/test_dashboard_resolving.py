@@ -17,10 +17,11 @@ import streamlit as st
 import yaml
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, free_port, http_get, poll, start_prometheus, stop
 from kvwatch.alerts.verdicts import NOT_WATCHING, ROUTE_STICKY
 from kvwatch.dashboard import data, ui
 from kvwatch.lab.configs import scale_durations
+from paths import REPO
+from processes import free_port, http_get, poll, start_prometheus, stop
 
 pytestmark = pytest.mark.integration
 

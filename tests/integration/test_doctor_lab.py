@@ -17,12 +17,13 @@ from urllib.parse import urlsplit
 import pytest
 from test_doctor import KEY, MODEL, ROUTE_CHECKS, check, doctor, statuses
 
-from conftest import REPO, free_port, http_get, stop
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.session import api_url
 from kvwatch.doctor.prompts import prompt_prefix
 from kvwatch.lab import stack
 from kvwatch.lab.state import LabState
+from paths import REPO
+from processes import free_port, http_get, stop
 
 integration = pytest.mark.integration
 

@@ -16,8 +16,10 @@ import pytest
 import yaml
 from playwright import sync_api
 
-from conftest import REPO, free_port, kvwatch, stop, stop_lab_serve, wait_http
 from kvwatch.lab.process import kvwatch_command
+from labs import stop_lab_serve
+from paths import REPO
+from processes import free_port, kvwatch, stop, wait_http
 
 pytestmark = pytest.mark.integration
 

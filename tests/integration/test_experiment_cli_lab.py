@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from test_experiment import KEY, ROUNDS, SESSIONS
 
-from conftest import kvwatch
 from kvwatch.experiment.design import interleave
 from kvwatch.experiment.report import FILES
+from processes import kvwatch
 
 
 @pytest.fixture(scope="module")

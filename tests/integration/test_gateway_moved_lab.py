@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from conftest import Lab
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.prometheus.queries import GATEWAY_MOVED_SHARE, GATEWAY_RETURNING_REQUESTS
 from kvwatch.prometheus.thresholds import THRESHOLDS
+from labs import Lab
 
 pytestmark = pytest.mark.integration
 

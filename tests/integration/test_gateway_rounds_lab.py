@@ -19,10 +19,12 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from conftest import LAB_CLIENT, Lab, http_get
+from gateway_checks import LAB_CLIENT
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, session_fields
 from kvwatch.collectors.gatewaylogs.rounds import round_label
 from kvwatch.prometheus import panel_queries
+from labs import Lab
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

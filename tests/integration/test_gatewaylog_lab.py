@@ -9,7 +9,7 @@ from contextlib import ExitStack
 
 import httpx
 import pytest
-from test_gatewaylog import spread
+from test_gatewaylog_sessions import spread
 
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
 from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot

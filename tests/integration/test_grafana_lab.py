@@ -32,7 +32,6 @@ from streamlit.testing.v1 import AppTest
 from test_gatewaylog_lab import answered, chat
 from test_grafana import every_query, in_clusters
 
-from conftest import REPO, TLS, http_get, stop_lab_serve
 from kvwatch.alerts.verdicts import (
     ENGINE_LOSS,
     FIRING,
@@ -51,6 +50,9 @@ from kvwatch.prometheus.rules import GATEWAY_RULES
 from kvwatch.serve.exporter import TTFT_BUCKETS
 from kvwatch.serve.scheduler import GATEWAY_POLL_SECONDS
 from kvwatch.store.history import Store
+from labs import stop_lab_serve
+from paths import REPO
+from processes import TLS, http_get
 
 # What $__rate_interval stands for: short, so that a fault shows within the test's time budget (the lab
 # probes every 5 s and scrapes every second). Panels on recording rules keep the rules' 2m window.

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from test_deploy import K8S, MANIFESTS, documents, schema_errors
 
-from conftest import REPO
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.config.settings import GatewayLog, load_config
+from paths import REPO
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import Lab, free_base_port, free_port, kill_lab_processes, kvwatch
+from labs import Lab, kill_lab_processes
+from processes import free_base_port, free_port, kvwatch
 
 VENV_KVWATCH = Path(sys.executable).parent / "kvwatch"
 

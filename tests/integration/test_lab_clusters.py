@@ -17,10 +17,11 @@ import pytest
 from test_alerts_lab import received, wait_for
 from test_rules_lab import Served, Window, reuse
 
-from conftest import Lab, free_base_port, http_get, kill_lab_processes, kvwatch, wait_until_recorded
 from kvwatch.lab.configs import scale_durations
 from kvwatch.lab.state import CLUSTER_PORT_STRIDE
 from kvwatch.prometheus import queries
+from labs import Lab, kill_lab_processes, wait_until_recorded
+from processes import free_base_port, http_get, kvwatch
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,11 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, http_get
 from kvwatch.cli.lab import DEFAULT_REPLICAS
 from kvwatch.config.settings import load_config
 from kvwatch.store.history import Store
+from paths import REPO
+from processes import http_get
 
 WAIT_S = 30.0
 SESSIONS_PER_TARGET = 4  # two probe runs of each target

@@ -17,8 +17,8 @@ from collections import Counter
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import conftest as checks
-from conftest import LAB_CLIENT as CLIENT
+import gateway_checks as checks
+from gateway_checks import LAB_CLIENT as CLIENT
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.lab.gateways import envoy

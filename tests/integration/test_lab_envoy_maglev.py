@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import LAB_CLIENT as CLIENT
-from conftest import assert_baseline, upstreams
+from gateway_checks import LAB_CLIENT as CLIENT
+from gateway_checks import assert_baseline, upstreams
 from kvwatch.lab.state import LabState
 
 pytestmark = pytest.mark.integration

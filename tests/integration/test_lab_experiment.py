@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, experiment_replica_bars, http_get, http_post, kvwatch
+from conftest import experiment_replica_bars
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.config.settings import Config, DashboardSettings, Target
 from kvwatch.dashboard import data
@@ -26,6 +26,8 @@ from kvwatch.experiment.design import Load, Workload
 from kvwatch.experiment.report import FILES, write_outputs
 from kvwatch.experiment.runner import run_experiment
 from kvwatch.experiment.tables import TTFT_QUANTILES, raw_rows, round_rows, route_rows
+from paths import REPO
+from processes import http_get, http_post, kvwatch
 
 pytestmark = pytest.mark.integration
 

@@ -26,12 +26,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import conftest as checks
-from conftest import LAB_CLIENT as CLIENT
-from conftest import REPO, stop
+import gateway_checks as checks
+from gateway_checks import LAB_CLIENT as CLIENT
 from kvwatch.lab.gateways import nginx as nginx_gateway
 from kvwatch.lab.process import is_ours
 from kvwatch.lab.state import LabState
+from paths import REPO
+from processes import stop
 
 pytestmark = pytest.mark.integration
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_base_port
 from kvwatch.cli.main import main
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
 from kvwatch.config.settings import load_config
 from kvwatch.lab.configs import render_kvwatch_config, render_prometheus
 from kvwatch.lab.gateways import GATEWAYS, envoy
 from kvwatch.lab.state import LabState, ReplicaSpec
+from processes import free_base_port
 
 ENVOY_FAULTS = [[], ["break-affinity"], ["drop-session-header"], ["hash-request-id"]]
 

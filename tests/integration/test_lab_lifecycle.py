@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from conftest import REPO, free_base_port, http_get, kvwatch, processes_mentioning
 from kvwatch.lab import stack
 from kvwatch.lab.process import LabError
+from paths import REPO
+from processes import free_base_port, http_get, kvwatch, processes_mentioning
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from test_lab_syslog import assert_figures_equal_the_file_logs, ground_truth, traffic, wait_for_alert
 
-from conftest import Lab
+from labs import Lab
 
 pytestmark = pytest.mark.integration
 

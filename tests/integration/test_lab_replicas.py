@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, kvwatch
 from kvwatch.lab import tiny_model
 from kvwatch.lab.process import LabError
 from kvwatch.lab.replicas import REPLICA_KINDS, vllm
 from kvwatch.lab.state import LabState, ReplicaSpec
+from paths import REPO
+from processes import kvwatch
 
 
 def lab_state(tmp_path: Path, replicas: int = 2, engine: str = "vllm") -> LabState:

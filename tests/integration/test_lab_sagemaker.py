@@ -10,7 +10,7 @@ import pytest
 from botocore.exceptions import ClientError
 from sagemaker_client import ENDPOINT, JSON, Conversation, close_session, open_session, stream_text
 
-from conftest import http_get, http_post
+from processes import http_get, http_post
 
 REPLICAS = ("r1", "r2", "r3")
 

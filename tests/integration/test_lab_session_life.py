@@ -16,7 +16,6 @@ import pytest
 from botocore.exceptions import ClientError
 from sagemaker_client import ENDPOINT, close_session, endpoint, open_session, use_lab_credentials
 
-from conftest import Lab, free_port, http_get, kvwatch, wait_for
 from kvwatch.collectors.engines import Exposition, detect_flavour
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 from kvwatch.config.settings import Config, ExporterSettings, Lifecycle, StoreSettings, Target
@@ -25,6 +24,8 @@ from kvwatch.lab.state import LabState
 from kvwatch.prometheus import queries
 from kvwatch.serve import scheduler
 from kvwatch.store.history import Store
+from labs import Lab
+from processes import free_port, http_get, kvwatch, wait_for
 
 TTL_S = 2.0
 IDLE_S = TTL_S + 1.5  # past the TTL, by more than a Prometheus scrape or a clock second

@@ -13,10 +13,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import LAB_CLIENT, Lab, chat
+from gateway_checks import LAB_CLIENT, chat
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
 from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot
 from kvwatch.store.history import Store
+from labs import Lab
 
 pytestmark = pytest.mark.integration
 

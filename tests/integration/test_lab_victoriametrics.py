@@ -17,7 +17,6 @@ import time
 import pytest
 import streamlit as st
 
-from conftest import Lab, http_get, kvwatch, wait_until_recorded
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.dashboard import data
 from kvwatch.grafana import boards
@@ -25,6 +24,8 @@ from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import panel_queries, queries
 from kvwatch.prometheus.rules import RULE_GROUPS
 from kvwatch.store.history import Store
+from labs import Lab, wait_until_recorded
+from processes import http_get, kvwatch
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import LAB_CLIENT, RecordingTally, chat, free_base_port, launch, stop
+from conftest import RecordingTally
+from gateway_checks import LAB_CLIENT, chat
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, session_fields
 from kvwatch.collectors.gatewaylogs import envoy as envoy_format
 from kvwatch.collectors.gatewaylogs.sources.otlp import OtlpSource, OtlpSourceConfig
@@ -20,6 +21,7 @@ from kvwatch.collectors.gatewaylogs.tally import GatewayLogSnapshot, SessionTall
 from kvwatch.collectors.sessionkeys import SESSION_KEYS
 from kvwatch.lab.gateways import envoy
 from kvwatch.lab.state import LabState, ReplicaSpec
+from processes import free_base_port, launch, stop
 
 pytestmark = pytest.mark.integration
 

@@ -23,23 +23,14 @@ import pytest
 import streamlit as st
 import yaml
 
-from conftest import (
-    Lab,
-    free_port,
-    heal_if_faulted,
-    http_get,
-    kvwatch,
-    poll,
-    stop,
-    stop_lab_serve,
-    upstreams,
-    wait_http,
-)
+from gateway_checks import heal_if_faulted, upstreams
 from kvwatch.alerts import verdicts
 from kvwatch.dashboard import data, ui
 from kvwatch.lab.configs import scale_durations
 from kvwatch.onboarding import writers
 from kvwatch.prometheus import queries
+from labs import Lab, stop_lab_serve
+from processes import free_port, http_get, kvwatch, poll, stop, wait_http
 
 pytestmark = pytest.mark.integration
 

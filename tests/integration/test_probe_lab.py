@@ -13,7 +13,7 @@ from itertools import pairwise
 from urllib.parse import urlsplit
 
 import pytest
-from test_probe import (
+from probe_fakes import (
     ERROR_OBJECT,
     KEY,
     MODEL,
@@ -25,8 +25,9 @@ from test_probe import (
     run_kvwatch,
 )
 
-from conftest import TESTDATA, http_get, http_post
 from kvwatch.cli.main import main
+from paths import TESTDATA
+from processes import http_get, http_post
 
 SAMPLE = TESTDATA / "sharegpt-sample.json"
 HEALTHY = {"api_keys": None, "expired_keys": [], "error_rate": 0.0, "extra_latency_s": 0.0}

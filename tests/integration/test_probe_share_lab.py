@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from conftest import finished_evaluation, http_get, wait_until_recorded
 from kvwatch.prometheus import queries
 from kvwatch.store.history import Store
+from labs import finished_evaluation, wait_until_recorded
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

@@ -13,11 +13,12 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from test_flavours import EXPECTED
 
-from conftest import LAB_CLIENT, free_port, http_get, http_post, kvwatch, wait_for
+from gateway_checks import LAB_CLIENT
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets import probe_once
 from kvwatch.collectors.probe.workload import synthetic
 from kvwatch.lab.server import ARRIVAL_KEY, ArrivalDating, dated_arrival
+from processes import free_port, http_get, http_post, kvwatch, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -25,11 +25,14 @@ import httpx
 import pytest
 from test_router_prediction import firing, rules_prometheus, value
 
-from conftest import REPO, Replica, finished_evaluation, free_port, http_get, stop, wait_for, wait_http
+from conftest import Replica
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.doctor.checks import diagnose
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import queries
+from labs import finished_evaluation
+from paths import REPO
+from processes import free_port, http_get, stop, wait_for, wait_http
 
 FIRING_TIMEOUT_S = 120.0
 RULE_SCALE = 0.1  # 2m rate windows take 12 s, the alerts' 5m `for` 30 s

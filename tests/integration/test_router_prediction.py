@@ -16,7 +16,6 @@ import pytest
 import yaml
 from loopback import QuietHandler, loopback_http
 
-from conftest import TESTDATA, free_base_port, http_get, stop, wait_http
 from kvwatch.alerts.verdicts import FIRING, ROUTER_PREDICTION_MISS
 from kvwatch.collectors.engines.base import COUNT_SUFFIXES
 from kvwatch.grafana import panels, routers
@@ -24,6 +23,8 @@ from kvwatch.lab.components import prometheus_process
 from kvwatch.lab.configs import rule_files
 from kvwatch.lab.state import LabState
 from kvwatch.prometheus import panel_queries, queries
+from paths import TESTDATA
+from processes import free_base_port, http_get, stop, wait_http
 
 ROUTERS = TESTDATA / "routers"
 # Served at these paths by one replay server: llm-d's EPP predicts, SMG's manual policy counts its sticky

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import finished_evaluation, http_get, wait_until_recorded
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import panel_queries, queries
+from labs import finished_evaluation, wait_until_recorded
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

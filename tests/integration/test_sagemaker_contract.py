@@ -10,7 +10,7 @@ import re
 import pytest
 from sagemaker_client import Conversation, close_session, open_session
 
-from conftest import http_get, http_post
+from processes import http_get, http_post
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

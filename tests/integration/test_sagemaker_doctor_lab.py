@@ -15,11 +15,12 @@ import botocore.auth
 import pytest
 from sagemaker_client import MODEL, endpoint, use_lab_credentials
 
-from conftest import Lab, kvwatch
 from kvwatch.collectors.probe.session import ProbeSettings
 from kvwatch.collectors.probe.targets.sagemaker import SageMakerEndpoint
 from kvwatch.doctor.sagemaker import LOAD_SESSIONS, diagnose_sagemaker
 from kvwatch.lab.gateways.sagemaker import ENDPOINT, LAB_REGION
+from labs import Lab
+from processes import kvwatch
 
 CONCURRENCY_THRESHOLD = 2
 

@@ -17,11 +17,14 @@ import sagemaker_client as sagemaker
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO, Lab, behind_a_dead_proxy, http_get, kvwatch, wait_for
+from conftest import behind_a_dead_proxy
 from kvwatch.dashboard import data
 from kvwatch.lab.engine import ReplicaSettings
 from kvwatch.prometheus import panel_queries, queries
 from kvwatch.store.history import Store
+from labs import Lab
+from paths import REPO
+from processes import http_get, kvwatch, wait_for
 
 REPLICAS = ("r1", "r2", "r3", "r4")
 

@@ -24,7 +24,9 @@ from sagemaker_client import (
     use_lab_credentials,
 )
 
-from conftest import REPO, Lab, http_get, kvwatch, wait_for
+from labs import Lab
+from paths import REPO
+from processes import http_get, kvwatch, wait_for
 
 
 @pytest.fixture(autouse=True)

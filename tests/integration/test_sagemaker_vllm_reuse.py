@@ -23,22 +23,13 @@ import pytest
 import sagemaker_client as sagemaker
 import yaml
 
-from conftest import (
-    VLLM_LAB_START_TIMEOUT_S,
-    Lab,
-    http_get,
-    kvwatch,
-    launch,
-    start_vllm_sagemaker_lab,
-    stop,
-    stop_lab_serve,
-    wait_for,
-)
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.lab.gateways.sagemaker import LAB_REGION
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.thresholds import THRESHOLDS
 from kvwatch.store.history import Store
+from labs import VLLM_LAB_START_TIMEOUT_S, Lab, start_vllm_sagemaker_lab, stop_lab_serve
+from processes import http_get, kvwatch, launch, stop, wait_for
 
 BLOCK = 128  # the lab's vLLM KV block
 WORKLOAD = ("--system-tokens", "300", "--turn-tokens", "100", "--max-tokens", "16")

@@ -19,7 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Replica, Router, http_get
+from conftest import Replica, Router
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

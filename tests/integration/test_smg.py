@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import Replica, http_get, kvwatch
+from conftest import Replica
 from kvwatch.collectors.engines import Exposition, detect_flavour
+from processes import http_get, kvwatch
 
 pytestmark = pytest.mark.integration
 

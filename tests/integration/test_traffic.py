@@ -1,6 +1,7 @@
 """The lab's simulated users: probe sessions one after another, steered by the lab's control file.
 
-How a single conversation is run, timed and checked is the probe's (tests/unit/collectors/test_probe.py).
+How a single conversation is run, timed and checked is the probe's
+(tests/unit/collectors/test_probe_rounds.py, tests/unit/collectors/test_probe.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import REPO, free_port, http_post, stop
 from kvwatch.lab.traffic import TrafficSettings, run_users
+from paths import REPO
+from processes import free_port, http_post, stop
 
 pytestmark = pytest.mark.integration
 

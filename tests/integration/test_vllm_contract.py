@@ -26,9 +26,10 @@ from contract import (
 )
 from prometheus_client import generate_latest
 
-from conftest import REPO, http_get, http_post
 from kvwatch.lab.engine import ReplicaSettings
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
+from paths import REPO
+from processes import http_get, http_post
 
 RECORDED = REPO / "tests" / "testdata" / "vllm-0.32.0-cpu-metrics.prom"
 

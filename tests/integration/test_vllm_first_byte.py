@@ -14,8 +14,10 @@ import time
 
 import pytest
 
-from conftest import LAB_CLIENT, Lab, http_get
+from gateway_checks import LAB_CLIENT
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS
+from labs import Lab
+from processes import http_get
 
 pytestmark = pytest.mark.integration
 

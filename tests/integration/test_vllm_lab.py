@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import VLLM_LAB_RULE_TIME_SCALE, Lab, http_get, kvwatch, processes_in_group, wait_for
 from kvwatch.lab.configs import scale_durations
 from kvwatch.prometheus import panel_queries, queries
+from labs import VLLM_LAB_RULE_TIME_SCALE, Lab
+from processes import http_get, kvwatch, processes_in_group, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_base_port, http_get, kill_lab_processes
 from kvwatch.lab.configs import RULE_PATTERNS
+from labs import kill_lab_processes
+from paths import REPO
+from processes import free_base_port, http_get
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import REPO
+from paths import REPO
 
 # Lowest first; a package may import only those in earlier layers. Peers in a layer import none of each
 # other. The lab is outside the order: it uses the product, and only LAB_USERS may import it.

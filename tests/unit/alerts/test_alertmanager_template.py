@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from conftest import REPO
+from paths import REPO
 
 
 def test_the_webhook_posts_to_where_the_example_config_listens_with_a_token_file():

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
 from kvwatch.alerts import verdicts
 from kvwatch.alerts.verdicts import FIRING, OK, PENDING, Verdict
 from kvwatch.prometheus import queries
+from paths import REPO
 
 EXPORTER = 'job="kvwatch", instance="127.0.0.1:9464"'
 ENGINE = 'job="replicas", instance="127.0.0.1:18010"'

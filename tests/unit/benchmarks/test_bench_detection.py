@@ -24,8 +24,8 @@ from benchmarks.bench_detection import (
     unexpected,
     unresolved,
 )
-from conftest import REPO
 from kvwatch.lab.configs import scale_durations
+from paths import REPO
 
 REPO_ALERTS = REPO / "alerts"
 SHIPPED_ROUTE = yaml.safe_load((REPO_ALERTS / "alertmanager.yml").read_text())["route"]

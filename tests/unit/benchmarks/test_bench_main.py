@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks.__main__ import main
-from conftest import REPO
+from paths import REPO
 
 BENCHMARKS = sorted((REPO / "benchmarks").glob("bench_*.py"))
 

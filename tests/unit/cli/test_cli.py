@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from kvwatch.cli.main import EXIT_CODES, build_parser, main, runnable_commands
 from kvwatch.cli.options import kvwatch_command
+from paths import REPO
 
 
 def subcommand_paths(parser: argparse.ArgumentParser, prefix=()):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import free_port
 from kvwatch.cli.main import main
+from processes import free_port
 
 
 def test_a_gateway_that_does_not_answer_exits_1_and_writes_nothing(tmp_path, capsys):

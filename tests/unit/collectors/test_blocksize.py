@@ -17,7 +17,6 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from conftest import REPO, free_port, stop, wait_http
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import blocksize
 from kvwatch.collectors.probe.blocksize import (
@@ -31,6 +30,8 @@ from kvwatch.collectors.probe.blocksize import (
 )
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
 from kvwatch.store.history import Store
+from paths import REPO
+from processes import free_port, stop, wait_http
 
 MODEL = "lab-model"
 DEFAULT = BlockSize(16, "default; no engine evidence")

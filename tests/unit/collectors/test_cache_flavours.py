@@ -3,10 +3,10 @@ headers say where their names come from (tests/testdata/caches, tests/testdata/r
 
 from __future__ import annotations
 
-from conftest import TESTDATA
 from kvwatch.collectors.engines import Exposition, detect_flavour, normalise
 from kvwatch.collectors.engines.base import Snapshot
 from kvwatch.collectors.engines.scrape import Result, format_result
+from paths import TESTDATA
 
 LMCACHE = TESTDATA / "caches" / "lmcache-mp-server.prom"
 AIBRIX = TESTDATA / "routers" / "aibrix-gateway-0.7-fallbacks.prom"

@@ -13,7 +13,6 @@ from test_gatewaylogs import ENVOY_LINE, INGRESS_NGINX_LINE, NGINX_LINE, REQUEST
 from test_otlp_source import envoy_record, export_request
 from test_sessionkeys import refused_as_unknown
 
-from conftest import REPO, free_port
 from kvwatch.collectors import sessionkeys
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, Malformed, json_object, session_fields
 from kvwatch.collectors.gatewaylogs.sources import open_log
@@ -21,6 +20,8 @@ from kvwatch.collectors.gatewaylogs.sources.otlp.transports import EXPORT_METHOD
 from kvwatch.collectors.gatewaylogs.tally import SessionTally, SourceState
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import GatewayLog, load_config
+from paths import REPO
+from processes import free_port
 
 LINES = {"nginx": NGINX_LINE, "ingress-nginx": INGRESS_NGINX_LINE, "envoy": ENVOY_LINE}
 # What each format reads when the line carries none of the keys' headers: its own field, the gateway's id.

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
 from kvwatch.collectors.gatewaylogs.sources import SOURCES, PushedLog, open_log
 from kvwatch.collectors.gatewaylogs.sources.syslog import MAX_MESSAGE_BYTES, Refused, message_of
 from kvwatch.collectors.gatewaylogs.tally import REFUSED_REASONS, SessionTally, SourceState
 from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings, load_config
 from kvwatch.serve.scheduler import Service
+from processes import free_port
 
 R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"
 DEADLINE_S = 20.0

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, free_port
 from kvwatch.collectors.gatewaylogs import (
     LOG_FORMATS,
     MALFORMED_REASONS,
@@ -24,6 +23,8 @@ from kvwatch.collectors.gatewaylogs import (
 from kvwatch.collectors.gatewaylogs.follower import GatewayLogFollower
 from kvwatch.config.settings import Config, ExporterSettings, GatewayLog, StoreSettings
 from kvwatch.serve.scheduler import Service
+from paths import REPO
+from processes import free_port
 
 R1, R2 = "10.0.0.1:8000", "10.0.0.2:8000"
 

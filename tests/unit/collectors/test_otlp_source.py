@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue, KeyValueList
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
 
-from conftest import RecordingTally, free_port, http_post
+from conftest import RecordingTally
 from kvwatch.collectors.gatewaylogs import LOG_FORMATS, envoy
 from kvwatch.collectors.gatewaylogs.sources import SourceUnavailable, open_log
 from kvwatch.collectors.gatewaylogs.sources.otlp import (
@@ -33,6 +33,7 @@ from kvwatch.collectors.gatewaylogs.sources.otlp import (
 from kvwatch.collectors.gatewaylogs.sources.otlp.transports import CONNECTIONS_PER_SLOT as CONNECTIONS
 from kvwatch.collectors.gatewaylogs.sources.otlp.transports import EXPORT_METHOD
 from kvwatch.config.settings import GatewayLog
+from processes import free_port, http_post
 
 REPO = Path(__file__).resolve().parents[3]
 # As Envoy's OpenTelemetry access logger sends a request (examples/envoy-otlp-access-log.yaml).

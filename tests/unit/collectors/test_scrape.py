@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import pytest
 from loopback import QuietHandler, loopback_http
 from prometheus_client import generate_latest
-from test_engines import sgl_router_0_2
+from test_router_flavours import sgl_router_0_2
 
-from conftest import TESTDATA, free_port, kvwatch_in_process
 from kvwatch.cli.main import build_parser, main
 from kvwatch.collectors.engines import ENGINE_FLAVOURS
 from kvwatch.collectors.engines.scrape import metrics_url, scrape
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Prefill
+from paths import TESTDATA
+from processes import free_port, kvwatch_in_process
 
 TESTDATA = TESTDATA
 JSON_KEYS = [

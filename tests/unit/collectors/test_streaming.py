@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 import h11
 import pytest
 
-from conftest import free_port, stop
 from kvwatch.collectors.probe import streaming
 from kvwatch.collectors.probe.streaming import (
     SPEAKS_TLS,
@@ -32,6 +31,7 @@ from kvwatch.collectors.probe.streaming import (
     TlsMismatch,
     _Connection,
 )
+from processes import free_port, stop
 
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b"data: one\n\n", b"data: two\n\n"]

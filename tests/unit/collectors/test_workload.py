@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTDATA
 from kvwatch.collectors.probe import workload
 from kvwatch.collectors.probe.workload import (
     DEFAULT_SYSTEM_PROMPT,
@@ -21,6 +20,7 @@ from kvwatch.collectors.probe.workload import (
     user_turns,
 )
 from kvwatch.core.tokenizer import split_words
+from paths import TESTDATA
 
 SAMPLE = TESTDATA / "sharegpt-sample.json"
 

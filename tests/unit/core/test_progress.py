@@ -13,10 +13,11 @@ from collections.abc import Iterator
 import pytest
 from loopback import QuietHandler, loopback_http
 
-from conftest import REPO, free_port
 from kvwatch.cli.main import main
 from kvwatch.core.progress import Progress
 from kvwatch.doctor.checks import CHECKS
+from paths import REPO
+from processes import free_port
 
 USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
 STREAM = "".join(

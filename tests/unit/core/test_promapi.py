@@ -16,10 +16,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from loopback import QuietHandler, loopback_http
 
-from conftest import REPO, behind_a_dead_proxy
+from conftest import behind_a_dead_proxy
 from kvwatch.core.connections import request_sync
 from kvwatch.core.errors import KVWatchError, QueryRefused, UnexpectedAnswer, Unreachable
 from kvwatch.core.promapi import PrometheusApi
+from paths import REPO
 
 PACKAGES = sorted(
     p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name not in {"tests", "tools"}

@@ -1,5 +1,5 @@
 """The dashboard says what its numbers mean, through AppTest with the data layer replaced (the Fake of
-test_dashboard): an alert that keep_firing_for holds after its signal recovered reads as resolving, with
+fake_dashboard): an alert that keep_firing_for holds after its signal recovered reads as resolving, with
 the time it clears; a change is coloured by what a rise of the number means; lines and bars of things
 with no good or bad take no red or green; close marks share a label; counts agree with their nouns; and
 Watchdog is the pipeline's heartbeat, not an alert."""
@@ -10,8 +10,7 @@ import pandas as pd
 import plotly.io
 import pytest
 import streamlit as st
-from streamlit.proto.Metric_pb2 import Metric
-from test_dashboard import (
+from fake_dashboard import (
     ALERT_AT,
     FAULT_AT,
     NOW,
@@ -28,8 +27,9 @@ from test_dashboard import (
     states,
     texts,
 )
-from test_dashboard import fake as fake  # the fixtures
-from test_dashboard import no_component_scan as no_component_scan
+from fake_dashboard import fake as fake  # the fixtures
+from fake_dashboard import no_component_scan as no_component_scan
+from streamlit.proto.Metric_pb2 import Metric
 
 from kvwatch.alerts.verdicts import CLUSTER_HIT_RATIO_DROP, FIRING, OK, ROUTE_STICKY
 from kvwatch.core.naming import plural

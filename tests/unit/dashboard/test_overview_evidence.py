@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pandas as pd
-from test_dashboard import Fake, fires, marks, metrics, open_page, per_route, points, states, texts
-from test_dashboard import fake as fake  # the fixtures
-from test_dashboard import no_component_scan as no_component_scan
+from fake_dashboard import Fake, fires, marks, metrics, open_page, per_route, points, states, texts
+from fake_dashboard import fake as fake  # the fixtures
+from fake_dashboard import no_component_scan as no_component_scan
 from test_meaning import CLEARS, STOPPED, held
 
 from kvwatch.alerts.verdicts import FIRING, OK, PENDING, ROUTE_REUSE, ROUTE_STICKY

@@ -1,11 +1,11 @@
 """The Overview's kvwatch's own share: the probes' share of the prompt tokens and real traffic's hit ratio,
 beside the cluster's, with KVWatchProbesDominate's verdict; and LMCache's tiers beside the split by source
-(data layer replaced, as test_dashboard's)."""
+(data layer replaced, as fake_dashboard's)."""
 
 from __future__ import annotations
 
 import pandas as pd
-from test_dashboard import cluster_state, fake, metrics, open_page, points, texts  # noqa: F401
+from fake_dashboard import cluster_state, fake, metrics, open_page, points, texts  # noqa: F401
 
 from kvwatch.alerts.verdicts import FIRING, OK, PROBES_DOMINATE
 from kvwatch.prometheus import panel_queries, queries

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pandas as pd
-from test_dashboard import NO_FRAME, open_page, texts
-from test_dashboard import fake as fake  # the fixtures
-from test_dashboard import no_component_scan as no_component_scan
+from fake_dashboard import NO_FRAME, open_page, texts
+from fake_dashboard import fake as fake  # the fixtures
+from fake_dashboard import no_component_scan as no_component_scan
 
 from kvwatch.alerts.verdicts import ENGINE_LOSS, FIRING, OK, ROUTING_LOSS
 from kvwatch.dashboard import reuse

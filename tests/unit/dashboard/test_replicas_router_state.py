@@ -1,6 +1,6 @@
 """The Cache & replicas page: each router's session table and KV-event index with the verdicts of the
 alerts that judge them, and LMCache's tiers beside the engines' split by source (data layer replaced,
-as test_dashboard's)."""
+as fake_dashboard's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pandas as pd
-from test_dashboard import fake, fires, open_page, texts  # noqa: F401
+from fake_dashboard import fake, fires, open_page, texts  # noqa: F401
 
 from kvwatch.alerts.verdicts import FIRING, INDEX_STALLED, OK, SESSION_INVALIDATIONS, SESSION_TABLE_FULL
 from kvwatch.dashboard.app_pages.replicas import NO_ROUTER_STATE

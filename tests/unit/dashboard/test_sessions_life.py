@@ -1,12 +1,12 @@
 """The Sessions page: the probe sessions' lives as the store keeps them (an idle past the route's session
-TTL and what followed, the route sessions lost, the closes), data layer replaced as test_dashboard's."""
+TTL and what followed, the route sessions lost, the closes), data layer replaced as fake_dashboard's."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pandas as pd
-from test_dashboard import SESSIONS, fake, open_page, rounds_frame, texts  # noqa: F401
+from fake_dashboard import SESSIONS, fake, open_page, rounds_frame, texts  # noqa: F401
 
 
 def lived(number: int, **life) -> dict:

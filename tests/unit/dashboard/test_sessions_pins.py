@@ -1,11 +1,11 @@
 """The Sessions page: the pin outcome a router reported for each round (olla's X-Olla-Sticky-Session),
-beside kvwatch's own stickiness verdict (data layer replaced, as test_dashboard's)."""
+beside kvwatch's own stickiness verdict (data layer replaced, as fake_dashboard's)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from test_dashboard import SESSIONS, fake, open_page, rounds_frame, texts  # noqa: F401
+from fake_dashboard import SESSIONS, fake, open_page, rounds_frame, texts  # noqa: F401
 
 
 def test_the_routers_pin_outcomes_stand_beside_kvwatchs_verdict(fake):  # noqa: F811

@@ -18,10 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import REPO
 from kvwatch.cli.generate import RULE_FILES
 from kvwatch.config.settings import Config, load_config
 from kvwatch.serve import shard
+from paths import REPO
 
 K8S = REPO / "deploy" / "k8s"
 MANIFESTS = sorted(path for path in K8S.glob("*.yaml") if path.name != "kustomization.yaml")

@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 from loopback import answering_bytes, chat_answer, loopback_http, serving
 
-from conftest import REPO, free_port
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.report import HINTS
 from kvwatch.collectors.probe.session import ProbeSettings
@@ -30,6 +29,8 @@ from kvwatch.doctor.findings import CAUSES, Check, Diagnosis
 from kvwatch.doctor.prompts import prompt_prefix
 from kvwatch.doctor.report import format_diagnosis
 from kvwatch.doctor.route import _base_url_variants
+from paths import REPO
+from processes import free_port
 
 MODEL = "lab-model"
 KEY = "kvw-doctor-key-8e2d61c4b7"  # distinctive, so a search finds any leak

@@ -19,7 +19,6 @@ import pytest
 from aiohttp import web
 from loopback import QuietHandler, loopback_http, serving
 
-from conftest import free_port, stop, wait_http
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe import session as probe_session
 from kvwatch.collectors.probe.report import HINTS
@@ -28,6 +27,7 @@ from kvwatch.config.loading import ConfigError
 from kvwatch.config.settings import load_config
 from kvwatch.doctor.checks import diagnose, examine
 from kvwatch.doctor.findings import Check, Diagnosis
+from processes import free_port, stop, wait_http
 
 MODEL = "lab-model"
 PROMETHEUS_TITLE = "'Prometheus Time Series Collection and Processing Server'"

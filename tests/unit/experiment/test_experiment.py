@@ -12,7 +12,6 @@ import statistics
 
 import pytest
 
-from conftest import free_port
 from kvwatch.cli.main import main
 from kvwatch.collectors.probe.blocksize import BlockSize, BlockSizeSources
 from kvwatch.collectors.probe.records import RoundResult, SessionResult
@@ -27,6 +26,7 @@ from kvwatch.experiment.design import Experiment, Load, interleave, tag
 from kvwatch.experiment.report import plot_panels, report
 from kvwatch.experiment.runner import run_experiment
 from kvwatch.experiment.tables import load_rows, replica_rows, round_rows, route_rows
+from processes import free_port
 
 KEY = "kvw-experiment-7d1e9c42b6a0"  # distinctive, so a grep finds any leak
 SESSIONS, ROUNDS = 6, 4

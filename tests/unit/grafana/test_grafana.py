@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
 from kvwatch.alerts.verdicts import (
     FIRING,
     OK,
@@ -36,6 +35,7 @@ from kvwatch.grafana.panels import (
 )
 from kvwatch.prometheus import panel_queries, promql, queries
 from kvwatch.prometheus.rules import WINDOWED_RULES
+from paths import REPO
 from tools import board_preview
 
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))

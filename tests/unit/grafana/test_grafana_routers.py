@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPO
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.grafana.panels import DRILLDOWN, OVERVIEW, as_board_runs, runbook_link
 from kvwatch.prometheus import panel_queries, queries
+from paths import REPO
 
 
 def board(name: str) -> dict:

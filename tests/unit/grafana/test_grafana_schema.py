@@ -25,12 +25,12 @@ import promql_parser
 import pytest
 
 import kvwatch.grafana.boards
-from conftest import REPO
 from kvwatch.alerts.verdicts import VERDICTS
 from kvwatch.cli.generate import generated_files
 from kvwatch.core.labels import CLUSTER_LABEL
 from kvwatch.grafana import boards, panels
 from kvwatch.prometheus import panel_queries, promql
+from paths import REPO
 
 SCHEMA_TOOL = REPO / "tools" / "grafana-schema"
 PROVISIONED = sorted((REPO / "grafana" / "dashboards").glob("*.json"))

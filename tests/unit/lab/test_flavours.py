@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SHARED
 from kvwatch.lab.flavours import SIMULATED_FLAVOURS, CacheConfig, Finished, Prefill
 from kvwatch.lab.flavours.vllm import request_token_buckets
+from paths import SHARED
 
 EXPECTED = {
     "vllm": {

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO
 from kvwatch.cli.main import main
 from kvwatch.config.settings import load_config
 from kvwatch.lab import components, stack
@@ -16,6 +15,7 @@ from kvwatch.lab.configs import render_kvwatch_config, rule_files
 from kvwatch.lab.metrics_stores import METRICS_STORES
 from kvwatch.lab.metrics_stores.victoriametrics import SCRAPE_CONFIG, write_scrape_config
 from kvwatch.lab.state import LabState
+from paths import REPO
 
 BASE = 24200
 

@@ -11,10 +11,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from conftest import free_port
 from kvwatch.core.promapi import PrometheusApi
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.pipeline import BROKEN, OK, RULE_GROUPS, UNKNOWN, links
+from processes import free_port
 
 EXPORTER_PORT = 9464
 KVWATCH_TARGET = {

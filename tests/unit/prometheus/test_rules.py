@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 import kvwatch.cli.generate
-from conftest import REPO
 from kvwatch.alerts.alerts import ALERTS, Alert, alerts
 from kvwatch.cli import generate
 from kvwatch.cli.generate import rule_files
@@ -20,6 +19,7 @@ from kvwatch.core.naming import RUNBOOK, RUNBOOK_URL
 from kvwatch.prometheus import queries
 from kvwatch.prometheus.rules import Rule
 from kvwatch.prometheus.thresholds import THRESHOLDS
+from paths import REPO
 
 RULE_FILES = sorted((REPO / "prometheus" / "rules").glob("*.yml")) + sorted(
     (REPO / "alerts").glob("*.rules.yml")

@@ -11,10 +11,10 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO
 from kvwatch.cli.generate import rule_files
 from kvwatch.cli.main import main
 from kvwatch.prometheus.thresholds import THRESHOLDS, load_thresholds
+from paths import REPO
 
 CHANGED = """\
 cluster_label: region

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from loopback import QuietHandler, loopback_http
 
-from conftest import free_port
 from kvwatch.cli import main
+from processes import free_port
 
 TARGET = {"name": "chat", "base_url": "http://127.0.0.1:9", "model": "lab-model"}
 

@@ -189,7 +189,7 @@ def test_an_unforeseen_exception_in_a_round_is_an_internal_error_saying_where(mo
     assert re.fullmatch(r"RuntimeError at test_probe\.py:\d+: a bug, near \[redacted\]", failed.error_detail)
 
 
-# A misbehaving server: absurd usage, endless answers, the key echoed back in every form.
+# A misbehaving server: absurd usage, endless answers (the key echoed back in every form: test_probe_cli.py).
 
 
 def with_usage(**usage) -> list[str]:

@@ -11,7 +11,6 @@ import sys
 
 from kvwatch.cli import options
 from kvwatch.collectors.probe import blocksize
-from kvwatch.collectors.probe.blocksize import with_block_size
 from kvwatch.collectors.probe.models import NO_COMPLETION, chosen_model, explanation
 from kvwatch.collectors.probe.report import failure_hints, format_report, session_json
 from kvwatch.collectors.probe.session import SESSION_MODES, ProbeSettings, resolve_api_key
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         progress.start(len(conversations))
         sessions = probe_once(settings, conversations, args.concurrency, progress.advance)
     block = asyncio.run(blocksize.learn(sources, sessions))
-    sessions = with_block_size(sessions, block.tokens)
+    sessions = blocksize.with_block_size(sessions, block.tokens)
     if args.json:
         report = {"block_size": block.as_json(), "sessions": [session_json(s) for s in sessions]}
         print(json.dumps(report, indent=2))

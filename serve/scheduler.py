@@ -24,7 +24,6 @@ from collections import Counter
 from kvwatch.collectors.gatewaylogs.metrics import GatewayLogCollector
 from kvwatch.collectors.gatewaylogs.sources import PushedLog, open_log
 from kvwatch.collectors.probe import blocksize, targets, workload
-from kvwatch.collectors.probe.blocksize import with_block_size
 from kvwatch.collectors.probe.records import SessionResult
 from kvwatch.collectors.probe.session import ProbeSettings, failed_run, unforeseen
 from kvwatch.collectors.probe.targets import ProbeClients, run_target_session
@@ -203,7 +202,7 @@ class Service:
         ran = [(uid, s) for uid, s in ran if s.rounds]  # stopped before round 1 ended: nothing measured
         uids, sessions = [uid for uid, _ in ran], [s for _, s in ran]
         block = await self._block_size(target, sessions)
-        sessions = with_block_size(sessions, block.tokens)
+        sessions = blocksize.with_block_size(sessions, block.tokens)
         self.results.add_run(route, sessions, started, time.time())
         for uid, session in zip(uids, sessions, strict=True):
             self.writer.submit(self.store.add_session, session, uid)

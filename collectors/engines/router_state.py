@@ -99,7 +99,7 @@ def windowed(now: State | None, before: State | None, increase: Increase) -> Sta
     return replace(now, **counters)
 
 
-def _increase(now, before, increase: Increase):
+def _increase(now: float | Mapping | None, before: float | Mapping | None, increase: Increase):
     if not isinstance(now, Mapping):
         return increase(now, before)
     increases = {label: increase(value, before.get(label)) for label, value in now.items()}
